@@ -1,0 +1,3 @@
+from nerva_cli.cli import main
+
+main()

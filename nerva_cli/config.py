@@ -1,0 +1,140 @@
+"""ModelConfig: the one description of an architecture, read from HF config.json, GGUF keys or
+metadata.json, and validated once."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from nerva_cli.errors import BadInput
+
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+# HF model_type / GGUF general.architecture -> family. Mistral and SmolLM are Llama-shaped.
+FAMILY_OF = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+SUPPORTED_TEXT = "llama (Llama 2/3.x, Mistral, SmolLM, TinyLlama), qwen2, qwen3"
+
+
+@dataclass
+class ModelConfig:
+    family: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_eps: float
+    rope_theta: float
+    max_context: int
+    tie_embeddings: bool
+    rope_scaling: dict | None = None  # {"type": "linear"|"llama3", "factor": ..., ...}
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+    def __post_init__(self):
+        if self.family not in SUPPORTED_FAMILIES:
+            raise BadInput(f"family '{self.family}' is not supported (supported: {SUPPORTED_TEXT})")
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "vocab_size", "max_context"):
+            if int(getattr(self, name)) <= 0:
+                raise BadInput(f"config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise BadInput(f"config: num_heads {self.num_heads} is not a multiple of "
+                           f"num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise BadInput(f"config: head_dim {self.head_dim} must be even for RoPE")
+        if self.rope_scaling and self.rope_scaling.get("type") not in ("linear", "llama3"):
+            raise BadInput(f"config: rope scaling '{self.rope_scaling.get('type')}' is not supported "
+                           "(supported: linear, llama3)")
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def arch_hash(self) -> str:
+        """Identifies the architecture (not the weights): profiles are keyed by it."""
+        keys = ("family", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                "num_kv_heads", "head_dim", "vocab_size", "qkv_bias", "qk_norm", "tie_embeddings")
+        blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _eos_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, list) else [value])]
+
+
+def _hf_rope_scaling(cfg: dict) -> dict | None:
+    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or None
+    if not rs:
+        return None
+    kind = rs.get("rope_type") or rs.get("type")
+    if kind in (None, "default"):
+        return None
+    if kind == "linear":
+        return {"type": "linear", "factor": float(rs["factor"])}
+    if kind == "llama3":
+        return {"type": "llama3", "factor": float(rs["factor"]),
+                "low_freq_factor": float(rs["low_freq_factor"]),
+                "high_freq_factor": float(rs["high_freq_factor"]),
+                "original_max_position_embeddings": int(rs["original_max_position_embeddings"])}
+    return {"type": kind}  # refused by __post_init__ with its name
+
+
+def _hf_rope_theta(cfg: dict) -> float:
+    if "rope_theta" in cfg:
+        return float(cfg["rope_theta"])
+    params = cfg.get("rope_parameters") or {}
+    return float(params.get("rope_theta", 10000.0))
+
+
+def from_hf_config(cfg: dict, path: str) -> ModelConfig:
+    """HF config.json -> ModelConfig; `path` names the file in errors."""
+    model_type = cfg.get("model_type")
+    if model_type not in FAMILY_OF:
+        raise BadInput(f"{path}: architecture '{model_type}' is not supported (supported: {SUPPORTED_TEXT})")
+    family = FAMILY_OF[model_type]
+    try:
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        return ModelConfig(
+            family=family,
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            vocab_size=int(cfg["vocab_size"]),
+            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=_hf_rope_theta(cfg),
+            max_context=int(cfg.get("max_position_embeddings", 4096)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rope_scaling=_hf_rope_scaling(cfg),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=_eos_list(cfg.get("eos_token_id")),
+            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+        )
+    except KeyError as e:
+        raise BadInput(f"{path}: missing key {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise BadInput(f"{path}: {e}") from None

@@ -1,0 +1,138 @@
+"""Source -> store variant, one file at a time, written under a temporary directory and renamed
+into place at the end (ARCHITECTURE 5)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from nerva_cli import __version__
+from nerva_cli.errors import BadInput
+from nerva_cli.layout import global_files, layer_file, layer_shapes, quantised
+from nerva_cli.quant import quantize_q4_0
+from nerva_cli.sources import Source, SourceTensor
+from nerva_cli.store import ALIGN, FORMAT, VARIANTS, LayerFileWriter
+
+ROWS_PER_CHUNK_ELEMS = 1 << 20  # quantise in slices of about 1M weights: bounded temporaries
+EXACT_SOURCE_TYPES = ("f32", "f16", "bf16")
+
+Progress = Callable[[str, int, int], None]  # (what, done, total)
+
+
+def to_bf16(w: np.ndarray) -> np.ndarray:
+    """f32 -> bf16 bits, round to nearest even (as torch's .to(torch.bfloat16))."""
+    u = np.ascontiguousarray(w, dtype=np.float32).view(np.uint32)
+    return ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+
+
+def _q4_0_planes(t: SourceTensor) -> tuple[np.ndarray, np.ndarray]:
+    if t.read_q4_0 is not None:
+        return t.read_q4_0()
+    w = t.read_f32()
+    rows = max(1, ROWS_PER_CHUNK_ELEMS // w.shape[1])
+    qs = np.empty((w.shape[0], w.shape[1] // 2), dtype=np.uint8)
+    d = np.empty((w.shape[0], w.shape[1] // 32), dtype=np.float16)
+    for r in range(0, w.shape[0], rows):
+        qs[r:r + rows], d[r:r + rows] = quantize_q4_0(w[r:r + rows])
+    return qs, d
+
+
+def _write_tensor(writer: LayerFileWriter, name: str, t: SourceTensor, variant: str) -> None:
+    if variant == "q4_0" and quantised(name):
+        qs, d = _q4_0_planes(t)
+        writer.add(f"{name}.qs", qs, "u8")
+        writer.add(f"{name}.d", d, "f16")
+    elif variant == "f16" and quantised(name):
+        writer.add(name, t.read_f32().astype(np.float16), "f16")
+    elif variant == "bf16" and quantised(name):
+        writer.add(name, to_bf16(t.read_f32()), "bf16")
+    else:  # norms and biases stay f32 in every variant
+        writer.add(name, t.read_f32(), "f32")
+
+
+def conversion_notes(source: Source, variant: str) -> list[str]:
+    kinds = sorted({source.tensors(n).stored_dtype for n in ("embed", "layers.0.q")})
+    lossy = [k for k in kinds if k not in EXACT_SOURCE_TYPES and not (variant == "q4_0" and k == "q4_0")]
+    if lossy and variant == "q4_0":
+        return [f"source tensors are {'/'.join(k.upper() for k in lossy)}: dequantised and requantised "
+                "to Q4_0, which is lossy"]
+    if lossy:
+        return [f"source tensors are {'/'.join(k.upper() for k in lossy)}: dequantised to {variant} "
+                "(exact from here on, but the source was already quantised)"]
+    return []
+
+
+def convert(source: Source, variant: str, target: Path, force: bool = False,
+            progress: Progress | None = None) -> Path:
+    if variant not in VARIANTS:
+        raise BadInput(f"unknown variant '{variant}' (variants: {', '.join(VARIANTS)})")
+    cfg = source.config
+    if (target.exists() or target.is_symlink()) and not force:
+        raise BadInput(f"{target}: already exists (use --force to replace it)")
+    if cfg.hidden_size % 32 or cfg.intermediate_size % 32 or cfg.q_dim % 32:
+        if variant == "q4_0":
+            raise BadInput(f"{source.origin['id']}: Q4_0 needs matrix widths that are multiples of 32")
+    plan = list(global_files(cfg).items()) + [
+        (layer_file(i), {f"layers.{i}.{n}": s for n, s in layer_shapes(cfg).items()})
+        for i in range(cfg.num_layers)]
+    for _, tensors in plan:  # every shape is checked before anything is written
+        for canon, want in tensors.items():
+            t = source.tensors(canon)
+            if tuple(t.shape) != tuple(want):
+                raise BadInput(f"{t.where or source.origin['id']}: tensor '{canon}' has shape "
+                               f"{list(t.shape)}, the config says {list(want)}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        files = {}
+        for step, (fname, tensors) in enumerate(plan):
+            if progress:
+                progress(fname, step, len(plan))
+            writer = LayerFileWriter(tmp / fname)
+            for canon in tensors:
+                _write_tensor(writer, canon.rsplit(".", 1)[-1] if canon.startswith("layers.") else canon,
+                              source.tensors(canon), variant)
+            files[fname] = writer.close()
+        for fname, text in source.tokenizer_files.items():
+            (tmp / fname).write_text(text)
+        meta = {
+            "format": FORMAT, "nerva_version": __version__, "name": target.parent.name,
+            "variant": variant, "alignment": ALIGN, "config": cfg.to_dict(),
+            "arch_hash": cfg.arch_hash(),
+            "source": {**source.origin, "fingerprint": source.fingerprint},
+            "weights_fingerprint": _weights_fingerprint(files), "files": files,
+        }
+        (tmp / "metadata.json").write_text(json.dumps(meta, indent=1))
+        if progress:
+            progress("done", len(plan), len(plan))
+        if target.exists() or target.is_symlink():
+            shutil.rmtree(target)
+        os.rename(tmp, target)
+        return target
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise BadInput(f"{target}: no space left on the device") from None
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            target.parent.rmdir()  # only succeeds when the convert left it empty
+        except OSError:
+            pass
+
+
+def _weights_fingerprint(files: dict) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for fname in sorted(files):
+        h.update(f"{fname}:{files[fname]['sha256']}".encode())
+    return h.hexdigest()[:32]

@@ -1,0 +1,59 @@
+"""One place that decides how things are shown: rich on a terminal, plain when piped."""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+
+from rich.console import Console
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def print_json(obj) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def note(msg: str) -> None:
+    err.print(f"[yellow]note:[/yellow] {msg}" if err.is_terminal else f"note: {msg}")
+
+
+def info(msg: str) -> None:
+    err.print(msg)
+
+
+@contextmanager
+def step_progress(title: str):
+    """Yields a callback (what, done, total); a bar on a terminal, one line per 25% when piped."""
+    if err.is_terminal:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        with Progress(TextColumn(f"{title} [bold]{{task.description}}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=err, transient=True) as bar:
+            task = bar.add_task("", total=None)
+
+            def update(what: str, done: int, total: int) -> None:
+                bar.update(task, description=what, completed=done, total=total)
+
+            yield update
+    else:
+        last = [-1]
+
+        def update(what: str, done: int, total: int) -> None:
+            quarter = 4 * done // max(total, 1)
+            if quarter != last[0]:
+                last[0] = quarter
+                err.print(f"{title} {done}/{total} {what}")
+
+        yield update

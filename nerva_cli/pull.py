@@ -1,0 +1,28 @@
+"""pull/convert: resolve a source, convert it into the store (or a directory), return the model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nerva_cli.convert import Progress, conversion_notes, convert
+from nerva_cli.store import StoredModel, load_metadata, models_root, parse_ref
+
+
+def pull(spec: str, variant: str = "q4_0", name: str | None = None, out: Path | None = None,
+         force: bool = False, revision: str | None = None, progress: Progress | None = None,
+         notes: list[str] | None = None) -> StoredModel:
+    from nerva_cli.sources.resolve import open_source
+
+    source = open_source(spec, revision=revision)
+    try:
+        if out is not None:
+            target = Path(out).expanduser()
+        else:
+            model_name, _ = parse_ref(name or source.default_name)
+            target = models_root() / model_name / variant
+        if notes is not None:
+            notes.extend(conversion_notes(source, variant))
+        convert(source, variant, target, force=force, progress=progress)
+    finally:
+        source.close()
+    return load_metadata(target)

@@ -1,0 +1,35 @@
+"""Model sources: what `pull` and `convert` read. Each yields canonical tensors one at a time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from nerva_cli.config import ModelConfig
+
+
+@dataclass
+class SourceTensor:
+    """One canonical tensor of a source, read only when asked (convert streams)."""
+
+    shape: tuple[int, ...]
+    read_f32: Callable[[], np.ndarray]
+    # For a GGUF Q4_0 tensor: returns (qs, d) planes as stored, so the import is bit-exact.
+    read_q4_0: Callable[[], tuple[np.ndarray, np.ndarray]] | None = None
+    stored_dtype: str = "f32"  # f32 / f16 / bf16 / a GGUF quant type name
+    where: str = ""  # the file it comes from, for error messages
+
+
+@dataclass
+class Source:
+    config: ModelConfig
+    origin: dict  # kind, id or path, revision; recorded in metadata.json
+    fingerprint: str
+    tensors: Callable[[str], SourceTensor]  # canonical name ("embed", "layers.3.q") -> tensor
+    tokenizer_files: dict[str, str]
+    default_name: str
+    notes: list[str] = field(default_factory=list)
+    has: Callable[[str], bool] = lambda name: True
+    close: Callable[[], None] = lambda: None

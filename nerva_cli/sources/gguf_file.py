@@ -1,0 +1,171 @@
+"""A local .gguf file, read with the `gguf` package. Tensor bytes are read by offset, not through
+the reader's whole-file memory map, so a conversion holds about one layer in memory."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+import numpy as np
+
+from nerva_cli.config import FAMILY_OF, SUPPORTED_TEXT, ModelConfig
+from nerva_cli.errors import BadInput
+from nerva_cli.quant import split_blocks
+from nerva_cli.sources import Source, SourceTensor
+
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "attn_norm", "attn_q.weight": "q", "attn_k.weight": "k", "attn_v.weight": "v",
+    "attn_output.weight": "o", "attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias",
+    "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm", "ffn_norm.weight": "mlp_norm",
+    "ffn_gate.weight": "gate", "ffn_up.weight": "up", "ffn_down.weight": "down",
+}
+_GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+_QUANT_SUFFIX = re.compile(r"[.\-_](i?q\d[\w]*|f16|f32|bf16)$", re.IGNORECASE)
+
+
+def canonical_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"layers.{int(m.group(1))}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's convert permutation of Llama q/k rows (it interleaves the two rotary
+    halves of each head for GGML's rope); nerva, like HF, rotates halves (NeoX order)."""
+    rows = w.shape[0]
+    return np.ascontiguousarray(
+        w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
+
+
+def _open_reader(path: Path):
+    from gguf import GGUFReader
+
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise BadInput(f"{path}: not a GGUF file (bad magic {magic!r})")
+    try:
+        return GGUFReader(str(path), "r")
+    except Exception as e:  # the reader raises a variety of errors on cut-short files
+        raise BadInput(f"{path}: unreadable GGUF ({type(e).__name__}: {e}); is the file cut short?") from None
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _config(reader, path: Path, embed_shape) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in FAMILY_OF:
+        raise BadInput(f"{path}: architecture '{arch}' is not supported (supported: {SUPPORTED_TEXT})")
+    family = FAMILY_OF[arch]
+
+    def key(name, default=None):
+        value = _field(reader, f"{arch}.{name}", default)
+        if value is None:
+            raise BadInput(f"{path}: missing GGUF key '{arch}.{name}'")
+        return value
+
+    heads, hidden = int(key("attention.head_count")), int(key("embedding_length"))
+    scaling = None
+    if _field(reader, f"{arch}.rope.scaling.type") == "linear":
+        scaling = {"type": "linear", "factor": float(key("rope.scaling.factor"))}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    names = {t.name for t in reader.tensors}
+    return ModelConfig(
+        family=family, hidden_size=hidden, intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")), num_heads=heads,
+        num_kv_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(key("attention.key_length", hidden // heads)),
+        vocab_size=int(embed_shape[0]), rms_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(key("rope.freq_base", 10000.0)), max_context=int(key("context_length", 4096)),
+        tie_embeddings="output.weight" not in names, rope_scaling=scaling,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[] if eos is None else [int(eos)],
+        qkv_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
+    )
+
+
+def open_gguf(path: Path) -> Source:
+    from gguf import GGMLQuantizationType, quants
+
+    from nerva_cli.gguf_tokenizer import tokenizer_files_from_gguf
+
+    path = Path(path)
+    size = path.stat().st_size
+    reader = _open_reader(path)
+    tensors = {}
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            raise BadInput(f"{path}: per-frequency rope factors (rope_freqs) are not supported; "
+                           "convert the HF safetensors of this model instead")
+        canon = canonical_name(t.name)
+        if canon is None:
+            raise BadInput(f"{path}: unexpected tensor '{t.name}'")
+        qtype = t.tensor_type.name
+        if qtype not in SUPPORTED_TYPES:
+            raise BadInput(f"{path}: tensor '{t.name}' has type {qtype} (supported: {', '.join(SUPPORTED_TYPES)})")
+        if int(t.data_offset) + int(t.n_bytes) > size:
+            raise BadInput(f"{path}: tensor '{t.name}' runs past the end of the file: cut short?")
+        tensors[canon] = t
+    if "embed" not in tensors:
+        raise BadInput(f"{path}: no token_embd.weight tensor")
+    cfg = _config(reader, path, tuple(reversed([int(s) for s in tensors["embed"].shape])))
+    tokenizer_files = tokenizer_files_from_gguf(reader, path=str(path))
+
+    def read_raw(t) -> np.ndarray:
+        buf = np.empty(int(t.n_bytes), dtype=np.uint8)
+        with open(path, "rb") as f:
+            f.seek(int(t.data_offset))
+            if f.readinto(memoryview(buf)) != buf.size:
+                raise BadInput(f"{path}: cut short while reading '{t.name}'")
+        return buf
+
+    def unpermute(canon: str, w: np.ndarray) -> np.ndarray:
+        if cfg.family == "llama" and canon.rsplit(".", 1)[-1] in ("q", "k"):
+            n_head = cfg.num_heads if canon.endswith(".q") else cfg.num_kv_heads
+            return _unpermute_rows(w, n_head)
+        return w
+
+    def tensor(canon: str) -> SourceTensor:
+        if canon not in tensors:
+            raise BadInput(f"{path}: tensor for '{canon}' not found")
+        t = tensors[canon]
+        shape = tuple(reversed([int(s) for s in t.shape]))
+        qtype = t.tensor_type
+
+        def read_f32():
+            raw = read_raw(t)
+            if qtype == GGMLQuantizationType.F32:
+                w = raw.view(np.float32)
+            elif qtype == GGMLQuantizationType.F16:
+                w = raw.view(np.float16).astype(np.float32)
+            elif qtype == GGMLQuantizationType.BF16:
+                w = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+            else:
+                rows = int(np.prod(shape[:-1], dtype=np.int64))
+                w = quants.dequantize(raw.reshape(rows, -1), qtype)
+            return unpermute(canon, np.ascontiguousarray(w, dtype=np.float32).reshape(shape))
+
+        def read_q4_0():
+            qs, d = split_blocks(read_raw(t).reshape(shape[0], -1), shape[1])
+            return unpermute(canon, qs), unpermute(canon, d)
+
+        return SourceTensor(shape=shape, read_f32=read_f32, stored_dtype=qtype.name.lower(), where=str(path),
+                            read_q4_0=read_q4_0 if qtype == GGMLQuantizationType.Q4_0 else None)
+
+    fp = hashlib.sha256(f"{path.name}:{size}".encode())
+    with open(path, "rb") as f:
+        fp.update(f.read(1 << 20))
+    name = _QUANT_SUFFIX.sub("", path.stem).lower()
+    return Source(config=cfg, origin={"kind": "gguf", "id": str(path.resolve()), "revision": None},
+                  fingerprint=fp.hexdigest()[:32], tensors=tensor, tokenizer_files=tokenizer_files,
+                  default_name=name, has=lambda n: n in tensors)

