@@ -142,6 +142,149 @@ def rm(models: Annotated[list[str], typer.Argument(help="name or name:variant; a
             output.out.print(f"deleted {removed}")
 
 
+Threads = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (default: the physical cores).")]
+Precision = Annotated[Optional[str], typer.Option(help="q4_0 models: w4a16 or w4a8 (default w4a16); f16/bf16 run exact.")]
+Ctx = Annotated[Optional[int], typer.Option("--ctx", help="Context length in tokens (default: min(model max, 4096)).")]
+Backend = Annotated[str, typer.Option(help="Kernel backend: cpu (numba, threaded) or ref (NumPy reference, slow).")]
+
+
+def _open_engine(model_ref: str, backend: str, precision, ctx, threads):
+    """Store model (pulled first if MODEL is an alias or a path and not yet in the store) ->
+    (engine, tokenizer, threads)."""
+    import os
+
+    from nerva_cli import output, store
+    from nerva_cli.bench import physical_cores
+    from nerva_cli.sources.resolve import is_source_spec
+
+    threads = threads or physical_cores()
+    if threads < 1:
+        raise NervaError(f"--threads must be >= 1, got {threads}")
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(threads))  # prefill GEMMs; read at numpy import
+    try:
+        model = store.find_model(model_ref)
+    except NervaError:
+        if not is_source_spec(model_ref):
+            raise
+        output.info(f"{model_ref} is not in the store yet: pulling it")
+        model = _pull(model_ref, "q4_0", None, None, False)
+    from nerva_cli.engine import Engine
+    from nerva_cli.tokenizer import TextTokenizer
+
+    tokenizer = TextTokenizer(model.path)
+    engine = Engine(model, backend=backend, precision=precision, ctx=ctx)
+    if hasattr(engine.k, "set_threads"):
+        engine.k.set_threads(threads)
+    return engine, tokenizer, threads
+
+
+@app.command(epilog='Examples: nerva run smollm2-135m -p "Why is the sky blue?" | echo "hi" | nerva run smollm2-135m')
+def run(
+    model: Annotated[str, typer.Argument(help="name[:variant] in the store, a model directory, or a source to pull first (smollm2-135m).")],
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="One prompt, answer, exit. Without it: interactive chat (or the prompt from stdin when piped).")] = None,
+    raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
+    system: Annotated[Optional[str], typer.Option(help="System message for the chat template.")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate per answer.")] = 512,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.8,
+    top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0: all).")] = 40,
+    top_p: Annotated[float, typer.Option(help="Keep the smallest set whose probability reaches p.")] = 0.95,
+    repeat_penalty: Annotated[float, typer.Option(help="Penalise the last 64 tokens (1.0: off).")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option(help="Random seed for sampling.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="Stop when this text appears (repeatable).")] = None,
+    ctx: Ctx = None,
+    threads: Threads = None,
+    precision: Precision = None,
+    backend: Backend = "cpu",
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print timings after each answer.")] = False,
+):
+    """Chat with a model, or answer one prompt (-p)."""
+    from nerva_cli import output
+    from nerva_cli.chat import ChatSession
+    from nerva_cli.sampling import SamplingOptions
+
+    opts = SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p,
+                           repeat_penalty=repeat_penalty, seed=seed)
+    if max_tokens < 1:
+        raise NervaError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if prompt is None and not sys.stdin.isatty():
+        prompt = sys.stdin.read()
+    engine, tokenizer, _ = _open_engine(model, backend, precision, ctx, threads)
+    session = ChatSession(engine, tokenizer, opts, max_tokens=max_tokens, raw=raw, system=system,
+                          stops=stop or [])
+    if prompt is not None:
+        stats = session.answer(prompt, write=_write_stdout)
+        _write_stdout("\n")
+        if verbose:
+            output.info(_stats_line(stats))
+        return
+    _chat_loop(session, verbose)
+
+
+def _write_stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _stats_line(stats) -> str:
+    return (f"prompt {stats.prompt_tokens} tok, {stats.prefill_tok_s:.1f} tok/s | "
+            f"answer {stats.gen_tokens} tok, {stats.decode_tok_s:.1f} tok/s | "
+            f"ttft {stats.ttft_s * 1000:.0f} ms | stop: {stats.stop_reason}")
+
+
+def _chat_loop(session, verbose: bool) -> None:
+    from nerva_cli import output
+
+    output.info("Type a message; /bye or Ctrl-D to leave, Ctrl-C stops an answer, /clear forgets the chat.")
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            _write_stdout("\n")
+            return
+        except KeyboardInterrupt:
+            _write_stdout("\nUse Ctrl-D or /bye to exit.\n")
+            continue
+        if line.strip() in ("/bye", "/exit", "/quit"):
+            return
+        if line.strip() == "/clear":
+            session.clear()
+            output.info("chat cleared")
+            continue
+        if not line.strip():
+            continue
+        stats = session.answer(line, write=_write_stdout)
+        _write_stdout("\n\n" if stats.stop_reason != "interrupted" else "\n^C\n\n")
+        if verbose:
+            output.info(_stats_line(stats))
+
+
+@app.command(epilog="Example: nerva bench smollm2-135m --gen-tokens 128 | jq .decode_tok_s")
+def bench(
+    model: Annotated[str, typer.Argument(help="name[:variant] in the store, or a model directory.")],
+    prompt_tokens: Annotated[int, typer.Option(help="Prompt length for the prefill figure.")] = 256,
+    gen_tokens: Annotated[int, typer.Option(help="Tokens to decode per run.")] = 128,
+    repeat: Annotated[int, typer.Option(help="Measured runs after the warm-up (the median is reported).")] = 3,
+    ppl: Annotated[Optional[Path], typer.Option("--ppl", help="Also report perplexity over this text file.")] = None,
+    ppl_ctx: Annotated[int, typer.Option(help="Window for --ppl, in tokens.")] = 512,
+    ctx: Ctx = None,
+    threads: Threads = None,
+    precision: Precision = None,
+    backend: Backend = "cpu",
+):
+    """Measure prefill and decode speed; prints exactly one JSON line on stdout."""
+    from nerva_cli import output
+    from nerva_cli.bench import BenchOptions, run_bench
+
+    if min(prompt_tokens, gen_tokens, repeat, ppl_ctx) < 1:
+        raise NervaError("--prompt-tokens, --gen-tokens, --repeat and --ppl-ctx must be >= 1")
+    if ctx is None:
+        ctx = max(prompt_tokens + gen_tokens + 1, ppl_ctx if ppl else 0)
+    engine, tokenizer, threads = _open_engine(model, backend, precision, ctx, threads)
+    result = run_bench(engine, tokenizer, BenchOptions(prompt_tokens, gen_tokens, repeat, ppl, ppl_ctx),
+                       threads, log=output.info)
+    output.print_json(result)
+
+
 def main() -> None:
     try:
         app()

@@ -1,0 +1,145 @@
+"""The NumPy reference backend: the readable definition of every kernel (ARCHITECTURE section 7).
+
+Every function writes its result into `out` (or updates its argument in place) and returns
+nothing, exactly like the `cpu` backend; this one may allocate temporaries. All arithmetic is
+float32 unless a comment says otherwise, because that is what the fast backends do and what
+HF `transformers` does in float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..quant import QK, dequantize_q4_0
+
+F32 = np.float32
+
+
+def set_threads(n: int) -> None:
+    """NumPy decides its own threading; accepted so that backends are interchangeable."""
+
+
+def rmsnorm(x, w, eps, out):
+    """out = x / sqrt(mean(x^2) + eps) * w over the last axis (x [n], [T, n], [T, heads, n])."""
+    ms = np.mean(x * x, axis=-1, keepdims=True, dtype=F32)
+    out[...] = x * (F32(1.0) / np.sqrt(ms + F32(eps))) * w
+
+
+def add_rmsnorm(x, residual, w, eps, out):
+    """residual += x in place, then out = rmsnorm(residual)."""
+    residual += x
+    rmsnorm(residual, w, eps, out)
+
+
+def rope(x, pos, cos, sin):
+    """Rotates x [T, heads, head_dim] in place, NeoX "rotate_half" pairing (i, i + half), with
+    cos/sin [max_pos, head_dim/2] at rows pos [T]. Any C-contiguous x holding T * heads *
+    head_dim values works (e.g. [heads * head_dim] when T = 1)."""
+    half = cos.shape[1]
+    x = x.reshape(pos.shape[0], -1, 2 * half)
+    c = cos[pos][:, None, :]
+    s = sin[pos][:, None, :]
+    x1 = x[..., :half].copy()
+    x2 = x[..., half:].copy()
+    x[..., :half] = x1 * c - x2 * s
+    x[..., half:] = x2 * c + x1 * s
+
+
+def matvec_q4_w4a16(qs, d, x, out):
+    """out = dequant(qs, d) @ x with f32 accumulation."""
+    out[...] = dequantize_q4_0(qs, d) @ x
+
+
+def round_half_away(v):
+    """C's roundf (halves away from zero), which llama.cpp's quantisers use; np.round rounds
+    halves to even. v - trunc(v) is exact in float, so the tie test is exact."""
+    t = np.trunc(v)
+    return t + np.where(np.abs(v - t) >= 0.5, np.sign(v), 0)
+
+
+def quantize_act_q8(x, xq, xd, xs):
+    """x f32 [cols] -> xq int8 codes, xd f32 scale and xs int32 code sum per 32-group."""
+    g = x.reshape(-1, QK)
+    d = np.abs(g).max(axis=1) / F32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d > 0, F32(1.0) / d, F32(0.0))
+    q = np.clip(round_half_away(g * inv[:, None]), -127, 127).astype(np.int8)
+    xq[...] = q.reshape(-1)
+    xd[...] = d
+    xs[...] = q.sum(axis=1, dtype=np.int32)
+
+
+def unpack_q4_codes(qs):
+    """qs [rows, cols/2] -> the 0..15 codes as int32 [rows, cols/32, 32] in element order."""
+    rows, half = qs.shape
+    b = qs.reshape(rows, half // (QK // 2), QK // 2)
+    return np.concatenate([b & 0x0F, b >> 4], axis=2).astype(np.int32)
+
+
+def matvec_q4_w4a8(qs, d, xq, xd, xs, out):
+    """Per block: d_w * d_x * (sum_j q_w[j] q_x[j] - 8 * sum_j q_x[j]), summed over blocks.
+
+    The weight is d_w * (q_w - 8); the -8 of every code is applied once per block through the
+    activation code sum xs (the deferred bias correction), so the inner product is over the raw
+    0..15 codes. Integer part in int32 (exact), the combine in f32.
+    """
+    codes = unpack_q4_codes(qs)
+    isum = np.einsum("rbj,bj->rb", codes, xq.reshape(-1, QK).astype(np.int32)) - 8 * xs
+    terms = (d.astype(F32) * xd) * isum.astype(F32)
+    out[...] = terms.sum(axis=1, dtype=F32)
+
+
+def matvec_f32(w, x, out):
+    """out = w @ x."""
+    np.dot(w, x, out=out)
+
+
+def silu_mul(gate, up, out):
+    """out = silu(gate) * up = gate * sigmoid(gate) * up."""
+    with np.errstate(over="ignore"):  # exp(-gate) -> inf for gate < -88 gives the right 0
+        out[...] = gate / (F32(1.0) + np.exp(-gate)) * up
+
+
+def attention_decode(q, k_cache, v_cache, n_ctx, out):
+    """One query per head over cache positions 0..n_ctx-1; GQA: head h reads kv head h // group."""
+    heads, head_dim = q.shape
+    group = heads // k_cache.shape[1]
+    scale = F32(1.0 / np.sqrt(head_dim))
+    for h in range(heads):
+        k = k_cache[:n_ctx, h // group]
+        v = v_cache[:n_ctx, h // group]
+        s = (k @ q[h]) * scale
+        p = np.exp(s - s.max())
+        out[h] = (p / p.sum()) @ v
+
+
+def attention_prefill(q, k, v, start, out):
+    """Causal attention for a chunk: query t (position start + t) sees positions 0..start + t.
+
+    q [T, heads, head_dim], k/v [start + T, kv_heads, head_dim], out [T, heads, head_dim].
+    """
+    T, heads, head_dim = q.shape
+    n = k.shape[0]
+    group = heads // k.shape[1]
+    scale = F32(1.0 / np.sqrt(head_dim))
+    future = np.arange(n)[None, :] > (start + np.arange(T))[:, None]
+    for h in range(heads):
+        s = (q[:, h] @ k[:, h // group].T) * scale
+        s[future] = -np.inf
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        out[:, h] = (p / p.sum(axis=1, keepdims=True)) @ v[:, h // group]
+
+
+def dequantize_q4(qs, d, out):
+    """out f32 [rows, cols] = d * (q - 8) (prefill dequantises, then runs a GEMM)."""
+    dequantize_q4_0(qs, d, out=out)
+
+
+def embed_q4(qs, d, token, out):
+    """out = row `token` of a Q4_0 table."""
+    dequantize_q4_0(qs[token : token + 1], d[token : token + 1], out=out.reshape(1, -1))
+
+
+def embed_f32(table, token, out):
+    """out = row `token` of a float32 table."""
+    out[...] = table[token]

@@ -1,0 +1,164 @@
+"""`nerva bench`: one JSON line of measured figures (ARCHITECTURE 12)."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from nerva_cli import __version__
+from nerva_cli.errors import NervaError
+from nerva_cli.generate import generate
+from nerva_cli.hotpath import AllocationCounter
+from nerva_cli.sampling import Sampler, SamplingOptions
+
+PROMPT_SEED_TEXT = (
+    "The history of computing is a story of memory as much as of arithmetic. Early machines "
+    "stored a few hundred numbers in mercury delay lines; later ones used magnetic cores, then "
+    "transistors, and every step changed what programs could be written. ")
+
+
+@dataclass
+class BenchOptions:
+    prompt_tokens: int = 256
+    gen_tokens: int = 128
+    repeat: int = 3
+    ppl_file: Path | None = None
+    ppl_ctx: int = 512
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def synthetic_prompt(tokenizer, n: int) -> list[int]:
+    ids = tokenizer.encode(PROMPT_SEED_TEXT * (n // 40 + 2), add_special=False)
+    if len(ids) < n:
+        raise NervaError(f"could not build a prompt of {n} tokens")
+    return ids[:n]
+
+
+def perplexity(engine, ids: list[int], window: int) -> tuple[float, int]:
+    """exp(mean NLL) over non-overlapping windows; the first token of each window is context only."""
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start:start + window]
+        if len(chunk) < 2:
+            break
+        engine.reset()
+        logits = engine.prefill(chunk, all_logits=True).astype(np.float64)
+        logits -= logits.max(axis=1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        targets = np.asarray(chunk[1:])
+        nll -= logp[np.arange(len(targets)), targets].sum()
+        count += len(targets)
+    engine.reset()
+    return math.exp(nll / count), count
+
+
+def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s: None) -> dict:
+    if opts.prompt_tokens + opts.gen_tokens + 1 > engine.ctx:
+        raise NervaError(f"prompt {opts.prompt_tokens} + gen {opts.gen_tokens} tokens exceed the "
+                         f"context ({engine.ctx}); raise --ctx")
+    prompt = synthetic_prompt(tokenizer, opts.prompt_tokens)
+    greedy = SamplingOptions(temperature=0.0)
+    log("warm-up (compiles kernels on first use)")
+    engine.reset()
+    generate(engine, prompt[:16], Sampler(greedy, engine.cfg.vocab_size), max_tokens=4)
+    runs = []
+    for r in range(opts.repeat):
+        engine.reset()
+        _, stats = generate(engine, prompt, Sampler(greedy, engine.cfg.vocab_size), max_tokens=opts.gen_tokens)
+        if stats.stop_reason == "interrupted":
+            raise KeyboardInterrupt
+        runs.append(stats)
+        log(f"run {r + 1}/{opts.repeat}: prefill {stats.prefill_tok_s:.1f} tok/s, "
+            f"decode {stats.decode_tok_s:.1f} tok/s")
+    token_ms = np.array([t for s in runs for t in s.token_s]) * 1000
+    allocs = hot_path_allocations(engine, prompt[:8], steps=16)
+    best = max(runs, key=lambda s: s.decode_tok_s)
+    result = {
+        "model": engine.model.name, "variant": engine.model.variant, "backend": engine.backend,
+        "device": cpu_name(), "threads": threads, "mode": "resident", "precision": engine.precision,
+        "ram_budget": None, "vram_budget": None,
+        "prompt_tokens": opts.prompt_tokens, "gen_tokens": opts.gen_tokens, "repeat": opts.repeat,
+        "prefill_tok_s": round(float(np.median([s.prefill_tok_s for s in runs])), 2),
+        "decode_tok_s": round(float(np.median([s.decode_tok_s for s in runs])), 2),
+        "decode_tok_s_best": round(best.decode_tok_s, 2),
+        "ttft_ms": round(float(np.median([s.ttft_s for s in runs])) * 1000, 2),
+        "token_ms_p50": round(float(np.percentile(token_ms, 50)), 3),
+        "token_ms_p99": round(float(np.percentile(token_ms, 99)), 3),
+        "weight_bytes": engine.weight_bytes, "kv_cache_bytes": engine.a.kv_bytes,
+        "hot_path_allocations": allocs,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "peak_vram_bytes": 0,
+        "nerva_version": __version__,
+    }
+    if opts.ppl_file is not None:
+        log(f"perplexity over {opts.ppl_file}")
+        try:
+            text = Path(opts.ppl_file).read_text(errors="replace")
+        except OSError as e:
+            raise NervaError(f"{opts.ppl_file}: {e.strerror}") from None
+        ids = tokenizer.encode(text, add_special=False)
+        if len(ids) < 2:
+            raise NervaError(f"{opts.ppl_file}: too little text for a perplexity")
+        window = min(opts.ppl_ctx, engine.ctx)
+        t = time.perf_counter()
+        result["perplexity"], result["ppl_tokens"] = perplexity(engine, ids, window)
+        result["perplexity"] = round(result["perplexity"], 4)
+        result["ppl_window"] = window
+        result["ppl_seconds"] = round(time.perf_counter() - t, 2)
+    return result
+
+
+def hot_path_allocations(engine, prompt: list[int], steps: int) -> int:
+    """Decode steps after warm-up, counted by AllocationCounter (greedy sampling included)."""
+    engine.reset()
+    sampler = Sampler(SamplingOptions(temperature=0.0), engine.cfg.vocab_size)
+    token = sampler(engine.prefill(prompt))
+    for _ in range(2):  # warm-up: first calls may compile or cache
+        token = sampler(engine.decode(token))
+    with AllocationCounter() as counter:
+        for _ in range(steps):
+            with counter.step():
+                token = sampler(engine.decode(token))
+    engine.reset()
+    return counter.count
+
+
+def peak_rss_bytes() -> int:
+    """This process image's peak RSS (VmHWM; ru_maxrss would include a forking parent's)."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def physical_cores() -> int:
+    """Cores, not hyper-threads, that this process may run on."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    seen = set()
+    for cpu in allowed:
+        try:
+            core = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/core_id").read_text().strip()
+            pkg = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/physical_package_id").read_text().strip()
+            seen.add((pkg, core))
+        except OSError:
+            seen.add(cpu)
+    return max(1, len(seen))

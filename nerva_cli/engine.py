@@ -1,0 +1,342 @@
+"""The forward pass: batched prefill and one-token decode over a preallocated KV cache.
+
+The model is defined by ModelConfig (family flags: qkv bias, q/k norm, tied lm_head); how each
+op runs is the backend's business (backends/ref.py is the definition); where the weights come
+from is the weight source's (store files today, the pager tomorrow). Decode allocates nothing:
+every buffer it writes is made in `Arena` before the first token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from nerva_cli import rope
+from nerva_cli.config import ModelConfig
+from nerva_cli.errors import NervaError
+from nerva_cli.layout import MATRICES, layer_file
+from nerva_cli.quant import QK
+from nerva_cli.store import StoredModel
+
+PRECISIONS = ("exact", "w4a16", "w4a8")
+PREFILL_CHUNK = 256
+
+
+@dataclass
+class Linear:
+    """One weight matrix: Q4_0 planes (qs, d) or an f32 matrix (exact variants)."""
+
+    rows: int
+    cols: int
+    qs: np.ndarray | None = None
+    d: np.ndarray | None = None
+    w: np.ndarray | None = None
+
+    @classmethod
+    def from_stored(cls, tensors: dict, name: str) -> "Linear":
+        if f"{name}.qs" in tensors:
+            qs, d = tensors[f"{name}.qs"], tensors[f"{name}.d"]
+            return cls(qs.shape[0], qs.shape[1] * 2, qs=qs, d=d)
+        return cls(*tensors[name].shape, w=as_f32(tensors[name]))
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.nbytes if self.w is not None else self.qs.nbytes + self.d.nbytes
+
+
+def as_f32(a: np.ndarray) -> np.ndarray:
+    """Stored f16/bf16/f32 -> f32. bf16 is kept as uint16 bits in the store."""
+    if a.dtype == np.uint16:
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+@dataclass
+class Layer:
+    index: int
+    attn_norm: np.ndarray
+    mlp_norm: np.ndarray
+    mats: dict[str, Linear]
+    bias: dict[str, np.ndarray]  # q/k/v -> bias (Qwen2)
+    q_norm: np.ndarray | None
+    k_norm: np.ndarray | None
+    precision: str  # exact / w4a16 / w4a8
+
+    @classmethod
+    def from_stored(cls, index: int, t: dict, precision: str) -> "Layer":
+        return cls(index, as_f32(t["attn_norm"]), as_f32(t["mlp_norm"]),
+                   {m: Linear.from_stored(t, m) for m in MATRICES},
+                   {m: as_f32(t[f"{m}_bias"]) for m in ("q", "k", "v") if f"{m}_bias" in t},
+                   as_f32(t["q_norm"]) if "q_norm" in t else None,
+                   as_f32(t["k_norm"]) if "k_norm" in t else None, precision)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.mats.values())
+
+
+class Arena:
+    """Every buffer decode touches, allocated once (llama2.c's RunState)."""
+
+    def __init__(self, cfg: ModelConfig, ctx: int):
+        h, f = cfg.hidden_size, cfg.intermediate_size
+        z = lambda *shape: np.zeros(shape, dtype=np.float32)  # noqa: E731
+        self.x, self.xn = z(h), z(h)
+        self.q, self.k, self.v = z(cfg.num_heads, cfg.head_dim), z(cfg.num_kv_heads, cfg.head_dim), \
+            z(cfg.num_kv_heads, cfg.head_dim)
+        self.attn, self.o = z(cfg.num_heads, cfg.head_dim), z(h)
+        self.gate, self.up, self.act, self.down = z(f), z(f), z(f), z(h)
+        self.logits = z(cfg.vocab_size)
+        widest = max(h, f, cfg.q_dim)
+        self.xq = np.zeros(widest, dtype=np.int8)
+        self.xd = z(widest // QK)
+        self.xs = np.zeros(widest // QK, dtype=np.int32)
+        self.pos = np.zeros(1, dtype=np.int64)
+        # views made once: a view made per call is a Python object per call on the hot path
+        self.q_flat, self.k_flat, self.v_flat = self.q.reshape(-1), self.k.reshape(-1), self.v.reshape(-1)
+        self.attn_flat = self.attn.reshape(-1)
+        self.q_rows = self.q.reshape(1, cfg.num_heads, cfg.head_dim)
+        self.k_rows = self.k.reshape(1, cfg.num_kv_heads, cfg.head_dim)
+        self.act_q8 = {n: (self.xq[:n], self.xd[: n // QK], self.xs[: n // QK])
+                       for n in {h, f, cfg.q_dim}}
+        self.k_cache = [z(ctx, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+        self.v_cache = [z(ctx, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(a.nbytes for a in self.k_cache + self.v_cache)
+
+
+def default_precision(model: StoredModel, precision: str | None) -> str:
+    if model.variant in ("f16", "bf16"):
+        if precision not in (None, "exact"):
+            raise NervaError(f"{model.name}:{model.variant} is an exact variant; --precision {precision} "
+                             "needs a q4_0 variant (nerva pull SOURCE --quant q4_0)")
+        return "exact"
+    if precision in (None, "mixed"):
+        return "w4a16"  # per-layer mixed dispatch needs an MCAP profile; until then W4A16
+    if precision not in ("w4a16", "w4a8"):
+        raise NervaError(f"--precision {precision}: q4_0 models run at w4a16 or w4a8")
+    return precision
+
+
+class Engine:
+    def __init__(self, model: StoredModel, backend: str = "cpu", precision: str | None = None,
+                 ctx: int | None = None):
+        from nerva_cli.backends import get_backend
+
+        self.model = model
+        self.cfg = cfg = model.config
+        self.k = get_backend(backend)
+        self.backend = backend
+        self.precision = default_precision(model, precision)
+        self.ctx = min(ctx or min(cfg.max_context, 4096), cfg.max_context)
+        self.cos, self.sin = rope.tables(cfg, self.ctx)
+        g = {}
+        for fname in ("embed.bin", "final_norm.bin", "lm_head.bin"):
+            if fname in model.meta["files"]:
+                g.update(model.read_file(fname))
+        self.embed = Linear.from_stored(g, "embed")
+        self.final_norm = as_f32(g["final_norm"])
+        self.lm_head = Linear.from_stored(g, "lm_head") if "lm_head" in g or "lm_head.qs" in g else self.embed
+        self.layers = [Layer.from_stored(i, model.read_file(layer_file(i)), self.precision)
+                       for i in range(cfg.num_layers)]
+        self.a = Arena(cfg, self.ctx)
+        self.n_past = 0
+
+    # -- building blocks ---------------------------------------------------------------------
+    def _quantize_input(self, x: np.ndarray) -> None:
+        self.k.quantize_act_q8(x, *self.a.act_q8[x.shape[0]])
+
+    def _matvec(self, lin: Linear, x: np.ndarray, out: np.ndarray, precision: str) -> None:
+        """x must already be quantised into the arena when precision is w4a8."""
+        if lin.w is not None:
+            self.k.matvec_f32(lin.w, x, out)
+        elif precision == "w4a8":
+            self.k.matvec_q4_w4a8(lin.qs, lin.d, *self.a.act_q8[lin.cols], out)
+        else:
+            self.k.matvec_q4_w4a16(lin.qs, lin.d, x, out)
+
+    def _embed_row(self, token: int, out: np.ndarray) -> None:
+        if not 0 <= token < self.cfg.vocab_size:
+            raise NervaError(f"token id {token} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
+        if self.embed.w is not None:
+            self.k.embed_f32(self.embed.w, token, out)
+        else:
+            self.k.embed_q4(self.embed.qs, self.embed.d, token, out)
+
+    # -- decode ------------------------------------------------------------------------------
+    def decode(self, token: int) -> np.ndarray:
+        """One token through every layer; returns the logits (a view into the arena)."""
+        cfg, a, k = self.cfg, self.a, self.k
+        pos = self.n_past
+        if pos >= self.ctx:
+            raise NervaError(f"context is full ({self.ctx} tokens); raise --ctx")
+        a.pos[0] = pos
+        self._embed_row(token, a.x)
+        for layer in self.layers:
+            self._decode_layer(layer, pos)
+        k.rmsnorm(a.x, self.final_norm, cfg.rms_eps, a.xn)
+        self._lm_head(a.xn, a.logits)
+        self.n_past = pos + 1
+        return a.logits
+
+    def _lm_head(self, x: np.ndarray, out: np.ndarray) -> None:
+        precision = "w4a8" if self.precision == "w4a8" else "w4a16"
+        if precision == "w4a8" and self.lm_head.w is None:
+            self._quantize_input(x)
+        self._matvec(self.lm_head, x, out, precision)
+
+    def _decode_layer(self, layer: Layer, pos: int) -> None:
+        cfg, a, k, m = self.cfg, self.a, self.k, layer.mats
+        w4a8 = layer.precision == "w4a8"
+        k.rmsnorm(a.x, layer.attn_norm, cfg.rms_eps, a.xn)
+        if w4a8:
+            self._quantize_input(a.xn)
+        q, kk, v = a.q_flat, a.k_flat, a.v_flat
+        self._matvec(m["q"], a.xn, q, layer.precision)
+        self._matvec(m["k"], a.xn, kk, layer.precision)
+        self._matvec(m["v"], a.xn, v, layer.precision)
+        if layer.bias:
+            q += layer.bias["q"]
+            kk += layer.bias["k"]
+            v += layer.bias["v"]
+        if layer.q_norm is not None:
+            k.rmsnorm(a.q, layer.q_norm, cfg.rms_eps, a.q)
+            k.rmsnorm(a.k, layer.k_norm, cfg.rms_eps, a.k)
+        k.rope(a.q_rows, a.pos, self.cos, self.sin)
+        k.rope(a.k_rows, a.pos, self.cos, self.sin)
+        a.k_cache[layer.index][pos] = a.k
+        a.v_cache[layer.index][pos] = a.v
+        k.attention_decode(a.q, a.k_cache[layer.index], a.v_cache[layer.index], pos + 1, a.attn)
+        if w4a8:
+            self._quantize_input(a.attn_flat)
+        self._matvec(m["o"], a.attn_flat, a.o, layer.precision)
+        k.add_rmsnorm(a.o, a.x, layer.mlp_norm, cfg.rms_eps, a.xn)
+        if w4a8:
+            self._quantize_input(a.xn)
+        self._matvec(m["gate"], a.xn, a.gate, layer.precision)
+        self._matvec(m["up"], a.xn, a.up, layer.precision)
+        k.silu_mul(a.gate, a.up, a.act)
+        if w4a8:
+            self._quantize_input(a.act)
+        self._matvec(m["down"], a.act, a.down, layer.precision)
+        a.x += a.down
+
+    # -- prefill -----------------------------------------------------------------------------
+    def prefill(self, tokens: list[int], all_logits: bool = False) -> np.ndarray:
+        """Runs the prompt in chunks; returns the last position's logits, or [T, vocab] for all."""
+        if not tokens:
+            raise NervaError("empty prompt")
+        if self.n_past + len(tokens) > self.ctx:
+            raise NervaError(f"prompt of {len(tokens)} tokens does not fit the context "
+                             f"({self.ctx - self.n_past} left); raise --ctx")
+        outs = []
+        for start in range(0, len(tokens), PREFILL_CHUNK):
+            chunk = tokens[start:start + PREFILL_CHUNK]
+            x = self._prefill_chunk(chunk)
+            if all_logits:
+                outs.append(self._logits_rows(x))
+        if all_logits:
+            return np.concatenate(outs)
+        return self._logits_rows(x[-1:])[0]
+
+    def _dense(self, lin: Linear, x: np.ndarray, precision: str) -> np.ndarray:
+        """x [T, cols] -> [T, rows]: dequantise then GEMM; W4A8 quantises the activations
+        per 32-group first, which gives the same products as the integer kernel."""
+        w = lin.w if lin.w is not None else self._dequant(lin)
+        if precision == "w4a8" and lin.w is None:
+            x = fake_quant_q8(x)
+        return x @ w.T
+
+    def _dequant(self, lin: Linear) -> np.ndarray:
+        out = self._scratch[: lin.rows * lin.cols].reshape(lin.rows, lin.cols)
+        self.k.dequantize_q4(lin.qs, lin.d, out)
+        return out
+
+    @property
+    def _scratch(self) -> np.ndarray:
+        if not hasattr(self, "_scratch_buf"):
+            widest = max(m.rows * m.cols for m in self.layers[0].mats.values())
+            self._scratch_buf = np.empty(widest, dtype=np.float32)
+        return self._scratch_buf
+
+    def _prefill_chunk(self, tokens: list[int]) -> np.ndarray:
+        cfg, k = self.cfg, self.k
+        T, start = len(tokens), self.n_past
+        x = np.empty((T, cfg.hidden_size), dtype=np.float32)
+        for t, tok in enumerate(tokens):
+            self._embed_row(tok, x[t])
+        pos = np.arange(start, start + T, dtype=np.int64)
+        xn = np.empty_like(x)
+        for layer in self.layers:
+            p, m = layer.precision, layer.mats
+            k.rmsnorm(x, layer.attn_norm, cfg.rms_eps, xn)
+            q = self._dense(m["q"], xn, p)
+            kk = self._dense(m["k"], xn, p)
+            v = self._dense(m["v"], xn, p)
+            if layer.bias:
+                q += layer.bias["q"]
+                kk += layer.bias["k"]
+                v += layer.bias["v"]
+            q = np.ascontiguousarray(q).reshape(T, cfg.num_heads, cfg.head_dim)
+            kk = np.ascontiguousarray(kk).reshape(T, cfg.num_kv_heads, cfg.head_dim)
+            if layer.q_norm is not None:
+                k.rmsnorm(q, layer.q_norm, cfg.rms_eps, q)
+                k.rmsnorm(kk, layer.k_norm, cfg.rms_eps, kk)
+            k.rope(q, pos, self.cos, self.sin)
+            k.rope(kk, pos, self.cos, self.sin)
+            kc, vc = self.a.k_cache[layer.index], self.a.v_cache[layer.index]
+            kc[start:start + T] = kk
+            vc[start:start + T] = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+            attn = np.empty_like(q)
+            k.attention_prefill(q, kc[: start + T], vc[: start + T], start, attn)
+            x += self._dense(m["o"], attn.reshape(T, -1), p)
+            k.rmsnorm(x, layer.mlp_norm, cfg.rms_eps, xn)
+            gate = np.ascontiguousarray(self._dense(m["gate"], xn, p))
+            up = np.ascontiguousarray(self._dense(m["up"], xn, p))
+            k.silu_mul(gate, up, gate)
+            x += self._dense(m["down"], gate, p)
+        self.n_past = start + T
+        return x
+
+    def _logits_rows(self, x: np.ndarray) -> np.ndarray:
+        """Final norm + lm_head for a few rows (prefill); dequantises lm_head in row slices."""
+        xn = np.empty_like(x)
+        self.k.rmsnorm(np.ascontiguousarray(x), self.final_norm, self.cfg.rms_eps, xn)
+        head = self.lm_head
+        if head.w is not None:
+            return xn @ head.w.T
+        if self.precision == "w4a8":
+            xn = fake_quant_q8(xn)
+        out = np.empty((x.shape[0], head.rows), dtype=np.float32)
+        step = max(1, self._scratch.size // head.cols)
+        for r in range(0, head.rows, step):
+            sl = Linear(min(step, head.rows - r), head.cols, qs=head.qs[r:r + step], d=head.d[r:r + step])
+            out[:, r:r + sl.rows] = xn @ self._dequant(sl).T
+        return out
+
+    def reset(self) -> None:
+        self.n_past = 0
+
+    def truncate(self, n: int) -> None:
+        """Forget positions from n on (the cache rows are simply overwritten later)."""
+        self.n_past = min(self.n_past, n)
+
+    @property
+    def weight_bytes(self) -> int:
+        head = 0 if self.lm_head is self.embed else self.lm_head.nbytes
+        return sum(layer.nbytes for layer in self.layers) + self.embed.nbytes + head
+
+
+def fake_quant_q8(x: np.ndarray) -> np.ndarray:
+    """Rows of x quantised per 32-group to int8 (scale amax/127, round half away) and back."""
+    from nerva_cli.backends.ref import round_half_away
+
+    g = x.reshape(x.shape[0], -1, QK)
+    d = np.abs(g).max(axis=2, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d > 0, np.float32(1.0) / d, np.float32(0.0))
+    q = np.clip(round_half_away(g * inv), -127, 127)
+    return (q * d).astype(np.float32).reshape(x.shape)

@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""nerva (cpu, q4_0, W4A16 and W4A8) against llama.cpp (llama-cpp-python) on the bundled SmolLM2
+GGUF, same threads, same run: decode tok/s over 128 tokens and prefill tok/s over ~250 tokens.
+
+    pip install llama-cpp-python   # builds llama.cpp from source, ~10 min on 2 cores
+    python3 scripts/compare_llamacpp.py [--out docs/perf/cpu_vs_llamacpp.json]
+
+Each engine runs in its own process, one after the other, repeated and interleaved so drift on
+a shared machine hits both; the ratios are what to read, not the absolute figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LLAMA_CPP = r"""
+import json, sys, time
+import numpy as np
+from llama_cpp import Llama
+path, threads, n_prompt, n_gen, text = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=1024, n_batch=512,
+            verbose=False)
+prompt = llm.tokenize(text.encode(), add_bos=False)[:n_prompt]
+def once():
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    t1 = time.perf_counter()
+    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    steps = []
+    for _ in range(n_gen):
+        t = time.perf_counter()
+        llm.eval([tok])
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        steps.append(time.perf_counter() - t)
+    return len(prompt) / (t1 - t0), len(steps) / sum(steps)
+once()  # warm-up
+runs = [once() for _ in range(3)]
+print(json.dumps({"prefill_tok_s": float(np.median([r[0] for r in runs])),
+                  "decode_tok_s": float(np.median([r[1] for r in runs])), "prompt_tokens": len(prompt)}))
+"""
+
+
+def nerva(model: str, threads: int, precision: str, n_prompt: int, n_gen: int) -> dict:
+    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads))
+    out = subprocess.run([sys.executable, "-m", "nerva_cli", "bench", model, "--threads", str(threads),
+                          "--precision", precision, "--prompt-tokens", str(n_prompt),
+                          "--gen-tokens", str(n_gen), "--repeat", "3"],
+                         capture_output=True, text=True, env=env)
+    if out.returncode:
+        sys.exit(f"nerva bench failed: {out.stderr.strip().splitlines()[-1]}")
+    return json.loads(out.stdout)
+
+
+def llama_cpp(gguf: Path, threads: int, n_prompt: int, n_gen: int, text: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", LLAMA_CPP, str(gguf), str(threads), str(n_prompt),
+                          str(n_gen), text], capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(f"llama.cpp run failed: {out.stderr.strip()[-500:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    from nerva_cli.bench import PROMPT_SEED_TEXT, cpu_name
+    from nerva_cli.sources.resolve import bundled_gguf
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("docs/perf/cpu_vs_llamacpp.json"))
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--prompt-tokens", type=int, default=250)
+    ap.add_argument("--gen-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds per configuration")
+    args = ap.parse_args()
+
+    import llama_cpp as lc  # fail early, with pip's message, if it is missing
+
+    gguf = bundled_gguf("smollm2-135m")
+    subprocess.run([sys.executable, "-m", "nerva_cli", "pull", "smollm2-135m"], capture_output=True)
+    text = PROMPT_SEED_TEXT * (args.prompt_tokens // 40 + 2)
+    rows = []
+    for threads in args.threads:
+        samples: dict[str, list[dict]] = {"llama.cpp": [], "w4a16": [], "w4a8": []}
+        for _ in range(args.rounds):
+            samples["llama.cpp"].append(llama_cpp(gguf, threads, args.prompt_tokens, args.gen_tokens, text))
+            for precision in ("w4a16", "w4a8"):
+                samples[precision].append(nerva("smollm2-135m", threads, precision, args.prompt_tokens,
+                                                args.gen_tokens))
+        med = {k: {f: statistics.median(s[f] for s in v) for f in ("prefill_tok_s", "decode_tok_s")}
+               for k, v in samples.items()}
+        for precision in ("w4a16", "w4a8"):
+            rows.append({
+                "threads": threads, "precision": precision,
+                "nerva_decode_tok_s": round(med[precision]["decode_tok_s"], 2),
+                "llamacpp_decode_tok_s": round(med["llama.cpp"]["decode_tok_s"], 2),
+                "decode_ratio": round(med[precision]["decode_tok_s"] / med["llama.cpp"]["decode_tok_s"], 3),
+                "nerva_prefill_tok_s": round(med[precision]["prefill_tok_s"], 2),
+                "llamacpp_prefill_tok_s": round(med["llama.cpp"]["prefill_tok_s"], 2),
+                "prefill_ratio": round(med[precision]["prefill_tok_s"] / med["llama.cpp"]["prefill_tok_s"], 3),
+            })
+            print(json.dumps(rows[-1]), flush=True)
+    result = {
+        "what": "nerva cpu q4_0 vs llama.cpp on the bundled SmolLM2-135M-Instruct GGUF (Q4_1 in llama.cpp; "
+                "nerva's q4_0 requantised from it)",
+        "machine": {"cpu": cpu_name(), "logical_cpus": os.cpu_count()},
+        "llama_cpp_python": lc.__version__, "prompt_tokens": args.prompt_tokens,
+        "gen_tokens": args.gen_tokens, "rounds": args.rounds,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

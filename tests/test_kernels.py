@@ -1,0 +1,391 @@
+"""Every `cpu` kernel against `ref` on fresh random inputs, and `ref` against independent float64
+formulas where that is cheap. Each test prints its seed; pytest shows it when the test fails.
+
+Tolerances derive from float32's eps (1.2e-7). Two float32 sums of K terms taken in different
+orders differ by about sqrt(K) eps times the sum of the terms' magnitudes, so dot products are
+held per row to 4 sqrt(K) eps * sum_i |a_i b_i| (not to the result: a row whose terms cancel
+to near zero would fail that through no fault), and elementwise kernels to a few eps in
+relative norm ||a - b|| / ||b||. Both hold with a wide margin, yet any real indexing or scaling error gives
+errors of order 1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nerva_cli.backends import cpu, get_backend, ref  # cpu at import: its numba cache dir is fixed then
+
+EPS = float(np.finfo(np.float32).eps)
+ROWS = (1, 3, 5, 37, 1536)
+COLS = (32, 64, 576, 1536)
+
+
+def sum_tol(k: int) -> float:
+    return 4 * np.sqrt(k) * EPS
+
+
+def assert_dots_close(got, want, magnitude, k):
+    """Per row |got - want| <= 4 sqrt(k) eps * magnitude, magnitude = sum_i |a_i b_i|."""
+    assert np.all(np.abs(got.astype(np.float64) - want) <= sum_tol(k) * magnitude)
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture
+def rng():
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
+def randn(rng, *shape):
+    return rng.standard_normal(shape, dtype=np.float32)
+
+
+def random_q4(rng, rows, cols):
+    """Uniform random codes and signed scales of realistic size (llama.cpp's d can be negative)."""
+    qs = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+    d = (rng.uniform(0.002, 0.05, (rows, cols // 32)) * rng.choice([-1, 1], (rows, cols // 32)))
+    return qs, d.astype(np.float16)
+
+
+def dequant_f64(qs, d):
+    """Q4_0 decoded element by element from the layout's definition, independent of quant.py."""
+    rows, cols = qs.shape[0], qs.shape[1] * 2
+    k = np.arange(cols)
+    b, j = k // 32, k % 32
+    byte = qs[:, b * 16 + j % 16].astype(np.int64)
+    code = np.where(j < 16, byte & 15, byte >> 4)
+    return (code - 8) * d.astype(np.float64)[:, b]
+
+
+def act_q8(backend, x):
+    n = x.shape[0] // 32
+    xq, xd, xs = np.empty(x.shape[0], np.int8), np.empty(n, np.float32), np.empty(n, np.int32)
+    backend.quantize_act_q8(x, xq, xd, xs)
+    return xq, xd, xs
+
+
+def rope_tables(max_pos, head_dim):
+    inv = 1.0 / 10000 ** (np.arange(0, head_dim, 2) / head_dim)
+    ang = np.arange(max_pos)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+# -- backend selection and threads ------------------------------------------------------------
+
+def test_get_backend():
+    assert get_backend("ref") is ref and get_backend("cpu") is cpu
+    with pytest.raises(ValueError, match="cpu, ref"):
+        get_backend("cuda-please")
+
+
+def test_set_threads_rejects_out_of_range():
+    with pytest.raises(ValueError):
+        cpu.set_threads(0)
+
+
+# -- f16 scales -------------------------------------------------------------------------------
+
+def test_half_decoder_all_bit_patterns():
+    from numba import njit
+
+    @njit
+    def decode_all(bits, out):
+        for i in range(bits.shape[0]):
+            out[i] = cpu._half_to_f32(bits[i])
+
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    got = np.empty(65536, np.float32)
+    decode_all(bits, got)
+    want = bits.view(np.float16).astype(np.float32)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))  # signed zeros too
+
+
+# -- norms, rope, activation --------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(64,), (576,), (5, 576), (3, 1536), (2, 9, 64)])
+def test_rmsnorm(rng, shape):
+    x, w = randn(rng, *shape), randn(rng, shape[-1])
+    want, got = np.empty_like(x), np.empty_like(x)
+    ref.rmsnorm(x, w, 1e-5, want)
+    cpu.rmsnorm(x, w, 1e-5, got)
+    # the sum of squares is the only reduction; the rest is a few roundings per element
+    assert rel(got, want) < sum_tol(shape[-1])
+    x64 = x.astype(np.float64)
+    ind = x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-5) * w
+    assert rel(want, ind) < sum_tol(shape[-1])
+    cpu.rmsnorm(x, w, 1e-5, x)  # in place (q/k norms do this)
+    assert np.array_equal(x, got)
+
+
+@pytest.mark.parametrize("shape", [(576,), (4, 576), (2, 1536)])
+def test_add_rmsnorm(rng, shape):
+    x, res, w = randn(rng, *shape), randn(rng, *shape), randn(rng, shape[-1])
+    res_ref, res_cpu = res.copy(), res.copy()
+    want, got = np.empty_like(x), np.empty_like(x)
+    ref.add_rmsnorm(x, res_ref, w, 1e-6, want)
+    cpu.add_rmsnorm(x, res_cpu, w, 1e-6, got)
+    assert np.array_equal(res_cpu, res + x)  # one IEEE add per element: exact
+    assert np.array_equal(res_ref, res + x)
+    assert rel(got, want) < sum_tol(shape[-1])
+
+
+@pytest.mark.parametrize("T,heads,head_dim", [(1, 9, 64), (1, 3, 64), (5, 4, 32), (37, 2, 128)])
+def test_rope(rng, T, heads, head_dim):
+    cos, sin = rope_tables(600, head_dim)
+    pos = rng.integers(0, 600, T).astype(np.int64)
+    x = randn(rng, T, heads, head_dim)
+    want, got = x.copy(), x.copy()
+    ref.rope(want, pos, cos, sin)
+    cpu.rope(got, pos, cos, sin)
+    # per element x1 c - x2 s: two products and a sum, a few eps of ||x|| (a rotation keeps it)
+    assert rel(got, want) < 8 * EPS
+    half = head_dim // 2
+    c, s = cos[pos][:, None].astype(np.float64), sin[pos][:, None].astype(np.float64)
+    x1, x2 = x[..., :half].astype(np.float64), x[..., half:]
+    assert rel(want, np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)) < 8 * EPS
+    flat = x.reshape(T, -1).copy()  # the same rotation through a [T, heads * head_dim] view
+    cpu.rope(flat, pos.astype(np.int32), cos, sin)
+    assert np.array_equal(flat.reshape(x.shape), got)
+
+
+@pytest.mark.parametrize("shape", [(37,), (1536,), (5, 576)])
+def test_silu_mul(rng, shape):
+    gate, up = 4 * randn(rng, *shape), randn(rng, *shape)
+    gate.flat[0] = -100.0  # exp(100) overflows float32: silu must give -0, not NaN
+    want, got = np.empty_like(gate), np.empty_like(gate)
+    ref.silu_mul(gate, up, want)
+    cpu.silu_mul(gate, up, got)
+    # elementwise; exp implementations (libm vs NumPy's SIMD) differ by an ulp or two
+    assert rel(got, want) < 8 * EPS
+    g64 = gate.astype(np.float64)
+    assert rel(want, g64 / (1 + np.exp(-g64)) * up) < 8 * EPS
+    cpu.silu_mul(gate, up, gate)  # in place (prefill writes into gate)
+    assert np.array_equal(gate, got)
+
+
+# -- activation quantiser and Q4_0 matvecs ---------------------------------------------------
+
+@pytest.mark.parametrize("cols", COLS)
+def test_quantize_act_q8(rng, cols):
+    x = randn(rng, cols) * rng.uniform(0.1, 10)
+    got, want = act_q8(cpu, x), act_q8(ref, x)
+    for g, w in zip(got, want):  # every step is correctly rounded: exact
+        assert g.dtype == w.dtype and np.array_equal(g, w)
+    xq, xd, xs = want
+    g = x.reshape(-1, 32)
+    assert np.array_equal(xd, np.abs(g).max(1) / np.float32(127))
+    assert np.array_equal(xs, xq.reshape(-1, 32).sum(1))
+    err = np.abs(xq.reshape(-1, 32) * xd[:, None].astype(np.float64) - g)
+    assert np.all(err <= xd[:, None] * (0.5 + 1e-6))
+
+
+def test_quantize_act_q8_ties_and_zero_group():
+    # amax 127 gives scale 1 exactly, so x * (1/scale) lands on exact halves: away from zero
+    x = np.zeros(64, np.float32)
+    x[:6] = [127, 2.5, -2.5, 0.5, -0.5, 1.4999999]
+    for backend in (ref, cpu):
+        xq, xd, xs = act_q8(backend, x)
+        assert list(xq[:6]) == [127, 3, -3, 1, -1, 1]
+        assert xd[1] == 0 and not xq[32:].any() and xs[1] == 0
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("cols", COLS)
+def test_matvec_q4_w4a16(rng, rows, cols):
+    qs, d = random_q4(rng, rows, cols)
+    x = randn(rng, cols)
+    want, got = np.empty(rows, np.float32), np.empty(rows, np.float32)
+    ref.matvec_q4_w4a16(qs, d, x, want)
+    cpu.matvec_q4_w4a16(qs, d, x, got)
+    w64 = dequant_f64(qs, d)
+    magnitude = np.abs(w64) @ np.abs(x)
+    assert_dots_close(got, want, magnitude, cols)
+    assert_dots_close(want, w64 @ x, magnitude, cols)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("cols", COLS)
+def test_matvec_q4_w4a8(rng, rows, cols):
+    qs, d = random_q4(rng, rows, cols)
+    xq, xd, xs = act_q8(ref, randn(rng, cols))
+    want, got = np.empty(rows, np.float32), np.empty(rows, np.float32)
+    ref.matvec_q4_w4a8(qs, d, xq, xd, xs, want)
+    cpu.matvec_q4_w4a8(qs, d, xq, xd, xs, got)
+    # Block terms d_w d_x isum are the same up to one rounding (an FMA may skip it); only
+    # their f32 sum over nb blocks differs in order: per row at most 2 (nb + 2) eps sum|terms|.
+    nb = cols // 32
+    terms = np.einsum("rbj,bj->rb", dequant_f64(qs, d).reshape(rows, nb, 32), xq.reshape(nb, 32)) * xd
+    bound = 2 * (nb + 2) * EPS * np.abs(terms).sum(1)
+    assert np.all(np.abs(got - want) <= bound)
+    assert np.all(np.abs(want - terms.sum(1)) <= bound)
+
+
+@pytest.mark.parametrize("rows", (1, 5, 37, 1536))
+@pytest.mark.parametrize("cols", (32, 576, 1536))
+def test_matvec_q4_w4a8_integer_dot_exact(rng, rows, cols):
+    # With unit scales each block term is the integer sum_j q_w q_x - 8 xs and every partial
+    # sum stays below 2^24, so any order is exact: this pins the integer part bit for bit.
+    qs = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+    d = np.ones((rows, cols // 32), np.float16)
+    xq = rng.integers(-127, 128, cols, dtype=np.int8)
+    xd = np.ones(cols // 32, np.float32)
+    xs = xq.reshape(-1, 32).sum(1, dtype=np.int32)
+    want, got = np.empty(rows, np.float32), np.empty(rows, np.float32)
+    ref.matvec_q4_w4a8(qs, d, xq, xd, xs, want)
+    cpu.matvec_q4_w4a8(qs, d, xq, xd, xs, got)
+    exact = ref.unpack_q4_codes(qs).reshape(rows, cols).astype(np.int64) - 8
+    assert np.array_equal(want, exact @ xq.astype(np.int64))
+    assert np.array_equal(got, want)
+
+
+def test_matvecs_do_not_depend_on_thread_count(rng):
+    import numba
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("needs 2 threads")
+    qs, d = random_q4(rng, 37, 576)
+    x = randn(rng, 576)
+    xq, xd, xs = act_q8(cpu, x)
+    outs = []
+    before = numba.get_num_threads()
+    try:
+        for n in (1, 2):
+            cpu.set_threads(n)
+            a, b = np.empty(37, np.float32), np.empty(37, np.float32)
+            cpu.matvec_q4_w4a16(qs, d, x, a)
+            cpu.matvec_q4_w4a8(qs, d, xq, xd, xs, b)
+            outs.append((a, b))
+    finally:
+        cpu.set_threads(before)
+    assert all(np.array_equal(p, q) for p, q in zip(*outs))  # each row's sum order is fixed
+
+
+@pytest.mark.parametrize("rows,cols", [(3, 64), (37, 576)])
+def test_matvec_f32_dequantize_embed(rng, rows, cols):
+    w, x = randn(rng, rows, cols), randn(rng, cols)
+    want, got = np.empty(rows, np.float32), np.empty(rows, np.float32)
+    ref.matvec_f32(w, x, want)
+    cpu.matvec_f32(w, x, got)
+    magnitude = np.abs(w.astype(np.float64)) @ np.abs(x)
+    assert_dots_close(got, want, magnitude, cols)
+    assert_dots_close(want, w.astype(np.float64) @ x, magnitude, cols)
+    qs, d = random_q4(rng, rows, cols)
+    want, got = np.empty((rows, cols), np.float32), np.empty((rows, cols), np.float32)
+    ref.dequantize_q4(qs, d, want)
+    cpu.dequantize_q4(qs, d, got)
+    assert np.array_equal(got, want) and np.array_equal(want, dequant_f64(qs, d))  # one product
+    for backend in (ref, cpu):
+        row = np.empty(cols, np.float32)
+        backend.embed_q4(qs, d, rows - 1, row)
+        assert np.array_equal(row, want[rows - 1])
+        backend.embed_f32(w, 1, row)
+        assert np.array_equal(row, w[1])
+
+
+# -- attention --------------------------------------------------------------------------------
+
+def attention_f64(q, k, v):
+    """One query per row of q over all rows of k/v (single head), in float64."""
+    s = k.astype(np.float64) @ q.astype(np.float64).T / np.sqrt(q.shape[-1])
+    p = np.exp(s - s.max(0))
+    return (p / p.sum(0)).T @ v
+
+
+# Scores carry about sqrt(head_dim) eps, the weighted sum over n positions about sqrt(n) eps;
+# 4e-6 is ~10x both for head_dim <= 128 and n <= 300 (the worst seen over 40 seeds: 7e-7).
+ATT_TOL = 4e-6
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+@pytest.mark.parametrize("n_ctx", [1, 7, 256])
+def test_attention_decode(rng, heads, kv_heads, head_dim, n_ctx):
+    max_ctx = 300
+    q = randn(rng, heads, head_dim)
+    k = np.full((max_ctx, kv_heads, head_dim), np.nan, np.float32)  # past n_ctx: never read
+    v = np.full((max_ctx, kv_heads, head_dim), np.nan, np.float32)
+    k[:n_ctx], v[:n_ctx] = 2 * randn(rng, n_ctx, kv_heads, head_dim), randn(rng, n_ctx, kv_heads, head_dim)
+    want, got = np.empty_like(q), np.empty_like(q)
+    ref.attention_decode(q, k, v, n_ctx, want)
+    cpu.attention_decode(q, k, v, n_ctx, got)
+    assert rel(got, want) < ATT_TOL
+    group = heads // kv_heads
+    ind = np.stack([attention_f64(q[h:h + 1], k[:n_ctx, h // group], v[:n_ctx, h // group])[0]
+                    for h in range(heads)])
+    assert rel(want, ind) < ATT_TOL
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32)])
+@pytest.mark.parametrize("T,start", [(1, 0), (5, 0), (37, 11), (3, 200)])
+def test_attention_prefill(rng, heads, kv_heads, head_dim, T, start):
+    n = start + T
+    q = randn(rng, T, heads, head_dim)
+    k, v = 2 * randn(rng, n, kv_heads, head_dim), randn(rng, n, kv_heads, head_dim)
+    want, got = np.empty_like(q), np.empty_like(q)
+    ref.attention_prefill(q, k, v, start, want)
+    cpu.attention_prefill(q, k, v, start, got)
+    assert rel(got, want) < ATT_TOL
+    # causal: query t is decode attention over the first start + t + 1 positions
+    step = np.empty((heads, head_dim), np.float32)
+    for t in range(T):
+        ref.attention_decode(q[t], k, v, start + t + 1, step)
+        assert rel(want[t], step) < ATT_TOL
+
+
+# -- the decode hot path --------------------------------------------------------------------
+
+def test_decode_kernels_do_not_allocate(rng):
+    """numba's own allocation counter around n calls made from compiled code: a call from Python
+    unboxes each array argument into a (counted) MemInfo, so what is measured is the difference
+    between 4 calls and 1, which is what the kernels themselves allocate."""
+    from numba import njit
+    from numba.core.runtime import _nrt_python, rtsys
+
+    @njit
+    def repeat(n, kernel, *args):
+        for _ in range(n):
+            kernel(*args)
+
+    def allocs(n, kernel, args):
+        before = rtsys.get_allocation_stats().alloc
+        repeat(n, kernel, *args)
+        return rtsys.get_allocation_stats().alloc - before
+
+    heads, kv, hd, n = 9, 3, 64, 576
+    x, w, res, out = randn(rng, n), randn(rng, n), randn(rng, n), np.empty(n, np.float32)
+    qs, d = random_q4(rng, 37, n)
+    d16 = d.view(np.uint16)  # what the Python wrappers of the Q4 kernels pass on
+    xq, xd, xs = act_q8(cpu, x)
+    mv = np.empty(37, np.float32)
+    q = randn(rng, 1, heads, hd)
+    cos, sin = rope_tables(16, hd)
+    pos = np.array([3], np.int64)
+    kc, vc = randn(rng, 16, kv, hd), randn(rng, 16, kv, hd)
+    att = np.empty((heads, hd), np.float32)
+    calls = [
+        (cpu.rmsnorm, (x, w, 1e-5, out)),
+        (cpu.add_rmsnorm, (x, res, w, 1e-5, out)),
+        (cpu.rope, (q, pos, cos, sin)),
+        (cpu.quantize_act_q8, (x, xq, xd, xs)),
+        (cpu._w4a16, (qs, d16, x, mv)),
+        (cpu._w4a8, (qs, d16, xq, xd, xs, mv)),
+        (cpu.silu_mul, (x, w, out)),
+        (cpu.attention_decode, (q[0], kc, vc, 9, att)),
+        (cpu._embed_q4, (qs, d16, 5, out)),
+    ]
+    was_on = _nrt_python.memsys_stats_enabled()
+    _nrt_python.memsys_enable_stats()
+    try:
+        for kernel, args in calls:
+            allocs(1, kernel, args)  # compile first
+            assert allocs(4, kernel, args) == allocs(1, kernel, args), kernel
+    finally:
+        if not was_on:
+            _nrt_python.memsys_disable_stats()

@@ -1,0 +1,92 @@
+"""The bundled SmolLM2-135M: f16 against transformers loading the same GGUF, and the q4_0
+precisions against f16 by perplexity over a real English text."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from conftest import TEXT_PATH, smollm2_gguf
+from nerva_cli.engine import Engine
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "<|im_start|>user\nWhat are three uses of copper?<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2():
+    gguf = smollm2_gguf()
+    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                              dtype=torch.float32)
+    with torch.no_grad():  # the f16 variant stores matrices rounded to f16: give HF the same
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.copy_(p.half().float())
+    return tok, model.eval()
+
+
+def test_f16_greedy_equals_transformers_on_bundled_gguf(smollm2_store, hf_smollm2):
+    tok, hf = hf_smollm2
+    engine = Engine(smollm2_store["f16"], ctx=256)
+    for prompt in PROMPTS:
+        ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32,
+                               do_sample=False)[0, len(ids):].tolist()
+        engine.reset()
+        got = [int(np.argmax(engine.prefill(ids)))]
+        while len(got) < 32:
+            got.append(int(np.argmax(engine.decode(got[-1]))))
+        assert got == want, prompt
+
+
+def ppl_text(tmp_path, min_tokens=4000):
+    """The first ~4,500 tokens of a GPL text (a real English text every Debian machine has)."""
+    if not TEXT_PATH.exists():
+        pytest.skip(f"{TEXT_PATH} is not on this machine")
+    words = TEXT_PATH.read_text().split(" ")
+    path = tmp_path / "gpl3.txt"
+    path.write_text(" ".join(words[:3800]))
+    return path
+
+
+def test_q4_0_perplexity_w4a8_within_2_percent_of_w4a16(smollm2_store, tmp_path, cli):
+    text = ppl_text(tmp_path)
+    results = {}
+    for name, model, precision in (("f16", smollm2_store["f16"], None),
+                                   ("w4a16", smollm2_store["q4_0"], "w4a16"),
+                                   ("w4a8", smollm2_store["q4_0"], "w4a8")):
+        args = ["bench", model.path, "--ppl", text, "--gen-tokens", "4", "--prompt-tokens", "16",
+                "--repeat", "1"]
+        if precision:
+            args += ["--precision", precision]
+        code, out, err = cli(*args)
+        assert code == 0, err
+        lines = out.strip().splitlines()
+        assert len(lines) == 1  # exactly one JSON line on stdout
+        results[name] = json.loads(lines[0])
+    assert results["f16"]["ppl_tokens"] >= 4000
+    ppl = {k: v["perplexity"] for k, v in results.items()}
+    print("perplexity", ppl)
+    assert abs(ppl["w4a8"] / ppl["w4a16"] - 1) < 0.02, ppl
+    # Q4_0 from the Q4_1 source costs some perplexity, not a collapse
+    assert ppl["f16"] < ppl["w4a16"] < 1.5 * ppl["f16"], ppl
+    assert 1 < ppl["f16"] < 100, ppl
+
+
+def test_run_prompt_streams_the_greedy_answer(smollm2_store, cli):
+    code, out, err = cli("run", smollm2_store["q4_0"].path, "-p", "What is 2+2?", "--temperature", "0",
+                         "--max-tokens", "24")
+    assert code == 0, err
+    assert out.strip() and "\ufffd" not in out and "<|im_end|>" not in out
+    assert re.search(r"4|four", out, re.IGNORECASE), out
