@@ -23,7 +23,7 @@ Json = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 
 
 def _pull(spec: str, quant: str, name: Optional[str], out: Optional[Path], force: bool,
-          revision: Optional[str] = None):
+          revision: Optional[str] = None, report=None):
     from nerva_cli import output
     from nerva_cli.pull import pull
 
@@ -34,8 +34,8 @@ def _pull(spec: str, quant: str, name: Optional[str], out: Optional[Path], force
     for n in notes:
         output.note(n)
     cfg = model.config
-    output.out.print(f"{model.name}:{model.variant}  {cfg.family}, {cfg.num_layers} layers, "
-                     f"{output.human_bytes(model.size)}  -> {model.path}")
+    (report or output.out.print)(f"{model.name}:{model.variant}  {cfg.family}, {cfg.num_layers} layers, "
+                                 f"{output.human_bytes(model.size)}  -> {model.path}")
     return model
 
 
@@ -167,7 +167,7 @@ def _open_engine(model_ref: str, backend: str, precision, ctx, threads):
         if not is_source_spec(model_ref):
             raise
         output.info(f"{model_ref} is not in the store yet: pulling it")
-        model = _pull(model_ref, "q4_0", None, None, False)
+        model = _pull(model_ref, "q4_0", None, None, False, report=output.info)
     from nerva_cli.engine import Engine
     from nerva_cli.tokenizer import TextTokenizer
 

@@ -247,8 +247,13 @@ class Engine:
         per 32-group first, which gives the same products as the integer kernel."""
         w = lin.w if lin.w is not None else self._dequant(lin)
         if precision == "w4a8" and lin.w is None:
-            x = fake_quant_q8(x)
+            x = self._fake_quant(x)
         return x @ w.T
+
+    def _fake_quant(self, x: np.ndarray) -> np.ndarray:
+        out = np.empty_like(x)
+        self.k.fake_quantize_q8(np.ascontiguousarray(x), out)
+        return out
 
     def _dequant(self, lin: Linear) -> np.ndarray:
         out = self._scratch[: lin.rows * lin.cols].reshape(lin.rows, lin.cols)
@@ -309,7 +314,7 @@ class Engine:
         if head.w is not None:
             return xn @ head.w.T
         if self.precision == "w4a8":
-            xn = fake_quant_q8(xn)
+            xn = self._fake_quant(xn)
         out = np.empty((x.shape[0], head.rows), dtype=np.float32)
         step = max(1, self._scratch.size // head.cols)
         for r in range(0, head.rows, step):
@@ -328,15 +333,3 @@ class Engine:
     def weight_bytes(self) -> int:
         head = 0 if self.lm_head is self.embed else self.lm_head.nbytes
         return sum(layer.nbytes for layer in self.layers) + self.embed.nbytes + head
-
-
-def fake_quant_q8(x: np.ndarray) -> np.ndarray:
-    """Rows of x quantised per 32-group to int8 (scale amax/127, round half away) and back."""
-    from nerva_cli.backends.ref import round_half_away
-
-    g = x.reshape(x.shape[0], -1, QK)
-    d = np.abs(g).max(axis=2, keepdims=True) / np.float32(127)
-    with np.errstate(divide="ignore"):
-        inv = np.where(d > 0, np.float32(1.0) / d, np.float32(0.0))
-    q = np.clip(round_half_away(g * inv), -127, 127)
-    return (q * d).astype(np.float32).reshape(x.shape)

@@ -101,6 +101,18 @@ def make_tiny_model(out_dir: Path, family: str, dtype: str = "float32", layers: 
     return out_dir
 
 
+def hf_greedy(hf, ids, n):
+    """transformers' plain argmax continuation of ids by n tokens (generate() would suppress
+    EOS under min_new_tokens, or stop at it)."""
+    import torch
+
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """family -> directory of a tiny random float32 HF model (made once per session)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import hf_greedy
 from nerva_cli.engine import Engine
 from nerva_cli.pull import pull
 
@@ -28,15 +29,6 @@ def hf_model(src):
             if p.ndim == 2:
                 p.copy_(p.half().float())
     return model.eval()
-
-
-def hf_greedy(hf, ids, n):
-    """Plain argmax continuation (generate() would suppress or stop at EOS)."""
-    ids = list(ids)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids
 
 
 def rel_err(a, b):

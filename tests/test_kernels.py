@@ -187,6 +187,18 @@ def test_quantize_act_q8(rng, cols):
     assert np.all(err <= xd[:, None] * (0.5 + 1e-6))
 
 
+@pytest.mark.parametrize("rows,cols", [(1, 32), (5, 576), (37, 1536)])
+def test_fake_quantize_q8_is_quantize_then_scale(rng, rows, cols):
+    x = randn(rng, rows, cols) * rng.uniform(0.1, 10)
+    got, want = np.empty_like(x), np.empty_like(x)
+    cpu.fake_quantize_q8(x, got)
+    ref.fake_quantize_q8(x, want)
+    assert np.array_equal(got, want)  # the same correctly rounded steps: exact
+    for r in range(rows):  # and each row is exactly what the decode quantiser makes of it
+        xq, xd, _ = act_q8(ref, x[r].copy())
+        assert np.array_equal(want[r], (xq.reshape(-1, 32) * xd[:, None]).reshape(-1))
+
+
 def test_quantize_act_q8_ties_and_zero_group():
     # amax 127 gives scale 1 exactly, so x * (1/scale) lands on exact halves: away from zero
     x = np.zeros(64, np.float32)

@@ -69,6 +69,17 @@ def quantize_act_q8(x, xq, xd, xs):
     xs[...] = q.sum(axis=1, dtype=np.int32)
 
 
+def fake_quantize_q8(x, out):
+    """Rows of x [T, cols] quantised per 32-group as quantize_act_q8 does, then scaled back:
+    a GEMM over them gives the W4A8 kernel's products (prefill's W4A8)."""
+    g = x.reshape(x.shape[0], -1, QK)
+    d = np.abs(g).max(axis=2, keepdims=True) / F32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d > 0, F32(1.0) / d, F32(0.0))
+    q = np.clip(round_half_away(g * inv), -127, 127)
+    out[...] = (q * d).reshape(x.shape)
+
+
 def unpack_q4_codes(qs):
     """qs [rows, cols/2] -> the 0..15 codes as int32 [rows, cols/32, 32] in element order."""
     rows, half = qs.shape
