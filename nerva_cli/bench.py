@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
-import platform
 import resource
 import time
 from dataclasses import dataclass
@@ -16,6 +14,7 @@ from nerva_cli import __version__
 from nerva_cli.errors import NervaError
 from nerva_cli.generate import generate
 from nerva_cli.hotpath import AllocationCounter
+from nerva_cli.machine import cpu_name
 from nerva_cli.sampling import Sampler, SamplingOptions
 
 PROMPT_SEED_TEXT = (
@@ -31,16 +30,6 @@ class BenchOptions:
     repeat: int = 3
     ppl_file: Path | None = None
     ppl_ctx: int = 512
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def synthetic_prompt(tokenizer, n: int) -> list[int]:
@@ -148,17 +137,3 @@ def peak_rss_bytes() -> int:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def physical_cores() -> int:
-    """Cores, not hyper-threads, that this process may run on."""
-    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    seen = set()
-    for cpu in allowed:
-        try:
-            core = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/core_id").read_text().strip()
-            pkg = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/physical_package_id").read_text().strip()
-            seen.add((pkg, core))
-        except OSError:
-            seen.add(cpu)
-    return max(1, len(seen))

@@ -148,19 +148,23 @@ Ctx = Annotated[Optional[int], typer.Option("--ctx", help="Context length in tok
 Backend = Annotated[str, typer.Option(help="Kernel backend: cpu (numba, threaded) or ref (NumPy reference, slow).")]
 
 
-def _open_engine(model_ref: str, backend: str, precision, ctx, threads):
-    """Store model (pulled first if MODEL is an alias or a path and not yet in the store) ->
-    (engine, tokenizer, threads)."""
-    import os
-
-    from nerva_cli import output, store
-    from nerva_cli.bench import physical_cores
-    from nerva_cli.sources.resolve import is_source_spec
+def _threads(threads: Optional[int]) -> int:
+    """Resolves --threads and applies it to BLAS; call before anything imports numpy."""
+    from nerva_cli.machine import limit_blas_threads, physical_cores
 
     threads = threads or physical_cores()
     if threads < 1:
         raise NervaError(f"--threads must be >= 1, got {threads}")
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(threads))  # prefill GEMMs; read at numpy import
+    limit_blas_threads(threads)
+    return threads
+
+
+def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int):
+    """Store model (pulled first if MODEL is an alias or a path and not yet in the store) ->
+    (engine, tokenizer, threads)."""
+    from nerva_cli import output, store
+    from nerva_cli.sources.resolve import is_source_spec
+
     try:
         model = store.find_model(model_ref)
     except NervaError:
@@ -198,6 +202,7 @@ def run(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print timings after each answer.")] = False,
 ):
     """Chat with a model, or answer one prompt (-p)."""
+    threads = _threads(threads)
     from nerva_cli import output
     from nerva_cli.chat import ChatSession
     from nerva_cli.sampling import SamplingOptions
@@ -272,6 +277,7 @@ def bench(
     backend: Backend = "cpu",
 ):
     """Measure prefill and decode speed; prints exactly one JSON line on stdout."""
+    threads = _threads(threads)
     from nerva_cli import output
     from nerva_cli.bench import BenchOptions, run_bench
 

@@ -44,6 +44,16 @@ class Linear:
     def nbytes(self) -> int:
         return self.w.nbytes if self.w is not None else self.qs.nbytes + self.d.nbytes
 
+    @classmethod
+    def stacked(cls, parts: list["Linear"]) -> "Linear":
+        """One matrix of the parts' rows (fused QKV, fused gate/up): one kernel call instead of
+        several, sharing the activation reads. Copies, so the file buffer can be dropped."""
+        rows = sum(p.rows for p in parts)
+        if parts[0].w is not None:
+            return cls(rows, parts[0].cols, w=np.concatenate([p.w for p in parts]))
+        return cls(rows, parts[0].cols, qs=np.concatenate([p.qs for p in parts]),
+                   d=np.concatenate([p.d for p in parts]))
+
 
 def as_f32(a: np.ndarray) -> np.ndarray:
     """Stored f16/bf16/f32 -> f32. bf16 is kept as uint16 bits in the store."""
@@ -57,19 +67,26 @@ class Layer:
     index: int
     attn_norm: np.ndarray
     mlp_norm: np.ndarray
-    mats: dict[str, Linear]
-    bias: dict[str, np.ndarray]  # q/k/v -> bias (Qwen2)
-    q_norm: np.ndarray | None
+    mats: dict[str, Linear]  # qkv (fused), o, gate_up (fused), down
+    qkv_bias: np.ndarray | None  # Qwen2
+    q_norm: np.ndarray | None  # Qwen3
     k_norm: np.ndarray | None
     precision: str  # exact / w4a16 / w4a8
 
     @classmethod
     def from_stored(cls, index: int, t: dict, precision: str) -> "Layer":
-        return cls(index, as_f32(t["attn_norm"]), as_f32(t["mlp_norm"]),
-                   {m: Linear.from_stored(t, m) for m in MATRICES},
-                   {m: as_f32(t[f"{m}_bias"]) for m in ("q", "k", "v") if f"{m}_bias" in t},
-                   as_f32(t["q_norm"]) if "q_norm" in t else None,
-                   as_f32(t["k_norm"]) if "k_norm" in t else None, precision)
+        lin = {m: Linear.from_stored(t, m) for m in MATRICES}
+        own = lambda a: np.array(a, copy=True)  # noqa: E731  (a copy frees the file buffer)
+        mats = {"qkv": Linear.stacked([lin["q"], lin["k"], lin["v"]]),
+                "o": Linear(lin["o"].rows, lin["o"].cols, *(None if a is None else own(a) for a in
+                                                              (lin["o"].qs, lin["o"].d, lin["o"].w))),
+                "gate_up": Linear.stacked([lin["gate"], lin["up"]]),
+                "down": Linear(lin["down"].rows, lin["down"].cols, *(None if a is None else own(a) for a in
+                                                                     (lin["down"].qs, lin["down"].d, lin["down"].w)))}
+        bias = np.concatenate([as_f32(t[f"{m}_bias"]) for m in ("q", "k", "v")]) if "q_bias" in t else None
+        return cls(index, own(as_f32(t["attn_norm"])), own(as_f32(t["mlp_norm"])), mats, bias,
+                   own(as_f32(t["q_norm"])) if "q_norm" in t else None,
+                   own(as_f32(t["k_norm"])) if "k_norm" in t else None, precision)
 
     @property
     def nbytes(self) -> int:
@@ -83,10 +100,14 @@ class Arena:
         h, f = cfg.hidden_size, cfg.intermediate_size
         z = lambda *shape: np.zeros(shape, dtype=np.float32)  # noqa: E731
         self.x, self.xn = z(h), z(h)
-        self.q, self.k, self.v = z(cfg.num_heads, cfg.head_dim), z(cfg.num_kv_heads, cfg.head_dim), \
-            z(cfg.num_kv_heads, cfg.head_dim)
+        q, kv = cfg.q_dim, cfg.kv_dim
+        self.qkv = z(q + 2 * kv)  # the fused projection's output; q, k, v are views into it
+        self.q = self.qkv[:q].reshape(cfg.num_heads, cfg.head_dim)
+        self.k = self.qkv[q:q + kv].reshape(cfg.num_kv_heads, cfg.head_dim)
+        self.v = self.qkv[q + kv:].reshape(cfg.num_kv_heads, cfg.head_dim)
         self.attn, self.o = z(cfg.num_heads, cfg.head_dim), z(h)
-        self.gate, self.up, self.act, self.down = z(f), z(f), z(f), z(h)
+        self.gate_up, self.act, self.down = z(2 * f), z(f), z(h)
+        self.gate, self.up = self.gate_up[:f], self.gate_up[f:]
         self.logits = z(cfg.vocab_size)
         widest = max(h, f, cfg.q_dim)
         self.xq = np.zeros(widest, dtype=np.int8)
@@ -94,7 +115,6 @@ class Arena:
         self.xs = np.zeros(widest // QK, dtype=np.int32)
         self.pos = np.zeros(1, dtype=np.int64)
         # views made once: a view made per call is a Python object per call on the hot path
-        self.q_flat, self.k_flat, self.v_flat = self.q.reshape(-1), self.k.reshape(-1), self.v.reshape(-1)
         self.attn_flat = self.attn.reshape(-1)
         self.q_rows = self.q.reshape(1, cfg.num_heads, cfg.head_dim)
         self.k_rows = self.k.reshape(1, cfg.num_kv_heads, cfg.head_dim)
@@ -194,14 +214,9 @@ class Engine:
         k.rmsnorm(a.x, layer.attn_norm, cfg.rms_eps, a.xn)
         if w4a8:
             self._quantize_input(a.xn)
-        q, kk, v = a.q_flat, a.k_flat, a.v_flat
-        self._matvec(m["q"], a.xn, q, layer.precision)
-        self._matvec(m["k"], a.xn, kk, layer.precision)
-        self._matvec(m["v"], a.xn, v, layer.precision)
-        if layer.bias:
-            q += layer.bias["q"]
-            kk += layer.bias["k"]
-            v += layer.bias["v"]
+        self._matvec(m["qkv"], a.xn, a.qkv, layer.precision)
+        if layer.qkv_bias is not None:
+            a.qkv += layer.qkv_bias
         if layer.q_norm is not None:
             k.rmsnorm(a.q, layer.q_norm, cfg.rms_eps, a.q)
             k.rmsnorm(a.k, layer.k_norm, cfg.rms_eps, a.k)
@@ -216,8 +231,7 @@ class Engine:
         k.add_rmsnorm(a.o, a.x, layer.mlp_norm, cfg.rms_eps, a.xn)
         if w4a8:
             self._quantize_input(a.xn)
-        self._matvec(m["gate"], a.xn, a.gate, layer.precision)
-        self._matvec(m["up"], a.xn, a.up, layer.precision)
+        self._matvec(m["gate_up"], a.xn, a.gate_up, layer.precision)
         k.silu_mul(a.gate, a.up, a.act)
         if w4a8:
             self._quantize_input(a.act)
@@ -278,15 +292,13 @@ class Engine:
         for layer in self.layers:
             p, m = layer.precision, layer.mats
             k.rmsnorm(x, layer.attn_norm, cfg.rms_eps, xn)
-            q = self._dense(m["q"], xn, p)
-            kk = self._dense(m["k"], xn, p)
-            v = self._dense(m["v"], xn, p)
-            if layer.bias:
-                q += layer.bias["q"]
-                kk += layer.bias["k"]
-                v += layer.bias["v"]
-            q = np.ascontiguousarray(q).reshape(T, cfg.num_heads, cfg.head_dim)
-            kk = np.ascontiguousarray(kk).reshape(T, cfg.num_kv_heads, cfg.head_dim)
+            qkv = self._dense(m["qkv"], xn, p)
+            if layer.qkv_bias is not None:
+                qkv += layer.qkv_bias
+            qd, kvd = cfg.q_dim, cfg.kv_dim
+            q = np.ascontiguousarray(qkv[:, :qd]).reshape(T, cfg.num_heads, cfg.head_dim)
+            kk = np.ascontiguousarray(qkv[:, qd:qd + kvd]).reshape(T, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, qd + kvd:]
             if layer.q_norm is not None:
                 k.rmsnorm(q, layer.q_norm, cfg.rms_eps, q)
                 k.rmsnorm(kk, layer.k_norm, cfg.rms_eps, kk)
@@ -299,10 +311,11 @@ class Engine:
             k.attention_prefill(q, kc[: start + T], vc[: start + T], start, attn)
             x += self._dense(m["o"], attn.reshape(T, -1), p)
             k.rmsnorm(x, layer.mlp_norm, cfg.rms_eps, xn)
-            gate = np.ascontiguousarray(self._dense(m["gate"], xn, p))
-            up = np.ascontiguousarray(self._dense(m["up"], xn, p))
-            k.silu_mul(gate, up, gate)
-            x += self._dense(m["down"], gate, p)
+            gate_up = self._dense(m["gate_up"], xn, p)
+            f = cfg.intermediate_size
+            act = np.empty((T, f), dtype=np.float32)
+            k.silu_mul(np.ascontiguousarray(gate_up[:, :f]), np.ascontiguousarray(gate_up[:, f:]), act)
+            x += self._dense(m["down"], act, p)
         self.n_past = start + T
         return x
 

@@ -68,7 +68,8 @@ def llama_cpp(gguf: Path, threads: int, n_prompt: int, n_gen: int, text: str) ->
 
 
 def main() -> None:
-    from nerva_cli.bench import PROMPT_SEED_TEXT, cpu_name
+    from nerva_cli.bench import PROMPT_SEED_TEXT
+    from nerva_cli.machine import cpu_name
     from nerva_cli.sources.resolve import bundled_gguf
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

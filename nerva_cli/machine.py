@@ -1,0 +1,36 @@
+"""Facts about this machine that the CLI needs before numpy is imported (no heavy imports)."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def physical_cores() -> int:
+    """Cores, not hyper-threads, that this process may run on."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    seen = set()
+    for cpu in allowed:
+        try:
+            topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+            seen.add(((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip()))
+        except OSError:
+            seen.add(cpu)
+    return max(1, len(seen))
+
+
+def limit_blas_threads(threads: int) -> None:
+    """OpenBLAS (prefill GEMMs) reads its thread count once, when numpy is first imported."""
+    os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
