@@ -89,6 +89,8 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
         "ttft_ms": round(float(np.median([s.ttft_s for s in runs])) * 1000, 2),
         "token_ms_p50": round(float(np.percentile(token_ms, 50)), 3),
         "token_ms_p99": round(float(np.percentile(token_ms, 99)), 3),
+        "w4a8_layers": engine.precision_counts["w4a8"], "w4a16_layers": engine.precision_counts["w4a16"],
+        "exact_layers": engine.precision_counts["exact"], "active_layers": len(engine.layers),
         "weight_bytes": engine.weight_bytes, "kv_cache_bytes": engine.a.kv_bytes,
         "hot_path_allocations": allocs,
         "peak_rss_bytes": peak_rss_bytes(),

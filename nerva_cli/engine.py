@@ -143,7 +143,10 @@ def default_precision(model: StoredModel, precision: str | None) -> str:
 
 class Engine:
     def __init__(self, model: StoredModel, backend: str = "cpu", precision: str | None = None,
-                 ctx: int | None = None):
+                 ctx: int | None = None, layer_precisions: list[str] | None = None,
+                 active_layers: list[int] | None = None):
+        """layer_precisions: per-layer w4a16/w4a8 (MCAP's mixed dispatch) for a q4_0 model;
+        active_layers: the layers that run (hot-only mode), the others pass the residual on."""
         from nerva_cli.backends import get_backend
 
         self.model = model
@@ -160,8 +163,15 @@ class Engine:
         self.embed = Linear.from_stored(g, "embed")
         self.final_norm = as_f32(g["final_norm"])
         self.lm_head = Linear.from_stored(g, "lm_head") if "lm_head" in g or "lm_head.qs" in g else self.embed
-        self.layers = [Layer.from_stored(i, model.read_file(layer_file(i)), self.precision)
-                       for i in range(cfg.num_layers)]
+        if layer_precisions is not None:
+            if self.precision == "exact" or len(layer_precisions) != cfg.num_layers or \
+                    not set(layer_precisions) <= {"w4a16", "w4a8"}:
+                raise NervaError("per-layer precisions need a q4_0 model and one of w4a16/w4a8 per layer")
+            self.precision = "mixed"
+        per_layer = layer_precisions or [self.precision] * cfg.num_layers
+        self.active = sorted(set(range(cfg.num_layers) if active_layers is None else active_layers))
+        self.layers = [Layer.from_stored(i, model.read_file(layer_file(i)), per_layer[i])
+                       for i in self.active]
         self.a = Arena(cfg, self.ctx)
         self.n_past = 0
 
@@ -277,7 +287,7 @@ class Engine:
     @property
     def _scratch(self) -> np.ndarray:
         if not hasattr(self, "_scratch_buf"):
-            widest = max(m.rows * m.cols for m in self.layers[0].mats.values())
+            widest = max((m.rows * m.cols for m in self.layers[0].mats.values()) if self.layers else [QK])
             self._scratch_buf = np.empty(widest, dtype=np.float32)
         return self._scratch_buf
 
@@ -341,6 +351,13 @@ class Engine:
     def truncate(self, n: int) -> None:
         """Forget positions from n on (the cache rows are simply overwritten later)."""
         self.n_past = min(self.n_past, n)
+
+    @property
+    def precision_counts(self) -> dict[str, int]:
+        counts = {"w4a8": 0, "w4a16": 0, "exact": 0}
+        for layer in self.layers:
+            counts[layer.precision] += 1
+        return counts
 
     @property
     def weight_bytes(self) -> int:
