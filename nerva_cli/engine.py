@@ -287,47 +287,64 @@ class Engine:
     @property
     def _scratch(self) -> np.ndarray:
         if not hasattr(self, "_scratch_buf"):
-            widest = max((m.rows * m.cols for m in self.layers[0].mats.values()) if self.layers else [QK])
+            c = self.cfg
+            widest = max((c.q_dim + 2 * c.kv_dim) * c.hidden_size, 2 * c.intermediate_size * c.hidden_size,
+                         c.hidden_size * c.q_dim)
             self._scratch_buf = np.empty(widest, dtype=np.float32)
         return self._scratch_buf
 
     def _prefill_chunk(self, tokens: list[int]) -> np.ndarray:
-        cfg, k = self.cfg, self.k
-        T, start = len(tokens), self.n_past
-        x = np.empty((T, cfg.hidden_size), dtype=np.float32)
+        start = self.n_past
+        x = self.embed_rows(tokens)
+        for layer in self.layers:
+            self.prefill_layer(layer, x, start)
+        self.n_past = start + len(tokens)
+        return x
+
+    def embed_rows(self, tokens: list[int]) -> np.ndarray:
+        x = np.empty((len(tokens), self.cfg.hidden_size), dtype=np.float32)
         for t, tok in enumerate(tokens):
             self._embed_row(tok, x[t])
+        return x
+
+    def prefill_layer(self, layer: Layer, x: np.ndarray, start: int, taps: dict | None = None) -> None:
+        """One layer over a chunk x [T, hidden] at positions start.., in place, writing the
+        layer's K/V cache rows. `taps`, when given, receives the fused q/k/v projection output
+        ("qkv", before RoPE) and the MLP output ("mlp") that MCAP scores are made of."""
+        cfg, k = self.cfg, self.k
+        T, p, m = x.shape[0], layer.precision, layer.mats
         pos = np.arange(start, start + T, dtype=np.int64)
         xn = np.empty_like(x)
-        for layer in self.layers:
-            p, m = layer.precision, layer.mats
-            k.rmsnorm(x, layer.attn_norm, cfg.rms_eps, xn)
-            qkv = self._dense(m["qkv"], xn, p)
-            if layer.qkv_bias is not None:
-                qkv += layer.qkv_bias
-            qd, kvd = cfg.q_dim, cfg.kv_dim
-            q = np.ascontiguousarray(qkv[:, :qd]).reshape(T, cfg.num_heads, cfg.head_dim)
-            kk = np.ascontiguousarray(qkv[:, qd:qd + kvd]).reshape(T, cfg.num_kv_heads, cfg.head_dim)
-            v = qkv[:, qd + kvd:]
-            if layer.q_norm is not None:
-                k.rmsnorm(q, layer.q_norm, cfg.rms_eps, q)
-                k.rmsnorm(kk, layer.k_norm, cfg.rms_eps, kk)
-            k.rope(q, pos, self.cos, self.sin)
-            k.rope(kk, pos, self.cos, self.sin)
-            kc, vc = self.a.k_cache[layer.index], self.a.v_cache[layer.index]
-            kc[start:start + T] = kk
-            vc[start:start + T] = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-            attn = np.empty_like(q)
-            k.attention_prefill(q, kc[: start + T], vc[: start + T], start, attn)
-            x += self._dense(m["o"], attn.reshape(T, -1), p)
-            k.rmsnorm(x, layer.mlp_norm, cfg.rms_eps, xn)
-            gate_up = self._dense(m["gate_up"], xn, p)
-            f = cfg.intermediate_size
-            act = np.empty((T, f), dtype=np.float32)
-            k.silu_mul(np.ascontiguousarray(gate_up[:, :f]), np.ascontiguousarray(gate_up[:, f:]), act)
-            x += self._dense(m["down"], act, p)
-        self.n_past = start + T
-        return x
+        k.rmsnorm(x, layer.attn_norm, cfg.rms_eps, xn)
+        qkv = self._dense(m["qkv"], xn, p)
+        if layer.qkv_bias is not None:
+            qkv += layer.qkv_bias
+        if taps is not None:
+            taps["qkv"] = qkv.copy()
+        qd, kvd = cfg.q_dim, cfg.kv_dim
+        q = np.ascontiguousarray(qkv[:, :qd]).reshape(T, cfg.num_heads, cfg.head_dim)
+        kk = np.ascontiguousarray(qkv[:, qd:qd + kvd]).reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, qd + kvd:]
+        if layer.q_norm is not None:
+            k.rmsnorm(q, layer.q_norm, cfg.rms_eps, q)
+            k.rmsnorm(kk, layer.k_norm, cfg.rms_eps, kk)
+        k.rope(q, pos, self.cos, self.sin)
+        k.rope(kk, pos, self.cos, self.sin)
+        kc, vc = self.a.k_cache[layer.index], self.a.v_cache[layer.index]
+        kc[start:start + T] = kk
+        vc[start:start + T] = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        attn = np.empty_like(q)
+        k.attention_prefill(q, kc[: start + T], vc[: start + T], start, attn)
+        x += self._dense(m["o"], attn.reshape(T, -1), p)
+        k.rmsnorm(x, layer.mlp_norm, cfg.rms_eps, xn)
+        gate_up = self._dense(m["gate_up"], xn, p)
+        f = cfg.intermediate_size
+        act = np.empty((T, f), dtype=np.float32)
+        k.silu_mul(np.ascontiguousarray(gate_up[:, :f]), np.ascontiguousarray(gate_up[:, f:]), act)
+        mlp = self._dense(m["down"], act, p)
+        if taps is not None:
+            taps["mlp"] = mlp
+        x += mlp
 
     def _logits_rows(self, x: np.ndarray) -> np.ndarray:
         """Final norm + lm_head for a few rows (prefill); dequantises lm_head in row slices."""
