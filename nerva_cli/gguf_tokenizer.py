@@ -1,9 +1,15 @@
 """A GGUF's tokenizer as the files a store model keeps: tokenizer.json (built with `tokenizers`),
 tokenizer_config.json (special tokens, chat template) and generation_config.json.
 
-Byte-level BPE ("gpt2") vocabularies are rebuilt with the pre-tokenizer their `pre` names, the
-way llama.cpp splits text for them; SentencePiece-style ("llama") vocabularies get a BPE with
-merges ranked by the token scores and byte fallback.
+Where transformers' GGUF loader and llama.cpp disagree, this follows llama.cpp, which tokenizes
+the way the model's own tokenizer did:
+- byte-level BPE ("gpt2") splits text by `tokenizer.ggml.pre` with llama.cpp's expressions, so
+  `pre = smollm` splits digits apart (transformers uses GPT-2's split for it, which differs on
+  whitespace before a digit: "if x:\\n    1");
+- control and user-defined tokens keep their text and their id even when it is not spelled in the
+  byte alphabet (transformers drops those, so DeepSeek's `<｜begin▁of▁sentence｜>` would be cut up);
+- SentencePiece ("llama") prepends the space per `add_space_prefix` to every run of text between
+  special tokens, as SentencePiece and llama.cpp do (transformers prepends once, ignoring the flag).
 """
 
 from __future__ import annotations
@@ -12,17 +18,19 @@ import json
 
 from nerva_cli.errors import BadInput
 
-CONTROL, USER_DEFINED = 3, 4
+UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
 
-# llama.cpp's split expressions per `tokenizer.ggml.pre` (llama-vocab.cpp), for the families
-# nerva runs; other names get GPT-2's split, as transformers' GGUF loader does.
+# llama.cpp's split expressions per `pre` (llama-vocab.cpp), for the families nerva runs. Other
+# names get GPT-2's split, as in transformers; llama.cpp agrees for "gpt-2", "mpt", "olmo", not
+# for the "default" of files older than the `pre` key.
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-SPLITS = {"llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "smaug-bpe": _LLAMA3,
-          "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2}
-DIGIT_SPLIT = {"smollm"}  # each digit its own piece, then GPT-2's split (SmolLM's tokenizer.json)
+LLAMA3_PRE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "smaug-bpe"}
+SPLITS = {**dict.fromkeys(LLAMA3_PRE, _LLAMA3), "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2}
+# llama.cpp isolates every digit first, then applies GPT-2's split (SmolLM's tokenizer.json too).
+DIGIT_SPLIT = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"}
 
 
 def _field(reader, key, default=None):
@@ -30,61 +38,63 @@ def _field(reader, key, default=None):
     return default if f is None else f.contents()
 
 
-def _byte_level_pre_tokenizer(pre: str | None):
-    from tokenizers import Regex, pre_tokenizers
-
-    if pre in SPLITS:
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(SPLITS[pre]), behavior="isolated"),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    if pre in DIGIT_SPLIT:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-
-
-def _gpt2(tokens: list[str], merges: list[str], pre: str | None):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
-    table = {b: c for b, c in zip(range(256), _bytes_to_unicode())}
-    # A token outside the byte alphabet is a llama.cpp mislabel; spell its UTF-8 in the alphabet.
-    vocab = {}
-    for i, t in enumerate(tokens):
-        vocab.setdefault(t if set(t) <= alphabet else "".join(table[b] for b in t.encode()), i)
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tok = Tokenizer(models.BPE(vocab, pairs, fuse_unk=False))
-    tok.pre_tokenizer = _byte_level_pre_tokenizer(pre)
-    tok.decoder = decoders.ByteLevel()
-    return tok, alphabet
-
-
-def _bytes_to_unicode() -> list[str]:
-    """GPT-2's printable spelling of the 256 byte values, in byte order."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    chars, extra = {}, 0
+def _byte_spelling() -> list[str]:
+    """GPT-2's printable character for each byte value, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    spelled, extra = [], 0
     for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
+        spelled.append(chr(b) if b in printable else chr(256 + extra))
+        extra += b not in printable
+    return spelled
 
 
-def _spm(tokens: list[str], scores: list[float], add_space_prefix: bool):
-    """SentencePiece BPE: merges ranked by the score of the token they make."""
+def _byte_level(tokens: list[str], types: list[int], merges: list[str], pre: str | None):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    spelling = _byte_spelling()
+    alphabet = set(spelling)
+    vocab = {}
+    for i, (t, kind) in enumerate(zip(tokens, types)):
+        if kind not in (CONTROL, USER_DEFINED) and not set(t) <= alphabet:
+            # written as text rather than in the byte alphabet the merges use: spell its bytes
+            t = "".join(spelling[b] for b in t.encode())
+        vocab[t] = i
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    # llama.cpp (and Llama 3's tokenizer.json) take a whole piece that is a token as is
+    tok = Tokenizer(models.BPE(vocab, pairs, ignore_merges=pre in LLAMA3_PRE))
+    if pre in SPLITS:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    elif pre in DIGIT_SPLIT:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """SentencePiece BPE merges the best-scored token first; ties broken as transformers does
+    (longer left piece, longer right piece, then vocabulary order)."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    found = []
+    for t, score in zip(tokens, scores):
+        splits = sorted((ids[t[:k]], ids[t[k:]], k) for k in range(1, len(t)) if t[:k] in ids and t[k:] in ids)
+        found += [(score, t[:k], t[k:]) for _, _, k in splits]
+    found.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)  # stable
+    return [(left, right) for _, left, right in found]
+
+
+def _sentencepiece(tokens: list[str], scores: list[float], merges: list[str] | None,
+                   add_space_prefix: bool, unk: str | None):
     from tokenizers import Tokenizer, decoders, models, normalizers
 
-    vocab = {t: i for i, t in enumerate(tokens)}
-    merges = []
-    for t, score in zip(tokens, scores):
-        for k in range(1, len(t)):
-            left, right = t[:k], t[k:]
-            if left in vocab and right in vocab:
-                merges.append((score, vocab[left], vocab[right], left, right))
-    merges.sort(key=lambda m: (-m[0], m[1], m[2]))
-    tok = Tokenizer(models.BPE(vocab, [(m[3], m[4]) for m in merges], byte_fallback=True, fuse_unk=True,
-                               unk_token=tokens[0] if tokens else None))
+    pairs = [tuple(m.split(" ", 1)) for m in merges] if merges else _merges_from_scores(tokens, scores)
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, pairs, unk_token=unk,
+                               fuse_unk=True, byte_fallback=True))
+    # a normalizer, not Metaspace: it runs on each stretch of text between special tokens
     steps = [normalizers.Replace(" ", "\u2581")]
     if add_space_prefix:
         steps.insert(0, normalizers.Prepend("\u2581"))
@@ -97,47 +107,60 @@ def _spm(tokens: list[str], scores: list[float], add_space_prefix: bool):
 
 
 def tokenizer_files_from_gguf(reader, path: str = "") -> dict[str, str]:
+    """{"tokenizer.json", "tokenizer_config.json", "generation_config.json": text} for a
+    `gguf.GGUFReader`; `path` names the file in errors."""
     from tokenizers import AddedToken
 
     kind = _field(reader, "tokenizer.ggml.model")
     tokens = _field(reader, "tokenizer.ggml.tokens")
-    if not tokens:
-        raise BadInput(f"{path}: no tokenizer in the GGUF (tokenizer.ggml.tokens is missing)")
-    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-    if kind == "gpt2":
-        merges = _field(reader, "tokenizer.ggml.merges")
-        if not merges:
-            raise BadInput(f"{path}: byte-level BPE tokenizer without tokenizer.ggml.merges")
-        tok, alphabet = _gpt2(tokens, merges, _field(reader, "tokenizer.ggml.pre"))
-    elif kind == "llama":
-        scores = _field(reader, "tokenizer.ggml.scores")
-        if not scores:
-            raise BadInput(f"{path}: SentencePiece tokenizer without tokenizer.ggml.scores")
-        tok, alphabet = _spm(tokens, scores, bool(_field(reader, "tokenizer.ggml.add_space_prefix", True))), None
-    else:
+    if kind is None or not tokens:
+        raise BadInput(f"{path}: no tokenizer in the GGUF (tokenizer.ggml.model or .tokens is missing)")
+    if kind not in ("gpt2", "llama"):
         raise BadInput(f"{path}: tokenizer model '{kind}' is not supported (supported: gpt2, llama)")
-    special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types)
-               if ty == CONTROL and (alphabet is None or set(t) <= alphabet)]
-    user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED]
-    tok.add_special_tokens(special)
-    tok.add_tokens(user)
+    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = _field(reader, "tokenizer.ggml.merges")
+    pre = _field(reader, "tokenizer.ggml.pre")
 
     def token_of(key):
-        i = _field(reader, key)
+        i = _field(reader, f"tokenizer.ggml.{key}")
         return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
 
-    bos_id, eos_id = _field(reader, "tokenizer.ggml.bos_token_id"), _field(reader, "tokenizer.ggml.eos_token_id")
-    config = {"bos_token": token_of("tokenizer.ggml.bos_token_id"),
-              "eos_token": token_of("tokenizer.ggml.eos_token_id"),
-              "unk_token": token_of("tokenizer.ggml.unknown_token_id"),
-              "pad_token": token_of("tokenizer.ggml.padding_token_id"),
-              "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", kind == "llama")),
-              "add_eos_token": bool(_field(reader, "tokenizer.ggml.add_eos_token", False))}
-    template = _field(reader, "tokenizer.chat_template")
-    if template:
-        config["chat_template"] = template
-    generation = {"bos_token_id": None if bos_id is None else int(bos_id),
-                  "eos_token_id": None if eos_id is None else int(eos_id)}
+    named = {name: token_of(f"{name}_token_id") for name in ("bos", "eos", "padding")}
+    named["unknown"] = token_of("unknown_token_id") or next(
+        (t for t, k in zip(tokens, types) if k == UNKNOWN), None)
+    if kind == "gpt2":
+        if not merges:
+            raise BadInput(f"{path}: byte-level BPE tokenizer without tokenizer.ggml.merges")
+        tok = _byte_level(tokens, types, merges, pre)
+    else:
+        scores = _field(reader, "tokenizer.ggml.scores")
+        if not scores and not merges:
+            raise BadInput(f"{path}: SentencePiece tokenizer without tokenizer.ggml.scores")
+        tok = _sentencepiece(tokens, scores, merges, bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)),
+                             named["unknown"])
+
+    # llama.cpp matches these whole in the text, by type (a pad id may point at a plain token);
+    # the special ones are dropped by decode(skip_special_tokens). Each keeps its id: its text is
+    # already in the model's vocabulary.
+    special = {t for t, k in zip(tokens, types) if k in (CONTROL, UNKNOWN)}
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens if t in special])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, k in zip(tokens, types) if k == USER_DEFINED and t not in special])
+
+    add_bos = _field(reader, "tokenizer.ggml.add_bos_token", kind == "llama" or pre in LLAMA3_PRE)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast",
+              "bos_token": named["bos"], "eos_token": named["eos"],
+              "unk_token": named["unknown"], "pad_token": named["padding"],
+              "add_bos_token": bool(add_bos),
+              "add_eos_token": bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
+              "clean_up_tokenization_spaces": False,
+              "model_max_length": _field(reader, f"{_field(reader, 'general.architecture')}.context_length"),
+              "chat_template": _field(reader, "tokenizer.chat_template")}
+    eos = [int(i) for i in (_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
+           if i is not None]
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    generation = {"bos_token_id": None if bos is None else int(bos),
+                  "eos_token_id": eos[0] if len(set(eos)) == 1 else (list(dict.fromkeys(eos)) or None)}
     return {"tokenizer.json": tok.to_str(),
             "tokenizer_config.json": json.dumps({k: v for k, v in config.items() if v is not None}, indent=1),
             "generation_config.json": json.dumps(generation, indent=1)}
