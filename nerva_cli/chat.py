@@ -9,10 +9,11 @@ from nerva_cli.sampling import Sampler, SamplingOptions
 
 class ChatSession:
     def __init__(self, engine, tokenizer, opts: SamplingOptions, max_tokens: int, raw: bool = False,
-                 system: str | None = None, stops: list[str] = ()):
+                 system: str | None = None, stops: list[str] = (), ledger=None):
         self.engine, self.tok, self.opts = engine, tokenizer, opts
         self.max_tokens, self.raw, self.stops = max_tokens, raw, list(stops)
         self.system = system
+        self.ledger = ledger
         self.sampler = Sampler(opts, engine.cfg.vocab_size)
         self.clear()
 
@@ -45,7 +46,8 @@ class ChatSession:
                              f"({self.engine.ctx}); /clear it or raise --ctx")
         decoder = self.tok.stream_decoder()
         out, stats = generate(self.engine, ids[common:], self.sampler, min(self.max_tokens, budget),
-                              eos_ids=self.tok.eos_ids, decoder=decoder, stops=self.stops, on_text=write)
+                              eos_ids=self.tok.eos_ids, decoder=decoder, stops=self.stops, on_text=write,
+                              ledger=self.ledger)
         # the engine has run every generated token but, when it stopped on length or a stop
         # string, the last one sampled
         self.cached = (ids + out)[: self.engine.n_past]

@@ -9,6 +9,7 @@ every buffer it writes is made in `Arena` before the first token.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from time import perf_counter_ns
 
 import numpy as np
 
@@ -20,6 +21,7 @@ from nerva_cli.quant import QK
 from nerva_cli.store import StoredModel
 
 PRECISIONS = ("exact", "w4a16", "w4a8")
+PHASES = ("embed", "attention", "mlp", "lm_head")
 PREFILL_CHUNK = 256
 
 
@@ -88,9 +90,53 @@ class Layer:
                    own(as_f32(t["q_norm"])) if "q_norm" in t else None,
                    own(as_f32(t["k_norm"])) if "k_norm" in t else None, precision)
 
+    @classmethod
+    def viewing(cls, t: dict, precision: str):
+        """A Layer over a staging slot's tensors, unfused and without copies of the q4_0 planes
+        (fusing would copy per read). -> (layer, refresh): refresh() re-derives, in place, the
+        arrays kept beside the views (f32 matrices of exact variants, the fused bias)."""
+        mats, widen = {}, []
+        for m in MATRICES:
+            if f"{m}.qs" in t:
+                mats[m] = Linear(t[f"{m}.qs"].shape[0], t[f"{m}.qs"].shape[1] * 2, qs=t[f"{m}.qs"], d=t[f"{m}.d"])
+            else:
+                mats[m] = Linear(*t[m].shape, w=np.empty(t[m].shape, dtype=np.float32))
+                widen.append((t[m], mats[m].w))
+        biases = [t[f"{m}_bias"] for m in ("q", "k", "v") if f"{m}_bias" in t]
+        bias = np.empty(sum(b.size for b in biases), dtype=np.float32) if biases else None
+
+        def refresh() -> None:
+            for src, dst in widen:
+                if src.dtype == np.uint16:  # bf16 bits: widen to the high half of an f32
+                    bits = dst.view(np.uint32)
+                    bits[...] = src
+                    bits <<= 16
+                else:
+                    np.copyto(dst, src)
+            if bias is not None:
+                np.concatenate(biases, out=bias)
+
+        layer = cls(-1, t["attn_norm"], t["mlp_norm"], mats, bias, t.get("q_norm"), t.get("k_norm"), precision)
+        return layer, refresh
+
     @property
     def nbytes(self) -> int:
         return sum(m.nbytes for m in self.mats.values())
+
+
+class ResidentWeights:
+    """Every layer in RAM: a pass is the list itself."""
+
+    def __init__(self, layers: list):
+        self._layers = layers
+        self.stats = None
+        self.direct_io = None
+
+    def layers(self):
+        return self._layers
+
+    def close(self) -> None:
+        pass
 
 
 class Arena:
@@ -108,6 +154,7 @@ class Arena:
         self.attn, self.o = z(cfg.num_heads, cfg.head_dim), z(h)
         self.gate_up, self.act, self.down = z(2 * f), z(f), z(h)
         self.gate, self.up = self.gate_up[:f], self.gate_up[f:]
+        self.q_flat, self.k_flat, self.v_flat = self.qkv[:q], self.qkv[q:q + kv], self.qkv[q + kv:]
         self.logits = z(cfg.vocab_size)
         widest = max(h, f, cfg.q_dim)
         self.xq = np.zeros(widest, dtype=np.int8)
@@ -127,6 +174,11 @@ class Arena:
     def kv_bytes(self) -> int:
         return sum(a.nbytes for a in self.k_cache + self.v_cache)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in vars(self).values() if isinstance(v, np.ndarray) and v.base is None) \
+            + self.kv_bytes
+
 
 def default_precision(model: StoredModel, precision: str | None) -> str:
     if model.variant in ("f16", "bf16"):
@@ -144,7 +196,8 @@ def default_precision(model: StoredModel, precision: str | None) -> str:
 class Engine:
     def __init__(self, model: StoredModel, backend: str = "cpu", precision: str | None = None,
                  ctx: int | None = None, layer_precisions: list[str] | None = None,
-                 active_layers: list[int] | None = None):
+                 active_layers: list[int] | None = None, ram_budget: int | None = None,
+                 policy: str = "ring", importance: dict[int, float] | None = None):
         """layer_precisions: per-layer w4a16/w4a8 (MCAP's mixed dispatch) for a q4_0 model;
         active_layers: the layers that run (hot-only mode), the others pass the residual on."""
         from nerva_cli.backends import get_backend
@@ -170,10 +223,35 @@ class Engine:
             self.precision = "mixed"
         per_layer = layer_precisions or [self.precision] * cfg.num_layers
         self.active = sorted(set(range(cfg.num_layers) if active_layers is None else active_layers))
-        self.layers = [Layer.from_stored(i, model.read_file(layer_file(i)), per_layer[i])
-                       for i in self.active]
+        self.layer_precision = {i: per_layer[i] for i in self.active}
         self.a = Arena(cfg, self.ctx)
         self.n_past = 0
+        self.phase_ns = dict.fromkeys(PHASES, 0)
+        self.policy = policy
+        self.plan = self._plan(ram_budget, importance)
+        resident = {i: Layer.from_stored(i, model.read_file(layer_file(i)), per_layer[i])
+                    for i in self.plan.resident_layers}
+        if self.plan.paged_layers:
+            from nerva_cli.pager import PagedWeights
+
+            self.weights = PagedWeights(model, resident, self.plan.paged_layers, self.layer_precision,
+                                        self.plan.slots, self.plan.slot_bytes, policy,
+                                        lambda t: Layer.viewing(t, self.precision))
+        else:
+            self.weights = ResidentWeights([resident[i] for i in self.active])
+
+    def _plan(self, ram_budget: int | None, importance):
+        from nerva_cli.residency import plan
+
+        files = self.model.meta["files"]
+        fixed = {"kv_cache": ("kv_cache", self.a.kv_bytes),
+                 "workspace": ("workspace", self.a.nbytes - self.a.kv_bytes + 4 * self._scratch.size),
+                 "embed": ("embed", files["embed.bin"]["size"]),
+                 "norms": ("norms", files["final_norm.bin"]["size"])}
+        if "lm_head.bin" in files:
+            fixed["lm_head"] = ("lm_head", files["lm_head.bin"]["size"])
+        layer_bytes = {i: files[layer_file(i)]["size"] for i in self.active}
+        return plan(fixed, layer_bytes, ram_budget, importance)
 
     # -- building blocks ---------------------------------------------------------------------
     def _quantize_input(self, x: np.ndarray) -> None:
@@ -204,11 +282,15 @@ class Engine:
         if pos >= self.ctx:
             raise NervaError(f"context is full ({self.ctx} tokens); raise --ctx")
         a.pos[0] = pos
+        t0 = perf_counter_ns()
         self._embed_row(token, a.x)
-        for layer in self.layers:
+        self.phase_ns["embed"] += perf_counter_ns() - t0
+        for layer in self.weights.layers():
             self._decode_layer(layer, pos)
+        t1 = perf_counter_ns()
         k.rmsnorm(a.x, self.final_norm, cfg.rms_eps, a.xn)
         self._lm_head(a.xn, a.logits)
+        self.phase_ns["lm_head"] += perf_counter_ns() - t1
         self.n_past = pos + 1
         return a.logits
 
@@ -221,10 +303,16 @@ class Engine:
     def _decode_layer(self, layer: Layer, pos: int) -> None:
         cfg, a, k, m = self.cfg, self.a, self.k, layer.mats
         w4a8 = layer.precision == "w4a8"
+        t0 = perf_counter_ns()
         k.rmsnorm(a.x, layer.attn_norm, cfg.rms_eps, a.xn)
         if w4a8:
             self._quantize_input(a.xn)
-        self._matvec(m["qkv"], a.xn, a.qkv, layer.precision)
+        if "qkv" in m:
+            self._matvec(m["qkv"], a.xn, a.qkv, layer.precision)
+        else:  # a paged layer views its file: q, k, v stay separate
+            self._matvec(m["q"], a.xn, a.q_flat, layer.precision)
+            self._matvec(m["k"], a.xn, a.k_flat, layer.precision)
+            self._matvec(m["v"], a.xn, a.v_flat, layer.precision)
         if layer.qkv_bias is not None:
             a.qkv += layer.qkv_bias
         if layer.q_norm is not None:
@@ -238,15 +326,23 @@ class Engine:
         if w4a8:
             self._quantize_input(a.attn_flat)
         self._matvec(m["o"], a.attn_flat, a.o, layer.precision)
+        t1 = perf_counter_ns()
         k.add_rmsnorm(a.o, a.x, layer.mlp_norm, cfg.rms_eps, a.xn)
         if w4a8:
             self._quantize_input(a.xn)
-        self._matvec(m["gate_up"], a.xn, a.gate_up, layer.precision)
+        if "gate_up" in m:
+            self._matvec(m["gate_up"], a.xn, a.gate_up, layer.precision)
+        else:
+            self._matvec(m["gate"], a.xn, a.gate, layer.precision)
+            self._matvec(m["up"], a.xn, a.up, layer.precision)
         k.silu_mul(a.gate, a.up, a.act)
         if w4a8:
             self._quantize_input(a.act)
         self._matvec(m["down"], a.act, a.down, layer.precision)
         a.x += a.down
+        t2 = perf_counter_ns()
+        self.phase_ns["attention"] += t1 - t0
+        self.phase_ns["mlp"] += t2 - t1
 
     # -- prefill -----------------------------------------------------------------------------
     def prefill(self, tokens: list[int], all_logits: bool = False) -> np.ndarray:
@@ -296,7 +392,7 @@ class Engine:
     def _prefill_chunk(self, tokens: list[int]) -> np.ndarray:
         start = self.n_past
         x = self.embed_rows(tokens)
-        for layer in self.layers:
+        for layer in self.weights.layers():
             self.prefill_layer(layer, x, start)
         self.n_past = start + len(tokens)
         return x
@@ -316,7 +412,10 @@ class Engine:
         pos = np.arange(start, start + T, dtype=np.int64)
         xn = np.empty_like(x)
         k.rmsnorm(x, layer.attn_norm, cfg.rms_eps, xn)
-        qkv = self._dense(m["qkv"], xn, p)
+        if "qkv" in m:
+            qkv = self._dense(m["qkv"], xn, p)
+        else:
+            qkv = np.concatenate([self._dense(m[n], xn, p) for n in ("q", "k", "v")], axis=1)
         if layer.qkv_bias is not None:
             qkv += layer.qkv_bias
         if taps is not None:
@@ -337,7 +436,10 @@ class Engine:
         k.attention_prefill(q, kc[: start + T], vc[: start + T], start, attn)
         x += self._dense(m["o"], attn.reshape(T, -1), p)
         k.rmsnorm(x, layer.mlp_norm, cfg.rms_eps, xn)
-        gate_up = self._dense(m["gate_up"], xn, p)
+        if "gate_up" in m:
+            gate_up = self._dense(m["gate_up"], xn, p)
+        else:
+            gate_up = np.concatenate([self._dense(m[n], xn, p) for n in ("gate", "up")], axis=1)
         f = cfg.intermediate_size
         act = np.empty((T, f), dtype=np.float32)
         k.silu_mul(np.ascontiguousarray(gate_up[:, :f]), np.ascontiguousarray(gate_up[:, f:]), act)
@@ -372,11 +474,12 @@ class Engine:
     @property
     def precision_counts(self) -> dict[str, int]:
         counts = {"w4a8": 0, "w4a16": 0, "exact": 0}
-        for layer in self.layers:
-            counts[layer.precision] += 1
+        for p in self.layer_precision.values():
+            counts[p] += 1
         return counts
 
     @property
     def weight_bytes(self) -> int:
         head = 0 if self.lm_head is self.embed else self.lm_head.nbytes
-        return sum(layer.nbytes for layer in self.layers) + self.embed.nbytes + head
+        files = self.model.meta["files"]
+        return sum(files[layer_file(i)]["size"] for i in self.active) + self.embed.nbytes + head

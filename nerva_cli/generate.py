@@ -64,7 +64,7 @@ class StopMatcher:
 def generate(engine, prompt_ids: list[int], sampler: Sampler, max_tokens: int,
              eos_ids: set[int] = frozenset(), decoder=None, stops: list[str] = (),
              on_text: Callable[[str], None] | None = None,
-             on_token: Callable[[int], None] | None = None) -> tuple[list[int], GenerationStats]:
+             on_token: Callable[[int], None] | None = None, ledger=None) -> tuple[list[int], GenerationStats]:
     """Prefills `prompt_ids` (on top of what the engine already holds) and decodes up to
     `max_tokens`. Ctrl-C stops the answer and returns what was made so far."""
     stats = GenerationStats(prompt_tokens=len(prompt_ids))
@@ -94,8 +94,10 @@ def generate(engine, prompt_ids: list[int], sampler: Sampler, max_tokens: int,
                 stats.stop_reason = "length"
                 break
             t = time.perf_counter()
-            logits = engine.decode(token)
-            token = sampler(logits)
+            if ledger is not None:
+                token = ledger.step(engine.decode, sampler, token)
+            else:
+                token = sampler(engine.decode(token))
             stats.token_s.append(time.perf_counter() - t)
     except KeyboardInterrupt:
         stats.stop_reason = "interrupted"

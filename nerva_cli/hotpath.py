@@ -7,16 +7,18 @@ serve here).
 tracemalloc knows live blocks and the peak, not how many blocks came and went, so a step that
 allocates counts once however many temporaries it made; that is enough to hold it at 0. Calls
 into numpy and numba themselves make short-lived Python objects (argument tuples, a view in a
-wrapper): up to ~450 bytes at once in a decode step, measured. A step counts when its peak rose
-more than SLACK_BYTES, so a buffer under about 1 KiB can go unseen; every hidden-, intermediate-
-or vocabulary-sized buffer of a real model is larger.
+wrapper), and tracemalloc sees every thread, the pager's reader too (a few ints per read, a stat
+result now and then): measured up to ~450 bytes at once in a resident decode step and ~2 KB
+with the reader running beside it. A step counts when its peak rose more than SLACK_BYTES, so a
+buffer under about 4 KiB can go unseen: a model's intermediate- and vocabulary-sized buffers
+(6 KB and 196 KB for SmolLM2) are larger, a hidden-sized one (2.3 KB there) may not be.
 """
 
 from __future__ import annotations
 
 import tracemalloc
 
-SLACK_BYTES = 1024
+SLACK_BYTES = 4096
 
 
 class AllocationCounter:

@@ -86,7 +86,8 @@ def test_run_prompt_streams_the_greedy_answer(smollm2_store, cli):
     from nerva_cli.tokenizer import TextTokenizer
 
     model = smollm2_store["q4_0"]
-    code, out, err = cli("run", model.path, "-p", "What is 2+2?", "--temperature", "0", "--max-tokens", "24")
+    code, out, err = cli("run", model.path, "-p", "What is 2+2?", "--temperature", "0", "--max-tokens", "24",
+                         "--precision", "w4a16")
     assert code == 0, err
     tok = TextTokenizer(model.path)
     ids = tok.encode(tok.render_chat([{"role": "user", "content": "What is 2+2?"}]), add_special=False)

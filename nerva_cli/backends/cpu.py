@@ -1,6 +1,7 @@
 """The CPU backend: ref's kernel contract compiled with numba and threaded (ARCHITECTURE section 7).
 
-Kernels compile on first use and are cached on disk (`cache=True`). Decode kernels allocate
+Kernels compile on first use and are cached on disk (`cache=True`). They release the GIL
+(`nogil`), so the pager's reader thread issues its disk reads while they compute. Decode kernels allocate
 nothing; the tiny ones (a few hundred elements, ~300 calls a token) run on one thread because a
 parallel region costs more than their work (CPU-NOTES); the matvecs and decode attention run in
 parallel. Threads: `set_threads`.
@@ -73,7 +74,7 @@ def _row_group(g, rows):
 
 # -- norms, rope, activation ----------------------------------------------------------------
 
-@njit(cache=True, fastmath=_FAST)
+@njit(cache=True, nogil=True, fastmath=_FAST)
 def rmsnorm(x, w, eps, out):
     n = w.shape[0]
     x2, out2 = x.reshape(-1, n), out.reshape(-1, n)  # reshaped here: ~0.3 us less than in Python
@@ -86,7 +87,7 @@ def rmsnorm(x, w, eps, out):
             out2[t, i] = x2[t, i] * inv * w[i]
 
 
-@njit(cache=True, fastmath=_FAST)
+@njit(cache=True, nogil=True, fastmath=_FAST)
 def add_rmsnorm(x, residual, w, eps, out):
     n = w.shape[0]
     x2, res2, out2 = x.reshape(-1, n), residual.reshape(-1, n), out.reshape(-1, n)
@@ -101,7 +102,7 @@ def add_rmsnorm(x, residual, w, eps, out):
             out2[t, i] = res2[t, i] * inv * w[i]
 
 
-@njit(cache=True, fastmath=_FAST)
+@njit(cache=True, nogil=True, fastmath=_FAST)
 def rope(x, pos, cos, sin):
     half = cos.shape[1]
     x3 = x.reshape(pos.shape[0], -1, 2 * half)
@@ -117,7 +118,7 @@ def rope(x, pos, cos, sin):
                 x3[t, h, i + half] = x2 * c + x1 * s
 
 
-@njit(cache=True, fastmath=_FAST)
+@njit(cache=True, nogil=True, fastmath=_FAST)
 def silu_mul(gate, up, out):
     g1, u1, o1 = gate.reshape(-1), up.reshape(-1), out.reshape(-1)
     for i in range(g1.shape[0]):
@@ -127,7 +128,7 @@ def silu_mul(gate, up, out):
 
 # -- Q4_0 matvecs ---------------------------------------------------------------------------
 
-@njit(cache=True, fastmath=_FAST, parallel=True)
+@njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
 def _w4a16(qs, d, x, out):
     # Four rows share every activation load, and two blocks share one horizontal reduction
     # (their scales are applied inside the sum): ~1.2x over one block at a time. An odd last
@@ -169,7 +170,7 @@ def matvec_q4_w4a16(qs, d, x, out):
     _w4a16(qs, d.view(np.uint16), x, out)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def quantize_act_q8(x, xq, xd, xs):
     # No fast-math: every step is a correctly rounded IEEE op, so the codes equal ref's.
     for b in range(xd.shape[0]):
@@ -191,7 +192,7 @@ def quantize_act_q8(x, xq, xd, xs):
         xs[b] = total
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def fake_quantize_q8(x, out):
     # Prefill's W4A8: rows quantised per 32-group as quantize_act_q8 does, then scaled back, so
     # a GEMM over them gives decode's integer products. Serial: it runs between BLAS GEMMs (see
@@ -211,7 +212,7 @@ def fake_quantize_q8(x, out):
                 out[r, 32 * b + j] = min(max(t, F32(-127)), F32(127)) * d
 
 
-@njit(cache=True, fastmath=_FAST, parallel=True)
+@njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
 def _w4a8(qs, d, xq, xd, xs, out):
     # The block's integer dot runs in float32: every partial sum is an integer below
     # 32 * 15 * 127 < 2^24, so float32 holds it exactly in any order, and float32 vectorises
@@ -245,7 +246,7 @@ def matvec_q4_w4a8(qs, d, xq, xd, xs, out):
     _w4a8(qs, d.view(np.uint16), xq, xd, xs, out)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _dequantize_q4(qs, d, out):
     # Serial on purpose: prefill calls this between BLAS GEMMs, and OpenBLAS's worker threads
     # spin-wait on the other core for a while after each GEMM. A parallel version measured
@@ -264,7 +265,7 @@ def dequantize_q4(qs, d, out):
     _dequantize_q4(qs, d.view(np.uint16), out)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _embed_q4(qs, d, token, out):
     for b in range(d.shape[1]):
         s = _half_to_f32(d[token, b])
@@ -288,7 +289,7 @@ def matvec_f32(w, x, out):
 
 # -- attention ------------------------------------------------------------------------------
 
-@njit(cache=True, fastmath=_FAST, parallel=True)
+@njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
 def attention_decode(q, k_cache, v_cache, n_ctx, out):
     # Online softmax, out[h] as the accumulator: no scratch. When a score beats the running
     # max m, what was accumulated so far is rescaled by exp(m_old - m_new), so at the end

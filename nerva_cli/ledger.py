@@ -1,0 +1,158 @@
+"""The per-token ledger (ARCHITECTURE 9): where each token's time and bytes went."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from time import perf_counter_ns
+
+import numpy as np
+
+from nerva_cli.hotpath import AllocationCounter
+
+
+@dataclass
+class TokenRecord:
+    index: int
+    token_id: int
+    piece: str
+    wall_us: float
+    embed_us: float
+    attention_us: float
+    mlp_us: float
+    lm_head_us: float
+    sample_us: float
+    stall_us: float
+    kernel_launches: int
+    syncs: int
+    disk_bytes: int
+    h2d_bytes: int
+    d2h_bytes: int
+    hits: int
+    faults: int
+    prefetched: int
+    evicted: int
+    w4a8_layers: int
+    w4a16_layers: int
+    exact_layers: int
+    hot_path_allocations: int
+
+
+class CountingBackend:
+    """The backend module with every kernel call counted (only while the ledger is on)."""
+
+    def __init__(self, backend):
+        self._b = backend
+        self.calls = 0
+
+    def __getattr__(self, name):
+        fn = getattr(self._b, name)
+        if not callable(fn):
+            return fn
+
+        def counted(*args):
+            self.calls += 1
+            return fn(*args)
+
+        setattr(self, name, counted)  # made once per kernel, then found without __getattr__
+        return counted
+
+
+class Ledger:
+    def __init__(self, engine, tokenizer=None, path=None):
+        self.engine, self.tok = engine, tokenizer
+        self.records: list[TokenRecord] = []
+        self.file = open(path, "w") if path else None
+        self.counting = CountingBackend(engine.k)
+        engine.k = self.counting
+        self.allocs = AllocationCounter().__enter__()
+
+    def _snapshot(self):
+        s = self.engine.weights.stats
+        return (dict(self.engine.phase_ns), self.counting.calls,
+                None if s is None else (s.disk_bytes, s.hits, s.faults, s.stall_ns, s.prefetched, s.evicted))
+
+    def step(self, decode, sampler, token: int):
+        """Runs one decode + sample under measurement; returns the next token."""
+        before = self._snapshot()
+        allocs_before = self.allocs.count
+        t0 = perf_counter_ns()
+        with self.allocs.step():
+            logits = decode(token)
+            t1 = perf_counter_ns()
+            nxt = sampler(logits)
+        t2 = perf_counter_ns()
+        phases, calls, pager = self._snapshot()
+        d = {k: (phases[k] - before[0][k]) / 1000 for k in phases}
+        p = [0] * 6 if pager is None else [a - b for a, b in zip(pager, before[2])]
+        counts = self.engine.precision_counts
+        rec = TokenRecord(
+            index=len(self.records), token_id=nxt, piece=self.tok.decode([nxt]) if self.tok else "",
+            wall_us=(t2 - t0) / 1000, embed_us=d["embed"], attention_us=d["attention"], mlp_us=d["mlp"],
+            lm_head_us=d["lm_head"], sample_us=(t2 - t1) / 1000, stall_us=p[3] / 1000,
+            kernel_launches=calls - before[1], syncs=0, disk_bytes=p[0], h2d_bytes=0, d2h_bytes=0,
+            hits=p[1], faults=p[2], prefetched=p[4], evicted=p[5], w4a8_layers=counts["w4a8"],
+            w4a16_layers=counts["w4a16"], exact_layers=counts["exact"],
+            hot_path_allocations=self.allocs.count - allocs_before)
+        self.records.append(rec)
+        if self.file:
+            self.file.write(json.dumps(asdict(rec)) + "\n")
+        return nxt
+
+    def close(self) -> None:
+        self.engine.k = self.counting._b
+        self.allocs.__exit__(None, None, None)
+        if self.file:
+            self.file.close()
+            self.file = None
+
+    def summary(self) -> dict:
+        if not self.records:
+            return {"tokens": 0}
+        col = lambda name: np.array([getattr(r, name) for r in self.records], dtype=np.float64)  # noqa: E731
+        wall = col("wall_us")
+        hits, faults = col("hits").sum(), col("faults").sum()
+        e = self.engine
+        return {
+            "tokens": len(self.records), "policy": getattr(e.weights, "policy", "resident"),
+            "direct_io": e.weights.direct_io, "wall_ms_total": wall.sum() / 1000,
+            "wall_us_mean": wall.mean(), "wall_us_p50": float(np.percentile(wall, 50)),
+            "wall_us_p99": float(np.percentile(wall, 99)),
+            **{f"{k}_us_mean": col(f"{k}_us").mean() for k in ("embed", "attention", "mlp", "lm_head",
+                                                               "sample", "stall")},
+            "kernel_launches_per_token": col("kernel_launches").mean(),
+            "disk_bytes_per_token": col("disk_bytes").mean(),
+            "hit_rate": hits / (hits + faults) if hits + faults else 1.0,
+            "resident_layers": len(e.plan.resident_layers), "paged_layers": len(e.plan.paged_layers),
+            "hot_path_allocations": int(col("hot_path_allocations").sum()),
+        }
+
+    def print_table(self, console, every: int = 1) -> None:
+        from rich.table import Table
+
+        from nerva_cli.output import human_bytes
+
+        table = Table(title="ledger (per decoded token, times in µs)", header_style="bold", box=None)
+        cols = ("#", "token", "piece", "wall", "embed", "attn", "mlp", "lm_head", "sample", "stall",
+                "launches", "disk", "hits", "faults", "w4a8/w4a16/exact", "allocs")
+        for c in cols:
+            table.add_column(c, justify="left" if c == "piece" else "right")
+        for r in self.records[::max(1, every)]:
+            table.add_row(str(r.index), str(r.token_id), repr(r.piece)[1:-1][:12], f"{r.wall_us:.0f}",
+                          f"{r.embed_us:.0f}", f"{r.attention_us:.0f}", f"{r.mlp_us:.0f}", f"{r.lm_head_us:.0f}",
+                          f"{r.sample_us:.0f}", f"{r.stall_us:.0f}", str(r.kernel_launches),
+                          human_bytes(r.disk_bytes), str(r.hits), str(r.faults),
+                          f"{r.w4a8_layers}/{r.w4a16_layers}/{r.exact_layers}", str(r.hot_path_allocations))
+        console.print(table, width=None if console.is_terminal else 200)  # piped: no wrapping
+        s = self.summary()
+        if s["tokens"]:
+            direct = {True: "O_DIRECT", False: "buffered (page cache hits are not disk reads)",
+                      None: "no reads"}[s["direct_io"]]
+            console.print(width=None if console.is_terminal else 200, *[
+                f"[bold]summary[/bold] {s['tokens']} tokens, {s['wall_ms_total']:.1f} ms; wall p50 "
+                f"{s['wall_us_p50']:.0f} µs, p99 {s['wall_us_p99']:.0f} µs; attention {s['attention_us_mean']:.0f}, "
+                f"mlp {s['mlp_us_mean']:.0f}, lm_head {s['lm_head_us_mean']:.0f}, sample {s['sample_us_mean']:.0f}, "
+                f"stall {s['stall_us_mean']:.0f} µs/token; {s['kernel_launches_per_token']:.0f} launches/token\n"
+                f"residency: policy {s['policy']}, {s['resident_layers']} layers resident, {s['paged_layers']} paged "
+                f"through slots; disk {human_bytes(s['disk_bytes_per_token'])}/token ({direct}); hit rate "
+                f"{s['hit_rate']:.2%}; hot-path allocations {s['hot_path_allocations']}"])

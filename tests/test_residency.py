@@ -1,0 +1,187 @@
+"""Residency: block states, the planner, paged decode under a RAM budget, the ledger."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from nerva_cli.engine import Engine
+from nerva_cli.errors import NervaError
+from nerva_cli.pull import pull
+from nerva_cli.residency import IllegalTransition, ResidentBlock, State, parse_budget, plan
+
+
+def test_block_state_machine_refuses_illegal_transitions():
+    b = ResidentBlock("layer", "layer_003", 4096, "host")
+    with pytest.raises(IllegalTransition):
+        b.move(State.READY)  # Unmapped -> Ready skips allocation and the read
+    with pytest.raises(IllegalTransition):
+        b.require_ready()  # nothing computes on a block that is not Ready
+    for s in (State.ALLOCATED, State.PREFETCHING, State.READY, State.IN_USE, State.READY,
+              State.EVICTING, State.UNMAPPED):
+        b.move(s)
+    assert b.version == 1
+    b.move(State.ALLOCATED)
+    with pytest.raises(IllegalTransition):
+        b.move(State.IN_USE)  # Allocated -> InUse: its bytes were never read
+    b.move(State.PREFETCHING)
+    with pytest.raises(IllegalTransition):
+        b.move(State.EVICTING)  # a read in flight is not evicted
+    b.move(State.READY)
+    b.require_ready()
+    assert b.version == 2
+
+
+def test_parse_budget():
+    assert parse_budget("512M", "ram-budget") == 512 << 20
+    assert parse_budget("1.5G", "ram-budget") == int(1.5 * (1 << 30))
+    assert parse_budget("4096", "ram-budget") == 4096
+    assert parse_budget("auto", "ram-budget") > 0
+    assert parse_budget(None, "ram-budget") is None
+    with pytest.raises(NervaError, match="ram-budget"):
+        parse_budget("lots", "ram-budget")
+
+
+def test_planner_fills_by_importance_and_refuses_too_small_budgets():
+    fixed = {"kv_cache": ("kv_cache", 1000), "embed": ("embed", 500)}
+    layers = {i: 100 for i in range(10)}
+    whole = plan(fixed, layers, budget=None)
+    assert whole.paged_layers == [] and whole.slots == 0
+    p = plan(fixed, layers, budget=1500 + 2 * 100 + 300, importance={7: 1.0, 2: 0.9, 5: 0.8, 1: 0.1})
+    assert p.resident_layers == [2, 5, 7] and p.paged_layers == [0, 1, 3, 4, 6, 8, 9]
+    assert p.slots == 2 and p.used_bytes <= p.budget and p.paged_bytes_per_token == 700
+    with pytest.raises(NervaError, match=r"smallest budget that works is .*\(1700 bytes\)"):
+        plan(fixed, layers, budget=1699)
+
+
+@pytest.fixture(scope="module")
+def deep_tiny(tmp_path_factory):
+    """family -> a 12-layer tiny model: deep enough that 30% of it holds the embeddings, two
+    staging slots and some resident layers."""
+    pytest.importorskip("transformers")
+    from conftest import make_tiny_model
+
+    root = tmp_path_factory.mktemp("deep")
+    made = {}
+
+    def get(family):
+        if family not in made:
+            made[family] = make_tiny_model(root / family, family, layers=12)
+        return made[family]
+
+    return get
+
+
+def budget_at(model_engine: Engine, fraction: float) -> int:
+    """KV cache and workspaces, plus `fraction` of the weights' bytes."""
+    p = model_engine.plan
+    weights = sum(f["size"] for f in model_engine.model.meta["files"].values())
+    return int(sum(b.nbytes for b in p.fixed if b.kind in ("kv_cache", "workspace")) + fraction * weights)
+
+
+def greedy(engine, prompt, n):
+    toks = [int(np.argmax(engine.prefill(prompt)))]
+    while len(toks) < n:
+        toks.append(int(np.argmax(engine.decode(toks[-1]))))
+    return toks
+
+
+@pytest.mark.parametrize("variant", ["q4_0", "f16"])
+@pytest.mark.parametrize("policy", ["ring", "lru"])
+def test_paged_decode_equals_resident_at_30_percent(variant, policy, deep_tiny, tmp_path):
+    model = pull(str(deep_tiny("qwen2")), variant=variant, out=tmp_path / "m")
+    prompt = [int(t) for t in np.random.default_rng().integers(0, 384, size=12)]
+    full = Engine(model, ctx=128)
+    want = greedy(full, prompt, 64)
+    paged = Engine(model, ctx=128, ram_budget=budget_at(full, 0.3), policy=policy)
+    assert paged.plan.paged_layers and paged.plan.used_bytes <= paged.plan.budget
+    try:
+        assert greedy(paged, prompt, 64) == want
+        s = paged.weights.stats
+        passes = 1 + 63  # one prefill chunk, 63 decode steps
+        extra = s.disk_bytes - passes * paged.plan.paged_bytes_per_token
+        # exactly the paged bytes per pass; the ring may have read up to its slots ahead
+        assert 0 <= extra <= paged.plan.slots * paged.plan.slot_bytes * (policy == "ring"), s
+    finally:
+        paged.weights.close()
+
+
+def test_paged_smollm2_equals_resident_and_reads_exactly_the_paged_bytes(smollm2_store, cli):
+    model = smollm2_store["q4_0"]
+    prompt = list(range(1000, 1016))
+    full = Engine(model, ctx=128)
+    want = greedy(full, prompt, 64)
+    paged = Engine(model, ctx=128, ram_budget=budget_at(full, 0.3))
+    try:
+        assert len(paged.plan.paged_layers) > len(paged.plan.resident_layers)
+        assert greedy(paged, prompt, 64) == want
+    finally:
+        paged.weights.close()
+    code, out, err = cli("bench", model.path, "--ram-budget", str(budget_at(full, 0.3)), "--ctx", "128",
+                         "--prompt-tokens", "16", "--gen-tokens", "24", "--repeat", "1", "--precision", "w4a16")
+    assert code == 0, err
+    r = json.loads(out)
+    files = model.meta["files"]
+    nonresident = sum(files[f"layer_{i:03d}.bin"]["size"] for i in range(30)) - \
+        sum(files[f"layer_{i:03d}.bin"]["size"] for i in range(30)) * r["resident_layers"] // 30
+    assert r["paged_layers"] == 30 - r["resident_layers"] > 0
+    assert abs(r["disk_bytes_per_token"] / nonresident - 1) < 0.01, (r, nonresident)
+    assert r["hot_path_allocations"] == 0
+    assert 0 <= r["hit_rate"] <= 1 and r["stall_ms_per_token"] >= 0
+
+
+def test_paged_decode_allocates_nothing_after_warmup(deep_tiny, tmp_path):
+    from nerva_cli.bench import hot_path_allocations
+
+    model = pull(str(deep_tiny("llama")), variant="q4_0", out=tmp_path / "m")
+    full = Engine(model, ctx=64)
+    for policy in ("ring", "lru"):
+        paged = Engine(model, ctx=64, ram_budget=budget_at(full, 0.3), policy=policy)
+        try:
+            assert hot_path_allocations(paged, [3, 4, 5], steps=16) == 0, policy
+        finally:
+            paged.weights.close()
+
+
+@pytest.mark.parametrize("damage", ["bytes", "size"])
+def test_layer_file_changed_after_load_stops_the_run(damage, deep_tiny, tmp_path):
+    model = pull(str(deep_tiny("llama")), variant="q4_0", out=tmp_path / "m")
+    full = Engine(model, ctx=64)
+    paged = Engine(model, ctx=64, ram_budget=budget_at(full, 0.3), policy="lru")
+    try:
+        victim = model.path / f"layer_{paged.plan.paged_layers[-1]:03d}.bin"
+        paged.prefill([1, 2, 3])
+        data = bytearray(victim.read_bytes())
+        if damage == "bytes":
+            data[100] ^= 0xFF
+        else:
+            data += bytes(4096)
+        victim.write_bytes(bytes(data))
+        with pytest.raises(NervaError, match=victim.name):
+            for _ in range(3 * 4):  # a changed file is caught within IDENTITY_EVERY reads of it
+                paged.decode(5)
+    finally:
+        paged.weights.close()
+
+
+def test_budget_too_small_is_refused_before_any_work(deep_tiny, tmp_path, cli):
+    model = pull(str(deep_tiny("llama")), variant="q4_0", out=tmp_path / "m")
+    code, out, err = cli("run", model.path, "-p", "hi", "--ram-budget", "64K", "--no-profile")
+    assert code == 1 and "smallest budget that works" in err and out == ""
+
+
+def test_run_ledger_table_and_file(deep_tiny, tmp_path, cli):
+    model = pull(str(deep_tiny("llama")), variant="q4_0", out=tmp_path / "m")
+    full = Engine(model, ctx=64)
+    path = tmp_path / "ledger.jsonl"
+    code, out, err = cli("run", model.path, "-p", "the quick brown fox", "-n", "10", "--temperature", "0",
+                         "--raw", "--no-profile", "--ctx", "64", "--ram-budget", str(budget_at(full, 0.3)),
+                         "--ledger", "--ledger-file", path)
+    assert code == 0, err
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert 1 <= len(rows) <= 10
+    assert all(r["disk_bytes"] > 0 and r["kernel_launches"] > 0 and r["wall_us"] > 0 for r in rows)
+    assert rows[-1]["w4a16_layers"] == 12
+    assert "ledger" in err and "summary" in err and "O_DIRECT" in err or "buffered" in err
