@@ -12,6 +12,7 @@ import numpy as np
 
 from nerva_cli import __version__
 from nerva_cli.errors import NervaError
+from nerva_cli.engine import PREFILL_CHUNK
 from nerva_cli.generate import generate
 from nerva_cli.hotpath import AllocationCounter
 from nerva_cli.machine import cpu_name
@@ -67,6 +68,7 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
     engine.reset()
     generate(engine, prompt[:16], Sampler(greedy, engine.cfg.vocab_size), max_tokens=4)
     runs = []
+    pager0 = _pager_counters(engine)
     for r in range(opts.repeat):
         engine.reset()
         _, stats = generate(engine, prompt, Sampler(greedy, engine.cfg.vocab_size), max_tokens=opts.gen_tokens)
@@ -76,12 +78,20 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
         log(f"run {r + 1}/{opts.repeat}: prefill {stats.prefill_tok_s:.1f} tok/s, "
             f"decode {stats.decode_tok_s:.1f} tok/s")
     token_ms = np.array([t for s in runs for t in s.token_s]) * 1000
+    pager = [b - a for a, b in zip(pager0, _pager_counters(engine))]
+    passes = sum(s.gen_tokens - 1 + math.ceil(s.prompt_tokens / PREFILL_CHUNK) for s in runs)  # layer passes
     allocs = hot_path_allocations(engine, prompt[:8], steps=16)
     best = max(runs, key=lambda s: s.decode_tok_s)
     result = {
         "model": engine.model.name, "variant": engine.model.variant, "backend": engine.backend,
-        "device": cpu_name(), "threads": threads, "mode": "resident", "precision": engine.precision,
-        "ram_budget": None, "vram_budget": None,
+        "device": cpu_name(), "threads": threads, "mode": "hot-only" if len(engine.active) < engine.cfg.num_layers else "full",
+        "precision": engine.precision,
+        "ram_budget": engine.plan.budget, "vram_budget": None,
+        "policy": engine.policy if engine.plan.paged_layers else "resident",
+        "resident_layers": len(engine.plan.resident_layers), "paged_layers": len(engine.plan.paged_layers),
+        "disk_bytes_per_token": round(pager[0] / passes), "hit_rate": round(pager[1] / (pager[1] + pager[2]), 4)
+        if pager[1] + pager[2] else 1.0, "stall_ms_per_token": round(pager[3] / 1e6 / passes, 3),
+        "direct_io": engine.weights.direct_io,
         "prompt_tokens": opts.prompt_tokens, "gen_tokens": opts.gen_tokens, "repeat": opts.repeat,
         "prefill_tok_s": round(float(np.median([s.prefill_tok_s for s in runs])), 2),
         "decode_tok_s": round(float(np.median([s.decode_tok_s for s in runs])), 2),
@@ -90,7 +100,7 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
         "token_ms_p50": round(float(np.percentile(token_ms, 50)), 3),
         "token_ms_p99": round(float(np.percentile(token_ms, 99)), 3),
         "w4a8_layers": engine.precision_counts["w4a8"], "w4a16_layers": engine.precision_counts["w4a16"],
-        "exact_layers": engine.precision_counts["exact"], "active_layers": len(engine.layers),
+        "exact_layers": engine.precision_counts["exact"], "active_layers": len(engine.active),
         "weight_bytes": engine.weight_bytes, "kv_cache_bytes": engine.a.kv_bytes,
         "hot_path_allocations": allocs,
         "peak_rss_bytes": peak_rss_bytes(),
@@ -113,6 +123,11 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
         result["ppl_window"] = window
         result["ppl_seconds"] = round(time.perf_counter() - t, 2)
     return result
+
+
+def _pager_counters(engine) -> list[int]:
+    s = engine.weights.stats
+    return [0, 0, 0, 0] if s is None else [s.disk_bytes, s.hits, s.faults, s.stall_ns]
 
 
 def hot_path_allocations(engine, prompt: list[int], steps: int) -> int:

@@ -143,7 +143,18 @@ def rm(models: Annotated[list[str], typer.Argument(help="name or name:variant; a
 
 
 Threads = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (default: the physical cores).")]
-Precision = Annotated[Optional[str], typer.Option(help="q4_0 models: w4a16 or w4a8 (default w4a16); f16/bf16 run exact.")]
+Precision = Annotated[Optional[str], typer.Option(
+    help="q4_0 models: mixed (default: W4A16 on layers whose MCAP score >= --tau, W4A8 on the rest), "
+         "or w4a16 / w4a8 on every layer; f16/bf16 run exact.")]
+Tau = Annotated[float, typer.Option("--tau", help="Mixed precision: normalised MCAP score (0..1) from which a layer runs W4A16.")]
+NoProfile = Annotated[bool, typer.Option("--no-profile", help="Do not profile or read a profile: W4A16 on every layer.")]
+Mode = Annotated[str, typer.Option("--mode", help="full: every layer runs; hot-only: only the top --active-fraction "
+                                                  "of layers by MCAP score run, the others pass the residual "
+                                                  "through (outputs differ from the full model).")]
+ActiveFraction = Annotated[float, typer.Option("--active-fraction", help="hot-only: fraction of layers that run, in (0, 1] (at least one layer).")]
+RamBudget = Annotated[Optional[str], typer.Option("--ram-budget", help="RAM for weights, KV cache and workspaces (512M, 4G, auto); layers that do not fit stream from disk.")]
+VramBudget = Annotated[Optional[str], typer.Option("--vram-budget", help="GPU memory budget (the cuda backend; ignored on cpu).")]
+Policy = Annotated[str, typer.Option("--policy", help="Paging: ring (fixed resident set + exact-lookahead ring of slots) or lru (seed 002's cache).")]
 Ctx = Annotated[Optional[int], typer.Option("--ctx", help="Context length in tokens (default: min(model max, 4096)).")]
 Backend = Annotated[str, typer.Option(help="Kernel backend: cpu (numba, threaded) or ref (NumPy reference, slow).")]
 
@@ -159,24 +170,50 @@ def _threads(threads: Optional[int]) -> int:
     return threads
 
 
-def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int):
-    """Store model (pulled first if MODEL is an alias or a path and not yet in the store) ->
-    (engine, tokenizer, threads)."""
+def _find_or_pull(model_ref: str):
+    """Store model (pulled first if MODEL is an alias or a path and not yet in the store)."""
     from nerva_cli import output, store
     from nerva_cli.sources.resolve import is_source_spec
 
     try:
-        model = store.find_model(model_ref)
+        return store.find_model(model_ref)
     except NervaError:
         if not is_source_spec(model_ref):
             raise
         output.info(f"{model_ref} is not in the store yet: pulling it")
-        model = _pull(model_ref, "q4_0", None, None, False, report=output.info)
+        return _pull(model_ref, "q4_0", None, None, False, report=output.info)
+
+
+def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau: float = 0.7,
+                 use_profile: bool = True, mode: str = "full", active_fraction: float = 1.0,
+                 ram_budget: Optional[str] = None, vram_budget: Optional[str] = None, policy: str = "ring"):
+    """-> (engine, tokenizer, threads); the MCAP profile (computed if missing) picks each layer's
+    precision and, in hot-only mode, which layers run."""
+    from nerva_cli import mcap, output
+
+    from nerva_cli.residency import parse_budget
+
+    mcap.check_tau(tau)
+    mcap.check_fraction(active_fraction)
+    budget = parse_budget(ram_budget, "ram-budget")
+    if vram_budget is not None and backend != "cuda":
+        output.note(f"--vram-budget {vram_budget} is ignored: the {backend} backend holds everything in RAM")
+    model = _find_or_pull(model_ref)
+    with output.step_progress("profiling") as progress:
+        plan = mcap.plan_layers(model, precision, tau, use_profile, mode, active_fraction, backend,
+                                progress=progress, log=output.info)
     from nerva_cli.engine import Engine
     from nerva_cli.tokenizer import TextTokenizer
 
     tokenizer = TextTokenizer(model.path)
-    engine = Engine(model, backend=backend, precision=precision, ctx=ctx)
+    engine = Engine(model, backend=backend, precision=plan.precision, ctx=ctx,
+                    layer_precisions=plan.layer_precisions, active_layers=plan.active_layers,
+                    ram_budget=budget, policy=policy, importance=getattr(plan, "importance", None))
+    if engine.plan.paged_layers:
+        p = engine.plan
+        output.info(f"residency: {len(p.resident_layers)} layers resident, {len(p.paged_layers)} stream from "
+                    f"disk through {p.slots} slots ({output.human_bytes(p.paged_bytes_per_token)} a token, "
+                    f"policy {policy})")
     if hasattr(engine.k, "set_threads"):
         engine.k.set_threads(threads)
     return engine, tokenizer, threads
@@ -198,8 +235,18 @@ def run(
     ctx: Ctx = None,
     threads: Threads = None,
     precision: Precision = None,
+    tau: Tau = 0.7,
+    no_profile: NoProfile = False,
+    mode: Mode = "full",
+    active_fraction: ActiveFraction = 0.75,
+    ram_budget: RamBudget = None,
+    vram_budget: VramBudget = None,
+    policy: Policy = "ring",
     backend: Backend = "cpu",
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print timings after each answer.")] = False,
+    ledger: Annotated[bool, typer.Option("--ledger", help="Print the per-token ledger (time per phase, bytes per tier) after each answer.")] = False,
+    ledger_every: Annotated[int, typer.Option("--ledger-every", help="With --ledger: show every Nth token (the summary counts all).")] = 1,
+    ledger_file: Annotated[Optional[Path], typer.Option("--ledger-file", help="Write the ledger as JSON lines to this file.")] = None,
 ):
     """Chat with a model, or answer one prompt (-p)."""
     threads = _threads(threads)
@@ -213,16 +260,27 @@ def run(
         raise NervaError(f"--max-tokens must be >= 1, got {max_tokens}")
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
-    engine, tokenizer, _ = _open_engine(model, backend, precision, ctx, threads)
+    engine, tokenizer, _ = _open_engine(model, backend, precision, ctx, threads, tau, not no_profile, mode,
+                                        active_fraction, ram_budget, vram_budget, policy)
+    from nerva_cli.ledger import Ledger
+
+    book = Ledger(engine, tokenizer, ledger_file) if ledger or ledger_file else None
     session = ChatSession(engine, tokenizer, opts, max_tokens=max_tokens, raw=raw, system=system,
-                          stops=stop or [])
-    if prompt is not None:
-        stats = session.answer(prompt, write=_write_stdout)
-        _write_stdout("\n")
-        if verbose:
-            output.info(_stats_line(stats))
-        return
-    _chat_loop(session, verbose)
+                          stops=stop or [], ledger=book)
+    try:
+        if prompt is not None:
+            stats = session.answer(prompt, write=_write_stdout)
+            _write_stdout("\n")
+            if verbose:
+                output.info(_stats_line(stats))
+            if ledger:
+                book.print_table(output.err, ledger_every)
+            return
+        _chat_loop(session, verbose, book if ledger else None, ledger_every)
+    finally:
+        if book:
+            book.close()
+        engine.weights.close()
 
 
 def _write_stdout(text: str) -> None:
@@ -236,7 +294,7 @@ def _stats_line(stats) -> str:
             f"ttft {stats.ttft_s * 1000:.0f} ms | stop: {stats.stop_reason}")
 
 
-def _chat_loop(session, verbose: bool) -> None:
+def _chat_loop(session, verbose: bool, book=None, every: int = 1) -> None:
     from nerva_cli import output
 
     output.info("Type a message; /bye or Ctrl-D to leave, Ctrl-C stops an answer, /clear forgets the chat.")
@@ -261,6 +319,9 @@ def _chat_loop(session, verbose: bool) -> None:
         _write_stdout("\n\n" if stats.stop_reason != "interrupted" else "\n^C\n\n")
         if verbose:
             output.info(_stats_line(stats))
+        if book is not None:
+            book.print_table(output.err, every)
+            book.records.clear()
 
 
 @app.command(epilog="Example: nerva bench smollm2-135m --gen-tokens 128 | jq .decode_tok_s")
@@ -274,6 +335,13 @@ def bench(
     ctx: Ctx = None,
     threads: Threads = None,
     precision: Precision = None,
+    tau: Tau = 0.7,
+    no_profile: NoProfile = False,
+    mode: Mode = "full",
+    active_fraction: ActiveFraction = 0.75,
+    ram_budget: RamBudget = None,
+    vram_budget: VramBudget = None,
+    policy: Policy = "ring",
     backend: Backend = "cpu",
 ):
     """Measure prefill and decode speed; prints exactly one JSON line on stdout."""
@@ -283,12 +351,71 @@ def bench(
 
     if min(prompt_tokens, gen_tokens, repeat, ppl_ctx) < 1:
         raise NervaError("--prompt-tokens, --gen-tokens, --repeat and --ppl-ctx must be >= 1")
-    if ctx is None:
-        ctx = max(prompt_tokens + gen_tokens + 1, ppl_ctx if ppl else 0)
-    engine, tokenizer, threads = _open_engine(model, backend, precision, ctx, threads)
+    if ctx is None:  # room for the runs, the allocation check's 26 positions, and --ppl's window
+        ctx = max(prompt_tokens + gen_tokens + 1, 32, ppl_ctx if ppl else 0)
+    engine, tokenizer, threads = _open_engine(model, backend, precision, ctx, threads, tau, not no_profile,
+                                              mode, active_fraction, ram_budget, vram_budget, policy)
     result = run_bench(engine, tokenizer, BenchOptions(prompt_tokens, gen_tokens, repeat, ppl, ppl_ctx),
                        threads, log=output.info)
     output.print_json(result)
+
+
+@app.command(epilog="Examples: nerva profile smollm2-135m | nerva profile qwen3-8b --prompts code.txt --json")
+def profile(
+    model: Annotated[str, typer.Argument(help="name[:variant] in the store, a model directory, or a source to pull first (smollm2-135m).")],
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Calibration prompts instead of the 12 built-in ones: one per line, or a JSON array of strings.")] = None,
+    json_: Json = False,
+    backend: Backend = "cpu",
+):
+    """MCAP layer importance: the mean over the calibration tokens of ||[Qx, Vx]|| + ||FFN(x')||
+    per layer, streamed one layer at a time. Kept in $NERVA_HOME/profiles/<arch_hash>.json (a
+    profile shipped with nerva is used first) and made again when the weights or the prompts
+    change; run and bench use it for mixed precision and hot-only mode."""
+    _threads(None)
+    from nerva_cli import mcap, output
+
+    texts = mcap.read_prompts(prompts) if prompts is not None else None
+    m = _find_or_pull(model)
+    with output.step_progress("profiling") as progress:
+        result = mcap.get_profile(m, texts, backend=backend, progress=progress)
+    measured = result.measurement
+    run_info = {"model": f"{m.name}:{m.variant}", "path": str(result.path), "origin": result.origin,
+                "seconds": round(measured.seconds, 2) if measured else None,
+                "peak_rss_bytes": measured.peak_rss_bytes if measured else None}
+    if json_:
+        output.print_json({**result.profile, **run_info})
+    else:
+        _print_profile(result, run_info)
+
+
+def _print_profile(result, info: dict) -> None:
+    from nerva_cli import mcap, output
+
+    prof, rich = result.profile, output.out.is_terminal
+    width = 40
+    hot = mcap.layer_precisions(prof, mcap.DEFAULT_TAU)
+    output.out.print(f"{'[bold]' if rich else ''}{info['model']}{'[/bold]' if rich else ''}  MCAP profile, "
+                     f"{len(prof['scores'])} layers ({prof['variant']}, {prof['precision']})")
+    output.out.print(f"{'layer':>5}  {'score':>10}  {'norm':>6}", markup=False)
+    for i, (raw, norm) in enumerate(zip(prof["scores"], prof["normalized"])):
+        n = round(norm * width)
+        tag = "W4A16" if hot[i] == "w4a16" else ""
+        if rich:
+            color = "green" if tag else "cyan"
+            bar = f"[{color}]{'█' * n}[/{color}][dim]{'·' * (width - n)}[/dim]"
+        else:
+            bar = "#" * n + "." * (width - n)
+        output.out.print(f"{i:>5}  {raw:>10.5g}  {norm:>6.4f}  {bar}  {tag}")
+    w4a16 = [i for i, p in enumerate(hot) if p == "w4a16"]
+    k = max(1, len(prof["scores"]) // 2)
+    output.out.print(f"mixed at tau {mcap.DEFAULT_TAU}: W4A16 on layer(s) {', '.join(map(str, w4a16))} "
+                     f"({len(w4a16)} of {len(hot)}), W4A8 on the rest")
+    output.out.print(f"{prof['prompts']} prompts, {prof['tokens']} tokens; split-half top-{k} overlap "
+                     f"{prof['split_half_overlap']:.2f} (prompts of the first half vs the second)")
+    if info["seconds"] is not None:
+        output.out.print(f"profiled in {info['seconds']:.1f} s, one layer at a time; peak RSS of the process "
+                         f"{output.human_bytes(info['peak_rss_bytes'])}")
+    output.out.print(f"profile ({info['origin']}): {info['path']}", markup=False)
 
 
 def main() -> None:
