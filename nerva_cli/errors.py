@@ -7,3 +7,15 @@ class NervaError(Exception):
 
 class BadInput(NervaError):
     """A source, store file or option that is malformed; the message names the file."""
+
+
+def read_json(path) -> dict:
+    """A JSON file, or BadInput naming it: the one way the package reads config-like files."""
+    import json
+
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BadInput(f"{path}: missing") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadInput(f"{path}: not valid JSON ({e})") from None

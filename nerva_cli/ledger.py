@@ -143,16 +143,28 @@ class Ledger:
                           f"{r.sample_us:.0f}", f"{r.stall_us:.0f}", str(r.kernel_launches),
                           human_bytes(r.disk_bytes), str(r.hits), str(r.faults),
                           f"{r.w4a8_layers}/{r.w4a16_layers}/{r.exact_layers}", str(r.hot_path_allocations))
-        console.print(table, width=None if console.is_terminal else 200)  # piped: no wrapping
+        narrow = console.width
+        if not console.is_terminal:
+            console.width = max(narrow, 200)  # piped: one line per token, not a squeezed table
+        try:
+            self._print(console, table)
+        finally:
+            console.width = narrow
+
+    def _print(self, console, table) -> None:
+        from nerva_cli.output import human_bytes
+
+        console.print(table)
         s = self.summary()
         if s["tokens"]:
             direct = {True: "O_DIRECT", False: "buffered (page cache hits are not disk reads)",
                       None: "no reads"}[s["direct_io"]]
-            console.print(width=None if console.is_terminal else 200, *[
+            console.print(
                 f"[bold]summary[/bold] {s['tokens']} tokens, {s['wall_ms_total']:.1f} ms; wall p50 "
                 f"{s['wall_us_p50']:.0f} µs, p99 {s['wall_us_p99']:.0f} µs; attention {s['attention_us_mean']:.0f}, "
                 f"mlp {s['mlp_us_mean']:.0f}, lm_head {s['lm_head_us_mean']:.0f}, sample {s['sample_us_mean']:.0f}, "
                 f"stall {s['stall_us_mean']:.0f} µs/token; {s['kernel_launches_per_token']:.0f} launches/token\n"
                 f"residency: policy {s['policy']}, {s['resident_layers']} layers resident, {s['paged_layers']} paged "
                 f"through slots; disk {human_bytes(s['disk_bytes_per_token'])}/token ({direct}); hit rate "
-                f"{s['hit_rate']:.2%}; hot-path allocations {s['hot_path_allocations']}"])
+                f"{s['hit_rate']:.2%}; hot-path allocations {s['hot_path_allocations']} (the first step's "
+                "one-time work included)")

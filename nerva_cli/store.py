@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from nerva_cli.config import ModelConfig
-from nerva_cli.errors import BadInput, NervaError
+from nerva_cli.errors import BadInput, NervaError, read_json
 
 FORMAT = "nerva/1"
 ALIGN = 4096
@@ -145,12 +144,7 @@ def _sha256(path: Path) -> str:
 
 def load_metadata(model_dir: Path) -> StoredModel:
     path = model_dir / "metadata.json"
-    try:
-        meta = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise BadInput(f"{path}: missing") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadInput(f"{path}: not valid JSON ({e})") from None
+    meta = read_json(path)
     if meta.get("format") != FORMAT:
         raise BadInput(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
     for key in ("config", "variant", "files"):

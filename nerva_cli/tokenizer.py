@@ -6,16 +6,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from nerva_cli.errors import BadInput, NervaError
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise BadInput(f"{path}: missing") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadInput(f"{path}: not valid JSON ({e})") from None
+from nerva_cli.errors import BadInput, NervaError, read_json
 
 
 def _token_text(value) -> str | None:
@@ -38,9 +29,9 @@ class TextTokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on bad files
             raise BadInput(f"{path}: not a tokenizer file ({e})") from None
         self.special_ids = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
-        self.config = _read_json(model_dir / "tokenizer_config.json")
+        self.config = read_json(model_dir / "tokenizer_config.json")
         gen_path = model_dir / "generation_config.json"
-        gen = _read_json(gen_path) if gen_path.exists() else {}
+        gen = read_json(gen_path) if gen_path.exists() else {}
         self.special = {k: _token_text(self.config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
         self.bos_token, self.eos_token = self.special["bos_token"], self.special["eos_token"]
         self.bos_id = gen.get("bos_token_id")

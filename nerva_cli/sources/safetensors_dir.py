@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from pathlib import Path
 
 import numpy as np
 
 from nerva_cli.config import from_hf_config
-from nerva_cli.errors import BadInput
+from nerva_cli.errors import BadInput, read_json
 from nerva_cli.sources import Source, SourceTensor
 
 DTYPES = {"F32": (np.float32, 4), "F16": (np.float16, 2), "BF16": (np.uint16, 2)}
@@ -100,19 +99,10 @@ def _read_tensor(path: Path, start: int, dtype: str, shape, b: int, e: int) -> n
     return buf.astype(np.float32, copy=False).reshape(shape)
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise BadInput(f"{path}: missing") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadInput(f"{path}: not valid JSON ({e})") from None
-
-
 def _weight_files(root: Path) -> list[Path]:
     index = root / "model.safetensors.index.json"
     if index.exists():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise BadInput(f"{index}: no weight_map")
         files = sorted({root / f for f in weight_map.values()})
@@ -131,7 +121,7 @@ def _weight_files(root: Path) -> list[Path]:
 
 def open_safetensors_dir(root: Path, display_id: str | None = None, revision: str | None = None) -> Source:
     root = Path(root)
-    cfg = from_hf_config(_read_json(root / "config.json"), str(root / "config.json"))
+    cfg = from_hf_config(read_json(root / "config.json"), str(root / "config.json"))
     tok_path = root / "tokenizer.json"
     if not tok_path.exists():
         raise BadInput(f"{tok_path}: missing (nerva needs the fast tokenizer file)")
