@@ -4,7 +4,6 @@ and the bundled SmolLM2 converted once per session."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
