@@ -1,0 +1,40 @@
+"""Interactive `nerva run` in a terminal, driven like a person would (pexpect in a pty)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from nerva_cli.pull import pull
+
+pexpect = pytest.importorskip("pexpect")
+
+
+def spawn(model_dir, home):
+    env = dict(os.environ, NERVA_HOME=str(home))
+    return pexpect.spawn(sys.executable, ["-m", "nerva_cli", "run", str(model_dir), "--temperature", "0",
+                                          "-n", "6", "--no-profile", "--ctx", "256"],
+                         env=env, encoding="utf-8", timeout=120)
+
+
+def test_chat_turns_bye_and_ctrl_d(tiny_models, tmp_path, nerva_home):
+    model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+    chat = spawn(model.path, nerva_home)
+    chat.expect(">>> ")
+    chat.sendline("the quick brown fox")
+    chat.expect(">>> ")
+    first = chat.before
+    chat.sendline("jumps over the lazy dog")
+    chat.expect(">>> ")  # a second turn reuses the cached conversation and answers again
+    chat.sendline("/bye")
+    chat.expect(pexpect.EOF)
+    chat.close()
+    assert chat.exitstatus == 0 and "Traceback" not in first
+    chat = spawn(model.path, nerva_home)
+    chat.expect(">>> ")
+    chat.sendeof()  # Ctrl-D leaves too
+    chat.expect(pexpect.EOF)
+    chat.close()
+    assert chat.exitstatus == 0
