@@ -184,6 +184,16 @@ def _find_or_pull(model_ref: str):
         return _pull(model_ref, "q4_0", None, None, False, report=output.info)
 
 
+def _layer_plan(model, precision, tau: float, use_profile: bool, mode: str, active_fraction: float,
+                backend: str):
+    """MCAP's per-layer plan (precisions, active layers, importance), profiling first if needed."""
+    from nerva_cli import mcap, output
+
+    with output.step_progress("profiling") as progress:
+        return mcap.plan_layers(model, precision, tau, use_profile, mode, active_fraction, backend,
+                                progress=progress, log=output.info)
+
+
 def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau: float = 0.7,
                  use_profile: bool = True, mode: str = "full", active_fraction: float = 1.0,
                  ram_budget: Optional[str] = None, vram_budget: Optional[str] = None, policy: str = "ring"):
@@ -199,9 +209,7 @@ def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau
     if vram_budget is not None and backend != "cuda":
         output.note(f"--vram-budget {vram_budget} is ignored: the {backend} backend holds everything in RAM")
     model = _find_or_pull(model_ref)
-    with output.step_progress("profiling") as progress:
-        plan = mcap.plan_layers(model, precision, tau, use_profile, mode, active_fraction, backend,
-                                progress=progress, log=output.info)
+    plan = _layer_plan(model, precision, tau, use_profile, mode, active_fraction, backend)
     from nerva_cli.engine import Engine
     from nerva_cli.tokenizer import TextTokenizer
 
@@ -322,6 +330,49 @@ def _chat_loop(session, verbose: bool, book=None, every: int = 1) -> None:
         if book is not None:
             book.print_table(output.err, every)
             book.records.clear()
+
+
+@app.command(epilog="Examples: nerva topology | nerva topology --probe --json | "
+                       "nerva topology --model qwen3-8b --ram-budget 4G")
+def topology(
+    json_out: Json = False,
+    probe: Annotated[bool, typer.Option("--probe", help="Measure RAM and O_DIRECT disk bandwidth now and cache them.")] = False,
+    model: Annotated[Optional[str], typer.Option("--model", help="Show the residency plan `run` would use for this model here.")] = None,
+    ram_budget: RamBudget = None,
+    ctx: Ctx = None,
+    precision: Precision = None,
+    tau: Tau = 0.7,
+    no_profile: NoProfile = False,
+    mode: Mode = "full",
+    active_fraction: ActiveFraction = 0.75,
+    backend: Backend = "cpu",
+):
+    """CPU, memory, NUMA, the store's disk, GPUs and GPUDirect Storage; measured bandwidths with --probe."""
+    from nerva_cli import output
+    from nerva_cli import topology as topo
+    from nerva_cli.residency import parse_budget
+
+    budget = parse_budget(ram_budget, "ram-budget")
+    info = topo.collect(probe)
+    if model is not None:
+        from nerva_cli.engine import residency_plan
+
+        stored = _find_or_pull(model)
+        layers = _layer_plan(stored, precision, tau, not no_profile, mode, active_fraction, backend)
+        plan = residency_plan(stored, ctx, budget, getattr(layers, "importance", None), layers.active_layers)
+        info["plan"] = topo.plan_report(stored, plan, info["probe"])
+    if json_out:
+        output.print_json(info)
+    elif output.out.is_terminal:
+        from rich.table import Table
+
+        table = Table(box=None, show_header=False)
+        for what, value in topo.describe(info):
+            table.add_row(f"[bold]{what}[/bold]", value)
+        output.out.print(table)
+    else:
+        for what, value in topo.describe(info):
+            output.out.print(f"{what}: {value}", markup=False)
 
 
 @app.command(epilog="Example: nerva bench smollm2-135m --gen-tokens 128 | jq .decode_tok_s")

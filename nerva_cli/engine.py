@@ -179,6 +179,46 @@ class Arena:
         return sum(v.nbytes for v in vars(self).values() if isinstance(v, np.ndarray) and v.base is None) \
             + self.kv_bytes
 
+    @staticmethod
+    def sizes(cfg: ModelConfig, ctx: int) -> tuple[int, int]:
+        """(kv_bytes, nbytes) of the arena __init__ would make, without making it."""
+        h, f = cfg.hidden_size, cfg.intermediate_size
+        widest = max(h, f, cfg.q_dim)
+        f32 = (2 * h + cfg.q_dim + 2 * cfg.kv_dim + cfg.num_heads * cfg.head_dim + h + 3 * f + h
+               + cfg.vocab_size + widest // QK)
+        kv = cfg.num_layers * 2 * ctx * cfg.num_kv_heads * cfg.head_dim * 4
+        return kv, 4 * f32 + widest + 4 * (widest // QK) + 8 + kv  # + xq (int8), xs (int32), pos (int64)
+
+
+def scratch_elements(cfg: ModelConfig) -> int:
+    """Prefill's dequantisation scratch: the widest (fused) weight matrix, in f32 elements."""
+    return max((cfg.q_dim + 2 * cfg.kv_dim) * cfg.hidden_size, 2 * cfg.intermediate_size * cfg.hidden_size,
+               cfg.hidden_size * cfg.q_dim)
+
+
+def context_length(cfg: ModelConfig, ctx: int | None) -> int:
+    """--ctx, or min(model max, 4096) when not given; never past the model's max."""
+    return min(ctx or min(cfg.max_context, 4096), cfg.max_context)
+
+
+def residency_plan(model: StoredModel, ctx: int | None, ram_budget: int | None,
+                   importance: dict[int, float] | None = None, active_layers: list[int] | None = None):
+    """The residency plan (ARCHITECTURE 8) that Engine uses, computed from sizes alone: nothing is
+    allocated or read, so `nerva topology --model` shows exactly what `run` will do."""
+    from nerva_cli.residency import plan
+
+    cfg, files = model.config, model.meta["files"]
+    kv, arena = Arena.sizes(cfg, context_length(cfg, ctx))
+    fixed = {"kv_cache": ("kv_cache", kv),
+             "workspace": ("workspace", arena - kv + 4 * scratch_elements(cfg)),
+             "embed": ("embed", files["embed.bin"]["size"]),
+             "norms": ("norms", files["final_norm.bin"]["size"])}
+    if "lm_head.bin" in files:
+        fixed["lm_head"] = ("lm_head", files["lm_head.bin"]["size"])
+    active = range(cfg.num_layers) if active_layers is None else sorted(set(active_layers))
+    layer_bytes = {i: files[layer_file(i)]["size"] for i in active}
+    return plan(fixed, layer_bytes, ram_budget, importance)
+
 
 def default_precision(model: StoredModel, precision: str | None) -> str:
     if model.variant in ("f16", "bf16"):
@@ -207,7 +247,7 @@ class Engine:
         self.k = get_backend(backend)
         self.backend = backend
         self.precision = default_precision(model, precision)
-        self.ctx = min(ctx or min(cfg.max_context, 4096), cfg.max_context)
+        self.ctx = context_length(cfg, ctx)
         self.cos, self.sin = rope.tables(cfg, self.ctx)
         g = {}
         for fname in ("embed.bin", "final_norm.bin", "lm_head.bin"):
@@ -228,7 +268,7 @@ class Engine:
         self.n_past = 0
         self.phase_ns = dict.fromkeys(PHASES, 0)
         self.policy = policy
-        self.plan = self._plan(ram_budget, importance)
+        self.plan = residency_plan(model, self.ctx, ram_budget, importance, self.active)
         resident = {i: Layer.from_stored(i, model.read_file(layer_file(i)), per_layer[i])
                     for i in self.plan.resident_layers}
         if self.plan.paged_layers:
@@ -239,19 +279,6 @@ class Engine:
                                         lambda t: Layer.viewing(t, self.precision))
         else:
             self.weights = ResidentWeights([resident[i] for i in self.active])
-
-    def _plan(self, ram_budget: int | None, importance):
-        from nerva_cli.residency import plan
-
-        files = self.model.meta["files"]
-        fixed = {"kv_cache": ("kv_cache", self.a.kv_bytes),
-                 "workspace": ("workspace", self.a.nbytes - self.a.kv_bytes + 4 * self._scratch.size),
-                 "embed": ("embed", files["embed.bin"]["size"]),
-                 "norms": ("norms", files["final_norm.bin"]["size"])}
-        if "lm_head.bin" in files:
-            fixed["lm_head"] = ("lm_head", files["lm_head.bin"]["size"])
-        layer_bytes = {i: files[layer_file(i)]["size"] for i in self.active}
-        return plan(fixed, layer_bytes, ram_budget, importance)
 
     # -- building blocks ---------------------------------------------------------------------
     def _quantize_input(self, x: np.ndarray) -> None:
@@ -383,10 +410,7 @@ class Engine:
     @property
     def _scratch(self) -> np.ndarray:
         if not hasattr(self, "_scratch_buf"):
-            c = self.cfg
-            widest = max((c.q_dim + 2 * c.kv_dim) * c.hidden_size, 2 * c.intermediate_size * c.hidden_size,
-                         c.hidden_size * c.q_dim)
-            self._scratch_buf = np.empty(widest, dtype=np.float32)
+            self._scratch_buf = np.empty(scratch_elements(self.cfg), dtype=np.float32)
         return self._scratch_buf
 
     def _prefill_chunk(self, tokens: list[int]) -> np.ndarray:
