@@ -147,10 +147,9 @@ def hot_path_allocations(engine, prompt: list[int], steps: int) -> int:
 
 def peak_rss_bytes() -> int:
     """This process image's peak RSS (VmHWM; ru_maxrss would include a forking parent's)."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    from nerva_cli.machine import proc_kb
+
+    peak = proc_kb("/proc/self/status", "VmHWM")
+    if peak is not None:
+        return peak
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -30,6 +30,18 @@ def physical_cores() -> int:
     return max(1, len(seen))
 
 
+def proc_kb(path: str, key: str) -> int | None:
+    """A 'Key:  123 kB' line of /proc/meminfo or /proc/self/status, in bytes; None if absent."""
+    try:
+        for line in open(path):
+            name, _, value = line.partition(":")
+            if name == key:
+                return int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def limit_blas_threads(threads: int) -> None:
     """OpenBLAS (prefill GEMMs) reads its thread count once, when numpy is first imported."""
     os.environ["OPENBLAS_NUM_THREADS"] = str(threads)

@@ -76,12 +76,11 @@ def parse_budget(text: str | None, what: str) -> int | None:
 
 
 def available_ram() -> int:
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    from nerva_cli.machine import proc_kb
+
+    avail = proc_kb("/proc/meminfo", "MemAvailable")
+    if avail is not None:
+        return avail
     import os
 
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -50,15 +50,10 @@ def cpu() -> dict:
 
 
 def memory() -> dict:
-    info = {}
-    try:
-        for line in open("/proc/meminfo"):
-            key, _, value = line.partition(":")
-            if key in ("MemTotal", "MemAvailable"):
-                info[key] = int(value.split()[0]) * 1024
-    except OSError:
-        pass
-    return {"total_bytes": info.get("MemTotal"), "available_bytes": info.get("MemAvailable")}
+    from nerva_cli.machine import proc_kb
+
+    return {"total_bytes": proc_kb("/proc/meminfo", "MemTotal"),
+            "available_bytes": proc_kb("/proc/meminfo", "MemAvailable")}
 
 
 def numa_nodes() -> list[dict]:
