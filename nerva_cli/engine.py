@@ -1,9 +1,9 @@
 """The forward pass: batched prefill and one-token decode over a preallocated KV cache.
 
 The model is defined by ModelConfig (family flags: qkv bias, q/k norm, tied lm_head); how each
-op runs is the backend's business (backends/ref.py is the definition); where the weights come
-from is the weight source's (store files today, the pager tomorrow). Decode allocates nothing:
-every buffer it writes is made in `Arena` before the first token.
+op runs is the backend's business (backends/ref.py is the definition); where the weights live
+is the residency plan's (all in RAM, or paged through staging slots by pager.py). Decode
+allocates nothing: every buffer it writes is made in `Arena` before the first token.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from nerva_cli.layout import MATRICES, layer_file
 from nerva_cli.quant import QK
 from nerva_cli.store import StoredModel
 
-PRECISIONS = ("exact", "w4a16", "w4a8")
 PHASES = ("embed", "attention", "mlp", "lm_head")
 PREFILL_CHUNK = 256
 
