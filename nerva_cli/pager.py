@@ -108,7 +108,6 @@ class Slot:
         # exact matrices, the fused bias) after each read
         self.layer, self.refresh = make_layer(self.buf)
         self.block = ResidentBlock("slot", f"slot{n}", nbytes, "host", State.ALLOCATED)
-        self.seq = -1  # which visit of the paged cycle the slot holds
         self.free = threading.Lock()  # held by the reader while it may not fill the slot
         self.filled = threading.Lock()  # held while the slot holds nothing to compute on
         self.filled.acquire()
@@ -160,7 +159,6 @@ class PagedWeights:
                 slot.block.move(State.PREFETCHING)
                 got = self.reader.read(self.files[self.paged[n % len(self.paged)]], slot.iov)
                 slot.refresh()
-                slot.seq = n
                 slot.block.move(State.READY)
                 self.stats.disk_bytes += got
                 self.stats.reads += 1
