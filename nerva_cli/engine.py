@@ -46,21 +46,36 @@ class Linear:
         return self.w.nbytes if self.w is not None else self.qs.nbytes + self.d.nbytes
 
     @classmethod
-    def stacked(cls, parts: list["Linear"]) -> "Linear":
-        """One matrix of the parts' rows (fused QKV, fused gate/up): one kernel call instead of
-        several, sharing the activation reads. Copies, so the file buffer can be dropped."""
-        rows = sum(p.rows for p in parts)
-        if parts[0].w is not None:
-            return cls(rows, parts[0].cols, w=np.concatenate([p.w for p in parts]))
-        return cls(rows, parts[0].cols, qs=np.concatenate([p.qs for p in parts]),
-                   d=np.concatenate([p.d for p in parts]))
+    def owned(cls, t: dict, names: tuple[str, ...]) -> "Linear":
+        """The named matrices stacked by rows into arrays of its own (fused QKV, fused gate/up:
+        one kernel call sharing the activation reads), so the file buffer can be dropped.
+        Exact variants widen straight into the stacked f32 array: no per-matrix copy between."""
+        if f"{names[0]}.qs" in t:
+            qs = np.concatenate([t[f"{n}.qs"] for n in names])
+            return cls(qs.shape[0], qs.shape[1] * 2, qs=qs, d=np.concatenate([t[f"{n}.d"] for n in names]))
+        w = np.empty((sum(t[n].shape[0] for n in names), t[names[0]].shape[1]), dtype=np.float32)
+        row = 0
+        for n in names:
+            widen_into(t[n], w[row:row + t[n].shape[0]])
+            row += t[n].shape[0]
+        return cls(*w.shape, w=w)
+
+
+def widen_into(src: np.ndarray, dst: np.ndarray) -> None:
+    """Stored f16/bf16/f32 -> f32 dst in place. bf16 is kept as uint16 bits in the store."""
+    if src.dtype == np.uint16:
+        bits = dst.view(np.uint32)
+        bits[...] = src
+        bits <<= 16
+    else:
+        np.copyto(dst, src)
 
 
 def as_f32(a: np.ndarray) -> np.ndarray:
-    """Stored f16/bf16/f32 -> f32. bf16 is kept as uint16 bits in the store."""
-    if a.dtype == np.uint16:
-        return (a.astype(np.uint32) << 16).view(np.float32)
-    return np.ascontiguousarray(a, dtype=np.float32)
+    """A stored tensor as an f32 array of its own."""
+    out = np.empty(a.shape, dtype=np.float32)
+    widen_into(a, out)
+    return out
 
 
 @dataclass
@@ -76,18 +91,12 @@ class Layer:
 
     @classmethod
     def from_stored(cls, index: int, t: dict, precision: str) -> "Layer":
-        lin = {m: Linear.from_stored(t, m) for m in MATRICES}
-        own = lambda a: np.array(a, copy=True)  # noqa: E731  (a copy frees the file buffer)
-        mats = {"qkv": Linear.stacked([lin["q"], lin["k"], lin["v"]]),
-                "o": Linear(lin["o"].rows, lin["o"].cols, *(None if a is None else own(a) for a in
-                                                              (lin["o"].qs, lin["o"].d, lin["o"].w))),
-                "gate_up": Linear.stacked([lin["gate"], lin["up"]]),
-                "down": Linear(lin["down"].rows, lin["down"].cols, *(None if a is None else own(a) for a in
-                                                                     (lin["down"].qs, lin["down"].d, lin["down"].w)))}
+        mats = {"qkv": Linear.owned(t, ("q", "k", "v")), "o": Linear.owned(t, ("o",)),
+                "gate_up": Linear.owned(t, ("gate", "up")), "down": Linear.owned(t, ("down",))}
         bias = np.concatenate([as_f32(t[f"{m}_bias"]) for m in ("q", "k", "v")]) if "q_bias" in t else None
-        return cls(index, own(as_f32(t["attn_norm"])), own(as_f32(t["mlp_norm"])), mats, bias,
-                   own(as_f32(t["q_norm"])) if "q_norm" in t else None,
-                   own(as_f32(t["k_norm"])) if "k_norm" in t else None, precision)
+        return cls(index, as_f32(t["attn_norm"]), as_f32(t["mlp_norm"]), mats, bias,
+                   as_f32(t["q_norm"]) if "q_norm" in t else None,
+                   as_f32(t["k_norm"]) if "k_norm" in t else None, precision)
 
     @classmethod
     def viewing(cls, t: dict, precision: str):
@@ -106,12 +115,7 @@ class Layer:
 
         def refresh() -> None:
             for src, dst in widen:
-                if src.dtype == np.uint16:  # bf16 bits: widen to the high half of an f32
-                    bits = dst.view(np.uint32)
-                    bits[...] = src
-                    bits <<= 16
-                else:
-                    np.copyto(dst, src)
+                widen_into(src, dst)
             if bias is not None:
                 np.concatenate(biases, out=bias)
 

@@ -81,13 +81,14 @@ print(json.dumps({"before": before, "peak": peak}))
 """
 
 
-def test_profiling_holds_about_one_layer(tiny_models, tmp_path):
+@pytest.mark.parametrize("variant", ["q4_0", "f16"])
+def test_profiling_holds_about_one_layer(variant, tiny_models, tmp_path):
     import nerva_cli.backends.cpu  # noqa: F401  (sets NUMBA_CACHE_DIR: the child reuses what compiled here)
     from conftest import make_tiny_model
 
     src = make_tiny_model(tmp_path / "src", "llama", layers=16, hidden=256, intermediate=1024, vocab=1024)
-    big = pull(str(src), variant="q4_0", out=tmp_path / "q4_0")
-    warm = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "warm")
+    big = pull(str(src), variant=variant, out=tmp_path / variant)
+    warm = pull(str(tiny_models("llama")), variant=variant, out=tmp_path / "warm")
     res = subprocess.run([sys.executable, "-c", MEASURE, str(warm.path), str(big.path)],
                          capture_output=True, text=True, check=True)
     m = json.loads(res.stdout.strip().splitlines()[-1])
