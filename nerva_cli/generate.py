@@ -64,7 +64,7 @@ class StopMatcher:
 def generate(engine, prompt_ids: list[int], sampler: Sampler, max_tokens: int,
              eos_ids: set[int] = frozenset(), decoder=None, stops: list[str] = (),
              on_text: Callable[[str], None] | None = None,
-             on_token: Callable[[int], None] | None = None, ledger=None) -> tuple[list[int], GenerationStats]:
+             ledger=None) -> tuple[list[int], GenerationStats]:
     """Prefills `prompt_ids` (on top of what the engine already holds) and decodes up to
     `max_tokens`. Ctrl-C stops the answer and returns what was made so far."""
     stats = GenerationStats(prompt_tokens=len(prompt_ids))
@@ -82,8 +82,6 @@ def generate(engine, prompt_ids: list[int], sampler: Sampler, max_tokens: int,
                 stats.stop_reason = "eos"
                 break
             out.append(token)
-            if on_token:
-                on_token(token)
             if decoder is not None:
                 text, hit = matcher.feed(decoder.push(token))
                 emit(text)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -30,6 +30,4 @@ class Source:
     tensors: Callable[[str], SourceTensor]  # canonical name ("embed", "layers.3.q") -> tensor
     tokenizer_files: dict[str, str]
     default_name: str
-    notes: list[str] = field(default_factory=list)
-    has: Callable[[str], bool] = lambda name: True
     close: Callable[[], None] = lambda: None

@@ -168,4 +168,4 @@ def open_gguf(path: Path) -> Source:
     name = _QUANT_SUFFIX.sub("", path.stem).lower()
     return Source(config=cfg, origin={"kind": "gguf", "id": str(path.resolve()), "revision": None},
                   fingerprint=fp.hexdigest()[:32], tensors=tensor, tokenizer_files=tokenizer_files,
-                  default_name=name, has=lambda n: n in tensors)
+                  default_name=name)

@@ -165,4 +165,4 @@ def open_safetensors_dir(root: Path, display_id: str | None = None, revision: st
     origin = {"kind": "hf-repo" if display_id else "hf-dir", "id": display_id or str(root.resolve()),
               "revision": revision}
     return Source(config=cfg, origin=origin, fingerprint=fp.hexdigest()[:32], tensors=tensor,
-                  tokenizer_files=tokenizer_files, default_name=name, has=lambda n: n in where)
+                  tokenizer_files=tokenizer_files, default_name=name)
