@@ -1,0 +1,131 @@
+// Attention over the f16 KV cache [ctx, kv_heads, head_dim], GQA-native (query head h reads kv
+// head h / (heads / kv_heads)), f32 online softmax. Each warp keeps a running max m, denominator
+// l and unnormalised output acc for the positions it visits; partial results merge by rescaling
+// with exp(m_part - m_total), which is exact algebra, so any split of the positions gives the
+// same softmax.
+#include "common.cuh"
+
+#define ATT_WARPS 4
+#define PER_LANE (MAX_HEAD_DIM / 32)
+
+struct Partial {
+    float m, l, acc[PER_LANE];  // lane's elements lane, lane + 32, ...
+};
+
+// Positions p0, p0 + step, ... < p1 of one head into a warp's partial.
+__device__ __forceinline__ void attend(const float* q, const u16* kc, const u16* vc, int row, int hd,
+                                       float scale, int p0, int p1, int step, Partial& r) {
+    int lane = threadIdx.x & 31;
+    float qr[PER_LANE];
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) {
+        int e = lane + 32 * i;
+        qr[i] = e < hd ? q[e] * scale : 0.f;
+        r.acc[i] = 0.f;
+    }
+    r.m = NEG_INF;
+    r.l = 0.f;
+    for (int p = p0; p < p1; p += step) {
+        const u16* k = kc + (size_t)p * row;
+        const u16* v = vc + (size_t)p * row;
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++)
+            if (lane + 32 * i < hd) s += qr[i] * h2f(k[lane + 32 * i]);
+        s = warp_sum(s);
+        float m = fmaxf(r.m, s), corr = expf(r.m - m), w = expf(s - m);  // exp(-inf) = 0 on the first
+        r.l = r.l * corr + w;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++)
+            if (lane + 32 * i < hd) r.acc[i] = r.acc[i] * corr + w * h2f(v[lane + 32 * i]);
+        r.m = m;
+    }
+}
+
+// Merges the block's ATT_WARPS partials into shared memory: the total m and l, and the
+// unnormalised output acc[head_dim]. A warp that saw no position has m = -inf, l = 0.
+struct Merged {
+    float m, l, acc[MAX_HEAD_DIM];
+};
+
+__device__ __forceinline__ void merge_warps(const Partial& r, int hd, Merged& out) {
+    __shared__ float sm[ATT_WARPS], sl[ATT_WARPS], sacc[ATT_WARPS][MAX_HEAD_DIM];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        sm[warp] = r.m;
+        sl[warp] = r.l;
+    }
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++)
+        if (lane + 32 * i < hd) sacc[warp][lane + 32 * i] = r.acc[i];
+    __syncthreads();
+    float m = NEG_INF;
+    for (int w = 0; w < ATT_WARPS; w++) m = fmaxf(m, sm[w]);
+    for (int e = threadIdx.x; e < hd; e += blockDim.x) {
+        float a = 0.f;
+        for (int w = 0; w < ATT_WARPS; w++)
+            if (sm[w] != NEG_INF) a += sacc[w][e] * expf(sm[w] - m);
+        out.acc[e] = a;
+    }
+    if (threadIdx.x == 0) {
+        float l = 0.f;
+        for (int w = 0; w < ATT_WARPS; w++)
+            if (sm[w] != NEG_INF) l += sl[w] * expf(sm[w] - m);
+        out.m = m;
+        out.l = l;
+    }
+    __syncthreads();
+}
+
+// Decode, split over the context: grid (heads, splits), ATT_WARPS warps a block. n = pos[0] + 1
+// positions (read on the device, so a replayed graph needs no new arguments). Writes per
+// (head, split) [m, l, acc[head_dim]] to part; attention_combine finishes.
+extern "C" __global__ void attention_decode(const float* q, const u16* k_cache, const u16* v_cache,
+                                            const int* pos, float* part, int heads, int kv_heads, int hd,
+                                            float scale) {
+    int h = blockIdx.x, split = blockIdx.y, splits = gridDim.y, warp = threadIdx.x >> 5;
+    int n = pos[0] + 1, chunk = (n + splits - 1) / splits;
+    int p0 = split * chunk, p1 = p0 + chunk < n ? p0 + chunk : n;
+    int row = kv_heads * hd, kvh = h / (heads / kv_heads);
+    Partial r;
+    attend(q + h * hd, k_cache + kvh * hd, v_cache + kvh * hd, row, hd, scale, p0 + warp, p1, ATT_WARPS, r);
+    __shared__ Merged mg;
+    merge_warps(r, hd, mg);
+    float* out = part + ((size_t)h * splits + split) * (hd + 2);
+    if (threadIdx.x == 0) {
+        out[0] = mg.m;
+        out[1] = mg.l;
+    }
+    for (int e = threadIdx.x; e < hd; e += blockDim.x) out[2 + e] = mg.acc[e];
+}
+
+// grid heads: out [heads, hd] = merged partials / denominator (empty splits have m = -inf).
+extern "C" __global__ void attention_combine(const float* part, float* out, int splits, int hd) {
+    const float* p = part + (size_t)blockIdx.x * splits * (hd + 2);
+    float m = NEG_INF;
+    for (int s = 0; s < splits; s++) m = fmaxf(m, p[s * (hd + 2)]);
+    float l = 0.f;
+    for (int s = 0; s < splits; s++)
+        if (p[s * (hd + 2)] != NEG_INF) l += p[s * (hd + 2) + 1] * expf(p[s * (hd + 2)] - m);
+    for (int e = threadIdx.x; e < hd; e += blockDim.x) {
+        float a = 0.f;
+        for (int s = 0; s < splits; s++)
+            if (p[s * (hd + 2)] != NEG_INF) a += p[s * (hd + 2) + 2 + e] * expf(p[s * (hd + 2)] - m);
+        out[blockIdx.x * hd + e] = a / l;
+    }
+}
+
+// Prefill, causal: grid (T, heads); query t (rows q_stride floats apart) at position pos0[0] + t
+// sees cache positions 0 .. pos0[0] + t. out [T, heads, hd].
+extern "C" __global__ void attention_prefill(const float* q, int q_stride, const u16* k_cache,
+                                             const u16* v_cache, const int* pos0, float* out, int heads,
+                                             int kv_heads, int hd, float scale) {
+    int t = blockIdx.x, h = blockIdx.y, warp = threadIdx.x >> 5;
+    int n = pos0[0] + t + 1, row = kv_heads * hd, kvh = h / (heads / kv_heads);
+    Partial r;
+    attend(q + (size_t)t * q_stride + h * hd, k_cache + kvh * hd, v_cache + kvh * hd, row, hd, scale, warp, n,
+           ATT_WARPS, r);
+    __shared__ Merged mg;
+    merge_warps(r, hd, mg);
+    for (int e = threadIdx.x; e < hd; e += blockDim.x) out[((size_t)t * heads + h) * hd + e] = mg.acc[e] / mg.l;
+}

@@ -1,0 +1,69 @@
+// Helpers shared by every kernel. The kernels include no CUDA headers (an NVRTC wheel ships
+// none), so half conversions are inline PTX. These sources also build as C++ on the CPU for the
+// tests (tests/cuda_emu), which is what the host branch below is for.
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+
+#define FULL_MASK 0xffffffffu
+#define MAX_HEAD_DIM 256
+#define QK 32
+#define NEG_INF __int_as_float(0xff800000)  // no math header under NVRTC
+
+#if defined(__CUDACC_RTC__) || defined(__CUDACC__)
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+#else
+inline float h2f(u16 h) { _Float16 v; __builtin_memcpy(&v, &h, 2); return (float)v; }
+inline u16 f2h(float f) { _Float16 v = (_Float16)f; u16 h; __builtin_memcpy(&h, &v, 2); return h; }
+#endif
+
+// bf16 is the top half of an f32.
+__device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((unsigned)b) << 16); }
+
+// An exact-variant weight: f16 or bf16 bits.
+__device__ __forceinline__ float exact2f(u16 w, int bf16) { return bf16 ? bf2f(w) : h2f(w); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ int warp_sum_int(int v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+// Sum over the whole block, returned to every thread; every thread must call it.
+// scratch: 32 floats of shared memory.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // a previous call may still be reading scratch
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    return warp_sum(lane < warps ? scratch[lane] : 0.f);
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    return warp_max(lane < warps ? scratch[lane] : NEG_INF);
+}

@@ -1,0 +1,92 @@
+"""The CUDA sources (kernels/*.cu): where they live, how they compile, and a compile check that
+needs no GPU. The cuda backend hands the same sources and options to CuPy's RawModule; CI
+compiles them here with NVRTC (the `nvidia-cuda-nvrtc` wheel) for every architecture nerva
+supports, so a kernel that does not build never reaches a GPU machine."""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+from pathlib import Path
+
+from nerva_cli.errors import NervaError
+
+KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
+ARCHES = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90")  # Turing .. Hopper (ARCHITECTURE 7)
+# IEEE division and square root: the activation quantiser must match the NumPy reference bit
+# for bit, so no fast math.
+OPTIONS = ("--std=c++17", f"--include-path={KERNEL_DIR}")
+
+
+def sources() -> dict[str, Path]:
+    """Module name -> .cu path, e.g. {"matvec": .../kernels/matvec.cu}."""
+    found = {p.stem: p for p in sorted(KERNEL_DIR.glob("*.cu"))}
+    if not found:
+        raise NervaError(f"{KERNEL_DIR}: no CUDA sources (*.cu) found; is the checkout complete?")
+    return found
+
+
+def _nvrtc() -> ctypes.CDLL:
+    """libnvrtc from the nvidia-cuda-nvrtc wheel (CUDA 13 or 12 layout), else the system's."""
+    import importlib.util
+
+    candidates = []
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        candidates += sorted(glob.glob(os.path.join(root, "cu13", "lib", "libnvrtc.so*")))
+        candidates += sorted(glob.glob(os.path.join(root, "cuda_nvrtc", "lib", "libnvrtc.so*")))
+    candidates += ["libnvrtc.so"]
+    for c in candidates:
+        if "builtins" in c:
+            continue
+        try:
+            return ctypes.CDLL(c)
+        except OSError:
+            continue
+    raise NervaError("NVRTC not found: pip install nvidia-cuda-nvrtc (CUDA 13) or nvidia-cuda-nvrtc-cu12")
+
+
+def nvrtc_version() -> str:
+    lib = _nvrtc()
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return f"{major.value}.{minor.value}"
+
+
+def compile_cubin(path: Path, arch: str) -> bytes:
+    """NVRTC-compiles one source to machine code for `arch` (e.g. sm_90), through ptxas, so
+    register and shared-memory limits are checked too. A failure raises with NVRTC's log, which
+    names the file and line."""
+    lib = _nvrtc()
+    prog = ctypes.c_void_p()
+    src = path.read_bytes()
+    check = _checker(lib, path)
+    check(lib.nvrtcCreateProgram(ctypes.byref(prog), src, str(path).encode(), 0, None, None))
+    try:
+        opts = [o.encode() for o in (*OPTIONS, f"--gpu-architecture={arch}")]
+        arr = (ctypes.c_char_p * len(opts))(*opts)
+        rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+        if rc != 0:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise NervaError(f"{path}: NVRTC failed for {arch}:\n{log.value.decode(errors='replace').strip()}")
+        size = ctypes.c_size_t()
+        check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)))
+        cubin = ctypes.create_string_buffer(size.value)
+        check(lib.nvrtcGetCUBIN(prog, cubin))
+        return cubin.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _checker(lib, path):
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+
+    def check(rc: int) -> None:
+        if rc != 0:
+            raise NervaError(f"{path}: NVRTC error {lib.nvrtcGetErrorString(rc).decode()}")
+
+    return check
