@@ -3,11 +3,12 @@
 // graph replays without the host writing anything.
 #include "common.cuh"
 
-// out[c] = row token[0] of a Q4_0 table
+// Row t of out [T, cols] = row token[t] of a Q4_0 table; grid (column blocks, T).
 extern "C" __global__ void embed_q4(const u8* qs, const u16* d, const int* token, float* out, int cols) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
+    out += (size_t)blockIdx.y * cols;
     if (c < cols) {
-        size_t row = (size_t)token[0];
+        size_t row = (size_t)token[blockIdx.y];
         int b = c / QK, j = c % QK;
         u8 byte = qs[row * (cols / 2) + b * (QK / 2) + (j & 15)];
         int code = j < 16 ? (byte & 15) : (byte >> 4);
@@ -17,7 +18,8 @@ extern "C" __global__ void embed_q4(const u8* qs, const u16* d, const int* token
 
 extern "C" __global__ void embed_exact(const u16* table, int bf16, const int* token, float* out, int cols) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c < cols) out[c] = exact2f(table[(size_t)token[0] * cols + c], bf16);
+    out += (size_t)blockIdx.y * cols;
+    if (c < cols) out[c] = exact2f(table[(size_t)token[blockIdx.y] * cols + c], bf16);
 }
 
 // x [T, heads, head_dim] with rows `stride` floats apart; token t is at position pos0[0] + t.

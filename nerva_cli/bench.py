@@ -82,15 +82,18 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
     passes = sum(s.gen_tokens - 1 + math.ceil(s.prompt_tokens / PREFILL_CHUNK) for s in runs)  # layer passes
     allocs = hot_path_allocations(engine, prompt[:8], steps=16)
     best = max(runs, key=lambda s: s.decode_tok_s)
+    gpu = getattr(engine, "gpu_plan", None)
     result = {
         "model": engine.model.name, "variant": engine.model.variant, "backend": engine.backend,
-        "device": cpu_name(), "threads": threads, "mode": "hot-only" if len(engine.active) < engine.cfg.num_layers else "full",
+        "device": engine.dev.name if gpu else cpu_name(), "threads": threads, "mode": "hot-only" if len(engine.active) < engine.cfg.num_layers else "full",
         "precision": engine.precision,
-        "ram_budget": engine.plan.budget, "vram_budget": None,
+        "ram_budget": gpu.ram_budget if gpu else engine.plan.budget,
+        "vram_budget": engine.plan.budget if gpu else None,
         "policy": engine.policy if engine.plan.paged_layers else "resident",
         "resident_layers": len(engine.plan.resident_layers), "paged_layers": len(engine.plan.paged_layers),
         "disk_bytes_per_token": round(pager[0] / passes), "hit_rate": round(pager[1] / (pager[1] + pager[2]), 4)
         if pager[1] + pager[2] else 1.0, "stall_ms_per_token": round(pager[3] / 1e6 / passes, 3),
+        "h2d_bytes_per_token": round(pager[4] / passes),
         "direct_io": engine.weights.direct_io,
         "prompt_tokens": opts.prompt_tokens, "gen_tokens": opts.gen_tokens, "repeat": opts.repeat,
         "prefill_tok_s": round(float(np.median([s.prefill_tok_s for s in runs])), 2),
@@ -104,7 +107,7 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
         "weight_bytes": engine.weight_bytes, "kv_cache_bytes": engine.a.kv_bytes,
         "hot_path_allocations": allocs,
         "peak_rss_bytes": peak_rss_bytes(),
-        "peak_vram_bytes": 0,
+        "peak_vram_bytes": engine.peak_vram_bytes if gpu else 0,
         "nerva_version": __version__,
     }
     if opts.ppl_file is not None:
@@ -127,11 +130,14 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
 
 def _pager_counters(engine) -> list[int]:
     s = engine.weights.stats
-    return [0, 0, 0, 0] if s is None else [s.disk_bytes, s.hits, s.faults, s.stall_ns]
+    return [0] * 5 if s is None else [s.disk_bytes, s.hits, s.faults, s.stall_ns, s.h2d_bytes]
 
 
 def hot_path_allocations(engine, prompt: list[int], steps: int) -> int:
-    """Decode steps after warm-up, counted by AllocationCounter (greedy sampling included)."""
+    """Decode steps after warm-up, counted by AllocationCounter (greedy sampling included); on
+    the cuda backend the streamed, graph-replayed steps, device allocations counted too."""
+    if getattr(engine, "device_sampling", False):
+        return engine.count_hot_path_allocations(prompt, steps)
     engine.reset()
     sampler = Sampler(SamplingOptions(temperature=0.0), engine.cfg.vocab_size)
     token = sampler(engine.prefill(prompt))

@@ -153,10 +153,10 @@ Mode = Annotated[str, typer.Option("--mode", help="full: every layer runs; hot-o
                                                   "through (outputs differ from the full model).")]
 ActiveFraction = Annotated[float, typer.Option("--active-fraction", help="hot-only: fraction of layers that run, in (0, 1] (at least one layer).")]
 RamBudget = Annotated[Optional[str], typer.Option("--ram-budget", help="RAM for weights, KV cache and workspaces (512M, 4G, auto); layers that do not fit stream from disk.")]
-VramBudget = Annotated[Optional[str], typer.Option("--vram-budget", help="GPU memory budget (the cuda backend; ignored on cpu).")]
+VramBudget = Annotated[Optional[str], typer.Option("--vram-budget", help="GPU memory for weights, KV cache and workspaces (2G, auto = 90% of what is free); layers that do not fit stream from pinned RAM (up to --ram-budget) or disk. The cuda backend only.")]
 Policy = Annotated[str, typer.Option("--policy", help="Paging: ring (fixed resident set + exact-lookahead ring of slots) or lru (seed 002's cache).")]
 Ctx = Annotated[Optional[int], typer.Option("--ctx", help="Context length in tokens (default: min(model max, 4096)).")]
-Backend = Annotated[str, typer.Option(help="Kernel backend: cpu (numba, threaded) or ref (NumPy reference, slow).")]
+Backend = Annotated[str, typer.Option(help="Kernel backend: auto (cuda when CuPy finds a GPU, else cpu), cuda (CuPy kernels, CUDA graphs), cpu (numba, threaded) or ref (NumPy reference, slow).")]
 
 
 def _threads(threads: Optional[int]) -> int:
@@ -194,29 +194,52 @@ def _layer_plan(model, precision, tau: float, use_profile: bool, mode: str, acti
                                 progress=progress, log=output.info)
 
 
+def _profiling_backend(backend: str) -> str:
+    """MCAP profiles on the CPU plane (its prefill exposes the per-layer taps); a profile is made
+    once per model and cached, so the GPU gains little there."""
+    return "cpu" if backend in ("auto", "cuda") else backend
+
+
 def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau: float = 0.7,
                  use_profile: bool = True, mode: str = "full", active_fraction: float = 1.0,
                  ram_budget: Optional[str] = None, vram_budget: Optional[str] = None, policy: str = "ring"):
     """-> (engine, tokenizer, threads); the MCAP profile (computed if missing) picks each layer's
     precision and, in hot-only mode, which layers run."""
-    from nerva_cli import mcap, output
+    from nerva_cli import backends, mcap, output
 
     from nerva_cli.residency import parse_budget
 
     mcap.check_tau(tau)
     mcap.check_fraction(active_fraction)
     budget = parse_budget(ram_budget, "ram-budget")
+    backend = backends.resolve(backend)
     if vram_budget is not None and backend != "cuda":
         output.note(f"--vram-budget {vram_budget} is ignored: the {backend} backend holds everything in RAM")
     model = _find_or_pull(model_ref)
-    plan = _layer_plan(model, precision, tau, use_profile, mode, active_fraction, backend)
-    from nerva_cli.engine import Engine
+    plan = _layer_plan(model, precision, tau, use_profile, mode, active_fraction, _profiling_backend(backend))
     from nerva_cli.tokenizer import TextTokenizer
 
     tokenizer = TextTokenizer(model.path)
+    importance = getattr(plan, "importance", None)
+    if backend == "cuda":
+        from nerva_cli.cuda_engine import CudaEngine
+
+        vram = None if vram_budget in (None, "auto") else parse_budget(vram_budget, "vram-budget")
+        engine = CudaEngine(model, precision=plan.precision, ctx=ctx, layer_precisions=plan.layer_precisions,
+                            active_layers=plan.active_layers, vram_budget=vram, ram_budget=budget, policy=policy,
+                            importance=importance)
+        gp = engine.gpu_plan
+        if gp.vram.paged_layers:
+            output.info(f"residency on {engine.dev.name}: {len(gp.vram.resident_layers)} layers in VRAM, "
+                        f"{len(gp.vram.paged_layers)} stream through {gp.vram.slots} VRAM slots "
+                        f"({output.human_bytes(gp.vram.paged_bytes_per_token)} a token) from pinned RAM "
+                        f"({len(gp.warm)} layers) and disk ({len(gp.cold)})")
+        return engine, tokenizer, threads
+    from nerva_cli.engine import Engine
+
     engine = Engine(model, backend=backend, precision=plan.precision, ctx=ctx,
                     layer_precisions=plan.layer_precisions, active_layers=plan.active_layers,
-                    ram_budget=budget, policy=policy, importance=getattr(plan, "importance", None))
+                    ram_budget=budget, policy=policy, importance=importance)
     if engine.plan.paged_layers:
         p = engine.plan
         output.info(f"residency: {len(p.resident_layers)} layers resident, {len(p.paged_layers)} stream from "
@@ -250,7 +273,7 @@ def run(
     ram_budget: RamBudget = None,
     vram_budget: VramBudget = None,
     policy: Policy = "ring",
-    backend: Backend = "cpu",
+    backend: Backend = "auto",
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print timings after each answer.")] = False,
     ledger: Annotated[bool, typer.Option("--ledger", help="Print the per-token ledger (time per phase, bytes per tier) after each answer.")] = False,
     ledger_every: Annotated[int, typer.Option("--ledger-every", help="With --ledger: show every Nth token (the summary counts all).")] = 1,
@@ -339,28 +362,42 @@ def topology(
     probe: Annotated[bool, typer.Option("--probe", help="Measure RAM and O_DIRECT disk bandwidth now and cache them.")] = False,
     model: Annotated[Optional[str], typer.Option("--model", help="Show the residency plan `run` would use for this model here.")] = None,
     ram_budget: RamBudget = None,
+    vram_budget: VramBudget = None,
     ctx: Ctx = None,
     precision: Precision = None,
     tau: Tau = 0.7,
     no_profile: NoProfile = False,
     mode: Mode = "full",
     active_fraction: ActiveFraction = 0.75,
-    backend: Backend = "cpu",
+    backend: Backend = "auto",
 ):
     """CPU, memory, NUMA, the store's disk, GPUs and GPUDirect Storage; measured bandwidths with --probe."""
-    from nerva_cli import output
+    from nerva_cli import backends, output
     from nerva_cli import topology as topo
     from nerva_cli.residency import parse_budget
 
     budget = parse_budget(ram_budget, "ram-budget")
     info = topo.collect(probe)
     if model is not None:
-        from nerva_cli.engine import residency_plan
-
         stored = _find_or_pull(model)
-        layers = _layer_plan(stored, precision, tau, not no_profile, mode, active_fraction, backend)
-        plan = residency_plan(stored, ctx, budget, getattr(layers, "importance", None), layers.active_layers)
-        info["plan"] = topo.plan_report(stored, plan, info["probe"])
+        backend = backends.resolve(backend)
+        layers = _layer_plan(stored, precision, tau, not no_profile, mode, active_fraction,
+                             _profiling_backend(backend))
+        importance = getattr(layers, "importance", None)
+        if backend == "cuda":
+            from nerva_cli.backends.cuda import CupyDevice
+            from nerva_cli.cuda_engine import gpu_residency_plan
+
+            dev = CupyDevice()
+            vram = (int(dev.free_bytes() * 0.9) if vram_budget in (None, "auto")
+                    else parse_budget(vram_budget, "vram-budget"))
+            gp = gpu_residency_plan(stored, ctx, vram, budget, importance, layers.active_layers, dev.sms)
+            info["plan"] = topo.gpu_plan_report(stored, gp, dev.name)
+        else:
+            from nerva_cli.engine import residency_plan
+
+            plan = residency_plan(stored, ctx, budget, importance, layers.active_layers)
+            info["plan"] = topo.plan_report(stored, plan, info["probe"])
     if json_out:
         output.print_json(info)
     elif output.out.is_terminal:
@@ -393,7 +430,7 @@ def bench(
     ram_budget: RamBudget = None,
     vram_budget: VramBudget = None,
     policy: Policy = "ring",
-    backend: Backend = "cpu",
+    backend: Backend = "auto",
 ):
     """Measure prefill and decode speed; prints exactly one JSON line on stdout."""
     threads = _threads(threads)
@@ -416,7 +453,7 @@ def profile(
     model: Annotated[str, typer.Argument(help="name[:variant] in the store, a model directory, or a source to pull first (smollm2-135m).")],
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Calibration prompts instead of the 12 built-in ones: one per line, or a JSON array of strings.")] = None,
     json_: Json = False,
-    backend: Backend = "cpu",
+    backend: Backend = "auto",
 ):
     """MCAP layer importance: the mean over the calibration tokens of ||[Qx, Vx]|| + ||FFN(x')||
     per layer, streamed one layer at a time. Kept in $NERVA_HOME/profiles/<arch_hash>.json (a
@@ -428,7 +465,7 @@ def profile(
     texts = mcap.read_prompts(prompts) if prompts is not None else None
     m = _find_or_pull(model)
     with output.step_progress("profiling") as progress:
-        result = mcap.get_profile(m, texts, backend=backend, progress=progress)
+        result = mcap.get_profile(m, texts, backend=_profiling_backend(backend), progress=progress)
     measured = result.measurement
     run_info = {"model": f"{m.name}:{m.variant}", "path": str(result.path), "origin": result.origin,
                 "seconds": round(measured.seconds, 2) if measured else None,

@@ -61,23 +61,53 @@ class StopMatcher:
         return out
 
 
+def _host_tokens(engine, prompt_ids: list[int], sampler: Sampler, stats: GenerationStats, ledger=None):
+    """Prefill, then decode and sample on the host, one token at a time."""
+    t0 = time.perf_counter()
+    logits = engine.prefill(prompt_ids)
+    stats.prefill_s = time.perf_counter() - t0
+    token = sampler(logits)
+    while True:
+        yield token
+        token = ledger.step(engine.decode, sampler, token) if ledger is not None else sampler(engine.decode(token))
+
+
 def generate(engine, prompt_ids: list[int], sampler: Sampler, max_tokens: int,
              eos_ids: set[int] = frozenset(), decoder=None, stops: list[str] = (),
              on_text: Callable[[str], None] | None = None,
              ledger=None) -> tuple[list[int], GenerationStats]:
     """Prefills `prompt_ids` (on top of what the engine already holds) and decodes up to
-    `max_tokens`. Ctrl-C stops the answer and returns what was made so far."""
+    `max_tokens`. Ctrl-C stops the answer and returns what was made so far.
+
+    An engine that samples on its device (cuda) streams tokens while it computes the next ones;
+    its token times are the intervals between arrivals, since the device does not wait for this
+    loop. On the host path nothing runs while this loop prints, so a token's time is the time
+    spent making it. The ledger measures one token at a time, so it takes the host path."""
     stats = GenerationStats(prompt_tokens=len(prompt_ids))
     matcher = StopMatcher(list(stops))
     out: list[int] = []
     emit = on_text or (lambda s: None)
+    on_device = getattr(engine, "device_sampling", False) and ledger is None
+    tokens = (engine.stream(prompt_ids, sampler.o, max_tokens) if on_device
+              else _host_tokens(engine, prompt_ids, sampler, stats, ledger))
     t0 = time.perf_counter()
     try:
-        logits = engine.prefill(prompt_ids)
-        stats.prefill_s = time.perf_counter() - t0
-        token = sampler(logits)
-        stats.ttft_s = time.perf_counter() - t0
+        last = t0
         while True:
+            if not on_device:
+                last = time.perf_counter()
+            token = next(tokens, None)
+            now = time.perf_counter()
+            if token is None:
+                stats.stop_reason = "length"
+                break
+            if not out and not stats.ttft_s:
+                stats.ttft_s = now - t0
+                if on_device:
+                    stats.prefill_s = engine.last_prefill_s
+            else:
+                stats.token_s.append(now - last)
+            last = now
             if token in eos_ids:
                 stats.stop_reason = "eos"
                 break
@@ -91,14 +121,10 @@ def generate(engine, prompt_ids: list[int], sampler: Sampler, max_tokens: int,
             if len(out) >= max_tokens:
                 stats.stop_reason = "length"
                 break
-            t = time.perf_counter()
-            if ledger is not None:
-                token = ledger.step(engine.decode, sampler, token)
-            else:
-                token = sampler(engine.decode(token))
-            stats.token_s.append(time.perf_counter() - t)
     except KeyboardInterrupt:
         stats.stop_reason = "interrupted"
+    finally:
+        tokens.close()
     if decoder is not None and stats.stop_reason != "stop":
         emit(matcher.feed(decoder.flush())[0] + matcher.flush())
     stats.gen_tokens = len(out)

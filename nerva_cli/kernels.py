@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import re
 from pathlib import Path
 
 from nerva_cli.errors import NervaError
@@ -16,7 +17,9 @@ KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 ARCHES = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90")  # Turing .. Hopper (ARCHITECTURE 7)
 # IEEE division and square root: the activation quantiser must match the NumPy reference bit
 # for bit, so no fast math.
-OPTIONS = ("--std=c++17", f"--include-path={KERNEL_DIR}")
+OPTIONS = ("--std=c++17",)
+DECLARED = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(')
+INCLUDE = re.compile(r'^#include "([\w.]+)"$', re.MULTILINE)
 
 
 def sources() -> dict[str, Path]:
@@ -25,6 +28,20 @@ def sources() -> dict[str, Path]:
     if not found:
         raise NervaError(f"{KERNEL_DIR}: no CUDA sources (*.cu) found; is the checkout complete?")
     return found
+
+
+def declared_kernels(path: Path) -> list[str]:
+    """The `extern "C" __global__` kernels a source defines."""
+    return DECLARED.findall(path.read_text())
+
+
+def module_source(path: Path) -> str:
+    """The source with its local headers inlined: CuPy's kernel cache keys on the source text
+    alone, so an edited header has to change that text."""
+    def inline(m):
+        return (KERNEL_DIR / m.group(1)).read_text().replace("#pragma once\n", "")
+
+    return INCLUDE.sub(inline, path.read_text())
 
 
 def _nvrtc() -> ctypes.CDLL:
@@ -60,7 +77,7 @@ def compile_cubin(path: Path, arch: str) -> bytes:
     names the file and line."""
     lib = _nvrtc()
     prog = ctypes.c_void_p()
-    src = path.read_bytes()
+    src = module_source(path).encode()
     check = _checker(lib, path)
     check(lib.nvrtcCreateProgram(ctypes.byref(prog), src, str(path).encode(), 0, None, None))
     try:

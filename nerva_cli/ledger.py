@@ -17,10 +17,10 @@ class TokenRecord:
     token_id: int
     piece: str
     wall_us: float
-    embed_us: float
-    attention_us: float
-    mlp_us: float
-    lm_head_us: float
+    embed_us: float | None  # None where phases run inside a CUDA graph and cannot be told apart
+    attention_us: float | None
+    mlp_us: float | None
+    lm_head_us: float | None
     sample_us: float
     stall_us: float
     kernel_launches: int
@@ -39,20 +39,27 @@ class TokenRecord:
 
 
 class CountingBackend:
-    """The backend module with every kernel call counted (only while the ledger is on)."""
+    """The backend with every kernel launch or graph replay counted, and syncs apart (only while
+    the ledger is on)."""
 
     def __init__(self, backend):
         self._b = backend
         self.calls = 0
+        self.syncs = 0
 
     def __getattr__(self, name):
         fn = getattr(self._b, name)
         if not callable(fn):
             return fn
 
-        def counted(*args):
-            self.calls += 1
-            return fn(*args)
+        if name == "sync":
+            def counted(*args):
+                self.syncs += 1
+                return fn(*args)
+        else:
+            def counted(*args):
+                self.calls += 1
+                return fn(*args)
 
         setattr(self, name, counted)  # made once per kernel, then found without __getattr__
         return counted
@@ -68,9 +75,10 @@ class Ledger:
         self.allocs = AllocationCounter().__enter__()
 
     def _snapshot(self):
-        s = self.engine.weights.stats
-        return (dict(self.engine.phase_ns), self.counting.calls,
-                None if s is None else (s.disk_bytes, s.hits, s.faults, s.stall_ns, s.prefetched, s.evicted))
+        s, phases = self.engine.weights.stats, self.engine.phase_ns
+        return (None if phases is None else dict(phases), self.counting.calls, self.counting.syncs,
+                None if s is None else (s.disk_bytes, s.hits, s.faults, s.stall_ns, s.prefetched, s.evicted,
+                                        s.h2d_bytes, s.d2h_bytes))
 
     def step(self, decode, sampler, token: int):
         """Runs one decode + sample under measurement; returns the next token."""
@@ -82,15 +90,17 @@ class Ledger:
             t1 = perf_counter_ns()
             nxt = sampler(logits)
         t2 = perf_counter_ns()
-        phases, calls, pager = self._snapshot()
-        d = {k: (phases[k] - before[0][k]) / 1000 for k in phases}
-        p = [0] * 6 if pager is None else [a - b for a, b in zip(pager, before[2])]
+        phases, calls, syncs, pager = self._snapshot()
+        d = {k: None if phases is None else (phases[k] - before[0][k]) / 1000
+             for k in ("embed", "attention", "mlp", "lm_head")}
+        p = [0] * 8 if pager is None else [a - b for a, b in zip(pager, before[3])]
         counts = self.engine.precision_counts
         rec = TokenRecord(
             index=len(self.records), token_id=nxt, piece=self.tok.decode([nxt]) if self.tok else "",
             wall_us=(t2 - t0) / 1000, embed_us=d["embed"], attention_us=d["attention"], mlp_us=d["mlp"],
             lm_head_us=d["lm_head"], sample_us=(t2 - t1) / 1000, stall_us=p[3] / 1000,
-            kernel_launches=calls - before[1], syncs=0, disk_bytes=p[0], h2d_bytes=0, d2h_bytes=0,
+            kernel_launches=calls - before[1], syncs=syncs - before[2], disk_bytes=p[0], h2d_bytes=p[6],
+            d2h_bytes=p[7],
             hits=p[1], faults=p[2], prefetched=p[4], evicted=p[5], w4a8_layers=counts["w4a8"],
             w4a16_layers=counts["w4a16"], exact_layers=counts["exact"],
             hot_path_allocations=self.allocs.count - allocs_before)
@@ -118,14 +128,19 @@ class Ledger:
             "direct_io": e.weights.direct_io, "wall_ms_total": wall.sum() / 1000,
             "wall_us_mean": wall.mean(), "wall_us_p50": float(np.percentile(wall, 50)),
             "wall_us_p99": float(np.percentile(wall, 99)),
-            **{f"{k}_us_mean": col(f"{k}_us").mean() for k in ("embed", "attention", "mlp", "lm_head",
+            **{f"{k}_us_mean": self._mean(f"{k}_us") for k in ("embed", "attention", "mlp", "lm_head",
                                                                "sample", "stall")},
-            "kernel_launches_per_token": col("kernel_launches").mean(),
+            "kernel_launches_per_token": col("kernel_launches").mean(), "syncs_per_token": col("syncs").mean(),
+            "h2d_bytes_per_token": col("h2d_bytes").mean(), "d2h_bytes_per_token": col("d2h_bytes").mean(),
             "disk_bytes_per_token": col("disk_bytes").mean(),
             "hit_rate": hits / (hits + faults) if hits + faults else 1.0,
             "resident_layers": len(e.plan.resident_layers), "paged_layers": len(e.plan.paged_layers),
             "hot_path_allocations": int(col("hot_path_allocations").sum()),
         }
+
+    def _mean(self, name: str) -> float | None:
+        values = [getattr(r, name) for r in self.records]
+        return None if None in values else float(np.mean(values))
 
     def print_table(self, console, every: int = 1) -> None:
         from rich.table import Table
@@ -134,14 +149,15 @@ class Ledger:
 
         table = Table(title="ledger (per decoded token, times in µs)", header_style="bold", box=None)
         cols = ("#", "token", "piece", "wall", "embed", "attn", "mlp", "lm_head", "sample", "stall",
-                "launches", "disk", "hits", "faults", "w4a8/w4a16/exact", "allocs")
+                "launches", "syncs", "disk", "h2d", "hits", "faults", "w4a8/w4a16/exact", "allocs")
+        us = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
         for c in cols:
             table.add_column(c, justify="left" if c == "piece" else "right")
         for r in self.records[::max(1, every)]:
             table.add_row(str(r.index), str(r.token_id), repr(r.piece)[1:-1][:12], f"{r.wall_us:.0f}",
-                          f"{r.embed_us:.0f}", f"{r.attention_us:.0f}", f"{r.mlp_us:.0f}", f"{r.lm_head_us:.0f}",
-                          f"{r.sample_us:.0f}", f"{r.stall_us:.0f}", str(r.kernel_launches),
-                          human_bytes(r.disk_bytes), str(r.hits), str(r.faults),
+                          us(r.embed_us), us(r.attention_us), us(r.mlp_us), us(r.lm_head_us),
+                          f"{r.sample_us:.0f}", f"{r.stall_us:.0f}", str(r.kernel_launches), str(r.syncs),
+                          human_bytes(r.disk_bytes), human_bytes(r.h2d_bytes), str(r.hits), str(r.faults),
                           f"{r.w4a8_layers}/{r.w4a16_layers}/{r.exact_layers}", str(r.hot_path_allocations))
         narrow = console.width
         if not console.is_terminal:
@@ -159,12 +175,17 @@ class Ledger:
         if s["tokens"]:
             direct = {True: "O_DIRECT", False: "buffered (page cache hits are not disk reads)",
                       None: "no reads"}[s["direct_io"]]
+            phases = ("per phase: inside CUDA graphs" if s["attention_us_mean"] is None else
+                      f"attention {s['attention_us_mean']:.0f}, mlp {s['mlp_us_mean']:.0f}, "
+                      f"lm_head {s['lm_head_us_mean']:.0f}")
             console.print(
                 f"[bold]summary[/bold] {s['tokens']} tokens, {s['wall_ms_total']:.1f} ms; wall p50 "
-                f"{s['wall_us_p50']:.0f} µs, p99 {s['wall_us_p99']:.0f} µs; attention {s['attention_us_mean']:.0f}, "
-                f"mlp {s['mlp_us_mean']:.0f}, lm_head {s['lm_head_us_mean']:.0f}, sample {s['sample_us_mean']:.0f}, "
-                f"stall {s['stall_us_mean']:.0f} µs/token; {s['kernel_launches_per_token']:.0f} launches/token\n"
+                f"{s['wall_us_p50']:.0f} µs, p99 {s['wall_us_p99']:.0f} µs; {phases}, sample "
+                f"{s['sample_us_mean']:.0f}, stall {s['stall_us_mean']:.0f} µs/token; "
+                f"{s['kernel_launches_per_token']:.0f} launches or graph replays and {s['syncs_per_token']:.0f} "
+                "syncs/token\n"
                 f"residency: policy {s['policy']}, {s['resident_layers']} layers resident, {s['paged_layers']} paged "
-                f"through slots; disk {human_bytes(s['disk_bytes_per_token'])}/token ({direct}); hit rate "
+                f"through slots; disk {human_bytes(s['disk_bytes_per_token'])}/token ({direct}), host->GPU "
+                f"{human_bytes(s['h2d_bytes_per_token'])}/token; hit rate "
                 f"{s['hit_rate']:.2%}; hot-path allocations {s['hot_path_allocations']} (the first step's "
                 "one-time work included)")

@@ -41,6 +41,8 @@ class PagerStats:
     stall_ns: int = 0  # time compute waited for a read
     prefetched: int = 0
     evicted: int = 0
+    h2d_bytes: int = 0  # host -> GPU copies of paged layers (the cuda backend)
+    d2h_bytes: int = 0  # GPU -> host copies of logits and tokens (the cuda backend)
 
 
 class LayerFileReader:
@@ -117,7 +119,10 @@ class PagedWeights:
     """Yields every layer once per pass, in order: resident ones from RAM, paged ones from slots."""
 
     def __init__(self, model: StoredModel, resident: dict, paged: list[int], precisions: dict[int, str],
-                 slots: int, slot_bytes: int, policy: str, view_layer):
+                 slots: int, slot_bytes: int, policy: str, view_layer, view_buffer=None):
+        """view_layer(tensors) -> (layer, refresh) makes what a slot yields from its tensors;
+        view_buffer(buf), when given, from its raw bytes instead (the cuda backend copies whole
+        slots to the GPU)."""
         if policy not in POLICIES:
             raise BadInput(f"--policy {policy}: choose one of {', '.join(POLICIES)}")
         tables = {layer_file(i): model.meta["files"][layer_file(i)]["tensors"] for i in paged}
@@ -130,7 +135,8 @@ class PagedWeights:
         self.order = sorted(list(resident) + paged)
         self.stats = PagerStats()
         self.reader = LayerFileReader(model)
-        self.slots = [Slot(n, slot_bytes, lambda buf: view_layer(tensors_in(buf, first))) for n in range(slots)]
+        make = view_buffer or (lambda buf: view_layer(tensors_in(buf, first)))
+        self.slots = [Slot(n, slot_bytes, make) for n in range(slots)]
         self.error: BaseException | None = None
         self.visits = 0  # paged visits consumed so far (ring)
         self.lru: OrderedDict[int, Slot] = OrderedDict()

@@ -97,6 +97,10 @@ class StoredModel:
 
     def read_file(self, fname: str, verify: bool = True) -> dict[str, np.ndarray]:
         """All tensors of one file as arrays over one buffer, after checking size and sha256."""
+        return tensors_in(self.read_bytes(fname, verify), self.meta["files"][fname]["tensors"])
+
+    def read_bytes(self, fname: str, verify: bool = True) -> np.ndarray:
+        """One file's bytes, after checking size and sha256."""
         info = self.meta["files"].get(fname)
         if info is None:
             raise BadInput(f"{self.path}: metadata.json lists no file {fname}")
@@ -114,7 +118,7 @@ class StoredModel:
             raise BadInput(f"{path}: short read ({got} of {info['size']} bytes)")
         if verify and hashlib.sha256(buf).hexdigest() != info["sha256"]:
             raise BadInput(f"{path}: sha256 disagrees with metadata.json (file changed or corrupt)")
-        return tensors_in(buf, info["tensors"])
+        return buf
 
     def verify(self) -> list[str]:
         """Names of files whose size or sha256 disagrees with metadata.json."""

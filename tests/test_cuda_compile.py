@@ -3,13 +3,9 @@ every kernel it declares is in the machine code: no GPU needed (ARCHITECTURE 7).
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from nerva_cli import kernels
-
-DECLARED = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(')
 
 
 @pytest.mark.parametrize("arch", kernels.ARCHES)
@@ -17,7 +13,7 @@ DECLARED = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(')
 def test_source_compiles_for_arch(name, arch):
     path = kernels.sources()[name]
     cubin = kernels.compile_cubin(path, arch)
-    declared = DECLARED.findall(path.read_text())
+    declared = kernels.declared_kernels(path)
     assert declared, f"{path} declares no kernel"
     for k in declared:
         assert k.encode() in cubin, f"{k} from {path} is missing from the {arch} machine code"

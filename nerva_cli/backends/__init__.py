@@ -5,7 +5,25 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-BACKENDS = ("cpu", "ref")
+BACKENDS = ("cpu", "ref")  # kernel modules of the CPU engine; cuda has an engine of its own
+CHOICES = ("auto", "cpu", "cuda", "ref")
+
+
+def resolve(name: str) -> str:
+    """--backend: auto is cuda when CuPy imports and a device answers, else cpu."""
+    from nerva_cli.errors import NervaError
+
+    if name not in CHOICES:
+        raise NervaError(f"--backend {name}: choose one of {', '.join(CHOICES)}")
+    if name in ("auto", "cuda"):
+        from nerva_cli.backends import cuda
+
+        if cuda.cupy_or_none() is not None:
+            return "cuda"
+        if name == "cuda":
+            raise NervaError(f"--backend cuda: {cuda.why_no_cuda}")
+        return "cpu"
+    return name
 
 
 def get_backend(name: str) -> ModuleType:

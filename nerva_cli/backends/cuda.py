@@ -1,0 +1,316 @@
+"""The cuda backend: the kernel contract of backends/ref.py over device arrays, launched from
+kernels/*.cu, and the one place that talks to CuPy.
+
+`Kernels` computes every launch's grid, block and typed arguments; `CupyDevice` is what it runs
+on: arrays, streams, events, graphs and copies. The tests drive the same `Kernels` through a CPU
+emulation of the same CUDA sources (tests/cuda_emu), so launch shapes, argument order and types
+are checked without a GPU. Scalars go to kernels as numpy int32/float32: CuPy passes a Python
+int as 64 bits and a float as a double, which a kernel taking `int`/`float` would misread.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import numpy as np
+
+from nerva_cli import kernels
+from nerva_cli.errors import NervaError
+from nerva_cli.quant import QK
+
+I32, F32 = np.int32, np.float32
+THREADS = 256  # elementwise and norm blocks
+ROWS_PER_BLOCK = THREADS // 32  # matvecs: one warp per row
+ATT_THREADS = 128  # attention: 4 warps (ATT_WARPS in attention.cu)
+SAMPLE_THREADS = 1024
+MAX_HEAD_DIM = 256  # MAX_HEAD_DIM in common.cuh
+RECENT = 64  # tokens the repetition penalty looks back on (the CPU sampler's repeat_last_n)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def is_bf16(a) -> bool:
+    """Exact-variant tensors: f16 as float16, bf16 as its uint16 bits (store.DTYPES)."""
+    return a.dtype == np.uint16
+
+
+class Kernels:
+    """One method per kernel of the contract; every launch goes through device.launch."""
+
+    def __init__(self, device):
+        self.dev = device
+        self.fn = device.functions()
+
+    def _go(self, name: str, grid, block, args) -> None:
+        self.dev.launch(self.fn[name], grid, block, args)
+
+    # -- norms, elementwise --------------------------------------------------------------------
+    def rmsnorm(self, x, w, eps: float, out) -> None:
+        """Rows of w.shape[0] elements; out may be x."""
+        n = w.shape[0]
+        self._go("rmsnorm", (x.size // n,), (THREADS,), (x, w, F32(eps), out, I32(n)))
+
+    def add_rmsnorm(self, x, residual, w, eps: float, out) -> None:
+        n = w.shape[0]
+        self._go("add_rmsnorm", (x.size // n,), (THREADS,), (x, residual, w, F32(eps), out, I32(n)))
+
+    def embed(self, table: dict, tokens, out) -> None:
+        """out [T, cols] = rows tokens [T] (device int32) of table: {"qs", "d"} (Q4_0) or {"w"}."""
+        cols, grid = out.shape[-1], (_cdiv(out.shape[-1], THREADS), tokens.shape[0])
+        if "qs" in table:
+            self._go("embed_q4", grid, (THREADS,), (table["qs"], table["d"], tokens, out, I32(cols)))
+        else:
+            w = table["w"]
+            self._go("embed_exact", grid, (THREADS,), (w, I32(is_bf16(w)), tokens, out, I32(cols)))
+
+    def rope(self, x, stride: int, pos0, cos, sin, T: int, heads: int) -> None:
+        """x: T rows `stride` floats apart, each `heads` heads; token t at position pos0[0] + t."""
+        half = cos.shape[1]
+        self._go("rope", (_cdiv(T * heads * half, THREADS),), (THREADS,),
+                 (x, I32(stride), pos0, cos, sin, I32(T), I32(heads), I32(half)))
+
+    def silu_mul(self, gate_up, out, f: int, T: int) -> None:
+        self._go("silu_mul", (_cdiv(T * f, THREADS),), (THREADS,), (gate_up, out, I32(f), I32(T)))
+
+    def add_rows(self, x, b, T: int) -> None:
+        """x [T, n] += b [n] for every row."""
+        n = b.shape[0]
+        self._go("add_rows", (_cdiv(T * n, THREADS),), (THREADS,), (x, b, I32(n), I32(T)))
+
+    def kv_store(self, k, v, stride: int, k_cache, v_cache, pos0, T: int) -> None:
+        kv_dim = k_cache.shape[-1] * k_cache.shape[-2]
+        self._go("kv_store", (_cdiv(T * kv_dim, THREADS),), (THREADS,),
+                 (k, v, I32(stride), k_cache, v_cache, pos0, I32(T), I32(kv_dim)))
+
+    # -- matvecs -------------------------------------------------------------------------------
+    def matvec(self, m: dict, x, out, precision: str, act=None) -> None:
+        """out = W x. m: {"qs", "d"} or {"w"}; act = (xq, xd, xs) already quantised for w4a8."""
+        if "w" in m:
+            w = m["w"]
+            rows, cols = w.shape
+            self._go("matvec_exact", (_cdiv(rows, ROWS_PER_BLOCK),), (THREADS,),
+                     (w, I32(is_bf16(w)), x, out, I32(rows), I32(cols)))
+            return
+        rows, cols = m["qs"].shape[0], m["qs"].shape[1] * 2
+        if precision == "w4a8":
+            xq, xd, xs = act
+            self._go("matvec_q4_w4a8", (_cdiv(rows, ROWS_PER_BLOCK),), (THREADS,),
+                     (m["qs"], m["d"], xq, xd, xs, out, I32(rows), I32(cols)))
+        else:
+            self._go("matvec_q4_w4a16", (_cdiv(rows, ROWS_PER_BLOCK),), (THREADS,),
+                     (m["qs"], m["d"], x, out, I32(rows), I32(cols)))
+
+    def quantize_act_q8(self, x, xq, xd, xs) -> None:
+        groups = x.size // QK
+        self._go("quantize_act_q8", (_cdiv(groups, ROWS_PER_BLOCK),), (THREADS,), (x, xq, xd, xs, I32(x.size)))
+
+    def fake_quantize_q8(self, x, out) -> None:
+        groups = x.size // QK
+        self._go("fake_quantize_q8", (_cdiv(groups, ROWS_PER_BLOCK),), (THREADS,), (x, out, np.int64(x.size)))
+
+    def dequantize(self, m: dict, out) -> None:
+        """A weight matrix as f32 (prefill's GEMM operand)."""
+        if "w" in m:
+            w = m["w"]
+            self._go("widen_exact", (_cdiv(w.size, THREADS),), (THREADS,), (w, I32(is_bf16(w)), out, np.int64(w.size)))
+        else:
+            rows, half = m["qs"].shape
+            self._go("dequantize_q4", (_cdiv(rows * half, THREADS),), (THREADS,),
+                     (m["qs"], m["d"], out, I32(rows), I32(half * 2)))
+
+    # -- attention -----------------------------------------------------------------------------
+    def attention_decode(self, q, k_cache, v_cache, pos, part, out, heads: int, splits: int) -> None:
+        """q [heads, hd]; caches [ctx, kv_heads, hd] f16; pos[0] + 1 positions; part: the
+        split partials [heads, splits, hd + 2]; out [heads, hd]."""
+        kv_heads, hd = k_cache.shape[-2], k_cache.shape[-1]
+        self._go("attention_decode", (heads, splits), (ATT_THREADS,),
+                 (q, k_cache, v_cache, pos, part, I32(heads), I32(kv_heads), I32(hd), F32(1.0 / np.sqrt(hd))))
+        self._go("attention_combine", (heads,), (ATT_THREADS,), (part, out, I32(splits), I32(hd)))
+
+    def attention_prefill(self, q, q_stride: int, k_cache, v_cache, pos0, out, T: int, heads: int) -> None:
+        kv_heads, hd = k_cache.shape[-2], k_cache.shape[-1]
+        self._go("attention_prefill", (T, heads), (ATT_THREADS,),
+                 (q, I32(q_stride), k_cache, v_cache, pos0, out, I32(heads), I32(kv_heads), I32(hd),
+                  F32(1.0 / np.sqrt(hd))))
+
+    # -- graphs and syncs (the ledger counts these calls) ----------------------------------------
+    def replay(self, graph, stream) -> None:
+        self.dev.replay(graph, stream)
+
+    def sync(self, stream) -> None:
+        stream.synchronize()
+
+    # -- sampling ------------------------------------------------------------------------------
+    def sample(self, logits, state, recent, opts, advance: bool) -> None:
+        """Samples into state[1] (see sample.cu); advance moves state[0] on by one."""
+        seed = np.random.SeedSequence(opts.seed).generate_state(1)[0] if opts.seed is None else opts.seed
+        self._go("sample", (1,), (SAMPLE_THREADS,),
+                 (logits, I32(logits.shape[0]), state, recent, I32(recent.shape[0]), F32(opts.temperature),
+                  I32(opts.top_k), F32(opts.top_p), F32(opts.repeat_penalty), np.uint32(seed & 0xFFFFFFFF),
+                  I32(advance)))
+
+
+def attention_splits(heads: int, ctx: int, sms: int) -> int:
+    """Blocks over the context per head for decode: enough blocks to fill the GPU twice over,
+    none shorter than 128 positions at full context."""
+    return max(1, min(32, _cdiv(2 * sms, heads), ctx // 128))
+
+
+def kernel_names() -> dict[str, str]:
+    """Kernel name -> module (source file stem)."""
+    return {k: mod for mod, path in kernels.sources().items() for k in kernels.declared_kernels(path)}
+
+
+def cupy_or_none():
+    """CuPy if it imports and a device answers, else None (with the reason in `why_no_cuda`)."""
+    global why_no_cuda
+    try:
+        import cupy
+    except ImportError:
+        why_no_cuda = "CuPy is not installed (pip install -e '.[cuda13]' or '.[cuda12]')"
+        return None
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            why_no_cuda = "no CUDA device"
+            return None
+    except Exception as e:  # CUDARuntimeError: no driver, no device
+        why_no_cuda = f"no CUDA device answers ({e})"
+        return None
+    return cupy
+
+
+why_no_cuda = ""
+
+
+class CupyDevice:
+    """Arrays, streams, events, graphs and copies on the current CUDA device."""
+
+    def __init__(self):
+        from nerva_cli.store import home
+
+        os.environ.setdefault("CUPY_CACHE_DIR", str(home() / "cuda-cache"))  # CuPy's kernel cache
+        cp = cupy_or_none()
+        if cp is None:
+            raise NervaError(f"--backend cuda: {why_no_cuda}")
+        self.cp = cp
+        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+        self.name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        self.sms = int(props["multiProcessorCount"])
+        self.total_bytes = int(props["totalGlobalMem"])
+        self.compute = self.stream()
+        self.copy = self.stream()
+
+    # modules: one RawModule per source, compiled by CuPy's NVRTC, cached under $NERVA_HOME
+    def functions(self) -> dict:
+        mods, fns = {}, {}
+        for name, mod in kernel_names().items():
+            if mod not in mods:
+                mods[mod] = self.cp.RawModule(code=kernels.module_source(kernels.sources()[mod]),
+                                              options=kernels.OPTIONS)
+            fns[name] = mods[mod].get_function(name)
+        return fns
+
+    def launch(self, fn, grid, block, args) -> None:
+        fn(grid, block, args)
+
+    # arrays
+    def empty(self, shape, dtype):
+        return self.cp.empty(shape, dtype=dtype)
+
+    def zeros(self, shape, dtype):
+        return self.cp.zeros(shape, dtype=dtype)
+
+    def upload(self, host: np.ndarray):
+        return self.cp.asarray(host)
+
+    def download(self, dev, out: np.ndarray | None = None) -> np.ndarray:
+        """A synchronous copy to the host (into `out` when given: no allocation)."""
+        if out is None:
+            return self.cp.asnumpy(dev)
+        dev.get(out=out)
+        return out
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        """Page-locked host memory (async copies need it; page-aligned, so O_DIRECT reads fit)."""
+        mem = self.cp.cuda.alloc_pinned_memory(nbytes)
+        return np.frombuffer(mem, dtype=np.uint8, count=nbytes)
+
+    def pin(self, host: np.ndarray) -> None:
+        """Page-locks memory someone else allocated (the pager's staging slots)."""
+        self.cp.cuda.runtime.hostRegister(host.ctypes.data, host.nbytes, 0)
+
+    def copy_async(self, dst, src: np.ndarray, stream) -> None:
+        """Host (pinned) -> device on `stream`."""
+        self.cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes,
+                                         self.cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+
+    def copy_to_host_async(self, dst: np.ndarray, src, stream) -> None:
+        self.cp.cuda.runtime.memcpyAsync(dst.ctypes.data, src.data.ptr, dst.nbytes,
+                                         self.cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+
+    def matmul_t(self, a, b, out=None):
+        """a @ b.T by cuBLAS (f32: TF32 stays off unless CUPY_TF32 is set)."""
+        return self.cp.matmul(a, b.T, out=out)
+
+    # streams, events, graphs
+    def stream(self):
+        return self.cp.cuda.Stream(non_blocking=True)
+
+    def event(self):
+        return self.cp.cuda.Event(disable_timing=True)
+
+    def timing_event(self):
+        return self.cp.cuda.Event()
+
+    def elapsed_ms(self, start, end) -> float:
+        return self.cp.cuda.get_elapsed_time(start, end)
+
+    @contextmanager
+    def on(self, stream):
+        with stream:
+            yield
+
+    def capture(self, stream, record):
+        """Runs record() under stream capture; -> the graph (replayed with replay)."""
+        with stream:
+            stream.begin_capture()
+            try:
+                record()
+            finally:
+                graph = stream.end_capture()
+        return graph
+
+    def replay(self, graph, stream) -> None:
+        graph.launch(stream)
+
+    def synchronize(self) -> None:
+        self.cp.cuda.runtime.deviceSynchronize()
+
+    @contextmanager
+    def count_allocations(self):
+        """Counts device allocations made meanwhile (-> [count]): every CuPy allocation goes
+        through the allocator set here, the default pool underneath."""
+        pool = self.cp.get_default_memory_pool()
+        count = [0]
+
+        def malloc(size):
+            count[0] += 1
+            return pool.malloc(size)
+
+        self.cp.cuda.set_allocator(malloc)
+        try:
+            yield count
+        finally:
+            self.cp.cuda.set_allocator(pool.malloc)
+
+    def used_bytes(self) -> int:
+        return int(self.cp.get_default_memory_pool().total_bytes())
+
+    def free_bytes(self) -> int:
+        return int(self.cp.cuda.runtime.memGetInfo()[0])
+
+    def out_of_memory(self):
+        return self.cp.cuda.memory.OutOfMemoryError

@@ -1,0 +1,658 @@
+"""The CUDA plane's engine: prefill and decode on the GPU over the kernels of backends/cuda.py.
+
+Where weights live (ARCHITECTURE 8): the planner puts the fixed part (KV cache, workspaces,
+embeddings, norms) and then layers by MCAP importance into VRAM (--vram-budget); the rest stream
+through a ring of VRAM slots, filled on a copy stream and ordered with events, from pinned host
+memory (layers that fit --ram-budget stay there: warm) or from their files (cold: the pager's
+reader fills page-locked staging buffers with O_DIRECT). Every layer file keeps its 4 KB layout
+on the device, and a layer's tensors are views into it, so a slot holds whichever paged layer
+the cycle puts there.
+
+Decode: the kernels of a step are captured once as CUDA graphs (the whole step as one graph
+when every layer is resident; per paged layer and slot otherwise) and replayed per token. The
+position and the token to embed are read from device memory (`state`), so a replay takes no
+arguments. With device sampling the sampled token is written where the next step reads it and
+copied to pinned host memory asynchronously: the host waits only for tokens it has to print.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from time import perf_counter_ns
+
+import numpy as np
+
+from nerva_cli import rope
+from nerva_cli.backends.cuda import RECENT, Kernels, attention_splits
+from nerva_cli.engine import PREFILL_CHUNK, context_length, default_precision
+from nerva_cli.errors import NervaError
+from nerva_cli.layout import MATRICES, layer_file
+from nerva_cli.output import human_bytes
+from nerva_cli.pager import LayerFileReader, PagedWeights, PagerStats
+from nerva_cli.quant import QK
+from nerva_cli.residency import Plan, plan
+from nerva_cli.store import StoredModel, tensors_in
+
+SCRATCH_BYTES = 64 << 20  # prefill's dequantised weight rows (f32), a slice of a matrix at a time
+HOST_SLOTS = 2  # staging buffers between the disk reader and the copy stream
+
+
+# -- sizes and the plan ----------------------------------------------------------------------
+def arena_sizes(cfg, ctx: int, splits: int) -> tuple[int, int]:
+    """(kv_bytes, total bytes) of DeviceArena: decode buffers, f16 KV cache, prefill workspace."""
+    h, f, qd, kvd, T = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim, PREFILL_CHUNK
+    widest = max(h, f, qd)
+    decode = 4 * (2 * h + qd + 2 * kvd + qd + h + 2 * f + f + cfg.vocab_size + widest // QK + widest // QK
+                  + cfg.num_heads * splits * (cfg.head_dim + 2)) + widest + 4 * (4 + RECENT + 1)
+    prefill = 4 * T * (2 * h + qd + 2 * kvd + qd + 3 * f + h + max(h, 2 * f, qd + 2 * kvd))
+    kv = cfg.num_layers * 2 * ctx * kvd * 2
+    return kv, kv + decode + prefill + min(SCRATCH_BYTES, 4 * _widest_matrix(cfg))
+
+
+def _widest_matrix(cfg) -> int:
+    return max(cfg.vocab_size, 2 * cfg.intermediate_size, cfg.q_dim + 2 * cfg.kv_dim) * max(
+        cfg.hidden_size, cfg.intermediate_size)
+
+
+@dataclass
+class GpuPlan:
+    vram: Plan  # resident_layers in VRAM; paged_layers stream through its VRAM slots
+    warm: list[int]  # paged layers kept in pinned RAM
+    cold: list[int]  # paged layers read from their files every pass
+    ram_budget: int | None = None
+
+    def to_dict(self) -> dict:
+        return {**self.vram.to_dict(), "tier": "gpu", "warm_layers": self.warm, "cold_layers": self.cold}
+
+
+def gpu_residency_plan(model: StoredModel, ctx: int | None, vram_budget: int | None, ram_budget: int | None,
+                       importance: dict[int, float] | None = None, active_layers: list[int] | None = None,
+                       sms: int = 132) -> GpuPlan:
+    """From sizes alone: nothing is allocated or read (topology --model shows the same plan)."""
+    cfg, files = model.config, model.meta["files"]
+    ctx = context_length(cfg, ctx)
+    kv, arena = arena_sizes(cfg, ctx, attention_splits(cfg.num_heads, ctx, sms))
+    fixed = {"kv_cache": ("kv_cache", kv), "workspace": ("workspace", arena - kv),
+             "embed": ("embed", files["embed.bin"]["size"]), "norms": ("norms", files["final_norm.bin"]["size"])}
+    if "lm_head.bin" in files:
+        fixed["lm_head"] = ("lm_head", files["lm_head.bin"]["size"])
+    active = range(cfg.num_layers) if active_layers is None else sorted(set(active_layers))
+    layer_bytes = {i: files[layer_file(i)]["size"] for i in active}
+    try:
+        vram = plan(fixed, layer_bytes, vram_budget, importance)
+    except NervaError as e:
+        raise NervaError(str(e).replace("RAM budget", "VRAM budget (--vram-budget)")) from None
+    for b in vram.fixed:
+        b.tier = "gpu"
+    paged = {i: layer_bytes[i] for i in vram.paged_layers}
+    if not paged or ram_budget is None:
+        return GpuPlan(vram, list(vram.paged_layers), [], ram_budget)
+    try:
+        host = plan({}, paged, ram_budget, importance, slots=HOST_SLOTS)
+    except NervaError as e:
+        raise NervaError(f"{e} (on the cuda backend the RAM budget holds pinned copies of the layers "
+                         "that do not fit VRAM, or staging buffers for reading them)") from None
+    return GpuPlan(vram, host.resident_layers, host.paged_layers, ram_budget)
+
+
+# -- device state ----------------------------------------------------------------------------
+class DeviceArena:
+    """Every buffer decode and prefill touch, allocated once (the planner counted them)."""
+
+    def __init__(self, dev, cfg, ctx: int, splits: int):
+        h, f, qd, kvd, T = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim, PREFILL_CHUNK
+        f32 = lambda *s: dev.zeros(s, np.float32)  # noqa: E731
+        self.x, self.xn, self.h_out = f32(h), f32(h), f32(h)
+        self.qkv = f32(qd + 2 * kvd)
+        self.q, self.k, self.v = self.qkv[:qd], self.qkv[qd:qd + kvd], self.qkv[qd + kvd:]
+        self.attn = f32(qd)
+        self.gate_up, self.act = f32(2 * f), f32(f)
+        self.gate, self.up = self.gate_up[:f], self.gate_up[f:]
+        self.logits = f32(cfg.vocab_size)
+        widest = max(h, f, qd)
+        self.xq, self.xd, self.xs = dev.zeros(widest, np.int8), f32(widest // QK), dev.zeros(widest // QK, np.int32)
+        self.act_q8 = {n: (self.xq[:n], self.xd[:n // QK], self.xs[:n // QK]) for n in {h, f, qd}}
+        self.part = f32(cfg.num_heads * splits * (cfg.head_dim + 2))
+        self.state = dev.zeros(4, np.int32)  # position, token, draws, sampled (sample.cu)
+        self.recent = dev.zeros(RECENT, np.int32)
+        self.pos = self.state[0:1]
+        self.token = self.state[1:2]
+        self.kv = dev.zeros((cfg.num_layers, 2, ctx, cfg.num_kv_heads, cfg.head_dim), np.float16)
+        # prefill, one chunk of up to T tokens
+        self.px, self.pxn, self.pqkv = f32(T, h), f32(T, h), f32(T, qd + 2 * kvd)
+        self.pattn, self.pgate_up, self.pact = f32(T, qd), f32(T, 2 * f), f32(T, f)
+        self.pout = f32(T, max(h, 2 * f, qd + 2 * kvd))
+        self.scratch = f32(min(SCRATCH_BYTES, 4 * _widest_matrix(cfg)) // 4)
+
+    @property
+    def kv_bytes(self) -> int:
+        return int(self.kv.nbytes)
+
+
+@dataclass
+class DeviceLayer:
+    """One layer's tensors on the device (views into its file's bytes) and its precision."""
+
+    index: int
+    t: dict
+    precision: str
+
+    def mat(self, name: str) -> dict:
+        return {"qs": self.t[f"{name}.qs"], "d": self.t[f"{name}.d"]} if f"{name}.qs" in self.t else {"w": self.t[name]}
+
+
+def device_tensors(buf, table: dict) -> dict:
+    """tensors_in over a device buffer; f16 exact weights keep their bits (the kernels read u16)."""
+    return tensors_in(buf, table)
+
+
+class GpuWeights:
+    """The ledger's and bench's view of where layers came from: pager counters, O_DIRECT."""
+
+    def __init__(self, cold: PagedWeights | None):
+        self.cold = cold
+        self.stats = cold.stats if cold is not None else PagerStats()
+        self.policy = "ring"
+
+    @property
+    def direct_io(self):
+        return self.cold.direct_io if self.cold is not None else None
+
+    def close(self) -> None:
+        if self.cold is not None:
+            self.cold.close()
+
+
+class _HostView:
+    """What a cold staging slot yields: its buffer and which layer it holds now."""
+
+    def __init__(self, buf):
+        self.buf, self.index, self.precision = buf, -1, None
+
+
+# -- the engine ------------------------------------------------------------------------------
+class CudaEngine:
+    backend = "cuda"
+    device_sampling = True
+
+    def __init__(self, model: StoredModel, precision: str | None = None, ctx: int | None = None,
+                 layer_precisions: list[str] | None = None, active_layers: list[int] | None = None,
+                 vram_budget: int | None = None, ram_budget: int | None = None, policy: str = "ring",
+                 importance: dict[int, float] | None = None, device=None):
+        if policy != "ring":
+            raise NervaError(f"--policy {policy}: the cuda backend pages through the ring only "
+                             "(lru is measured on the cpu backend)")
+        if device is None:
+            from nerva_cli.backends.cuda import CupyDevice
+
+            device = CupyDevice()
+        self.dev = dev = device
+        self.model, self.cfg = model, model.config
+        cfg = self.cfg
+        if cfg.head_dim > 256 or cfg.hidden_size % QK or cfg.intermediate_size % QK or cfg.q_dim % QK:
+            raise NervaError(f"{model.path}: the cuda kernels need head_dim <= 256 and widths that are "
+                             "multiples of 32")
+        self.precision = default_precision(model, precision)
+        if layer_precisions is not None:
+            if self.precision == "exact" or len(layer_precisions) != cfg.num_layers:
+                raise NervaError("per-layer precisions need a q4_0 model and one of w4a16/w4a8 per layer")
+            self.precision = "mixed"
+        per_layer = layer_precisions or [self.precision] * cfg.num_layers
+        self.active = sorted(set(range(cfg.num_layers) if active_layers is None else active_layers))
+        self.layer_precision = {i: per_layer[i] for i in self.active}
+        self.ctx = context_length(cfg, ctx)
+        self.policy = policy
+        self.phase_ns = None  # phases run inside graphs: the ledger shows wall time per token
+        self.splits = attention_splits(cfg.num_heads, self.ctx, dev.sms)
+        self.gpu_plan = gpu_residency_plan(model, self.ctx, vram_budget, ram_budget, importance, self.active,
+                                           dev.sms)
+        self.plan = self.gpu_plan.vram
+        self.k = Kernels(dev)
+        oom = dev.out_of_memory()
+        try:
+            self._load()
+        except oom:
+            raise NervaError(f"out of GPU memory loading {model.name}:{model.variant}: the plan needs "
+                             f"{human_bytes(self.plan.used_bytes)}; {human_bytes(dev.free_bytes())} is free "
+                             f"now: try --vram-budget {human_bytes(int(dev.free_bytes() * 0.9))}") from None
+        self.n_past = 0
+        self.draws = self.sampled = 0  # host mirrors of state[2], state[3]
+        self._graphs: dict = {}
+        self._sample_opts = None
+        self.peak_vram_bytes = dev.used_bytes()
+
+    # -- loading -------------------------------------------------------------------------------
+    def _upload_file(self, fname: str) -> dict:
+        """A file's bytes (size and sha256 checked) in one device buffer; -> its tensors."""
+        buf = self.dev.upload(self.model.read_bytes(fname))
+        return device_tensors(buf, self.model.meta["files"][fname]["tensors"])
+
+    def _load(self) -> None:
+        dev, cfg, model, gp = self.dev, self.cfg, self.model, self.gpu_plan
+        g = {}
+        for fname in ("embed.bin", "final_norm.bin", "lm_head.bin"):
+            if fname in model.meta["files"]:
+                g.update(self._upload_file(fname))
+        self.embed_t = {"qs": g["embed.qs"], "d": g["embed.d"]} if "embed.qs" in g else {"w": g["embed"]}
+        self.final_norm = g["final_norm"]
+        if "lm_head.qs" in g:
+            self.head_t = {"qs": g["lm_head.qs"], "d": g["lm_head.d"]}
+        else:
+            self.head_t = {"w": g["lm_head"]} if "lm_head" in g else self.embed_t
+        cos, sin = rope.tables(cfg, self.ctx)
+        self.cos, self.sin = dev.upload(cos), dev.upload(sin)
+        self.a = DeviceArena(dev, cfg, self.ctx, self.splits)
+        self.layers: dict[int, DeviceLayer] = {}
+        for i in gp.vram.resident_layers:
+            self.layers[i] = DeviceLayer(i, self._upload_file(layer_file(i)), self.layer_precision[i])
+        self.paged = list(gp.vram.paged_layers)
+        self.slots, self.slot_views, self.warm = [], [], {}
+        cold = None
+        if self.paged:
+            table = model.meta["files"][layer_file(self.paged[0])]["tensors"]
+            if any(model.meta["files"][layer_file(i)]["tensors"] != table for i in self.paged):
+                raise NervaError(f"{model.path}: layer files differ in layout; they cannot share slots")
+            self.slots = [dev.zeros(gp.vram.slot_bytes, np.uint8) for _ in range(gp.vram.slots)]
+            self.slot_views = [device_tensors(s, table) for s in self.slots]
+            reader = LayerFileReader(model)
+            for i in gp.warm:
+                size = model.meta["files"][layer_file(i)]["size"]
+                buf = dev.pinned(size)
+                reader.read(layer_file(i), [memoryview(buf)])
+                self.warm[i] = buf
+            if gp.cold:
+                cold = PagedWeights(model, {}, gp.cold, {i: self.layer_precision[i] for i in gp.cold},
+                                    HOST_SLOTS, max(model.meta["files"][layer_file(i)]["size"] for i in gp.cold),
+                                    "ring", None, view_buffer=lambda buf: (_HostView(buf), lambda: None))
+                for s in cold.slots:
+                    dev.pin(s.buf)
+            self.ready = [dev.event() for _ in self.slots]
+            self.free = [dev.event() for _ in self.slots]
+            self.stall_marks = [(dev.timing_event(), dev.timing_event()) for _ in range(2 * len(self.paged))]
+        self.stall_next = self.stall_read = 0  # timing marks recorded, read
+        self._layer_graphs = {i: [None] * (len(self.slots) + 1) for i in self.active}  # [-1]: resident
+        self.weights = GpuWeights(cold)
+        self._primed = False  # the ring's first copies are queued on first use
+        self._cold_pass = iter(())
+        self._cold_copy = None  # the event of the last copy out of a cold staging buffer
+        self.visits = 0  # paged visits issued to compute
+        self.token_host = dev.pinned(4 * RECENT).view(np.int32)  # the host side of the token ring
+        self.state_host = dev.pinned(16).view(np.int32)
+        self.token_events = [dev.event() for _ in range(RECENT)]
+        self.logits_host = dev.pinned(4 * cfg.vocab_size).view(np.float32)
+
+    # -- the decode step, as recorded into graphs ----------------------------------------------
+    def _quantized(self, x, precision: str):
+        if precision != "w4a8":
+            return None
+        act = self.a.act_q8[x.shape[0]]
+        self.k.quantize_act_q8(x, *act)
+        return act
+
+    def _record_layer(self, L: DeviceLayer) -> None:
+        cfg, a, k, p, t = self.cfg, self.a, self.k, L.precision, L.t
+        eps, qd, kvd = cfg.rms_eps, cfg.q_dim, cfg.kv_dim
+        k.rmsnorm(a.x, t["attn_norm"], eps, a.xn)
+        act = self._quantized(a.xn, p)
+        for name, out in (("q", a.q), ("k", a.k), ("v", a.v)):
+            k.matvec(L.mat(name), a.xn, out, p, act)
+            if f"{name}_bias" in t:
+                k.add_rows(out, t[f"{name}_bias"], 1)
+        if "q_norm" in t:
+            k.rmsnorm(a.q, t["q_norm"], eps, a.q)
+            k.rmsnorm(a.k, t["k_norm"], eps, a.k)
+        k.rope(a.q, qd, a.pos, self.cos, self.sin, 1, cfg.num_heads)
+        k.rope(a.k, kvd, a.pos, self.cos, self.sin, 1, cfg.num_kv_heads)
+        kc, vc = a.kv[L.index, 0], a.kv[L.index, 1]
+        k.kv_store(a.k, a.v, kvd, kc, vc, a.pos, 1)
+        k.attention_decode(a.q, kc, vc, a.pos, a.part, a.attn, cfg.num_heads, self.splits)
+        k.matvec(L.mat("o"), a.attn, a.h_out, p, self._quantized(a.attn, p))
+        k.add_rmsnorm(a.h_out, a.x, t["mlp_norm"], eps, a.xn)
+        act = self._quantized(a.xn, p)
+        k.matvec(L.mat("gate"), a.xn, a.gate, p, act)
+        k.matvec(L.mat("up"), a.xn, a.up, p, act)
+        k.silu_mul(a.gate_up, a.act, cfg.intermediate_size, 1)
+        k.matvec(L.mat("down"), a.act, a.h_out, p, self._quantized(a.act, p))
+        k.add_rows(a.x, a.h_out, 1)
+
+    def _record_head(self) -> None:
+        self.k.embed(self.embed_t, self.a.token, self.a.x)
+
+    def _record_tail(self) -> None:
+        a = self.a
+        self.k.rmsnorm(a.x, self.final_norm, self.cfg.rms_eps, a.xn)
+        p = "w4a8" if self.precision == "w4a8" and "qs" in self.head_t else "w4a16"
+        self.k.matvec(self.head_t, a.xn, a.logits, p, self._quantized(a.xn, p))
+
+    def _record_sample_first(self) -> None:
+        """The token after a prefill: nothing has been fed at its position yet."""
+        self.k.sample(self.a.logits, self.a.state, self.a.recent, self._sample_opts, False)
+
+    def _record_sample_step(self) -> None:
+        """The token after a decode step, which fed the one at state[0]: move on by one."""
+        self.k.sample(self.a.logits, self.a.state, self.a.recent, self._sample_opts, True)
+
+    def _graph(self, name: str):
+        """The graph of `_record_<name>`, captured on first use."""
+        g = self._graphs.get(name)
+        if g is None:
+            g = self._graphs[name] = self.dev.capture(self.dev.compute, getattr(self, f"_record_{name}"))
+        return g
+
+    def _layer_graph(self, i: int, slot: int):
+        """Layer i's decode graph (slot -1: resident), captured on first use; the lookup makes no
+        objects, which keeps the per-token host path allocation-free."""
+        graphs = self._layer_graphs[i]
+        g = graphs[slot]
+        if g is None:
+            layer = self.layers[i] if slot < 0 else DeviceLayer(i, self.slot_views[slot], self.layer_precision[i])
+            g = graphs[slot] = self.dev.capture(self.dev.compute, lambda: self._record_layer(layer))
+        return g
+
+    def _forward(self) -> None:
+        """One token's forward pass on the compute stream: embed state[1] at state[0] -> logits."""
+        s = self.dev.compute
+        if not self.paged:
+            self.k.replay(self._graph("step"), s)
+            return
+        self.k.replay(self._graph("head"), s)
+        for i in self.active:
+            if i in self.layers:
+                self.k.replay(self._layer_graph(i, -1), s)
+            else:
+                slot = self._acquire(i)
+                self.k.replay(self._layer_graph(i, slot), s)
+                self._release(slot)
+        self.k.replay(self._graph("tail"), s)
+        self._collect_stall()
+
+    def _record_step(self) -> None:
+        self._record_head()
+        for i in self.active:
+            self._record_layer(self.layers[i])
+        self._record_tail()
+
+    def _run_layer(self, i: int, run) -> None:
+        """run(layer) on layer i, resident or in its slot (prefill)."""
+        if i in self.layers:
+            run(self.layers[i])
+            return
+        slot = self._acquire(i)
+        run(DeviceLayer(i, self.slot_views[slot], self.layer_precision[i]))
+        self._release(slot)
+
+    # -- paging: visit n of the paged cycle uses slot n % slots --------------------------------
+    def _acquire(self, i: int) -> int:
+        """The slot holding paged layer i for this visit; the compute stream waits until the copy
+        stream has filled it (timed with events: the stall)."""
+        if not self._primed:
+            for v in range(self.visits, self.visits + len(self.slots)):
+                self._issue_copy(v)
+            self._primed = True
+        slot = self.visits % len(self.slots)
+        if self.paged[self.visits % len(self.paged)] != i:
+            raise NervaError(f"paging out of step: layer {i} at visit {self.visits}")
+        stats, s = self.weights.stats, self.dev.compute
+        if self.ready[slot].done:
+            stats.hits += 1
+        else:
+            stats.faults += 1
+        before, after = self.stall_marks[self.stall_next % len(self.stall_marks)]
+        before.record(s)
+        s.wait_event(self.ready[slot])
+        after.record(s)
+        self.stall_next += 1
+        return slot
+
+    def _release(self, slot: int) -> None:
+        """Hands the slot back and queues the copy for the visit that owns it next: decode visits
+        layers in a fixed cycle, so the lookahead is exact."""
+        self.free[slot].record(self.dev.compute)
+        self._issue_copy(self.visits + len(self.slots))
+        self.visits += 1
+
+    def _collect_stall(self) -> None:
+        """Adds the compute stream's waits for copies whose timing marks have completed."""
+        n = len(self.stall_marks)
+        self.stall_read = max(self.stall_read, self.stall_next - n)  # older marks were reused
+        while self.stall_read < self.stall_next:
+            before, after = self.stall_marks[self.stall_read % n]
+            if not after.done:
+                break
+            self.weights.stats.stall_ns += int(self.dev.elapsed_ms(before, after) * 1e6)
+            self.stall_read += 1
+
+    def _issue_copy(self, visit: int) -> None:
+        """Queues on the copy stream: wait until compute has released the slot of `visit`, fill it
+        with that visit's layer, mark it ready."""
+        dev, c = self.dev, self.dev.copy
+        slot = visit % len(self.slots)
+        layer = self.paged[visit % len(self.paged)]
+        if visit >= len(self.slots):
+            c.wait_event(self.free[slot])
+        src = self.warm.get(layer)
+        if src is None:
+            src = self._next_cold(layer)
+        dev.copy_async(self.slots[slot][: src.nbytes], src, c)
+        self.ready[slot].record(c)
+        self.weights.stats.h2d_bytes += src.nbytes
+        self.weights.stats.prefetched += 1
+        if layer not in self.warm:
+            self._cold_copy = self.ready[slot]
+
+    def _next_cold(self, layer: int) -> np.ndarray:
+        """The next cold layer's staging buffer, filled by the pager's reader in cycle order. The
+        previous buffer goes back to the reader only once its copy has finished."""
+        if self._cold_copy is not None:
+            self._cold_copy.synchronize()
+        view = next(self._cold_pass, None)
+        if view is None:
+            self._cold_pass = self.weights.cold.layers()
+            view = next(self._cold_pass)
+        if view.index != layer:
+            raise NervaError(f"pager out of step: expected layer {layer}, got {view.index}")
+        return view.buf[: self.model.meta["files"][layer_file(layer)]["size"]]
+
+    # -- the host side -------------------------------------------------------------------------
+    def _write_state(self, token: int) -> None:
+        """state = (n_past, token, draws, sampled) from the host mirrors. The compute stream is
+        drained first: the pinned source must not change under a copy still queued."""
+        self.k.sync(self.dev.compute)
+        self.state_host[:] = (self.n_past, token, self.draws, self.sampled)
+        self.dev.copy_async(self.a.state, self.state_host, self.dev.compute)
+
+    def decode(self, token: int) -> np.ndarray:
+        """One token through every layer; -> the logits on the host (a pinned buffer, reused).
+        The host-sampling path (--ledger, the tests): it syncs once per token."""
+        if not 0 <= token < self.cfg.vocab_size:
+            raise NervaError(f"token id {token} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
+        if self.n_past >= self.ctx:
+            raise NervaError(f"context is full ({self.ctx} tokens); raise --ctx")
+        self._write_state(token)
+        self._forward()
+        self.dev.copy_to_host_async(self.logits_host, self.a.logits, self.dev.compute)
+        self.k.sync(self.dev.compute)
+        self.n_past += 1
+        return self.logits_host
+
+    def stream(self, prompt_ids: list[int], opts, max_tokens: int):
+        """Prefill, then sample on the device: yields each token as its copy lands in pinned host
+        memory, the next step already queued behind it (the host never gates the GPU). When the
+        caller stops early (EOS, a stop string) the step queued ahead is dropped: n_past counts
+        the tokens that really ran. (That step's token stays in the device's penalty ring until
+        the next sample overwrites it.)"""
+        self._use_sampling(opts)
+        t0 = perf_counter_ns()
+        self.prefill(prompt_ids)
+        self.last_prefill_s = (perf_counter_ns() - t0) / 1e9
+        if self.n_past + max_tokens > self.ctx:
+            max_tokens = self.ctx - self.n_past + 1  # the last token sampled is never fed
+        s = self.dev.compute
+        self.k.replay(self._graph("sample_first"), s)
+        self._queue_token_copy(0)
+        start, made, queued = self.n_past, 0, 1
+        try:
+            while made < max_tokens:
+                if queued < max_tokens:  # the step that feeds token queued - 1
+                    self._forward()
+                    self.k.replay(self._graph("sample_step"), s)
+                    self._queue_token_copy(queued)
+                    queued += 1
+                self.token_events[made % RECENT].synchronize()
+                token = int(self.token_host[made % RECENT])
+                made += 1
+                self.n_past = start + made - 1  # token k has run once token k + 1 exists
+                yield token
+        finally:
+            self.k.sync(s)
+            self.n_past = start + max(made - 1, 0)
+            self.draws += made
+            self.sampled += made
+            self.peak_vram_bytes = max(self.peak_vram_bytes, self.dev.used_bytes())
+
+    def _queue_token_copy(self, n: int) -> None:
+        slot = n % RECENT
+        self.dev.copy_to_host_async(self.token_host[slot:slot + 1], self.a.token, self.dev.compute)
+        self.token_events[slot].record(self.dev.compute)
+
+    def _use_sampling(self, opts) -> None:
+        if opts.repeat_last_n != RECENT:
+            raise NervaError(f"the cuda sampler looks back {RECENT} tokens, not {opts.repeat_last_n}")
+        if opts != self._sample_opts:  # the options are baked into the sampling graphs
+            self._sample_opts = opts
+            self._graphs.pop("sample_first", None)
+            self._graphs.pop("sample_step", None)
+
+    # -- prefill -------------------------------------------------------------------------------
+    def prefill(self, tokens: list[int], all_logits: bool = False) -> np.ndarray:
+        """The prompt in chunks of PREFILL_CHUNK: weights dequantised a slice of rows at a time,
+        cuBLAS GEMMs in f32 like the CPU plane. -> the last logits, or [T, vocab] for all."""
+        if not tokens:
+            raise NervaError("empty prompt")
+        if self.n_past + len(tokens) > self.ctx:
+            raise NervaError(f"prompt of {len(tokens)} tokens does not fit the context "
+                             f"({self.ctx - self.n_past} left); raise --ctx")
+        if any(not 0 <= t < self.cfg.vocab_size for t in tokens):
+            raise NervaError(f"a token id is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
+        outs = []
+        with self.dev.on(self.dev.compute):
+            for start in range(0, len(tokens), PREFILL_CHUNK):
+                chunk = tokens[start:start + PREFILL_CHUNK]
+                x = self._prefill_chunk(chunk)
+                if all_logits:
+                    outs.append(self._logits_rows(x))
+            if not all_logits:
+                self.k.rmsnorm(x[len(chunk) - 1], self.final_norm, self.cfg.rms_eps, self.a.xn)
+                p = "w4a8" if self.precision == "w4a8" and "qs" in self.head_t else "w4a16"
+                self.k.matvec(self.head_t, self.a.xn, self.a.logits, p, self._quantized(self.a.xn, p))
+                self.dev.copy_to_host_async(self.logits_host, self.a.logits, self.dev.compute)
+            self.k.sync(self.dev.compute)
+        self.peak_vram_bytes = max(self.peak_vram_bytes, self.dev.used_bytes())
+        return np.concatenate(outs) if all_logits else self.logits_host
+
+    def _prefill_chunk(self, tokens: list[int]):
+        a, T = self.a, len(tokens)
+        self._write_state(0)  # state[0]: the chunk's first position
+        ids = self.dev.upload(np.asarray(tokens, dtype=np.int32))
+        x = a.px[:T]
+        self.k.embed(self.embed_t, ids, x)
+        for i in self.active:
+            self._run_layer(i, lambda L: self._prefill_layer(L, x, T))
+        self.n_past += T
+        return x
+
+    def _dense(self, m: dict, x, out, precision: str) -> None:
+        """out [T, rows] = x [T, cols] @ W.T, W dequantised a slice of rows at a time. W4A8
+        multiplies by the activations' int8 round trip: the integer kernel's products."""
+        rows, cols = (m["qs"].shape[0], x.shape[1]) if "qs" in m else m["w"].shape
+        if precision == "w4a8" and "qs" in m:
+            xq = self.dev.empty(x.shape, np.float32)
+            self.k.fake_quantize_q8(x, xq)
+            x = xq
+        step = max(1, self.a.scratch.size // cols)
+        for r in range(0, rows, step):
+            n = min(step, rows - r)
+            w = self.a.scratch[: n * cols].reshape(n, cols)
+            self.k.dequantize({k: v[r:r + n] for k, v in m.items()}, w)
+            out[:, r:r + n] = self.dev.matmul_t(x, w)
+
+    def _prefill_layer(self, L: DeviceLayer, x, T: int) -> None:
+        cfg, a, k, p, t = self.cfg, self.a, self.k, L.precision, L.t
+        eps, qd, kvd, f, stride = cfg.rms_eps, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size, cfg.q_dim + 2 * cfg.kv_dim
+        xn, qkv = a.pxn[:T], a.pqkv[:T]
+        flat = qkv.reshape(-1)  # rows `stride` apart; q, k and v start at offsets 0, qd, qd + kvd
+        k.rmsnorm(x, t["attn_norm"], eps, xn)
+        for name, lo, hi in (("q", 0, qd), ("k", qd, qd + kvd), ("v", qd + kvd, stride)):
+            self._dense(L.mat(name), xn, qkv[:, lo:hi], p)
+            if f"{name}_bias" in t:
+                qkv[:, lo:hi] += t[f"{name}_bias"]
+        if "q_norm" in t:
+            for lo, hi, w in ((0, qd, t["q_norm"]), (qd, qd + kvd, t["k_norm"])):
+                part = qkv[:, lo:hi].copy()
+                k.rmsnorm(part, w, eps, part)
+                qkv[:, lo:hi] = part
+        k.rope(flat, stride, a.pos, self.cos, self.sin, T, cfg.num_heads)
+        k.rope(flat[qd:], stride, a.pos, self.cos, self.sin, T, cfg.num_kv_heads)
+        kc, vc = a.kv[L.index, 0], a.kv[L.index, 1]
+        k.kv_store(flat[qd:], flat[qd + kvd:], stride, kc, vc, a.pos, T)
+        attn = a.pattn[:T]
+        k.attention_prefill(flat, stride, kc, vc, a.pos, attn, T, cfg.num_heads)
+        out = a.pout[:T, : cfg.hidden_size]
+        self._dense(L.mat("o"), attn, out, p)
+        x += out
+        k.rmsnorm(x, t["mlp_norm"], eps, xn)
+        gu = a.pgate_up[:T]
+        self._dense(L.mat("gate"), xn, gu[:, :f], p)
+        self._dense(L.mat("up"), xn, gu[:, f:], p)
+        act = a.pact[:T]
+        k.silu_mul(gu, act, f, T)
+        self._dense(L.mat("down"), act, out, p)
+        x += out
+
+    def _logits_rows(self, x) -> np.ndarray:
+        xn = self.dev.empty(x.shape, np.float32)
+        self.k.rmsnorm(x, self.final_norm, self.cfg.rms_eps, xn)
+        p = "w4a8" if self.precision == "w4a8" else "w4a16"
+        out = self.dev.empty((x.shape[0], self.cfg.vocab_size), np.float32)
+        self._dense(self.head_t, xn, out, p)
+        return self.dev.download(out)
+
+    def count_hot_path_allocations(self, prompt: list[int], steps: int) -> int:
+        """Device allocations (the CuPy pool's malloc, counted) plus host ones (AllocationCounter)
+        during `steps` streamed, graph-replayed decode steps after warm-up. Anything > 0 is a bug."""
+        from nerva_cli.hotpath import AllocationCounter
+        from nerva_cli.sampling import SamplingOptions
+
+        self.reset()
+        tokens = self.stream(prompt, SamplingOptions(temperature=0.0), steps + 3)
+        try:
+            for _ in range(3):  # warm-up: the graphs are captured on first use
+                next(tokens)
+            with self.dev.count_allocations() as device, AllocationCounter() as host:
+                for _ in range(steps):
+                    with host.step():
+                        next(tokens)
+        finally:
+            tokens.close()
+        self.reset()
+        return device[0] + host.count
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.n_past = 0
+
+    def truncate(self, n: int) -> None:
+        self.n_past = min(self.n_past, n)
+
+    @property
+    def precision_counts(self) -> dict[str, int]:
+        counts = {"w4a8": 0, "w4a16": 0, "exact": 0}
+        for p in self.layer_precision.values():
+            counts[p] += 1
+        return counts
+
+    @property
+    def weight_bytes(self) -> int:
+        files = self.model.meta["files"]
+        return sum(files[f]["size"] for f in files if f != "final_norm.bin" and f.endswith(".bin")
+                   and (not f.startswith("layer_") or int(f[6:9]) in self.active))

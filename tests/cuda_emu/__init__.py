@@ -1,0 +1,168 @@
+"""CUDA C kernels run on the CPU (see emu.h), behind CuPy's RawModule/RawKernel calling
+convention, so CI without a GPU checks kernels/*.cu and drives them with the real launch code.
+
+    mod = EmuModule([Path("kernels/norm.cu")], include_dir=Path("kernels"), cache_dir=tmp)
+    mod.get_function("rmsnorm")((rows,), (256,), (x, w, np.float32(1e-5), out, np.int32(n)))
+
+Scalars must be numpy scalars of exactly the parameter's type: CuPy passes a Python int as 64
+bits and a float as a double, which a kernel taking int or float misreads without a word.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import subprocess
+import threading
+from pathlib import Path
+
+import numpy as np
+
+EMU_H = Path(__file__).with_name("emu.h")
+# -O1 leaves strict aliasing off (only -O2 turns it on), which the kernels' uint4/float4 casts
+# of byte pointers rely on, as CUDA does; -fno-strict-aliasing says so outright.
+FLAGS = ["-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-fno-strict-aliasing", "-fvisibility=hidden"]
+KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+'
+                    r'(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)')
+QUALIFIERS = {"const", "volatile", "__restrict__", "__restrict", "restrict"}
+
+
+def _scalar_types() -> dict[str, np.dtype]:
+    t = {"float": np.float32, "double": np.float64, "bool": np.bool_, "size_t": np.uint64,
+         "signed": np.int32, "unsigned": np.uint32, "char": np.int8}  # plain char is signed on x86
+    for base, bits in (("char", 8), ("short", 16), ("int", 32), ("long", 64), ("long long", 64)):
+        for name in (base, f"{base} int"):
+            if name != "char int":
+                t.setdefault(name, getattr(np, f"int{bits}"))
+                t[f"signed {name}"] = getattr(np, f"int{bits}")
+                t[f"unsigned {name}"] = getattr(np, f"uint{bits}")
+    for bits in (8, 16, 32, 64):
+        t[f"int{bits}_t"], t[f"uint{bits}_t"] = getattr(np, f"int{bits}"), getattr(np, f"uint{bits}")
+    return {k: np.dtype(v) for k, v in t.items()}
+
+
+SCALARS = _scalar_types()
+
+
+class EmuBuildError(RuntimeError):
+    pass
+
+
+class Param:
+    def __init__(self, kernel: str, index: int, text: str):
+        words = text.replace("*", " * ").split()
+        self.kernel, self.index, self.text = kernel, index, text
+        self.pointer = "*" in words
+        self.const = "const" in words[:words.index("*")] if self.pointer else True  # the pointee's const
+        base = " ".join(w for w in words[:-1] if w not in QUALIFIERS and w != "*")  # last word: name
+        self.dtype = None if self.pointer else SCALARS.get(base)
+        if not self.pointer and self.dtype is None:
+            raise ValueError(f"kernel {kernel}: parameter {index} `{text}` has a type the emulator does not map")
+
+    @property
+    def code(self) -> str:  # emu::signature_is's letters: the compiler checks this parse
+        return "p8" if self.pointer else {"b": "u"}.get(self.dtype.kind, self.dtype.kind) + str(self.dtype.itemsize)
+
+    def convert(self, arg):
+        """A ctypes object holding the argument's bytes, after the checks CuPy does not make."""
+        where = f"kernel {self.kernel} parameter {self.index} `{self.text}`"
+        if self.pointer:
+            if not isinstance(arg, np.ndarray) and not hasattr(arg, "__array_interface__"):
+                raise TypeError(f"{where}: expected a numpy array, got {type(arg).__name__}")
+            arr = np.asarray(arg)  # a view: __array_interface__ objects are not copied
+            if not arr.flags.c_contiguous:
+                raise TypeError(f"{where}: array is not C-contiguous")
+            if not self.const and not arr.flags.writeable:
+                raise TypeError(f"{where}: the kernel may write through it, but the array is read-only")
+            return ctypes.c_void_p(arr.ctypes.data)
+        if not isinstance(arg, np.generic) or arg.dtype != self.dtype:
+            got = f"numpy {arg.dtype}" if isinstance(arg, np.generic) else f"Python {type(arg).__name__}"
+            raise TypeError(f"{where}: expected a numpy {self.dtype} scalar, got {got}")
+        return np.ctypeslib.as_ctypes_type(self.dtype)(arg.item())
+
+
+def parse(source: str) -> dict[str, list[Param]]:
+    text = re.sub(r"//[^\n]*|/\*.*?\*/", " ", source, flags=re.S)
+    return {name: [Param(name, i, p.strip()) for i, p in enumerate(params.split(",")) if p.strip()]
+            for name, params in KERNEL.findall(text)}
+
+
+def _dims(v) -> tuple[int, int, int]:
+    v = (v,) if isinstance(v, (int, np.integer)) else tuple(v)
+    if not 1 <= len(v) <= 3 or not all(isinstance(d, (int, np.integer)) and d >= 1 for d in v):
+        raise ValueError(f"grid and block are 1 to 3 positive ints, got {v!r}")
+    return tuple(int(d) for d in v) + (1,) * (3 - len(v))
+
+
+class EmuKernel:
+    def __init__(self, name: str, params: list[Param], lib: ctypes.CDLL, lock: threading.Lock):
+        self.name, self.params, self._lock = name, params, lock
+        self._fn = getattr(lib, f"emu_{name}")
+        self._fn.argtypes = [ctypes.c_uint] * 6 + [ctypes.c_void_p]
+        self._fn.restype = None
+
+    def __call__(self, grid, block, args, *, shared_mem: int = 0, stream=None):
+        grid, block = _dims(grid), _dims(block)
+        n = block[0] * block[1] * block[2]
+        if n % 32 or n > 1024:
+            raise ValueError(f"kernel {self.name}: the emulator needs whole warps (<= 1024 threads), block {block}")
+        if shared_mem:
+            raise ValueError(f"kernel {self.name}: dynamic shared memory is not emulated")
+        if not isinstance(args, tuple) or len(args) != len(self.params):
+            raise TypeError(f"kernel {self.name} takes {len(self.params)} arguments as a tuple, got {args!r:.200}")
+        held = [p.convert(a) for p, a in zip(self.params, args)]
+        argv = (ctypes.c_void_p * len(held))(*(ctypes.addressof(h) for h in held))
+        with self._lock:  # one launch at a time per library: __shared__ statics are per library
+            self._fn(*grid, *block, argv)
+
+
+class EmuModule:
+    def __init__(self, sources: list[Path], include_dir: Path, cache_dir: Path | None = None):
+        cache_dir = Path(cache_dir or Path.home() / ".cache" / "nerva-emu")
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        include_dir = Path(include_dir).resolve()
+        # headers join the key: a changed common.cuh must not reuse a stale build
+        headers = b"".join(p.name.encode() + p.read_bytes() for p in sorted(include_dir.iterdir())
+                           if p.suffix in (".cuh", ".h", ".hpp") and p.is_file())
+        builds, self._kernels = [], {}
+        for src in map(lambda s: Path(s).resolve(), sources):
+            text = src.read_text()
+            kernels = parse(text)
+            # one library per source, as one module per source on the GPU: common.cuh's
+            # non-inline __device__ functions then do not clash between sources
+            gen = f'#include "{src}"\n' + "".join(
+                f'static_assert(emu::signature_is({k}, "{"".join(p.code for p in ps)}"),'
+                f' "{k}: parameters differ from what tests/cuda_emu parsed");\n'
+                f'extern "C" __attribute__((visibility("default"))) void emu_{k}(unsigned gx, unsigned gy,'
+                f' unsigned gz, unsigned bx, unsigned by, unsigned bz, void** args)'
+                f' {{ emu::launch({k}, {{gx, gy, gz}}, {{bx, by, bz}}, args); }}\n'
+                for k, ps in kernels.items())
+            key = hashlib.sha256(b"\0".join([text.encode(), EMU_H.read_bytes(), headers, gen.encode(),
+                                             " ".join(FLAGS).encode()])).hexdigest()[:20]
+            so = cache_dir / f"{src.stem}-{key}.so"
+            if not so.exists():
+                cpp = cache_dir / f"{src.stem}-{key}.cpp"
+                cpp.write_text(gen)
+                tmp = so.with_suffix(f".{os.getpid()}.tmp")  # renamed into place: parallel runs are safe
+                cmd = ["g++", *FLAGS, "-I", str(include_dir), "-include", str(EMU_H), str(cpp), "-o", str(tmp)]
+                builds.append((src, so, tmp, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)))
+            self._kernels.update({k: (ps, so) for k, ps in kernels.items()})
+        failed = []
+        for src, so, tmp, proc in builds:  # the sources compile side by side
+            err = proc.communicate()[1]
+            if proc.returncode:
+                failed.append(f"g++ failed on {src}:\n{err}")
+            else:
+                os.replace(tmp, so)
+        if failed:
+            raise EmuBuildError("\n".join(failed))
+        self._libs = {so: (ctypes.CDLL(str(so)), threading.Lock()) for _, so in self._kernels.values()}
+
+    def get_function(self, name: str) -> EmuKernel:
+        if name not in self._kernels:
+            raise KeyError(f'no kernel {name!r} (declared as extern "C" __global__ void NAME(...)); '
+                           f"have {sorted(self._kernels)}")
+        params, so = self._kernels[name]
+        return EmuKernel(name, params, *self._libs[so])

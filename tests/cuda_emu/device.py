@@ -1,0 +1,147 @@
+"""A stand-in for backends.cuda.CupyDevice that runs kernels/*.cu on the CPU (EmuModule), so
+CudaEngine's host code (plans, slots, graphs, the token ring) runs in CI without a GPU.
+
+Arrays are NumPy arrays. Streams and events do nothing: every copy and launch completes when
+it is issued, in issue order, which is one of the orders CUDA allows. A capture records the
+launches without running them and a replay runs the recording with the arguments captured, as
+a CUDA graph does: a step that depended on a host value changing between replays would
+decode wrong tokens here too.
+"""
+
+from __future__ import annotations
+
+import mmap
+from contextlib import contextmanager, nullcontext
+
+import numpy as np
+
+from cuda_emu import EmuModule
+from nerva_cli import kernels
+from nerva_cli.backends.cuda import kernel_names
+
+
+class EmuStream:
+    def synchronize(self) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+
+class EmuEvent:
+    done = True
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class EmuDevice:
+    name = "CPU emulation of kernels/*.cu"
+    sms = 4
+
+    def __init__(self, cache_dir=None):
+        self.module = EmuModule(list(kernels.sources().values()), kernels.KERNEL_DIR, cache_dir)
+        self.compute, self.copy = EmuStream(), EmuStream()
+        self.total_bytes = 1 << 34
+        self.allocated = 0
+        self.allocations = 0
+        self.launches = 0  # kernels run, replays included
+        self.captures = 0
+        self._recording: list | None = None
+
+    def functions(self) -> dict:
+        return {name: self.module.get_function(name) for name in kernel_names()}
+
+    def launch(self, fn, grid, block, args) -> None:
+        if self._recording is not None:
+            self._recording.append((fn, grid, block, args))
+            return
+        fn(grid, block, args)
+        self.launches += 1
+
+    def capture(self, stream, record):
+        self._recording = []
+        try:
+            record()
+        finally:
+            graph, self._recording = self._recording, None
+        self.captures += 1
+        return graph
+
+    def replay(self, graph, stream) -> None:
+        for fn, grid, block, args in graph:
+            fn(grid, block, args)
+            self.launches += 1
+
+    def _count(self, a: np.ndarray) -> np.ndarray:
+        self.allocated += a.nbytes
+        self.allocations += 1
+        return a
+
+    @contextmanager
+    def count_allocations(self):
+        start, count = self.allocations, [0]
+        try:
+            yield count
+        finally:
+            count[0] = self.allocations - start
+
+    def empty(self, shape, dtype):
+        return self._count(np.empty(shape, dtype=dtype))
+
+    def zeros(self, shape, dtype):
+        return self._count(np.zeros(shape, dtype=dtype))
+
+    def upload(self, host):
+        return self._count(np.array(host, copy=True))
+
+    def download(self, dev, out=None):
+        if out is None:
+            return np.array(dev, copy=True)
+        out[...] = dev
+        return out
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=np.uint8, count=nbytes)  # page-aligned
+
+    def pin(self, host) -> None:
+        pass
+
+    def copy_async(self, dst, src, stream) -> None:
+        dst[...] = src.view(dst.dtype).reshape(dst.shape)
+
+    def copy_to_host_async(self, dst, src, stream) -> None:
+        dst[...] = src.view(dst.dtype).reshape(dst.shape)
+
+    def matmul_t(self, a, b, out=None):
+        return np.matmul(a, b.T, out=out)
+
+    def stream(self):
+        return EmuStream()
+
+    def event(self):
+        return EmuEvent()
+
+    def timing_event(self):
+        return EmuEvent()
+
+    def elapsed_ms(self, start, end) -> float:
+        return 0.0  # copies complete when issued: compute never waits for one
+
+    def on(self, stream):
+        return nullcontext()
+
+    def synchronize(self) -> None:
+        pass
+
+    def used_bytes(self) -> int:
+        return self.allocated
+
+    def free_bytes(self) -> int:
+        return self.total_bytes - self.allocated
+
+    def out_of_memory(self):
+        return MemoryError

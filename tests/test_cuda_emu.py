@@ -1,0 +1,208 @@
+"""The CPU emulator of CUDA C (tests/cuda_emu) on a small kernel source of its own: shared memory
+and barriers, warp shuffles, dp4a, 2-D grids, the host half branch, and the argument checks
+that stand in for CuPy's silent scalar conversions. Each test prints its seed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cuda_emu import EmuBuildError, EmuModule
+
+# common.cuh sits in its own directory, not beside the .cu, so only -I can find it
+COMMON = r"""
+#pragma once
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#error "the emulator must take the kernels' host branch"
+#endif
+#define FULL 0xffffffffu
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL, v, o);
+    return v;
+}
+inline float h2f(unsigned short h) { _Float16 v; __builtin_memcpy(&v, &h, 2); return (float)v; }
+"""
+
+SOURCE = r"""
+#include "common.cuh"
+
+// per-block sums through shared memory; their total through atomicAdd. The last thread reads
+// s[0], which the next block's thread 0 overwrites: the emulator's barrier between blocks holds it.
+extern "C" __global__ void block_sum(const float* __restrict__ x, float* partial, float* total, int n) {
+    __shared__ float s[256];
+    int t = threadIdx.x, i = blockIdx.x * blockDim.x + t;
+    s[t] = i < n ? x[i] : 0.f;
+    __syncthreads();
+    for (int h = blockDim.x / 2; h > 0; h >>= 1) {
+        if (t < h) s[t] += s[t + h];
+        __syncthreads();
+    }
+    if (t == blockDim.x - 1) {
+        partial[blockIdx.x] = s[0];
+        atomicAdd(total, s[0]);
+    }
+}
+
+extern "C" __global__ void warp_ops(const float* x, float* sums, const int* v, int* down, int* bcast,
+                                    int* xr) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    float s = warp_sum(x[i]);
+    if ((threadIdx.x & 31) == 0) sums[i / 32] = s;
+    down[i] = __shfl_down_sync(FULL, v[i], 3);
+    bcast[i] = __shfl_sync(FULL, v[i], 5);
+    xr[i] = __shfl_xor_sync(FULL, v[i], 6);
+}
+
+extern "C" __global__ void dp4a(const int* a, const int* b, const int* c, int* out, unsigned* out_u, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        out[i] = __dp4a(a[i], b[i], c[i]);
+        out_u[i] = __dp4a((unsigned)a[i], (unsigned)b[i], (unsigned)c[i]);
+    }
+}
+
+/* a 2-D grid of 2-D blocks; the parameters span lines */
+extern "C" __global__ void affine2d(const float* x, float* out, float a,
+                                    int rows, int cols) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x, r = blockIdx.y * blockDim.y + threadIdx.y;
+    if (r < rows && c < cols) out[r * cols + c] = a * x[r * cols + c] + (float)r;
+}
+
+extern "C" __global__ void half_to_float(const unsigned short* h, float* out, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = h2f(h[i]);
+}
+"""
+
+
+def write_sources(root, common=COMMON, source=SOURCE):
+    (root / "inc").mkdir(parents=True, exist_ok=True)
+    (root / "src").mkdir(exist_ok=True)
+    (root / "inc" / "common.cuh").write_text(common)
+    (root / "src" / "harness.cu").write_text(source)
+    return [root / "src" / "harness.cu"], root / "inc"
+
+
+@pytest.fixture(scope="module")
+def mod(tmp_path_factory):
+    root = tmp_path_factory.mktemp("emu")
+    sources, inc = write_sources(root)
+    return EmuModule(sources, inc, root / "cache")
+
+
+@pytest.fixture
+def rng():
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def test_block_reduction(mod, rng):
+    n = 7 * 256 + 100  # a ragged last block
+    x = rng.uniform(0.5, 1.5, n).astype(np.float32)  # positive: no cancellation, so rtol means something
+    partial = np.full(cdiv(n, 256), np.nan, np.float32)
+    total = np.zeros(1, np.float32)
+    mod.get_function("block_sum")(cdiv(n, 256), 256, (x, partial, total, np.int32(n)))
+    want = np.add.reduceat(x.astype(np.float64), np.arange(0, n, 256))
+    np.testing.assert_allclose(partial, want, rtol=1e-5)
+    np.testing.assert_allclose(total[0], want.sum(), rtol=1e-5)
+
+
+def test_warp_shuffles(mod, rng):
+    blocks, threads = 3, 64
+    n = blocks * threads
+    x = rng.standard_normal(n, dtype=np.float32)
+    v = rng.integers(-2**31, 2**31, n, dtype=np.int32)
+    sums, down, bcast, xr = np.full(n // 32, np.nan, np.float32), *(np.zeros(n, np.int32) for _ in range(3))
+    mod.get_function("warp_ops")((blocks,), (threads,), (x, sums, v, down, bcast, xr))
+    w = x.reshape(-1, 32).astype(np.float64)
+    np.testing.assert_allclose(sums, w.sum(1), rtol=0, atol=1e-5 * np.abs(w).sum(1).max())
+    lane = np.arange(n) % 32
+    np.testing.assert_array_equal(down, np.where(lane + 3 < 32, np.roll(v, -3), v))  # the last 3 keep theirs
+    np.testing.assert_array_equal(bcast, np.repeat(v.reshape(-1, 32)[:, 5], 32))
+    np.testing.assert_array_equal(xr, v[np.arange(n) ^ 6])  # a sum cannot tell xor from a rotation
+
+
+def test_dp4a(mod, rng):
+    n = 300
+    a8, b8 = (rng.integers(-128, 128, (n, 4), dtype=np.int8) for _ in range(2))
+    c = rng.integers(-2**31, 2**31, n, dtype=np.int32)  # the full range: sums wrap as on the GPU
+    out, out_u = np.zeros(n, np.int32), np.zeros(n, np.uint32)
+    a, b = a8.view(np.int32).ravel(), b8.view(np.int32).ravel()
+    mod.get_function("dp4a")(cdiv(n, 128), 128, (a, b, c, out, out_u, np.int32(n)))
+    signed = (a8.astype(np.int64) * b8).sum(1) + c
+    np.testing.assert_array_equal(out, ((signed + 2**31) % 2**32 - 2**31).astype(np.int32))
+    unsigned = (a8.view(np.uint8).astype(np.int64) * b8.view(np.uint8)).sum(1) + c.view(np.uint32)
+    np.testing.assert_array_equal(out_u, (unsigned % 2**32).astype(np.uint32))
+
+
+def test_2d_grid(mod, rng):
+    rows, cols = 37, 100
+    x = rng.standard_normal((rows, cols), dtype=np.float32)
+    out = np.full_like(x, np.nan)
+    a = np.float32(rng.uniform(-2, 2))
+    mod.get_function("affine2d")((cdiv(cols, 32), cdiv(rows, 4)), (32, 4),
+                                 (x, out, a, np.int32(rows), np.int32(cols)))
+    np.testing.assert_array_equal(out, a * x + np.arange(rows, dtype=np.float32)[:, None])
+
+
+def test_half_host_branch(mod, rng):
+    h = rng.standard_normal(1000).astype(np.float16)
+    out = np.zeros(1000, np.float32)
+    mod.get_function("half_to_float")(cdiv(1000, 256), 256, (h.view(np.uint16), out, np.int64(1000)))
+    np.testing.assert_array_equal(out, h.astype(np.float32))
+
+
+def test_argument_checks(mod, rng):
+    x = rng.standard_normal((4, 64), dtype=np.float32)
+    out = np.zeros_like(x)
+    f = mod.get_function("affine2d")
+    rows, cols = np.int32(4), np.int32(64)
+    for bad, index, want in ((4, 3, "int32"), (np.int64(4), 3, "int32")):  # CuPy would pass 64 bits
+        with pytest.raises(TypeError, match=rf"affine2d parameter {index} .*{want}"):
+            f((2, 1), (32, 4), (x, out, np.float32(1), bad, cols))
+    for bad in (1.0, np.float64(1)):  # CuPy would pass a double
+        with pytest.raises(TypeError, match=r"affine2d parameter 2 .*float32"):
+            f((2, 1), (32, 4), (x, out, bad, rows, cols))
+    with pytest.raises(TypeError, match="not C-contiguous"):
+        f((2, 1), (32, 4), (x[:, ::2], out, np.float32(1), rows, cols))
+    ro = out.copy()
+    ro.flags.writeable = False
+    with pytest.raises(TypeError, match="read-only"):
+        f((2, 1), (32, 4), (x, ro, np.float32(1), rows, cols))
+    with pytest.raises(TypeError, match="takes 5 arguments"):
+        f((2, 1), (32, 4), (x, out, np.float32(1), rows))
+    with pytest.raises(ValueError, match="whole warps"):
+        f((2, 1), (16, 3), (x, out, np.float32(1), rows, cols))
+    with pytest.raises(KeyError, match="no_such"):
+        mod.get_function("no_such")
+    # a read-only input through a const pointer, and an __array_interface__ object, are fine
+    x.flags.writeable = False
+
+    class Wrapped:
+        __array_interface__ = out.__array_interface__
+
+    f((2, 1), (32, 4), (x, Wrapped(), np.float32(3), rows, cols))
+    np.testing.assert_array_equal(out, 3 * x + np.arange(4, dtype=np.float32)[:, None])
+
+
+def test_compile_error_carries_gcc_message(tmp_path):
+    sources, inc = write_sources(tmp_path, source=SOURCE + "\nextern \"C\" __global__ void bad(int n) { n +; }\n")
+    with pytest.raises(EmuBuildError, match=r"harness\.cu.*error"):
+        EmuModule(sources, inc, tmp_path / "cache")
+
+
+def test_build_cached_by_content_and_headers(tmp_path):
+    sources, inc = write_sources(tmp_path)
+    cache = tmp_path / "cache"
+    EmuModule(sources, inc, cache)
+    first = {p: p.stat().st_mtime_ns for p in cache.glob("*.so")}
+    EmuModule(sources, inc, cache)
+    assert {p: p.stat().st_mtime_ns for p in cache.glob("*.so")} == first  # reused, not rebuilt
+    write_sources(tmp_path, common=COMMON + "\n// changed\n")  # only the header changes
+    EmuModule(sources, inc, cache)
+    assert len(list(cache.glob("*.so"))) == 2 and not list(cache.glob("*.tmp"))
