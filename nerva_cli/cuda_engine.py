@@ -546,6 +546,7 @@ class CudaEngine:
                 p = "w4a8" if self.precision == "w4a8" and "qs" in self.head_t else "w4a16"
                 self.k.matvec(self.head_t, self.a.xn, self.a.logits, p, self._quantized(self.a.xn, p))
                 self.dev.copy_to_host_async(self.logits_host, self.a.logits, self.dev.compute)
+            self._write_state(0)  # state[0]: the next position; the token comes from sampling
             self.k.sync(self.dev.compute)
         self.peak_vram_bytes = max(self.peak_vram_bytes, self.dev.used_bytes())
         return np.concatenate(outs) if all_logits else self.logits_host

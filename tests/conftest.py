@@ -148,3 +148,18 @@ def smollm2_store(tmp_path_factory):
     for variant in ("f16", "q4_0"):
         models[variant] = pull(str(gguf), variant=variant, out=root / variant)
     return models
+
+
+@pytest.fixture(scope="session", params=["emu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def cuda_device(request):
+    """What the cuda backend runs on: the CPU emulation of kernels/*.cu (always), and a real GPU
+    through CuPy (skipped, with the reason, where none answers)."""
+    if request.param == "gpu":
+        from nerva_cli.backends import cuda
+
+        if cuda.cupy_or_none() is None:
+            pytest.skip(f"GPU test: {cuda.why_no_cuda}")
+        return cuda.CupyDevice()
+    from cuda_emu.device import EmuDevice
+
+    return EmuDevice()

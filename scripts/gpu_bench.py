@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""The GPU benchmarks of the CUDA plane, as ratios against ceilings measured in the same run:
+
+- resident q4_0 decode tok/s against the HBM limit: device-to-device copy bandwidth / the bytes
+  a token reads (every layer file, and the lm_head);
+- paged decode under --vram-budget (2G by default) against the PCIe limit: pinned H2D bandwidth /
+  the bytes copied to the GPU a token (bench's h2d_bytes_per_token).
+
+Both runs go through `nerva bench --backend cuda`, the one place nerva measures speed. One JSON
+file naming the device is written to OUT_DIR.
+
+    python3 scripts/gpu_bench.py MODEL_DIR [--out docs/perf] [--vram-budget 2G]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def bench(model: Path, *extra: str) -> dict:
+    cmd = [sys.executable, "-m", "nerva_cli", "bench", str(model), "--backend", "cuda", "--no-profile",
+           "--prompt-tokens", "512", "--gen-tokens", "128", "--repeat", "3", *extra]
+    print("$", " ".join(cmd), file=sys.stderr, flush=True)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "perf")
+    ap.add_argument("--vram-budget", default="2G")
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from nerva_cli.backends.cuda import CupyDevice
+    from nerva_cli.store import load_metadata
+
+    dev = CupyDevice()
+    ceilings = dev.bandwidths(1 << 30)
+    model = load_metadata(args.model)
+    files = model.meta["files"]
+    head = files["lm_head.bin" if "lm_head.bin" in files else "embed.bin"]["size"]
+    per_token = sum(v["size"] for k, v in files.items() if k.startswith("layer_")) + head
+    resident = bench(args.model)
+    paged = bench(args.model, "--vram-budget", args.vram_budget)
+    hbm_limit = ceilings["device_copy"] * 1e9 / per_token
+    result = {
+        "device": dev.name, "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": str(args.model), "ceilings_gb_s": ceilings,
+        "resident": {**resident, "bytes_per_token": per_token, "hbm_limit_tok_s": round(hbm_limit, 1),
+                     "fraction_of_limit": round(resident.get("decode_tok_s", 0) / hbm_limit, 3), "target": 0.5},
+    }
+    h2d = paged.get("h2d_bytes_per_token") or 0
+    pcie_limit = ceilings["h2d_pinned"] * 1e9 / h2d if h2d else None
+    result["paged"] = {**paged, "vram_budget_arg": args.vram_budget,
+                       "pcie_limit_tok_s": round(pcie_limit, 2) if pcie_limit else None,
+                       "fraction_of_limit": round(paged["decode_tok_s"] / pcie_limit, 3) if pcie_limit else None,
+                       "target": 0.8}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"gpu_{re.sub(r'[^A-Za-z0-9]+', '_', dev.name).strip('_').lower()}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+    print(f"wrote {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,310 @@
+"""Every kernel of kernels/*.cu against `ref` on fresh random inputs, launched by the cuda
+backend's own launch code (backends/cuda.Kernels): on the CPU emulation of the CUDA sources
+always, on a GPU too where one answers (the `gpu` parameter). Each test prints its seed.
+
+Tolerances as in test_kernels.py: float32 sums taken in another order differ by about
+sqrt(K) eps times the sum of the terms' magnitudes, so dot products are held per row to
+4 sqrt(K) eps * sum |a_i b_i|, elementwise results to a few eps in relative norm. Kernels whose
+arithmetic is the reference's, step for step (embeddings, dequantisation, the activation
+quantiser, the KV cache's f16 rounding, W4A8's integer sums), are held to exact equality.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nerva_cli.backends import ref
+from nerva_cli.backends.cuda import RECENT, Kernels
+from nerva_cli.quant import dequantize_q4_0
+from nerva_cli.sampling import Sampler, SamplingOptions
+from test_kernels import EPS, act_q8, random_q4, randn, rel, rope_tables, sum_tol
+
+
+@pytest.fixture
+def rng():
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def k(cuda_device):
+    return Kernels(cuda_device)
+
+
+def up(k, a):
+    return k.dev.upload(np.ascontiguousarray(a))
+
+
+def down(k, a):
+    return k.dev.download(a)
+
+
+def assert_rows_close(got, want, magnitude, terms):
+    assert np.all(np.abs(got.astype(np.float64) - want) <= sum_tol(terms) * magnitude + 1e-30)
+
+
+# -- norms and elementwise ---------------------------------------------------------------------
+@pytest.mark.parametrize("rows,n", [(1, 64), (5, 96), (3, 576)])
+def test_rmsnorm_and_fused_residual(k, rng, rows, n):
+    x, w, res = randn(rng, rows, n), randn(rng, n), randn(rng, rows, n)
+    want = np.empty_like(x)
+    ref.rmsnorm(x, w, 1e-5, want)
+    out = up(k, np.zeros_like(x))
+    k.rmsnorm(up(k, x), up(k, w), 1e-5, out)
+    assert rel(down(k, out), want) < 8 * EPS
+    res_ref, want2 = res.copy(), np.empty_like(x)
+    ref.add_rmsnorm(x, res_ref, w, 1e-5, want2)
+    res_dev, out2 = up(k, res), up(k, np.zeros_like(x))
+    k.add_rmsnorm(up(k, x), res_dev, up(k, w), 1e-5, out2)
+    np.testing.assert_array_equal(down(k, res_dev), res_ref)  # one f32 add each
+    assert rel(down(k, out2), want2) < 8 * EPS
+
+
+def test_rmsnorm_in_place(k, rng):
+    x, w = randn(rng, 4, 64), randn(rng, 64)
+    want = np.empty_like(x)
+    ref.rmsnorm(x, w, 1e-6, want)
+    xd = up(k, x)
+    k.rmsnorm(xd, up(k, w), 1e-6, xd)
+    assert rel(down(k, xd), want) < 8 * EPS
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "f16", "bf16"])
+def test_embed_rows(k, rng, kind):
+    vocab, cols = 50, 96
+    tokens = rng.integers(0, vocab, 7).astype(np.int32)
+    if kind == "q4_0":
+        qs, d = random_q4(rng, vocab, cols)
+        table, want = {"qs": up(k, qs), "d": up(k, d)}, dequantize_q4_0(qs, d)[tokens]
+    elif kind == "f16":
+        w = randn(rng, vocab, cols).astype(np.float16)
+        table, want = {"w": up(k, w)}, w.astype(np.float32)[tokens]
+    else:
+        w = (randn(rng, vocab, cols).view(np.uint32) >> 16).astype(np.uint16)
+        table, want = {"w": up(k, w)}, (w.astype(np.uint32) << 16).view(np.float32)[tokens]
+    out = up(k, np.zeros((7, cols), np.float32))
+    k.embed(table, up(k, tokens), out)
+    np.testing.assert_array_equal(down(k, out), want)
+
+
+@pytest.mark.parametrize("T,heads,start", [(1, 4, 9), (5, 3, 0), (6, 2, 17)])
+def test_rope_on_strided_rows(k, rng, T, heads, start):
+    """Rows `stride` floats apart, as q and k lie in prefill's fused q|k|v rows."""
+    hd, extra = 32, 40
+    stride = heads * hd + extra
+    cos, sin = rope_tables(64, hd)
+    x = randn(rng, T, stride)
+    want = x[:, : heads * hd].copy().reshape(T, heads, hd)
+    ref.rope(want, np.arange(start, start + T), cos, sin)
+    xd = up(k, x)
+    k.rope(xd, stride, up(k, np.array([start], np.int32)), up(k, cos), up(k, sin), T, heads)
+    got = down(k, xd)
+    assert rel(got[:, : heads * hd].reshape(T, heads, hd), want) < 4 * EPS
+    np.testing.assert_array_equal(got[:, heads * hd:], x[:, heads * hd:])  # the rest untouched
+
+
+def test_silu_mul_and_add_rows(k, rng):
+    T, f = 3, 160
+    gu = randn(rng, T, 2 * f) * 4
+    want = np.empty((T, f), np.float32)
+    ref.silu_mul(gu[:, :f], gu[:, f:], want)
+    out = up(k, np.zeros((T, f), np.float32))
+    k.silu_mul(up(k, gu), out, f, T)
+    assert rel(down(k, out), want) < 4 * EPS
+    x, b = randn(rng, T, 48), randn(rng, 48)
+    xd = up(k, x)
+    k.add_rows(xd, up(k, b), T)
+    np.testing.assert_array_equal(down(k, xd), x + b)
+
+
+def test_kv_store_rounds_to_f16_at_the_position(k, rng):
+    T, kvh, hd, ctx, start = 3, 2, 32, 16, 5
+    stride = 3 * kvh * hd
+    rows = randn(rng, T, stride)
+    kc, vc = up(k, np.zeros((ctx, kvh, hd), np.float16)), up(k, np.zeros((ctx, kvh, hd), np.float16))
+    flat = up(k, rows).reshape(-1)
+    k.kv_store(flat[kvh * hd:], flat[2 * kvh * hd:], stride, kc, vc, up(k, np.array([start], np.int32)), T)
+    gk, gv = down(k, kc), down(k, vc)
+    want_k = rows[:, kvh * hd: 2 * kvh * hd].astype(np.float16).reshape(T, kvh, hd)
+    want_v = rows[:, 2 * kvh * hd:].astype(np.float16).reshape(T, kvh, hd)
+    np.testing.assert_array_equal(gk[start:start + T], want_k)
+    np.testing.assert_array_equal(gv[start:start + T], want_v)
+    assert not gk[:start].any() and not gk[start + T:].any()
+
+
+# -- matvecs -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("rows,cols", [(1, 32), (37, 64), (200, 576), (9, 1536)])
+def test_matvec_w4a16(k, rng, rows, cols):
+    qs, d = random_q4(rng, rows, cols)
+    x = randn(rng, cols)
+    w = dequantize_q4_0(qs, d).astype(np.float64)
+    out = up(k, np.zeros(rows, np.float32))
+    k.matvec({"qs": up(k, qs), "d": up(k, d)}, up(k, x), out, "w4a16")
+    assert_rows_close(down(k, out), w @ x, np.abs(w) @ np.abs(x), cols)
+
+
+@pytest.mark.parametrize("cols", [32, 96, 1536])
+def test_activation_quantiser_is_bit_exact(k, rng, cols):
+    x = randn(rng, cols) * rng.uniform(0.1, 10)
+    if cols > 32:
+        x[:32] = 0.0  # an all-zero group: scale 0, codes 0
+        x[40] = -1.5 * abs(x[32:64]).max()  # a group whose extreme is negative
+    want = act_q8(ref, x)
+    xq, xd, xs = up(k, np.zeros(cols, np.int8)), up(k, np.zeros(cols // 32, np.float32)), up(k, np.zeros(cols // 32, np.int32))
+    k.quantize_act_q8(up(k, x), xq, xd, xs)
+    for got, w in zip((xq, xd, xs), want):
+        np.testing.assert_array_equal(down(k, got), w)
+    fq, want_fq = up(k, np.zeros((1, cols), np.float32)), np.empty((1, cols), np.float32)
+    ref.fake_quantize_q8(x.reshape(1, -1), want_fq)
+    k.fake_quantize_q8(up(k, x.reshape(1, -1)), fq)
+    np.testing.assert_array_equal(down(k, fq), want_fq)
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 32), (37, 64), (200, 576)])
+def test_matvec_w4a8(k, rng, rows, cols):
+    qs, d = random_q4(rng, rows, cols)
+    x = randn(rng, cols)
+    act = act_q8(ref, x)
+    want = np.empty(rows, np.float32)
+    ref.matvec_q4_w4a8(qs, d, *act, want)
+    out = up(k, np.zeros(rows, np.float32))
+    k.matvec({"qs": up(k, qs), "d": up(k, d)}, None, out, "w4a8", tuple(up(k, a) for a in act))
+    terms = (np.abs(d.astype(np.float64)) * act[1]) * 127 * 15  # |per-block term| bound
+    assert_rows_close(down(k, out), want, terms.sum(axis=1) + np.abs(want), cols // 32)
+
+
+def test_matvec_w4a8_integer_sums_are_exact(k, rng):
+    """Unit scales: the result is the integer sum itself, which f32 holds exactly here."""
+    rows, cols = 24, 256
+    qs = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+    d = np.ones((rows, cols // 32), np.float16)
+    xq = rng.integers(-127, 128, cols, dtype=np.int8)
+    xd = np.ones(cols // 32, np.float32)
+    xs = xq.reshape(-1, 32).sum(axis=1, dtype=np.int32)
+    want = np.empty(rows, np.float32)
+    ref.matvec_q4_w4a8(qs, d, xq, xd, xs, want)
+    out = up(k, np.zeros(rows, np.float32))
+    k.matvec({"qs": up(k, qs), "d": up(k, d)}, None, out, "w4a8", (up(k, xq), up(k, xd), up(k, xs)))
+    np.testing.assert_array_equal(down(k, out), want)
+
+
+@pytest.mark.parametrize("kind", ["f16", "bf16"])
+@pytest.mark.parametrize("rows,cols", [(3, 64), (70, 160)])
+def test_matvec_exact(k, rng, kind, rows, cols):
+    w32 = randn(rng, rows, cols)
+    if kind == "f16":
+        w = w32.astype(np.float16)
+        wide = w.astype(np.float64)
+    else:
+        w = (w32.view(np.uint32) >> 16).astype(np.uint16)
+        wide = (w.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    x = randn(rng, cols)
+    out = up(k, np.zeros(rows, np.float32))
+    k.matvec({"w": up(k, w)}, up(k, x), out, "exact")
+    assert_rows_close(down(k, out), wide @ x, np.abs(wide) @ np.abs(x), cols)
+    full = up(k, np.zeros((rows, cols), np.float32))
+    k.dequantize({"w": up(k, w)}, full)
+    np.testing.assert_array_equal(down(k, full), wide.astype(np.float32))
+
+
+def test_dequantize_q4(k, rng):
+    qs, d = random_q4(rng, 33, 192)
+    out = up(k, np.zeros((33, 192), np.float32))
+    k.dequantize({"qs": up(k, qs), "d": up(k, d)}, out)
+    np.testing.assert_array_equal(down(k, out), dequantize_q4_0(qs, d))
+
+
+# -- attention ---------------------------------------------------------------------------------
+def f16_cache(rng, ctx, kvh, hd):
+    return randn(rng, ctx, kvh, hd).astype(np.float16)
+
+
+@pytest.mark.parametrize("heads,kvh,hd,n,splits", [(4, 2, 32, 1, 1), (4, 2, 64, 37, 3), (6, 3, 32, 5, 8),
+                                                   (2, 1, 256, 70, 2), (8, 8, 128, 130, 4)])
+def test_attention_decode_split_over_context(k, rng, heads, kvh, hd, n, splits):
+    """GQA, online softmax, any number of splits (some empty when n < splits)."""
+    ctx = 160
+    q = randn(rng, heads, hd)
+    kc, vc = f16_cache(rng, ctx, kvh, hd), f16_cache(rng, ctx, kvh, hd)
+    want = np.empty((heads, hd), np.float32)
+    ref.attention_decode(q, kc.astype(np.float32), vc.astype(np.float32), n, want)
+    out, part = up(k, np.zeros((heads, hd), np.float32)), up(k, np.zeros(heads * splits * (hd + 2), np.float32))
+    k.attention_decode(up(k, q), up(k, kc), up(k, vc), up(k, np.array([n - 1], np.int32)), part, out, heads, splits)
+    assert rel(down(k, out), want) < 64 * EPS
+
+
+@pytest.mark.parametrize("T,start", [(1, 0), (6, 0), (5, 11)])
+def test_attention_prefill_causal(k, rng, T, start):
+    heads, kvh, hd = 4, 2, 32
+    stride = heads * hd + 2 * kvh * hd
+    qrows = randn(rng, T, stride)
+    kc, vc = f16_cache(rng, 32, kvh, hd), f16_cache(rng, 32, kvh, hd)
+    q = qrows[:, : heads * hd].reshape(T, heads, hd).copy()
+    want = np.empty_like(q)
+    ref.attention_prefill(q, kc[: start + T].astype(np.float32), vc[: start + T].astype(np.float32), start, want)
+    out = up(k, np.zeros((T, heads, hd), np.float32))
+    k.attention_prefill(up(k, qrows), stride, up(k, kc), up(k, vc), up(k, np.array([start], np.int32)), out, T, heads)
+    assert rel(down(k, out), want) < 64 * EPS
+
+
+# -- sampling ----------------------------------------------------------------------------------
+def sample_once(k, logits, opts, state=(3, 0, 0, 0), recent=None, advance=True):
+    st = up(k, np.array(state, np.int32))
+    rc = up(k, np.zeros(RECENT, np.int32) if recent is None else recent)
+    lg = up(k, logits)
+    k.sample(lg, st, rc, opts, advance)
+    return down(k, st), down(k, rc), down(k, lg)
+
+
+def test_greedy_is_argmax_lowest_index_on_ties(k, rng):
+    logits = randn(rng, 1000)
+    logits[[17, 400]] = logits.max() + 1.0
+    st, rc, _ = sample_once(k, logits, SamplingOptions(temperature=0.0))
+    assert st[1] == 17 and rc[0] == 17
+    assert list(st[[0, 2, 3]]) == [4, 1, 1]  # moved on one position, one draw, one sampled
+    st, _, _ = sample_once(k, logits, SamplingOptions(temperature=0.0), advance=False)
+    assert st[0] == 3
+
+
+def test_repetition_penalty_as_the_host_sampler(k, rng):
+    vocab = 300
+    logits = randn(rng, vocab) * 3
+    recent = rng.integers(0, vocab, RECENT).astype(np.int32)  # with repeats, applied once each
+    opts = SamplingOptions(temperature=0.0, repeat_penalty=1.3)
+    host = Sampler(opts, vocab)
+    host.recent = list(recent)
+    want = host._penalise(logits.copy())
+    st, _, got = sample_once(k, logits, opts, state=(0, 0, 0, 200), recent=recent)
+    np.testing.assert_array_equal(got, want)
+    assert st[1] == int(np.argmax(want))
+
+
+def test_top_k_one_is_greedy(k, rng):
+    logits = randn(rng, 500)
+    st, _, _ = sample_once(k, logits, SamplingOptions(temperature=1.5, top_k=1, top_p=1.0, seed=7))
+    assert st[1] == int(np.argmax(logits))
+
+
+def test_sampled_frequencies_follow_the_truncated_softmax(k, rng):
+    """Temperature, top-k and top-p together: every draw inside the host sampler's candidate set,
+    frequencies within 4 standard errors of its probabilities."""
+    vocab, draws = 40, 200
+    logits = np.sort(randn(rng, vocab) * 2)[::-1].copy()
+    rng.shuffle(logits)
+    opts = SamplingOptions(temperature=0.8, top_k=8, top_p=0.9, seed=int(rng.integers(1 << 31)))
+    top = np.argsort(-logits, kind="stable")[:8]
+    p = np.exp((logits[top] - logits[top].max()) / 0.8)
+    p /= p.sum()
+    keep = int(np.searchsorted(np.cumsum(p), 0.9) + 1)
+    allowed, probs = top[:keep], p[:keep] / p[:keep].sum()
+    st = up(k, np.zeros(4, np.int32))
+    rc, lg = up(k, np.zeros(RECENT, np.int32)), up(k, logits)
+    seen = np.zeros(vocab, int)
+    for _ in range(draws):
+        k.sample(lg, st, rc, opts, True)
+        seen[int(down(k, st)[1])] += 1
+    assert seen[np.setdiff1d(np.arange(vocab), allowed)].sum() == 0
+    freq = seen[allowed] / draws
+    assert np.all(np.abs(freq - probs) <= 4 * np.sqrt(probs * (1 - probs) / draws) + 1.0 / draws)
