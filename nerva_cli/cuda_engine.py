@@ -171,6 +171,9 @@ class _HostView:
 
 
 # -- the engine ------------------------------------------------------------------------------
+SYNC_KINDS = ("state", "logits", "token", "staging", "drain")
+
+
 class CudaEngine:
     backend = "cuda"
     device_sampling = True
@@ -217,6 +220,9 @@ class CudaEngine:
                              f"now: try --vram-budget {human_bytes(int(dev.free_bytes() * 0.9))}") from None
         self.n_past = 0
         self.draws = self.sampled = 0  # host mirrors of state[2], state[3]
+        # times the host waited for the GPU, by why: writing the state, reading logits, a token,
+        # handing a staging buffer back to the disk reader, draining the queue after a stream
+        self.syncs = dict.fromkeys(SYNC_KINDS, 0)
         self._graphs: dict = {}
         self._sample_opts = None
         self.peak_vram_bytes = dev.used_bytes()
@@ -444,7 +450,7 @@ class CudaEngine:
         """The next cold layer's staging buffer, filled by the pager's reader in cycle order. The
         previous buffer goes back to the reader only once its copy has finished."""
         if self._cold_copy is not None:
-            self._cold_copy.synchronize()
+            self._sync("staging", self._cold_copy)
         view = next(self._cold_pass, None)
         if view is None:
             self._cold_pass = self.weights.cold.layers()
@@ -454,10 +460,15 @@ class CudaEngine:
         return view.buf[: self.model.meta["files"][layer_file(layer)]["size"]]
 
     # -- the host side -------------------------------------------------------------------------
+    def _sync(self, kind: str, waitable) -> None:
+        """Waits for a stream or an event; counted by kind (the ledger shows them)."""
+        self.syncs[kind] += 1
+        waitable.synchronize()
+
     def _write_state(self, token: int) -> None:
         """state = (n_past, token, draws, sampled) from the host mirrors. The compute stream is
         drained first: the pinned source must not change under a copy still queued."""
-        self.k.sync(self.dev.compute)
+        self._sync("state", self.dev.compute)
         self.state_host[:] = (self.n_past, token, self.draws, self.sampled)
         self.dev.copy_async(self.a.state, self.state_host, self.dev.compute)
 
@@ -471,7 +482,8 @@ class CudaEngine:
         self._write_state(token)
         self._forward()
         self.dev.copy_to_host_async(self.logits_host, self.a.logits, self.dev.compute)
-        self.k.sync(self.dev.compute)
+        self.weights.stats.d2h_bytes += self.logits_host.nbytes
+        self._sync("logits", self.dev.compute)
         self.n_past += 1
         return self.logits_host
 
@@ -498,13 +510,13 @@ class CudaEngine:
                     self.k.replay(self._graph("sample_step"), s)
                     self._queue_token_copy(queued)
                     queued += 1
-                self.token_events[made % RECENT].synchronize()
+                self._sync("token", self.token_events[made % RECENT])
                 token = int(self.token_host[made % RECENT])
                 made += 1
                 self.n_past = start + made - 1  # token k has run once token k + 1 exists
                 yield token
         finally:
-            self.k.sync(s)
+            self._sync("drain", s)
             self.n_past = start + max(made - 1, 0)
             self.draws += made
             self.sampled += made
@@ -514,6 +526,7 @@ class CudaEngine:
         slot = n % RECENT
         self.dev.copy_to_host_async(self.token_host[slot:slot + 1], self.a.token, self.dev.compute)
         self.token_events[slot].record(self.dev.compute)
+        self.weights.stats.d2h_bytes += 4
 
     def _use_sampling(self, opts) -> None:
         if opts.repeat_last_n != RECENT:
@@ -547,7 +560,7 @@ class CudaEngine:
                 self.k.matvec(self.head_t, self.a.xn, self.a.logits, p, self._quantized(self.a.xn, p))
                 self.dev.copy_to_host_async(self.logits_host, self.a.logits, self.dev.compute)
             self._write_state(0)  # state[0]: the next position; the token comes from sampling
-            self.k.sync(self.dev.compute)
+            self._sync("logits", self.dev.compute)
         self.peak_vram_bytes = max(self.peak_vram_bytes, self.dev.used_bytes())
         return np.concatenate(outs) if all_logits else self.logits_host
 

@@ -24,7 +24,7 @@ class TokenRecord:
     sample_us: float
     stall_us: float
     kernel_launches: int
-    syncs: int
+    syncs: dict  # kind -> host waits for the GPU during this token (state, logits, token, staging)
     disk_bytes: int
     h2d_bytes: int
     d2h_bytes: int
@@ -39,27 +39,20 @@ class TokenRecord:
 
 
 class CountingBackend:
-    """The backend with every kernel launch or graph replay counted, and syncs apart (only while
-    the ledger is on)."""
+    """The backend with every kernel launch or graph replay counted (only while the ledger is on)."""
 
     def __init__(self, backend):
         self._b = backend
         self.calls = 0
-        self.syncs = 0
 
     def __getattr__(self, name):
         fn = getattr(self._b, name)
         if not callable(fn):
             return fn
 
-        if name == "sync":
-            def counted(*args):
-                self.syncs += 1
-                return fn(*args)
-        else:
-            def counted(*args):
-                self.calls += 1
-                return fn(*args)
+        def counted(*args):
+            self.calls += 1
+            return fn(*args)
 
         setattr(self, name, counted)  # made once per kernel, then found without __getattr__
         return counted
@@ -76,7 +69,9 @@ class Ledger:
 
     def _snapshot(self):
         s, phases = self.engine.weights.stats, self.engine.phase_ns
-        return (None if phases is None else dict(phases), self.counting.calls, self.counting.syncs,
+        syncs = getattr(self.engine, "syncs", None)  # host waits for a GPU, by kind
+        return (None if phases is None else dict(phases), self.counting.calls,
+                {} if syncs is None else dict(syncs),
                 None if s is None else (s.disk_bytes, s.hits, s.faults, s.stall_ns, s.prefetched, s.evicted,
                                         s.h2d_bytes, s.d2h_bytes))
 
@@ -99,7 +94,9 @@ class Ledger:
             index=len(self.records), token_id=nxt, piece=self.tok.decode([nxt]) if self.tok else "",
             wall_us=(t2 - t0) / 1000, embed_us=d["embed"], attention_us=d["attention"], mlp_us=d["mlp"],
             lm_head_us=d["lm_head"], sample_us=(t2 - t1) / 1000, stall_us=p[3] / 1000,
-            kernel_launches=calls - before[1], syncs=syncs - before[2], disk_bytes=p[0], h2d_bytes=p[6],
+            kernel_launches=calls - before[1],
+            syncs={k: v - before[2][k] for k, v in syncs.items() if v > before[2][k]}, disk_bytes=p[0],
+            h2d_bytes=p[6],
             d2h_bytes=p[7],
             hits=p[1], faults=p[2], prefetched=p[4], evicted=p[5], w4a8_layers=counts["w4a8"],
             w4a16_layers=counts["w4a16"], exact_layers=counts["exact"],
@@ -130,13 +127,21 @@ class Ledger:
             "wall_us_p99": float(np.percentile(wall, 99)),
             **{f"{k}_us_mean": self._mean(f"{k}_us") for k in ("embed", "attention", "mlp", "lm_head",
                                                                "sample", "stall")},
-            "kernel_launches_per_token": col("kernel_launches").mean(), "syncs_per_token": col("syncs").mean(),
+            "kernel_launches_per_token": col("kernel_launches").mean(),
+            "syncs_per_token": float(np.mean([sum(r.syncs.values()) for r in self.records])),
+            "syncs_by_kind": {k: sum(r.syncs.get(k, 0) for r in self.records) for k in
+                              sorted({k for r in self.records for k in r.syncs})},
             "h2d_bytes_per_token": col("h2d_bytes").mean(), "d2h_bytes_per_token": col("d2h_bytes").mean(),
             "disk_bytes_per_token": col("disk_bytes").mean(),
             "hit_rate": hits / (hits + faults) if hits + faults else 1.0,
             "resident_layers": len(e.plan.resident_layers), "paged_layers": len(e.plan.paged_layers),
             "hot_path_allocations": int(col("hot_path_allocations").sum()),
         }
+
+    @staticmethod
+    def _sync_kinds(s: dict) -> str:
+        kinds = ", ".join(f"{k} {n}" for k, n in s["syncs_by_kind"].items())
+        return f" ({kinds})" if kinds else ""
 
     def _mean(self, name: str) -> float | None:
         values = [getattr(r, name) for r in self.records]
@@ -156,7 +161,8 @@ class Ledger:
         for r in self.records[::max(1, every)]:
             table.add_row(str(r.index), str(r.token_id), repr(r.piece)[1:-1][:12], f"{r.wall_us:.0f}",
                           us(r.embed_us), us(r.attention_us), us(r.mlp_us), us(r.lm_head_us),
-                          f"{r.sample_us:.0f}", f"{r.stall_us:.0f}", str(r.kernel_launches), str(r.syncs),
+                          f"{r.sample_us:.0f}", f"{r.stall_us:.0f}", str(r.kernel_launches),
+                          str(sum(r.syncs.values())),
                           human_bytes(r.disk_bytes), human_bytes(r.h2d_bytes), str(r.hits), str(r.faults),
                           f"{r.w4a8_layers}/{r.w4a16_layers}/{r.exact_layers}", str(r.hot_path_allocations))
         narrow = console.width
@@ -182,8 +188,8 @@ class Ledger:
                 f"[bold]summary[/bold] {s['tokens']} tokens, {s['wall_ms_total']:.1f} ms; wall p50 "
                 f"{s['wall_us_p50']:.0f} µs, p99 {s['wall_us_p99']:.0f} µs; {phases}, sample "
                 f"{s['sample_us_mean']:.0f}, stall {s['stall_us_mean']:.0f} µs/token; "
-                f"{s['kernel_launches_per_token']:.0f} launches or graph replays and {s['syncs_per_token']:.0f} "
-                "syncs/token\n"
+                f"{s['kernel_launches_per_token']:.0f} launches or graph replays and {s['syncs_per_token']:.1f} "
+                f"syncs/token{self._sync_kinds(s)}\n"
                 f"residency: policy {s['policy']}, {s['resident_layers']} layers resident, {s['paged_layers']} paged "
                 f"through slots; disk {human_bytes(s['disk_bytes_per_token'])}/token ({direct}), host->GPU "
                 f"{human_bytes(s['h2d_bytes_per_token'])}/token; hit rate "

@@ -182,3 +182,32 @@ def test_cli_backend_cuda_without_a_device_is_one_line(cli, stored):
         pytest.skip("a CUDA device answers here")
     code, out, err = cli("run", str(stored("llama", "q4_0").path), "-p", "hi", "--backend", "cuda")
     assert code == 1 and err.startswith("error: --backend cuda: ") and len(err.strip().splitlines()) == 1
+
+
+def test_ledger_on_the_cuda_backend(stored, cuda_device):
+    """Graph replays counted as launches, phases shown as '-' (they run inside graphs), host
+    waits counted by kind, paged bytes host -> GPU per token."""
+    import io
+
+    from rich.console import Console
+
+    from nerva_cli.generate import generate
+    from nerva_cli.ledger import Ledger
+    from nerva_cli.sampling import Sampler
+
+    model = stored("llama", "q4_0")
+    layer = model.meta["files"][layer_file(0)]["size"]
+    engine = CudaEngine(model, device=cuda_device, ctx=96, vram_budget=fixed_bytes(model, 96) + 2 * layer)
+    book = Ledger(engine)
+    out, _ = generate(engine, PROMPT, Sampler(SamplingOptions(temperature=0.0), model.config.vocab_size), 6,
+                      ledger=book)
+    book.close()
+    rec = book.records[-1]
+    assert rec.embed_us is None and rec.attention_us is None
+    assert rec.kernel_launches == 2 + 3  # head and tail graphs, one per layer
+    assert rec.syncs == {"state": 1, "logits": 1}
+    assert rec.h2d_bytes == 3 * layer and rec.d2h_bytes == 4 * model.config.vocab_size
+    console = Console(file=io.StringIO(), width=200)
+    book.print_table(console)
+    text = console.file.getvalue()
+    assert "per phase: inside CUDA graphs" in text and "(logits 5, state 5)" in text

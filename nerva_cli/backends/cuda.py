@@ -136,12 +136,9 @@ class Kernels:
                  (q, I32(q_stride), k_cache, v_cache, pos0, out, I32(heads), I32(kv_heads), I32(hd),
                   F32(1.0 / np.sqrt(hd))))
 
-    # -- graphs and syncs (the ledger counts these calls) ----------------------------------------
+    # -- graphs (the ledger counts replays with the launches) ------------------------------------
     def replay(self, graph, stream) -> None:
         self.dev.replay(graph, stream)
-
-    def sync(self, stream) -> None:
-        stream.synchronize()
 
     # -- sampling ------------------------------------------------------------------------------
     def sample(self, logits, state, recent, opts, advance: bool) -> None:
