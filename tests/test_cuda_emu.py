@@ -1,13 +1,14 @@
 """The CPU emulator of CUDA C (tests/cuda_emu) on a small kernel source of its own: shared memory
 and barriers, warp shuffles, dp4a, 2-D grids, the host half branch, and the argument checks
-that stand in for CuPy's silent scalar conversions. Each test prints its seed."""
+that stand in for CuPy's silent scalar conversions; barriers that separate phases, deadlocks
+reported rather than hung on. Each test prints its seed."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from cuda_emu import EmuBuildError, EmuModule
+from cuda_emu import EmuBuildError, EmuKernelError, EmuModule
 
 # common.cuh sits in its own directory, not beside the .cu, so only -I can find it
 COMMON = r"""
@@ -27,9 +28,9 @@ SOURCE = r"""
 #include "common.cuh"
 
 // per-block sums through shared memory; their total through atomicAdd. The last thread reads
-// s[0], which the next block's thread 0 overwrites: the emulator's barrier between blocks holds it.
+// s[0], which the next block's thread 0 overwrites: blocks must not overlap.
 extern "C" __global__ void block_sum(const float* __restrict__ x, float* partial, float* total, int n) {
-    __shared__ float s[256];
+    __shared__ float s[1024];
     int t = threadIdx.x, i = blockIdx.x * blockDim.x + t;
     s[t] = i < n ? x[i] : 0.f;
     __syncthreads();
@@ -59,6 +60,56 @@ extern "C" __global__ void dp4a(const int* a, const int* b, const int* c, int* o
         out[i] = __dp4a(a[i], b[i], c[i]);
         out_u[i] = __dp4a((unsigned)a[i], (unsigned)b[i], (unsigned)c[i]);
     }
+}
+
+// Each thread reads its neighbour's slot: right only with the barrier between write and read.
+extern "C" __global__ void neighbour(int* out, int base, int sync) {
+    __shared__ int s[256];
+    int t = threadIdx.x;
+    s[t] = base + t;
+    if (sync) __syncthreads();
+    out[t] = s[(t + 1) % blockDim.x];
+}
+
+// `returns` threads leave early; the rest wait at __syncthreads (mode 0) or shuffle (mode 1).
+extern "C" __global__ void early_exit(int* out, int returns, int mode) {
+    int t = threadIdx.x;
+    if (t < returns) return;
+    if (mode == 0) __syncthreads();
+    else out[t] = __shfl_xor_sync(FULL, t, 1);
+}
+
+// Block sums without (first_sync 0) the barrier that keeps a warp from rewriting scratch while
+// other warps still read the previous call's values from it. Any thread that gets another sum says so.
+__device__ float bsum(float v, float* scratch, int first_sync) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    if (first_sync) __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    return warp_sum(lane < warps ? scratch[lane] : 0.f);
+}
+
+extern "C" __global__ void repeated_sums(float* out, int rounds, int first_sync) {
+    __shared__ float scratch[32];
+    for (int r = 0; r < rounds; r++) {
+        float s = bsum((float)(r + 1), scratch, first_sync);
+        if (threadIdx.x == 0 || s != out[r]) out[r] = s;
+    }
+}
+
+extern "C" __global__ void half_warp_shuffle(int* out) {
+    if (threadIdx.x < 16) out[threadIdx.x] = __shfl_xor_sync(0xffffu, (int)threadIdx.x, 1);
+}
+
+// A large local array lives on the emulated thread's own stack.
+extern "C" __global__ void big_local(int* out) {
+    int a[8192];
+    for (int i = 0; i < 8192; i++) a[i] = i * (int)threadIdx.x;
+    __syncthreads();
+    int s = 0;
+    for (int i = 0; i < 8192; i += 97) s += a[i];
+    out[threadIdx.x] = s;
 }
 
 /* a 2-D grid of 2-D blocks; the parameters span lines */
@@ -101,13 +152,14 @@ def cdiv(a, b):
     return -(-a // b)
 
 
-def test_block_reduction(mod, rng):
-    n = 7 * 256 + 100  # a ragged last block
+@pytest.mark.parametrize("threads", [256, 1024])
+def test_block_reduction(mod, rng, threads):
+    n = 7 * threads + 100  # a ragged last block
     x = rng.uniform(0.5, 1.5, n).astype(np.float32)  # positive: no cancellation, so rtol means something
-    partial = np.full(cdiv(n, 256), np.nan, np.float32)
+    partial = np.full(cdiv(n, threads), np.nan, np.float32)
     total = np.zeros(1, np.float32)
-    mod.get_function("block_sum")(cdiv(n, 256), 256, (x, partial, total, np.int32(n)))
-    want = np.add.reduceat(x.astype(np.float64), np.arange(0, n, 256))
+    mod.get_function("block_sum")(cdiv(n, threads), threads, (x, partial, total, np.int32(n)))
+    want = np.add.reduceat(x.astype(np.float64), np.arange(0, n, threads))
     np.testing.assert_allclose(partial, want, rtol=1e-5)
     np.testing.assert_allclose(total[0], want.sum(), rtol=1e-5)
 
@@ -188,6 +240,47 @@ def test_argument_checks(mod, rng):
 
     f((2, 1), (32, 4), (x, Wrapped(), np.float32(3), rows, cols))
     np.testing.assert_array_equal(out, 3 * x + np.arange(4, dtype=np.float32)[:, None])
+
+
+def test_syncthreads_separates_phases(mod, rng):
+    f, out = mod.get_function("neighbour"), np.zeros(128, np.int32)
+    for base in rng.integers(0, 1000, 3) * 1000:  # a new base each launch: stale slots show
+        f(1, 128, (out, np.int32(base), np.int32(1)))
+        np.testing.assert_array_equal(out, base + (np.arange(128) + 1) % 128)
+    f(1, 128, (out, np.int32(base + 7), np.int32(0)))  # no barrier: a thread reads before its neighbour writes
+    assert (out != base + 7 + (np.arange(128) + 1) % 128).any()
+
+
+@pytest.mark.parametrize("mode, returns, waits", [(0, 1, "255 wait at __syncthreads"), (0, 255, "1 wait at __syncthreads"),
+                                                  (1, 3, "warp 0: 0 at __syncthreads, 29 at warp, 3 returned")])
+def test_deadlock_is_reported(mod, mode, returns, waits):
+    f, out = mod.get_function("early_exit"), np.zeros(256, np.int32)
+    with pytest.raises(EmuKernelError, match=rf"early_exit .*deadlock in block \(0,0,0\).*{waits}"):
+        f(1, 256, (out, np.int32(returns), np.int32(mode)))
+    f(2, 256, (out, np.int32(0), np.int32(1)))  # the next launch starts afresh
+    np.testing.assert_array_equal(out, np.arange(256) ^ 1)
+    f(2, 256, (out, np.int32(64), np.int32(1)))  # whole warps that return are fine
+    f(2, 256, (out, np.int32(256), np.int32(0)))  # and so is a block of which all return
+
+
+def test_warp_running_ahead_is_caught(mod):
+    f, want = mod.get_function("repeated_sums"), 256 * np.arange(1, 5, dtype=np.float32)
+    out = np.zeros(4, np.float32)
+    f(1, 256, (out, np.int32(4), np.int32(1)))
+    np.testing.assert_array_equal(out, want)
+    f(1, 256, (out, np.int32(4), np.int32(0)))  # a fast warp rewrites scratch before the others read it
+    assert (out != want).any()
+
+
+def test_partial_masks_are_refused(mod):
+    with pytest.raises(EmuKernelError, match=r"__shfl_xor_sync with mask 0x0000ffff .*thread \(0,0,0\)"):
+        mod.get_function("half_warp_shuffle")(1, 32, (np.zeros(32, np.int32),))
+
+
+def test_large_local_array(mod):
+    out = np.zeros(64, np.int32)
+    mod.get_function("big_local")(2, 64, (out,))
+    np.testing.assert_array_equal(out, np.arange(0, 8192, 97).sum() * np.arange(64))
 
 
 def test_compile_error_carries_gcc_message(tmp_path):

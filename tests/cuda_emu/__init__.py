@@ -21,6 +21,10 @@ from pathlib import Path
 import numpy as np
 
 EMU_H = Path(__file__).with_name("emu.h")
+# Launches of one library take turns (its __shared__ statics and fiber scheduler are global).
+# Modules built in the same cache load the same library, so the locks go by its path.
+_LIB_LOCKS: dict[Path, threading.Lock] = {}
+_LIB_LOCKS_GUARD = threading.Lock()
 # -O1 leaves strict aliasing off (only -O2 turns it on), which the kernels' uint4/float4 casts
 # of byte pointers rely on, as CUDA does; -fno-strict-aliasing says so outright.
 FLAGS = ["-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-fno-strict-aliasing", "-fvisibility=hidden"]
@@ -50,6 +54,12 @@ class EmuBuildError(RuntimeError):
     pass
 
 
+class EmuKernelError(RuntimeError):
+    """A launch that could not finish: a block deadlocked (threads returned, or wait at another
+    barrier, while others wait at __syncthreads or a warp shuffle), or a shuffle or __syncwarp
+    had a mask other than the whole warp's."""
+
+
 class Param:
     def __init__(self, kernel: str, index: int, text: str):
         words = text.replace("*", " * ").split()
@@ -65,22 +75,29 @@ class Param:
     def code(self) -> str:  # emu::signature_is's letters: the compiler checks this parse
         return "p8" if self.pointer else {"b": "u"}.get(self.dtype.kind, self.dtype.kind) + str(self.dtype.itemsize)
 
-    def convert(self, arg):
-        """A ctypes object holding the argument's bytes, after the checks CuPy does not make."""
-        where = f"kernel {self.kernel} parameter {self.index} `{self.text}`"
+    @property
+    def where(self) -> str:
+        return f"kernel {self.kernel} parameter {self.index} `{self.text}`"
+
+    def store(self, arg, slot: np.ndarray) -> None:
+        """Writes the argument's bytes to its slot (one element) of the kernel's argument block,
+        after the checks CuPy does not make. Whatever it allocates is gone when it returns: the
+        decode hot-path test (nerva_cli/hotpath.py) counts what a launch holds at its peak."""
         if self.pointer:
-            if not isinstance(arg, np.ndarray) and not hasattr(arg, "__array_interface__"):
-                raise TypeError(f"{where}: expected a numpy array, got {type(arg).__name__}")
-            arr = np.asarray(arg)  # a view: __array_interface__ objects are not copied
-            if not arr.flags.c_contiguous:
-                raise TypeError(f"{where}: array is not C-contiguous")
-            if not self.const and not arr.flags.writeable:
-                raise TypeError(f"{where}: the kernel may write through it, but the array is read-only")
-            return ctypes.c_void_p(arr.ctypes.data)
-        if not isinstance(arg, np.generic) or arg.dtype != self.dtype:
+            if not isinstance(arg, np.ndarray):
+                if not hasattr(arg, "__array_interface__"):
+                    raise TypeError(f"{self.where}: expected a numpy array, got {type(arg).__name__}")
+                arg = np.asarray(arg)  # a view: __array_interface__ objects are not copied
+            if not arg.flags.c_contiguous:
+                raise TypeError(f"{self.where}: array is not C-contiguous")
+            if not self.const and not arg.flags.writeable:
+                raise TypeError(f"{self.where}: the kernel may write through it, but the array is read-only")
+            slot[0] = arg.ctypes.data
+        elif isinstance(arg, np.generic) and arg.dtype == self.dtype:
+            slot[0] = arg
+        else:
             got = f"numpy {arg.dtype}" if isinstance(arg, np.generic) else f"Python {type(arg).__name__}"
-            raise TypeError(f"{where}: expected a numpy {self.dtype} scalar, got {got}")
-        return np.ctypeslib.as_ctypes_type(self.dtype)(arg.item())
+            raise TypeError(f"{self.where}: expected a numpy {self.dtype} scalar, got {got}")
 
 
 def parse(source: str) -> dict[str, list[Param]]:
@@ -101,7 +118,13 @@ class EmuKernel:
         self.name, self.params, self._lock = name, params, lock
         self._fn = getattr(lib, f"emu_{name}")
         self._fn.argtypes = [ctypes.c_uint] * 6 + [ctypes.c_void_p]
-        self._fn.restype = None
+        self._fn.restype = ctypes.c_char_p  # null, or why the launch failed
+        # The arguments' bytes, 8 a parameter, and the void* array pointing at them, made once:
+        # a launch only writes into them (under the lock, as two threads may share a kernel).
+        self._block = np.zeros(len(params), np.uint64)
+        self._slots = [self._block[i:i + 1] if p.pointer else self._block[i:i + 1].view(p.dtype)[:1]
+                       for i, p in enumerate(params)]
+        self._argv = (ctypes.c_void_p * len(params))(*(self._block.ctypes.data + 8 * i for i in range(len(params))))
 
     def __call__(self, grid, block, args, *, shared_mem: int = 0, stream=None):
         grid, block = _dims(grid), _dims(block)
@@ -112,10 +135,12 @@ class EmuKernel:
             raise ValueError(f"kernel {self.name}: dynamic shared memory is not emulated")
         if not isinstance(args, tuple) or len(args) != len(self.params):
             raise TypeError(f"kernel {self.name} takes {len(self.params)} arguments as a tuple, got {args!r:.200}")
-        held = [p.convert(a) for p, a in zip(self.params, args)]
-        argv = (ctypes.c_void_p * len(held))(*(ctypes.addressof(h) for h in held))
-        with self._lock:  # one launch at a time per library: __shared__ statics are per library
-            self._fn(*grid, *block, argv)
+        with self._lock:  # one launch at a time per library (see _LIB_LOCKS)
+            for p, a, slot in zip(self.params, args, self._slots):
+                p.store(a, slot)
+            error = self._fn(*grid, *block, self._argv)  # `args` keeps the arrays alive meanwhile
+        if error is not None:
+            raise EmuKernelError(f"kernel {self.name} grid {grid} block {block}: {error.decode()}")
 
 
 class EmuModule:
@@ -135,9 +160,9 @@ class EmuModule:
             gen = f'#include "{src}"\n' + "".join(
                 f'static_assert(emu::signature_is({k}, "{"".join(p.code for p in ps)}"),'
                 f' "{k}: parameters differ from what tests/cuda_emu parsed");\n'
-                f'extern "C" __attribute__((visibility("default"))) void emu_{k}(unsigned gx, unsigned gy,'
+                f'extern "C" __attribute__((visibility("default"))) const char* emu_{k}(unsigned gx, unsigned gy,'
                 f' unsigned gz, unsigned bx, unsigned by, unsigned bz, void** args)'
-                f' {{ emu::launch({k}, {{gx, gy, gz}}, {{bx, by, bz}}, args); }}\n'
+                f' {{ return emu::launch({k}, {{gx, gy, gz}}, {{bx, by, bz}}, args); }}\n'
                 for k, ps in kernels.items())
             key = hashlib.sha256(b"\0".join([text.encode(), EMU_H.read_bytes(), headers, gen.encode(),
                                              " ".join(FLAGS).encode()])).hexdigest()[:20]
@@ -158,7 +183,9 @@ class EmuModule:
                 os.replace(tmp, so)
         if failed:
             raise EmuBuildError("\n".join(failed))
-        self._libs = {so: (ctypes.CDLL(str(so)), threading.Lock()) for _, so in self._kernels.values()}
+        with _LIB_LOCKS_GUARD:
+            self._libs = {so: (ctypes.CDLL(str(so)), _LIB_LOCKS.setdefault(so, threading.Lock()))
+                          for _, so in self._kernels.values()}
 
     def get_function(self, name: str) -> EmuKernel:
         if name not in self._kernels:

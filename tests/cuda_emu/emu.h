@@ -1,25 +1,44 @@
 // CUDA C on the CPU, for tests on machines without a GPU: force-included (g++ -include) before a
 // kernel source, which then builds as plain C++20. A launch runs the grid's blocks one after
-// another; the threads of a block are real std::threads, so __syncthreads and warp shuffles
-// are barriers and races show up as they would on a GPU rather than being serialised away.
+// another on the calling thread; the threads of a block are fibers (one small stack each, with
+// a guard page), switched cooperatively: a thread runs until it reaches __syncthreads, a warp
+// shuffle or __syncwarp, or returns, and then another runnable thread of the block runs.
+//
+// Barriers are real barriers: no thread passes one before every thread it waits for has
+// arrived. Between barriers nothing interleaves, and the order is chosen to break kernels that
+// lack one: a thread runs its whole phase before the next starts it (so one that reads a slot
+// another thread has yet to write gets the stale value), the direction alternates from phase
+// to phase, and the most recently released threads run first (a LIFO), so a warp whose lanes
+// all pass a shuffle runs on ahead, through its later shuffles, to its next __syncthreads
+// while other warps have not started (so shared memory rewritten before other warps read it
+// shows too). A block that can no longer progress (threads returned, or wait at another
+// barrier, while others wait) ends the launch with an error naming the block; a thread that
+// spins waiting for another thread or block without a barrier never yields, and hangs.
 // __CUDACC__ stays undefined on purpose: kernels/common.cuh then takes its host branch
 // (_Float16 half conversions instead of inline PTX).
 #pragma once
 #include <atomic>
-#include <barrier>
 #include <cassert>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <math.h>
-#include <memory>
 #include <string_view>
-#include <thread>
+#include <sys/mman.h>
 #include <type_traits>
+#include <unistd.h>
 #include <utility>
-#include <vector>
+// x86-64 switches fibers in a few instructions of its own; elsewhere (or with -DEMU_UCONTEXT, to
+// test that path) ucontext's swapcontext, which makes a system call per switch.
+#if defined(__x86_64__) && !defined(EMU_UCONTEXT)
+#define EMU_ASM_SWITCH 1
+#else
+#define EMU_ASM_SWITCH 0
+#include <ucontext.h>
+#endif
 
 // Each kernel source is its own shared library (as each is its own module on the GPU), so
 // __device__ needs no `inline` to avoid clashes, and must not get one: `__device__ inline`
@@ -43,31 +62,208 @@ struct alignas(8) uint2 { unsigned x, y; };
 struct alignas(8) int2 { int x, y; };
 struct alignas(8) float2 { float x, y; };
 
-inline thread_local uint3 threadIdx, blockIdx;
-inline thread_local dim3 blockDim, gridDim;
+// Plain globals: one OS thread runs a launch, and a switch to a fiber sets its threadIdx.
+inline uint3 threadIdx, blockIdx;
+inline dim3 blockDim, gridDim;
+
+#ifndef EMU_STACK_KIB
+#define EMU_STACK_KIB 128  // per CUDA thread; overflowing it hits a guard page (SIGSEGV)
+#endif
 
 namespace emu {
+// Switches stacks: saves the callee-saved registers and the stack pointer in *save, resumes
+// `to`. In assembly the compiler cannot see into, so every call is an ordinary call that may
+// clobber what the ABI lets a call clobber (no interprocedural register assumptions). The
+// floating-point control words (MXCSR, x87) are not switched: kernels do not change them.
+#if EMU_ASM_SWITCH
+extern "C" void emu_ctx_switch(void** save, void* to);
+asm(R"(
+    .pushsection .text
+    .p2align 4
+    .hidden emu_ctx_switch
+    .type emu_ctx_switch, @function
+emu_ctx_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size emu_ctx_switch, .-emu_ctx_switch
+    .popsection
+)");
+#endif
+
+enum State : unsigned char { READY, AT_SYNCTHREADS, AT_WARP, EXITED };
+
+struct Fiber {
+#if EMU_ASM_SWITCH
+    void* sp;
+#else
+    ucontext_t uc;
+#endif
+    char* stack;  // its lowest usable byte; the guard page lies below
+    uint3 idx;
+    unsigned tid;  // linear index in the block; lane = tid % 32
+    State state;
+};
+
 struct Warp {
-    std::barrier<> bar{32};
-    uint64_t slot[32];  // each lane's value in the current shuffle
+    unsigned arrived, gen;
+    unsigned waiting[32];
+    uint64_t slot[2][32];  // the shuffle of generation g uses slot[g & 1]: see shuffle()
 };
-struct Launch {  // what one launch's threads share
-    explicit Launch(unsigned n) : block(n), warps(new Warp[n / 32]) {}
-    std::barrier<> block;
-    std::unique_ptr<Warp[]> warps;
+
+struct Sched {
+    Fiber* fibers = nullptr;
+    unsigned capacity = 0;  // fibers with a stack
+    unsigned n = 0;         // threads in the running block
+    unsigned* ready = nullptr;  // runnable fibers: a stack, the last pushed runs next
+    unsigned nready = 0;
+    unsigned* at_sync = nullptr;  // arrived at __syncthreads, in order
+    unsigned sync_arrived = 0, exited = 0;
+    Warp warps[32];
+    Fiber* cur = nullptr;
+#if EMU_ASM_SWITCH
+    void* main_sp = nullptr;
+#else
+    ucontext_t main_uc;
+#endif
+    void (*body)(void*) = nullptr;  // runs the kernel for the current thread
+    void* body_arg = nullptr;
+    char error[512];
+    bool failed = false;
 };
-inline thread_local Launch* launch_ = nullptr;
-inline thread_local unsigned tid_ = 0;  // linear thread index in the block; lane = tid_ % 32
+inline Sched S;
+
+inline void push(unsigned f) { S.ready[S.nready++] = f; }
+
+inline void resume(Fiber* from, Fiber* to) {
+    S.cur = to;
+    threadIdx = to->idx;
+#if EMU_ASM_SWITCH
+    emu_ctx_switch(&from->sp, to->sp);
+#else
+    swapcontext(&from->uc, &to->uc);
+#endif
+}
+
+inline void to_main(Fiber* from) {
+#if EMU_ASM_SWITCH
+    emu_ctx_switch(&from->sp, S.main_sp);
+#else
+    swapcontext(&from->uc, &S.main_uc);
+#endif
+}
+
+// Ends the launch from inside a fiber: never resumed, as the next launch starts every fiber afresh.
+[[noreturn]] inline void fail(Fiber* me) {
+    S.failed = true;
+    to_main(me);
+    __builtin_unreachable();
+}
+
+[[noreturn]] __attribute__((noinline)) inline void deadlock(Fiber* me) {
+    unsigned warp_waiting = 0;
+    for (unsigned i = 0; i < S.n; i++) warp_waiting += S.fibers[i].state == AT_WARP;
+    int len = snprintf(S.error, sizeof S.error,
+                       "deadlock in block (%u,%u,%u) of %u threads: %u wait at __syncthreads, %u at a warp "
+                       "shuffle/__syncwarp, %u returned",
+                       blockIdx.x, blockIdx.y, blockIdx.z, S.n, S.sync_arrived, warp_waiting, S.exited);
+    for (unsigned w = 0; w < S.n / 32 && len < int(sizeof S.error) - 64; w++) {
+        unsigned counts[4] = {};
+        for (unsigned l = 0; l < 32; l++) counts[S.fibers[w * 32 + l].state]++;
+        if (counts[AT_WARP] || (counts[AT_SYNCTHREADS] && counts[EXITED]))
+            len += snprintf(S.error + len, sizeof S.error - len, "; warp %u: %u at __syncthreads, %u at warp, %u returned",
+                            w, counts[AT_SYNCTHREADS], counts[AT_WARP], counts[EXITED]);
+    }
+    fail(me);
+}
+
+[[noreturn]] __attribute__((noinline)) inline void partial_mask(const char* what, unsigned mask) {
+    snprintf(S.error, sizeof S.error, "%s with mask 0x%08x in block (%u,%u,%u), thread (%u,%u,%u): the emulator "
+             "only has whole-warp (0xffffffff) shuffles and __syncwarp", what, mask, blockIdx.x, blockIdx.y,
+             blockIdx.z, threadIdx.x, threadIdx.y, threadIdx.z);
+    fail(S.cur);
+}
+
+// `me` has stopped (waits or returned): run the next runnable fiber, or end the block.
+inline void next(Fiber* me) {
+    if (S.nready) {
+        resume(me, &S.fibers[S.ready[--S.nready]]);  // whoever resumes `me` has set S.cur and threadIdx
+    } else if (S.exited == S.n) {
+        to_main(me);
+    } else {
+        deadlock(me);
+    }
+}
+
+[[noreturn]] inline void fiber_main() {
+    S.body(S.body_arg);
+    Fiber* me = S.cur;
+    me->state = EXITED;
+    S.exited++;
+    next(me);
+    std::abort();  // a returned fiber is never resumed
+}
+
+inline void syncthreads() {
+    Fiber* me = S.cur;
+    if (++S.sync_arrived == S.n) {  // the last to arrive releases the others and goes on
+        for (unsigned i = 0; i < S.n - 1; i++) {
+            S.fibers[S.at_sync[i]].state = READY;
+            push(S.at_sync[i]);
+        }
+        S.sync_arrived = 0;
+        return;
+    }
+    S.at_sync[S.sync_arrived - 1] = me->tid;
+    me->state = AT_SYNCTHREADS;
+    next(me);
+}
+
+// Returns the generation it waited in: a shuffle reads slot[gen & 1]. Lanes released by the
+// last arrival read after it, possibly after it has gone on to the next shuffle, which writes
+// the other slot; the one after that cannot start until they have all arrived at it.
+inline unsigned warp_sync() {
+    Fiber* me = S.cur;
+    Warp& w = S.warps[me->tid / 32];
+    unsigned gen = w.gen;
+    if (++w.arrived == 32) {
+        for (unsigned i = 0; i < 31; i++) {
+            S.fibers[w.waiting[i]].state = READY;
+            push(w.waiting[i]);
+        }
+        w.arrived = 0;
+        w.gen++;
+        return gen;
+    }
+    w.waiting[w.arrived - 1] = me->tid;
+    me->state = AT_WARP;
+    next(me);
+    return gen;
+}
 
 template <class T> T shuffle(T v, unsigned src) {
     static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>);
-    Warp& w = launch_->warps[tid_ / 32];
-    std::memcpy(&w.slot[tid_ % 32], &v, sizeof v);
-    w.bar.arrive_and_wait();  // every lane has published
-    std::memcpy(&v, &w.slot[src], sizeof v);
-    w.bar.arrive_and_wait();  // every lane has read before any publishes the next value
+    unsigned tid = S.cur->tid;
+    Warp& w = S.warps[tid / 32];
+    std::memcpy(&w.slot[w.gen & 1][tid % 32], &v, sizeof v);
+    unsigned gen = warp_sync();  // every lane has published
+    std::memcpy(&v, &w.slot[gen & 1][src], sizeof v);
     return v;
 }
+
+inline unsigned lane() { return S.cur->tid % 32; }
 
 // Function pointer types hold the parameters with top-level const dropped, which is what
 // the Python side parsed: kind (p pointer, i signed, u unsigned/bool, f float) and size.
@@ -80,54 +276,122 @@ template <class... A> constexpr bool signature_is(void (*)(A...), std::string_vi
     return s.size() == 2 * sizeof...(A) && (param_is<A>(s.data() + 2 * i++) && ...);
 }
 
-template <class... A, size_t... I> void call(void (*f)(A...), void** args, std::index_sequence<I...>) {
-    f(*static_cast<A*>(args[I])...);
+template <class... A> struct Call {
+    void (*f)(A...);
+    void** args;
+    template <size_t... I> void run(std::index_sequence<I...>) { f(*static_cast<A*>(args[I])...); }
+    static void thunk(void* self) { static_cast<Call*>(self)->run(std::index_sequence_for<A...>{}); }
+};
+
+// Stacks are made once, at the most threads a launch has asked for, and kept.
+inline bool reserve(unsigned n) {
+    if (n <= S.capacity) return true;
+    const size_t page = size_t(sysconf(_SC_PAGESIZE)), size = size_t(EMU_STACK_KIB) * 1024;
+    auto* fibers = static_cast<Fiber*>(realloc(S.fibers, n * sizeof(Fiber)));
+    auto* ready = static_cast<unsigned*>(realloc(S.ready, n * sizeof(unsigned)));
+    auto* at_sync = static_cast<unsigned*>(realloc(S.at_sync, n * sizeof(unsigned)));
+    if (fibers) S.fibers = fibers;
+    if (ready) S.ready = ready;
+    if (at_sync) S.at_sync = at_sync;
+    if (!fibers || !ready || !at_sync) return false;
+    for (unsigned i = S.capacity; i < n; i++) {
+        void* m = mmap(nullptr, size + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (m == MAP_FAILED) return false;
+        mprotect(m, page, PROT_NONE);  // the guard page
+        S.fibers[i].stack = static_cast<char*>(m) + page;
+        S.capacity = i + 1;
+    }
+    return true;
 }
 
-template <class... A> void launch(void (*f)(A...), dim3 grid, dim3 block, void** args) {
+inline void start(Fiber& f, unsigned i) {
+    const size_t size = size_t(EMU_STACK_KIB) * 1024;
+    // Stack tops staggered by 64 bytes a thread, so the threads' hot frames do not all fall
+    // in the same cache sets (the stacks themselves are page aligned).
+    char* top = f.stack + size - (i % 64) * 64;
+#if EMU_ASM_SWITCH
+    auto* sp = reinterpret_cast<void**>(top);
+    *--sp = nullptr;                                           // fiber_main's return address
+    *--sp = reinterpret_cast<void*>(&fiber_main);              // where emu_ctx_switch returns to
+    for (int r = 0; r < 6; r++) *--sp = nullptr;               // rbp rbx r12 r13 r14 r15
+    f.sp = sp;
+#else
+    getcontext(&f.uc);
+    f.uc.uc_stack.ss_sp = f.stack;
+    f.uc.uc_stack.ss_size = size - (i % 64) * 64;
+    f.uc.uc_link = nullptr;
+    makecontext(&f.uc, reinterpret_cast<void (*)()>(&fiber_main), 0);
+#endif
+}
+
+// Runs the launch; returns null, or what went wrong.
+template <class... A> const char* launch(void (*f)(A...), dim3 grid, dim3 block, void** args) {
     const unsigned n = block.x * block.y * block.z;
-    assert(n > 0 && n % 32 == 0 && n <= 1024);  // the Python side says why first; this is a backstop
-    Launch L(n);
-    std::vector<std::jthread> threads;  // declared after L: they join before L goes away
-    threads.reserve(n);
-    for (unsigned t = 0; t < n; t++)
-        threads.emplace_back([&, t] {
-            launch_ = &L;
-            tid_ = t;
-            threadIdx = {t % block.x, t / block.x % block.y, t / (block.x * block.y)};
-            blockDim = block;
-            gridDim = grid;
-            for (unsigned z = 0; z < grid.z; z++)
-                for (unsigned y = 0; y < grid.y; y++)
-                    for (unsigned x = 0; x < grid.x; x++) {
-                        blockIdx = {x, y, z};
-                        call(f, args, std::index_sequence_for<A...>{});
-                        L.block.arrive_and_wait();  // the next block reuses the shared statics
-                    }
-        });
+    if (!(n > 0 && n % 32 == 0 && n <= 1024)) return "the emulator needs whole warps, at most 1024 threads";
+    if (!reserve(n)) return "cannot allocate the emulated threads' stacks";
+    Call<A...> call{f, args};
+    S.body = &Call<A...>::thunk;
+    S.body_arg = &call;
+    S.n = n;
+    S.failed = false;
+    blockDim = block;
+    gridDim = grid;
+    for (unsigned z = 0; z < grid.z; z++)
+        for (unsigned y = 0; y < grid.y; y++)
+            for (unsigned x = 0; x < grid.x; x++) {
+                blockIdx = {x, y, z};
+                for (unsigned t = 0; t < n; t++) {
+                    Fiber& fb = S.fibers[t];
+                    fb.idx = {t % block.x, t / block.x % block.y, t / (block.x * block.y)};
+                    fb.tid = t;
+                    fb.state = READY;
+                    start(fb, t);
+                    S.ready[t] = n - 1 - t;  // thread 0 runs first (below), then 1, 2, ...
+                }
+                S.nready = n - 1;
+                S.sync_arrived = S.exited = 0;
+                for (unsigned w = 0; w < n / 32; w++) S.warps[w].arrived = S.warps[w].gen = 0;
+                S.cur = &S.fibers[0];
+                threadIdx = S.fibers[0].idx;
+#if EMU_ASM_SWITCH
+                emu_ctx_switch(&S.main_sp, S.fibers[0].sp);
+#else
+                swapcontext(&S.main_uc, &S.fibers[0].uc);
+#endif
+                if (S.failed) return S.error;
+            }
+    return nullptr;
 }
 }  // namespace emu
 
-inline void __syncthreads() { emu::launch_->block.arrive_and_wait(); }
-inline void __syncwarp(unsigned = 0xffffffffu) { emu::launch_->warps[emu::tid_ / 32].bar.arrive_and_wait(); }
+inline void __syncthreads() { emu::syncthreads(); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+    if (mask != 0xffffffffu) emu::partial_mask("__syncwarp", mask);
+    emu::warp_sync();
+}
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
 // Shuffles with CUDA's width rules: a lane reads within its width-wide segment, and one whose
 // source would fall outside it (down past the end, xor into a later segment) keeps its value.
-template <class T> T __shfl_sync(unsigned, T v, int src, int width = 32) {
-    unsigned lane = emu::tid_ % 32;
+#define EMU_FULL(name) if (mask != 0xffffffffu) emu::partial_mask(name, mask)
+template <class T> T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
+    EMU_FULL("__shfl_sync");
+    unsigned lane = emu::lane();
     return emu::shuffle(v, (lane & ~(width - 1)) + (src & (width - 1)));
 }
-template <class T> T __shfl_xor_sync(unsigned, T v, int mask, int width = 32) {
-    unsigned lane = emu::tid_ % 32, src = lane ^ mask;
+template <class T> T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+    EMU_FULL("__shfl_xor_sync");
+    unsigned lane = emu::lane(), src = lane ^ lane_mask;
     return emu::shuffle(v, src < (lane & ~(width - 1)) + width ? src : lane);
 }
-template <class T> T __shfl_down_sync(unsigned, T v, unsigned d, int width = 32) {
-    unsigned lane = emu::tid_ % 32;
+template <class T> T __shfl_down_sync(unsigned mask, T v, unsigned d, int width = 32) {
+    EMU_FULL("__shfl_down_sync");
+    unsigned lane = emu::lane();
     return emu::shuffle(v, (lane & (width - 1)) + d < unsigned(width) ? lane + d : lane);
 }
-template <class T> T __shfl_up_sync(unsigned, T v, unsigned d, int width = 32) {
-    unsigned lane = emu::tid_ % 32;
+template <class T> T __shfl_up_sync(unsigned mask, T v, unsigned d, int width = 32) {
+    EMU_FULL("__shfl_up_sync");
+    unsigned lane = emu::lane();
     return emu::shuffle(v, (lane & (width - 1)) >= d ? lane - d : lane);
 }
 
@@ -158,6 +422,7 @@ template <class A, class B> auto min(A a, B b) { return b < a ? b : a; }
 template <class A, class B> auto max(A a, B b) { return a < b ? b : a; }
 
 // Non-template overloads, as CUDA's, so atomicAdd(float_ptr, 1.0) converts instead of failing.
+// The threads of a launch share one OS thread, but atomics stay atomic: host code may not.
 #define EMU_ATOMIC(T) \
     inline T atomicAdd(T* p, T v) { return std::atomic_ref<T>(*p).fetch_add(v); } \
     inline T atomicExch(T* p, T v) { return std::atomic_ref<T>(*p).exchange(v); }
