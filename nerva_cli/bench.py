@@ -85,7 +85,8 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
     gpu = getattr(engine, "gpu_plan", None)
     result = {
         "model": engine.model.name, "variant": engine.model.variant, "backend": engine.backend,
-        "device": engine.dev.name if gpu else cpu_name(), "threads": threads, "mode": "hot-only" if len(engine.active) < engine.cfg.num_layers else "full",
+        "device": engine.dev.name if gpu else cpu_name(), "threads": threads,
+        "mode": "hot-only" if len(engine.active) < engine.cfg.num_layers else "full",
         "precision": engine.precision,
         "ram_budget": gpu.ram_budget if gpu else engine.plan.budget,
         "vram_budget": engine.plan.budget if gpu else None,

@@ -26,7 +26,7 @@ from nerva_cli import rope
 from nerva_cli.backends.cuda import RECENT, Kernels, attention_splits
 from nerva_cli.engine import PREFILL_CHUNK, context_length, default_precision
 from nerva_cli.errors import NervaError
-from nerva_cli.layout import MATRICES, layer_file
+from nerva_cli.layout import layer_file
 from nerva_cli.output import human_bytes
 from nerva_cli.pager import LayerFileReader, PagedWeights, PagerStats
 from nerva_cli.quant import QK
@@ -42,9 +42,9 @@ def arena_sizes(cfg, ctx: int, splits: int) -> tuple[int, int]:
     """(kv_bytes, total bytes) of DeviceArena: decode buffers, f16 KV cache, prefill workspace."""
     h, f, qd, kvd, T = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim, PREFILL_CHUNK
     widest = max(h, f, qd)
-    decode = 4 * (2 * h + qd + 2 * kvd + qd + h + 2 * f + f + cfg.vocab_size + widest // QK + widest // QK
-                  + cfg.num_heads * splits * (cfg.head_dim + 2)) + widest + 4 * (4 + RECENT + 1)
-    prefill = 4 * T * (2 * h + qd + 2 * kvd + qd + 3 * f + h + max(h, 2 * f, qd + 2 * kvd))
+    decode = 4 * (3 * h + 2 * qd + 2 * kvd + 3 * f + cfg.vocab_size + 2 * (widest // QK)
+                  + cfg.num_heads * splits * (cfg.head_dim + 2) + 4 + RECENT) + widest  # + xq, int8
+    prefill = 4 * T * (3 * h + 2 * qd + 2 * kvd + 3 * f)
     kv = cfg.num_layers * 2 * ctx * kvd * 2
     return kv, kv + decode + prefill + min(SCRATCH_BYTES, 4 * _widest_matrix(cfg))
 
@@ -121,7 +121,7 @@ class DeviceArena:
         # prefill, one chunk of up to T tokens
         self.px, self.pxn, self.pqkv = f32(T, h), f32(T, h), f32(T, qd + 2 * kvd)
         self.pattn, self.pgate_up, self.pact = f32(T, qd), f32(T, 2 * f), f32(T, f)
-        self.pout = f32(T, max(h, 2 * f, qd + 2 * kvd))
+        self.pout = f32(T, h)
         self.scratch = f32(min(SCRATCH_BYTES, 4 * _widest_matrix(cfg)) // 4)
 
     @property
@@ -139,11 +139,6 @@ class DeviceLayer:
 
     def mat(self, name: str) -> dict:
         return {"qs": self.t[f"{name}.qs"], "d": self.t[f"{name}.d"]} if f"{name}.qs" in self.t else {"w": self.t[name]}
-
-
-def device_tensors(buf, table: dict) -> dict:
-    """tensors_in over a device buffer; f16 exact weights keep their bits (the kernels read u16)."""
-    return tensors_in(buf, table)
 
 
 class GpuWeights:
@@ -231,7 +226,7 @@ class CudaEngine:
     def _upload_file(self, fname: str) -> dict:
         """A file's bytes (size and sha256 checked) in one device buffer; -> its tensors."""
         buf = self.dev.upload(self.model.read_bytes(fname))
-        return device_tensors(buf, self.model.meta["files"][fname]["tensors"])
+        return tensors_in(buf, self.model.meta["files"][fname]["tensors"])
 
     def _load(self) -> None:
         dev, cfg, model, gp = self.dev, self.cfg, self.model, self.gpu_plan
@@ -259,7 +254,7 @@ class CudaEngine:
             if any(model.meta["files"][layer_file(i)]["tensors"] != table for i in self.paged):
                 raise NervaError(f"{model.path}: layer files differ in layout; they cannot share slots")
             self.slots = [dev.zeros(gp.vram.slot_bytes, np.uint8) for _ in range(gp.vram.slots)]
-            self.slot_views = [device_tensors(s, table) for s in self.slots]
+            self.slot_views = [tensors_in(s, table) for s in self.slots]
             reader = LayerFileReader(model)
             for i in gp.warm:
                 size = model.meta["files"][layer_file(i)]["size"]

@@ -304,9 +304,11 @@ def gpu_plan_report(model, gp, device: str) -> dict:
     files = model.meta["files"]
     size = lambda layers: sum(files[f"layer_{i:03d}.bin"]["size"] for i in layers)  # noqa: E731
     return {"model": f"{model.name}:{model.variant}", "device": device, **gp.to_dict(),
-            "tiers": {"gpu": {"blocks": [b.name for b in gp.vram.fixed] + [f"layer {i}" for i in gp.vram.resident_layers],
+            "tiers": {"gpu": {"blocks": [b.name for b in gp.vram.fixed]
+                              + [f"layer {i}" for i in gp.vram.resident_layers],
                               "read_bytes_per_token": size(gp.vram.resident_layers)},
-                      "host (pinned)": {"blocks": [f"layer {i}" for i in gp.warm], "read_bytes_per_token": size(gp.warm)},
+                      "host (pinned)": {"blocks": [f"layer {i}" for i in gp.warm],
+                                        "read_bytes_per_token": size(gp.warm)},
                       "disk": {"blocks": [f"layer {i}" for i in gp.cold], "read_bytes_per_token": size(gp.cold)}},
             "decode_bound": no("no H2D probe yet: nerva bench --backend cuda measures the paged run")}
 
@@ -350,7 +352,8 @@ def describe(info: dict) -> list[tuple[str, str]]:
         pl = info["plan"]
         rows += [("plan", f"{pl['model']}, budget {human_bytes(pl['budget']) if pl['budget'] else 'none'}, "
                           f"uses {human_bytes(pl['used_bytes'])}"),
-                 (f"fixed ({pl.get('tier', 'host')})", ", ".join(f"{k} {human_bytes(v)}" for k, v in pl["fixed"].items())),
+                 (f"fixed ({pl.get('tier', 'host')})",
+                  ", ".join(f"{k} {human_bytes(v)}" for k, v in pl["fixed"].items())),
                  ("resident layers", " ".join(map(str, pl["resident_layers"])) or "none"),
                  ("paged layers", (" ".join(map(str, pl["paged_layers"])) or "none")
                   + (f" (through {pl['slots']} slots of {human_bytes(pl['slot_bytes'])})" if pl["slots"] else "")),

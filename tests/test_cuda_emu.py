@@ -251,8 +251,9 @@ def test_syncthreads_separates_phases(mod, rng):
     assert (out != base + 7 + (np.arange(128) + 1) % 128).any()
 
 
-@pytest.mark.parametrize("mode, returns, waits", [(0, 1, "255 wait at __syncthreads"), (0, 255, "1 wait at __syncthreads"),
-                                                  (1, 3, "warp 0: 0 at __syncthreads, 29 at warp, 3 returned")])
+@pytest.mark.parametrize("mode, returns, waits", [
+    (0, 1, "255 wait at __syncthreads"), (0, 255, "1 wait at __syncthreads"),
+    (1, 3, "warp 0: 0 at __syncthreads, 29 at warp, 3 returned")])
 def test_deadlock_is_reported(mod, mode, returns, waits):
     f, out = mod.get_function("early_exit"), np.zeros(256, np.int32)
     with pytest.raises(EmuKernelError, match=rf"early_exit .*deadlock in block \(0,0,0\).*{waits}"):

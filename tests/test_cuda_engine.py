@@ -211,3 +211,15 @@ def test_ledger_on_the_cuda_backend(stored, cuda_device):
     book.print_table(console)
     text = console.file.getvalue()
     assert "per phase: inside CUDA graphs" in text and "(logits 5, state 5)" in text
+
+
+def test_arena_sizes_are_what_the_arena_allocates(stored):
+    """The planner counts the device arena from sizes alone; it must be the arena's real size."""
+    from cuda_emu.device import EmuDevice
+    from nerva_cli.cuda_engine import DeviceArena, arena_sizes
+
+    for family in ("llama", "qwen3"):
+        cfg = stored(family, "q4_0").config
+        dev = EmuDevice()
+        arena = DeviceArena(dev, cfg, 80, 3)
+        assert arena_sizes(cfg, 80, 3) == (arena.kv_bytes, dev.allocated)

@@ -152,7 +152,7 @@ def test_activation_quantiser_is_bit_exact(k, rng, cols):
         x[:32] = 0.0  # an all-zero group: scale 0, codes 0
         x[40] = -1.5 * abs(x[32:64]).max()  # a group whose extreme is negative
     want = act_q8(ref, x)
-    xq, xd, xs = up(k, np.zeros(cols, np.int8)), up(k, np.zeros(cols // 32, np.float32)), up(k, np.zeros(cols // 32, np.int32))
+    xq, xd, xs = (up(k, np.zeros(n, t)) for n, t in ((cols, np.int8), (cols // 32, np.float32), (cols // 32, np.int32)))
     k.quantize_act_q8(up(k, x), xq, xd, xs)
     for got, w in zip((xq, xd, xs), want):
         np.testing.assert_array_equal(down(k, got), w)

@@ -338,5 +338,4 @@ class CupyDevice:
                   "device_copy": best(lambda: cp.cuda.runtime.memcpyAsync(b.data.ptr, a.data.ptr, nbytes,
                                                                           cp.cuda.runtime.memcpyDeviceToDevice,
                                                                           s.ptr), 2 * nbytes)}
-        del a, b
         return result
