@@ -144,8 +144,8 @@ class DeviceLayer:
 class GpuWeights:
     """The ledger's and bench's view of where layers came from: pager counters, O_DIRECT."""
 
-    def __init__(self, cold: PagedWeights | None):
-        self.cold = cold
+    def __init__(self, cold: PagedWeights | None, dev):
+        self.cold, self.dev = cold, dev
         self.stats = cold.stats if cold is not None else PagerStats()
         self.policy = "ring"
 
@@ -156,6 +156,9 @@ class GpuWeights:
     def close(self) -> None:
         if self.cold is not None:
             self.cold.close()
+            for slot in self.cold.slots:
+                self.dev.unpin(slot.buf)
+            self.cold = None
 
 
 class _HostView:
@@ -206,10 +209,11 @@ class CudaEngine:
                                            dev.sms)
         self.plan = self.gpu_plan.vram
         self.k = Kernels(dev)
-        oom = dev.out_of_memory()
         try:
             self._load()
-        except oom:
+        except Exception as e:
+            if not dev.is_out_of_memory(e):
+                raise
             raise NervaError(f"out of GPU memory loading {model.name}:{model.variant}: the plan needs "
                              f"{human_bytes(self.plan.used_bytes)}; {human_bytes(dev.free_bytes())} is free "
                              f"now: try --vram-budget {human_bytes(int(dev.free_bytes() * 0.9))}") from None
@@ -272,7 +276,7 @@ class CudaEngine:
             self.stall_marks = [(dev.timing_event(), dev.timing_event()) for _ in range(2 * len(self.paged))]
         self.stall_next = self.stall_read = 0  # timing marks recorded, read
         self._layer_graphs = {i: [None] * (len(self.slots) + 1) for i in self.active}  # [-1]: resident
-        self.weights = GpuWeights(cold)
+        self.weights = GpuWeights(cold, dev)
         self._primed = False  # the ring's first copies are queued on first use
         self._cold_pass = iter(())
         self._cold_copy = None  # the event of the last copy out of a cold staging buffer
@@ -281,6 +285,7 @@ class CudaEngine:
         self.state_host = dev.pinned(16).view(np.int32)
         self.token_events = [dev.event() for _ in range(RECENT)]
         self.logits_host = dev.pinned(4 * cfg.vocab_size).view(np.float32)
+        dev.settle()
 
     # -- the decode step, as recorded into graphs ----------------------------------------------
     def _quantized(self, x, precision: str):

@@ -1,7 +1,7 @@
-"""The CUDA sources (kernels/*.cu): where they live, how they compile, and a compile check that
-needs no GPU. The cuda backend hands the same sources and options to CuPy's RawModule; CI
-compiles them here with NVRTC (the `nvidia-cuda-nvrtc` wheel) for every architecture nerva
-supports, so a kernel that does not build never reaches a GPU machine."""
+"""The CUDA sources (kernels/*.cu): where they live and how they compile, with NVRTC (the
+`nvidia-cuda-nvrtc` wheel) straight to a cubin. The cuda backend loads what compile_cubin makes
+for its GPU; CI runs the same call for every architecture nerva supports, so a kernel that does
+not build never reaches a GPU machine."""
 
 from __future__ import annotations
 

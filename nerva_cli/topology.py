@@ -139,8 +139,10 @@ def o_direct_works(home: Path) -> dict:
 
 
 def gpus() -> dict:
+    from nerva_cli.backends.cuda import import_cupy
+
     try:
-        import cupy
+        cupy = import_cupy()
     except ImportError:
         return no("cupy is not installed", devices=[])
     try:

@@ -161,11 +161,21 @@ def kernel_names() -> dict[str, str]:
     return {k: mod for mod, path in kernels.sources().items() for k in kernels.declared_kernels(path)}
 
 
+def import_cupy():
+    """The one place CuPy is imported: its kernel cache goes under $NERVA_HOME first."""
+    from nerva_cli.store import home
+
+    os.environ.setdefault("CUPY_CACHE_DIR", str(home() / "cuda-cache"))
+    import cupy
+
+    return cupy
+
+
 def cupy_or_none():
     """CuPy if it imports and a device answers, else None (with the reason in `why_no_cuda`)."""
     global why_no_cuda
     try:
-        import cupy
+        cupy = import_cupy()
     except ImportError:
         why_no_cuda = "CuPy is not installed (pip install -e '.[cuda13]' or '.[cuda12]')"
         return None
@@ -186,9 +196,6 @@ class CupyDevice:
     """Arrays, streams, events, graphs and copies on the current CUDA device."""
 
     def __init__(self):
-        from nerva_cli.store import home
-
-        os.environ.setdefault("CUPY_CACHE_DIR", str(home() / "cuda-cache"))  # CuPy's kernel cache
         cp = cupy_or_none()
         if cp is None:
             raise NervaError(f"--backend cuda: {why_no_cuda}")
@@ -200,13 +207,29 @@ class CupyDevice:
         self.compute = self.stream()
         self.copy = self.stream()
 
-    # modules: one RawModule per source, compiled by CuPy's NVRTC, cached under $NERVA_HOME
+    # modules: each source compiled by nerva's own NVRTC call (kernels.compile_cubin, the one CI
+    # checks) to a cubin for this GPU, cached under $NERVA_HOME, loaded as it is. CuPy's own
+    # compile path would add -ftz=true, which the bit-exact activation quantiser must not get.
     def functions(self) -> dict:
+        import hashlib
+
+        from nerva_cli.store import home
+
+        arch = f"sm_{self.cp.cuda.Device().compute_capability}"
+        cache = home() / "cuda-cache"
+        cache.mkdir(parents=True, exist_ok=True)
         mods, fns = {}, {}
         for name, mod in kernel_names().items():
             if mod not in mods:
-                mods[mod] = self.cp.RawModule(code=kernels.module_source(kernels.sources()[mod]),
-                                              options=kernels.OPTIONS)
+                path = kernels.sources()[mod]
+                key = hashlib.sha256((kernels.module_source(path) + repr(kernels.OPTIONS) + arch
+                                      + kernels.nvrtc_version()).encode()).hexdigest()[:16]
+                cubin = cache / f"{mod}-{arch}-{key}.cubin"
+                if not cubin.exists():
+                    tmp = cubin.with_name(f".{cubin.name}.tmp-{os.getpid()}")
+                    tmp.write_bytes(kernels.compile_cubin(path, arch))
+                    tmp.replace(cubin)
+                mods[mod] = self.cp.RawModule(path=str(cubin))
             fns[name] = mods[mod].get_function(name)
         return fns
 
@@ -231,13 +254,27 @@ class CupyDevice:
         return out
 
     def pinned(self, nbytes: int) -> np.ndarray:
-        """Page-locked host memory (async copies need it; page-aligned, so O_DIRECT reads fit)."""
-        mem = self.cp.cuda.alloc_pinned_memory(nbytes)
-        return np.frombuffer(mem, dtype=np.uint8, count=nbytes)
+        """Page-locked host memory of exactly nbytes (async copies need it), page-aligned so
+        O_DIRECT reads fit, outside CuPy's pinned pool (which rounds up to a power of two and
+        never gives memory back); freed when the array goes."""
+        cp = self.cp
+        mem = cp.cuda.PinnedMemoryPointer(cp.cuda.PinnedMemory(nbytes + 4096), 0)
+        raw = np.frombuffer(mem, dtype=np.uint8)
+        off = -raw.ctypes.data % 4096
+        return raw[off:off + nbytes]
 
     def pin(self, host: np.ndarray) -> None:
         """Page-locks memory someone else allocated (the pager's staging slots)."""
         self.cp.cuda.runtime.hostRegister(host.ctypes.data, host.nbytes, 0)
+
+    def unpin(self, host: np.ndarray) -> None:
+        self.cp.cuda.runtime.hostUnregister(host.ctypes.data)
+
+    def settle(self) -> None:
+        """After loading: cupy.zeros fills on the legacy stream, which the engine's non-blocking
+        streams do not wait for, so wait here; and give back the pinned staging of uploads."""
+        self.cp.cuda.runtime.deviceSynchronize()
+        self.cp.get_default_pinned_memory_pool().free_all_blocks()
 
     def copy_async(self, dst, src: np.ndarray, stream) -> None:
         """Host (pinned) -> device on `stream`."""
@@ -257,7 +294,9 @@ class CupyDevice:
         return self.cp.cuda.Stream(non_blocking=True)
 
     def event(self):
-        return self.cp.cuda.Event(disable_timing=True)
+        # block: a host waiting on it sleeps rather than spinning a core; the GPU never waits
+        # for that wake-up, the next step is queued before the host waits
+        return self.cp.cuda.Event(block=True, disable_timing=True)
 
     def timing_event(self):
         return self.cp.cuda.Event()
@@ -276,9 +315,13 @@ class CupyDevice:
             stream.begin_capture()
             try:
                 record()
-            finally:
-                graph = stream.end_capture()
-        return graph
+            except BaseException:
+                try:  # end the capture, but report what broke it
+                    stream.end_capture()
+                except Exception:  # noqa: BLE001
+                    pass
+                raise
+            return stream.end_capture()
 
     def replay(self, graph, stream) -> None:
         graph.launch(stream)
@@ -309,8 +352,10 @@ class CupyDevice:
     def free_bytes(self) -> int:
         return int(self.cp.cuda.runtime.memGetInfo()[0])
 
-    def out_of_memory(self):
-        return self.cp.cuda.memory.OutOfMemoryError
+    def is_out_of_memory(self, e: BaseException) -> bool:
+        """CuPy's pool raises OutOfMemoryError; a pinned allocation the runtime's error."""
+        return isinstance(e, self.cp.cuda.memory.OutOfMemoryError) or (
+            isinstance(e, self.cp.cuda.runtime.CUDARuntimeError) and "MemoryAllocation" in str(e))
 
     def bandwidths(self, nbytes: int = 1 << 30, rounds: int = 5) -> dict:
         """Measured GB/s, best of `rounds`, timed with events on one stream: pinned host -> device,

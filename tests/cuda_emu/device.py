@@ -110,6 +110,12 @@ class EmuDevice:
     def pin(self, host) -> None:
         pass
 
+    def unpin(self, host) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
     def copy_async(self, dst, src, stream) -> None:
         dst[...] = src.view(dst.dtype).reshape(dst.shape)
 
@@ -143,5 +149,5 @@ class EmuDevice:
     def free_bytes(self) -> int:
         return self.total_bytes - self.allocated
 
-    def out_of_memory(self):
-        return MemoryError
+    def is_out_of_memory(self, e: BaseException) -> bool:
+        return isinstance(e, MemoryError)
