@@ -1,7 +1,13 @@
-// Decode matvecs: one warp per output row, lanes striding over 32-weight blocks with 16-byte
-// loads, 8 rows per 256-thread block. Q4_0 in nerva's two planes: qs [rows, cols/2] (byte j of a
-// block holds element j in its low nibble and j + 16 in its high one), d f16 [rows, cols/32].
+// Decode matvecs, split over K: a block of MV_THREADS threads computes MV_ROWS rows; thread t
+// takes the 32-weight blocks t, t + MV_THREADS, ... of every one of its rows, so each thread has
+// MV_ROWS independent 16-byte weight loads in flight and reads the activations once for all of
+// them (on an H100 this layout reached 49% of HBM bandwidth where a warp per few rows reached
+// 32%: shared/gpu-peers). Q4_0 in nerva's two planes: qs [rows, cols/2] (byte j of a block holds
+// element j in its low nibble and j + 16 in its high one), d f16 [rows, cols/32].
 #include "common.cuh"
+
+#define MV_THREADS 128
+#define MV_ROWS 8
 
 // sum_j (q_j - 8) * x_j over one block of 32 weights
 __device__ __forceinline__ float q4_block_dot(uint4 c, const float4* x) {
@@ -19,19 +25,40 @@ __device__ __forceinline__ float q4_block_dot(uint4 c, const float4* x) {
     return s;
 }
 
+// The block's MV_ROWS partial sums -> out[row0 ..]; every thread of the block must call it.
+__device__ __forceinline__ void store_rows(float (&acc)[MV_ROWS], float* out, int row0, int rows) {
+    __shared__ float part[MV_THREADS / 32][MV_ROWS];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int r = 0; r < MV_ROWS; r++) {
+        float v = warp_sum(acc[r]);
+        if (lane == 0) part[warp][r] = v;
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < MV_ROWS && row0 + (int)threadIdx.x < rows) {
+        float v = 0.f;
+        for (int w = 0; w < MV_THREADS / 32; w++) v += part[w][threadIdx.x];
+        out[row0 + threadIdx.x] = v;
+    }
+}
+
 extern "C" __global__ void matvec_q4_w4a16(const u8* __restrict__ qs, const u16* __restrict__ d,
                                            const float* __restrict__ x, float* __restrict__ out,
                                            int rows, int cols) {
-    int lane = threadIdx.x & 31, row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (row < rows) {  // the same for the whole warp, so the shuffles below see every lane
-        int nb = cols / QK;
-        const uint4* q = (const uint4*)(qs + (size_t)row * (cols / 2));
-        const u16* dr = d + (size_t)row * nb;
-        float acc = 0.f;
-        for (int b = lane; b < nb; b += 32) acc += h2f(dr[b]) * q4_block_dot(q[b], (const float4*)(x + b * QK));
-        acc = warp_sum(acc);
-        if (lane == 0) out[row] = acc;
+    int row0 = blockIdx.x * MV_ROWS, nb = cols / QK, n = rows - row0 < MV_ROWS ? rows - row0 : MV_ROWS;
+    float acc[MV_ROWS] = {};
+    for (int b = threadIdx.x; b < nb; b += MV_THREADS) {
+        const float4* xb = (const float4*)(x + b * QK);
+#pragma unroll
+        for (int r = 0; r < MV_ROWS; r++) {
+            if (r < n) {
+                size_t row = (size_t)(row0 + r);
+                uint4 c = ((const uint4*)(qs + row * (cols / 2)))[b];
+                acc[r] += h2f(d[row * nb + b]) * q4_block_dot(c, xb);
+            }
+        }
     }
+    store_rows(acc, out, row0, rows);
 }
 
 // W4A8: per block d_w * d_x * (sum q_w q_x - 8 sum q_x). The -8 of every weight code is applied
@@ -41,50 +68,53 @@ extern "C" __global__ void matvec_q4_w4a8(const u8* __restrict__ qs, const u16* 
                                           const signed char* __restrict__ xq, const float* __restrict__ xd,
                                           const int* __restrict__ xs, float* __restrict__ out,
                                           int rows, int cols) {
-    int lane = threadIdx.x & 31, row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (row < rows) {
-        int nb = cols / QK;
-        const uint4* q = (const uint4*)(qs + (size_t)row * (cols / 2));
-        const u16* dr = d + (size_t)row * nb;
-        float acc = 0.f;
-        for (int b = lane; b < nb; b += 32) {
-            uint4 c = q[b];
-            const int4* xv = (const int4*)(xq + b * QK);
-            int4 x0 = xv[0], x1 = xv[1];  // elements 0..15, 16..31
-            int s = 0;
-            s = __dp4a((int)(c.x & 0x0F0F0F0Fu), x0.x, s);
-            s = __dp4a((int)(c.y & 0x0F0F0F0Fu), x0.y, s);
-            s = __dp4a((int)(c.z & 0x0F0F0F0Fu), x0.z, s);
-            s = __dp4a((int)(c.w & 0x0F0F0F0Fu), x0.w, s);
-            s = __dp4a((int)((c.x >> 4) & 0x0F0F0F0Fu), x1.x, s);
-            s = __dp4a((int)((c.y >> 4) & 0x0F0F0F0Fu), x1.y, s);
-            s = __dp4a((int)((c.z >> 4) & 0x0F0F0F0Fu), x1.z, s);
-            s = __dp4a((int)((c.w >> 4) & 0x0F0F0F0Fu), x1.w, s);
-            acc += (h2f(dr[b]) * xd[b]) * (float)(s - 8 * xs[b]);
+    int row0 = blockIdx.x * MV_ROWS, nb = cols / QK, n = rows - row0 < MV_ROWS ? rows - row0 : MV_ROWS;
+    float acc[MV_ROWS] = {};
+    for (int b = threadIdx.x; b < nb; b += MV_THREADS) {
+        const int4* xv = (const int4*)(xq + b * QK);
+        int4 x0 = xv[0], x1 = xv[1];  // elements 0..15, 16..31
+        float dx = xd[b];
+        int bias = 8 * xs[b];
+#pragma unroll
+        for (int r = 0; r < MV_ROWS; r++) {
+            if (r < n) {
+                size_t row = (size_t)(row0 + r);
+                uint4 c = ((const uint4*)(qs + row * (cols / 2)))[b];
+                int s = 0;
+                s = __dp4a((int)(c.x & 0x0F0F0F0Fu), x0.x, s);
+                s = __dp4a((int)(c.y & 0x0F0F0F0Fu), x0.y, s);
+                s = __dp4a((int)(c.z & 0x0F0F0F0Fu), x0.z, s);
+                s = __dp4a((int)(c.w & 0x0F0F0F0Fu), x0.w, s);
+                s = __dp4a((int)((c.x >> 4) & 0x0F0F0F0Fu), x1.x, s);
+                s = __dp4a((int)((c.y >> 4) & 0x0F0F0F0Fu), x1.y, s);
+                s = __dp4a((int)((c.z >> 4) & 0x0F0F0F0Fu), x1.z, s);
+                s = __dp4a((int)((c.w >> 4) & 0x0F0F0F0Fu), x1.w, s);
+                acc[r] += (h2f(d[row * nb + b]) * dx) * (float)(s - bias);
+            }
         }
-        acc = warp_sum(acc);
-        if (lane == 0) out[row] = acc;
     }
+    store_rows(acc, out, row0, rows);
 }
 
 // Exact variants: f16/bf16 weights as stored, 8 per 16-byte load; cols must be a multiple of 8.
 extern "C" __global__ void matvec_exact(const u16* __restrict__ w, int bf16, const float* __restrict__ x,
                                         float* __restrict__ out, int rows, int cols) {
-    int lane = threadIdx.x & 31, row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (row < rows) {
-        const uint4* wr = (const uint4*)(w + (size_t)row * cols);
-        float acc = 0.f;
-        for (int c = lane; c < cols / 8; c += 32) {
-            uint4 p = wr[c];
-            float4 a = ((const float4*)x)[2 * c], b = ((const float4*)x)[2 * c + 1];
-            acc += exact2f(p.x & 0xffff, bf16) * a.x + exact2f(p.x >> 16, bf16) * a.y
-                 + exact2f(p.y & 0xffff, bf16) * a.z + exact2f(p.y >> 16, bf16) * a.w
-                 + exact2f(p.z & 0xffff, bf16) * b.x + exact2f(p.z >> 16, bf16) * b.y
-                 + exact2f(p.w & 0xffff, bf16) * b.z + exact2f(p.w >> 16, bf16) * b.w;
+    int row0 = blockIdx.x * MV_ROWS, n = rows - row0 < MV_ROWS ? rows - row0 : MV_ROWS;
+    float acc[MV_ROWS] = {};
+    for (int c = threadIdx.x; c < cols / 8; c += MV_THREADS) {
+        float4 a = ((const float4*)x)[2 * c], b = ((const float4*)x)[2 * c + 1];
+#pragma unroll
+        for (int r = 0; r < MV_ROWS; r++) {
+            if (r < n) {
+                uint4 p = ((const uint4*)(w + (size_t)(row0 + r) * cols))[c];
+                acc[r] += exact2f(p.x & 0xffff, bf16) * a.x + exact2f(p.x >> 16, bf16) * a.y
+                        + exact2f(p.y & 0xffff, bf16) * a.z + exact2f(p.y >> 16, bf16) * a.w
+                        + exact2f(p.z & 0xffff, bf16) * b.x + exact2f(p.z >> 16, bf16) * b.y
+                        + exact2f(p.w & 0xffff, bf16) * b.z + exact2f(p.w >> 16, bf16) * b.w;
+            }
         }
-        acc = warp_sum(acc);
-        if (lane == 0) out[row] = acc;
     }
+    store_rows(acc, out, row0, rows);
 }
 
 // One 32-group per warp: scale d = max|x| / 127, codes round-half-away(x / d) in -127..127,

@@ -21,7 +21,8 @@ from nerva_cli.quant import QK
 
 I32, F32 = np.int32, np.float32
 THREADS = 256  # elementwise and norm blocks
-ROWS_PER_BLOCK = THREADS // 32  # matvecs: one warp per row
+MV_THREADS, MV_ROWS = 128, 8  # matvecs: rows per block, K split over its threads (matvec.cu)
+GROUPS_PER_BLOCK = THREADS // 32  # the activation quantiser: one warp per 32-group
 ATT_THREADS = 128  # attention: 4 warps (ATT_WARPS in attention.cu)
 SAMPLE_THREADS = 1024
 MAX_HEAD_DIM = 256  # MAX_HEAD_DIM in common.cuh
@@ -91,25 +92,25 @@ class Kernels:
         if "w" in m:
             w = m["w"]
             rows, cols = w.shape
-            self._go("matvec_exact", (_cdiv(rows, ROWS_PER_BLOCK),), (THREADS,),
+            self._go("matvec_exact", (_cdiv(rows, MV_ROWS),), (MV_THREADS,),
                      (w, I32(is_bf16(w)), x, out, I32(rows), I32(cols)))
             return
         rows, cols = m["qs"].shape[0], m["qs"].shape[1] * 2
         if precision == "w4a8":
             xq, xd, xs = act
-            self._go("matvec_q4_w4a8", (_cdiv(rows, ROWS_PER_BLOCK),), (THREADS,),
+            self._go("matvec_q4_w4a8", (_cdiv(rows, MV_ROWS),), (MV_THREADS,),
                      (m["qs"], m["d"], xq, xd, xs, out, I32(rows), I32(cols)))
         else:
-            self._go("matvec_q4_w4a16", (_cdiv(rows, ROWS_PER_BLOCK),), (THREADS,),
+            self._go("matvec_q4_w4a16", (_cdiv(rows, MV_ROWS),), (MV_THREADS,),
                      (m["qs"], m["d"], x, out, I32(rows), I32(cols)))
 
     def quantize_act_q8(self, x, xq, xd, xs) -> None:
         groups = x.size // QK
-        self._go("quantize_act_q8", (_cdiv(groups, ROWS_PER_BLOCK),), (THREADS,), (x, xq, xd, xs, I32(x.size)))
+        self._go("quantize_act_q8", (_cdiv(groups, GROUPS_PER_BLOCK),), (THREADS,), (x, xq, xd, xs, I32(x.size)))
 
     def fake_quantize_q8(self, x, out) -> None:
         groups = x.size // QK
-        self._go("fake_quantize_q8", (_cdiv(groups, ROWS_PER_BLOCK),), (THREADS,), (x, out, np.int64(x.size)))
+        self._go("fake_quantize_q8", (_cdiv(groups, GROUPS_PER_BLOCK),), (THREADS,), (x, out, np.int64(x.size)))
 
     def dequantize(self, m: dict, out) -> None:
         """A weight matrix as f32 (prefill's GEMM operand)."""
