@@ -2,10 +2,13 @@
 graphs are recordings replayed with the arguments captured, so a step that needed the host to
 change an argument between tokens would fail here too), on a GPU too where one answers.
 
-Reference: the cpu plane (itself held to HF transformers by test_engine.py). Greedy tokens must
-be equal; logits agree to 3e-3 in relative max-norm, not to float32 eps, because the GPU keeps
-the KV cache in f16 (ARCHITECTURE 6): one rounding of 2^-11 relative per cached value, which
-attention averages over, measured at 0.5e-3 to 1.7e-3 on these models. Where layers run W4A8
+Reference: the cpu plane (itself held to HF transformers by test_engine.py). Logits agree to
+5e-3 in relative max-norm, not to float32 eps, because the GPU keeps the KV cache in f16
+(ARCHITECTURE 6): one rounding of 2^-11 relative per cached value, which attention averages
+over, measured at 0.5e-3 to 3.1e-3 on these models over 64 steps. So greedy tokens are equal
+except where the cpu's two best logits are closer than that: free-running, the first such near
+tie (llama f16, step 41: a gap of 4e-5 against a difference of 1.3e-2) sends the two runs apart,
+so the 64-step check feeds both engines the cpu's tokens and allows another argmax only there. Where layers run W4A8
 every activation is re-quantised to int8, and a value an f16 rounding away can land one code
 step (1/127 of its group's largest) off, so there the logits are held to 10% (4.8% measured on
 qwen2): the tokens are the check.
@@ -23,7 +26,7 @@ from nerva_cli.layout import layer_file
 from nerva_cli.sampling import SamplingOptions
 
 PROMPT = [0, 5, 17, 33, 2, 99, 250, 7, 64]
-LOGIT_REL = {"exact": 3e-3, "w4a16": 3e-3, "w4a8": 0.1, "mixed": 0.1}
+LOGIT_REL = {"exact": 5e-3, "w4a16": 5e-3, "w4a8": 0.1, "mixed": 0.1}
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +77,23 @@ def test_greedy_tokens_equal_the_cpu_plane(stored, cuda_device, family, variant,
     assert got == want
     assert max_rel(got_logits, want_logits) < LOGIT_REL[gpu.precision]
     assert gpu.precision_counts == cpu.precision_counts
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_64_steps_of_exact_variants_agree_on_the_same_tokens(stored, cuda_device, family):
+    model = stored(family, "f16")
+    cpu, gpu = Engine(model, backend="cpu", ctx=96), CudaEngine(model, device=cuda_device, ctx=96)
+    want, gpu_logits = cpu.prefill(PROMPT).copy(), gpu.prefill(PROMPT).copy()
+    near_ties = 0
+    for _ in range(64):
+        assert max_rel(gpu_logits, want) < LOGIT_REL["exact"]
+        top2 = np.sort(want)[-2:]
+        if int(np.argmax(gpu_logits)) != int(np.argmax(want)):
+            assert top2[1] - top2[0] < 2 * np.abs(gpu_logits - want).max()
+            near_ties += 1
+        token = int(np.argmax(want))
+        want, gpu_logits = cpu.decode(token).copy(), gpu.decode(token).copy()
+    assert near_ties <= 2
 
 
 def test_paged_tiers_decode_the_resident_tokens(stored, cuda_device):
@@ -159,16 +179,15 @@ def test_out_of_memory_is_one_line_with_a_budget(stored, monkeypatch):
         CudaEngine(stored("llama", "q4_0"), device=dev, ctx=96)
 
 
-def test_bench_json_on_the_cuda_backend(stored):
-    from cuda_emu.device import EmuDevice
+def test_bench_json_on_the_cuda_backend(stored, cuda_device):
     from nerva_cli.bench import BenchOptions, run_bench
     from nerva_cli.tokenizer import TextTokenizer
 
     model = stored("llama", "q4_0")
     vram = fixed_bytes(model, 64) + 2 * model.meta["files"][layer_file(0)]["size"]
-    engine = CudaEngine(model, device=EmuDevice(), ctx=64, vram_budget=vram)
+    engine = CudaEngine(model, device=cuda_device, ctx=64, vram_budget=vram)
     r = run_bench(engine, TextTokenizer(model.path), BenchOptions(prompt_tokens=12, gen_tokens=6, repeat=1), 1)
-    assert r["backend"] == "cuda" and r["device"] == EmuDevice.name
+    assert r["backend"] == "cuda" and r["device"] == cuda_device.name
     assert r["paged_layers"] == 3 and r["vram_budget"] == vram
     assert r["h2d_bytes_per_token"] == pytest.approx(sum(model.meta["files"][layer_file(i)]["size"] for i in range(3)),
                                                      rel=0.01)
