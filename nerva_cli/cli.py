@@ -386,10 +386,10 @@ def topology(
         importance = getattr(layers, "importance", None)
         if backend == "cuda":
             from nerva_cli.backends.cuda import CupyDevice
-            from nerva_cli.cuda_engine import gpu_residency_plan
+            from nerva_cli.cuda_engine import auto_vram_budget, gpu_residency_plan
 
             dev = CupyDevice()
-            vram = (int(dev.free_bytes() * 0.9) if vram_budget in (None, "auto")
+            vram = (auto_vram_budget(dev) if vram_budget in (None, "auto")
                     else parse_budget(vram_budget, "vram-budget"))
             gp = gpu_residency_plan(stored, ctx, vram, budget, importance, layers.active_layers, dev.sms)
             info["plan"] = topo.gpu_plan_report(stored, gp, dev.name)

@@ -95,6 +95,11 @@ def gpu_residency_plan(model: StoredModel, ctx: int | None, vram_budget: int | N
     return GpuPlan(vram, host.resident_layers, host.paged_layers, ram_budget)
 
 
+def auto_vram_budget(dev) -> int:
+    """--vram-budget auto (and unset): 90% of what the device has free now."""
+    return int(dev.free_bytes() * 0.9)
+
+
 # -- device state ----------------------------------------------------------------------------
 class DeviceArena:
     """Every buffer decode and prefill touch, allocated once (the planner counted them)."""
@@ -180,6 +185,7 @@ class CudaEngine:
                  layer_precisions: list[str] | None = None, active_layers: list[int] | None = None,
                  vram_budget: int | None = None, ram_budget: int | None = None, policy: str = "ring",
                  importance: dict[int, float] | None = None, device=None):
+        """vram_budget None: auto_vram_budget; ram_budget None: every paged layer pinned in RAM."""
         if policy != "ring":
             raise NervaError(f"--policy {policy}: the cuda backend pages through the ring only "
                              "(lru is measured on the cpu backend)")
@@ -205,6 +211,8 @@ class CudaEngine:
         self.policy = policy
         self.phase_ns = None  # phases run inside graphs: the ledger shows wall time per token
         self.splits = attention_splits(cfg.num_heads, self.ctx, dev.sms)
+        if vram_budget is None:
+            vram_budget = auto_vram_budget(dev)
         self.gpu_plan = gpu_residency_plan(model, self.ctx, vram_budget, ram_budget, importance, self.active,
                                            dev.sms)
         self.plan = self.gpu_plan.vram
