@@ -24,7 +24,7 @@ import numpy as np
 
 from nerva_cli import rope
 from nerva_cli.backends.cuda import RECENT, Kernels, attention_splits
-from nerva_cli.engine import PREFILL_CHUNK, context_length, default_precision
+from nerva_cli.engine import PREFILL_CHUNK, EngineBase, context_length, default_precision
 from nerva_cli.errors import NervaError
 from nerva_cli.layout import layer_file
 from nerva_cli.output import human_bytes
@@ -177,7 +177,7 @@ class _HostView:
 SYNC_KINDS = ("state", "logits", "token", "staging", "drain")
 
 
-class CudaEngine:
+class CudaEngine(EngineBase):
     backend = "cuda"
     device_sampling = True
 
@@ -658,20 +658,6 @@ class CudaEngine:
             tokens.close()
         self.reset()
         return device[0] + host.count
-
-    # -- bookkeeping ---------------------------------------------------------------------------
-    def reset(self) -> None:
-        self.n_past = 0
-
-    def truncate(self, n: int) -> None:
-        self.n_past = min(self.n_past, n)
-
-    @property
-    def precision_counts(self) -> dict[str, int]:
-        counts = {"w4a8": 0, "w4a16": 0, "exact": 0}
-        for p in self.layer_precision.values():
-            counts[p] += 1
-        return counts
 
     @property
     def weight_bytes(self) -> int:

@@ -236,7 +236,29 @@ def default_precision(model: StoredModel, precision: str | None) -> str:
     return precision
 
 
-class Engine:
+class EngineBase:
+    """What every engine (cpu/ref here, cuda in cuda_engine.py) keeps the same way: the positions
+    its KV cache holds, and the precision each active layer runs at."""
+
+    n_past: int
+    layer_precision: dict[int, str]
+
+    def reset(self) -> None:
+        self.n_past = 0
+
+    def truncate(self, n: int) -> None:
+        """Forget positions from n on (the cache rows are simply overwritten later)."""
+        self.n_past = min(self.n_past, n)
+
+    @property
+    def precision_counts(self) -> dict[str, int]:
+        counts = {"w4a8": 0, "w4a16": 0, "exact": 0}
+        for p in self.layer_precision.values():
+            counts[p] += 1
+        return counts
+
+
+class Engine(EngineBase):
     def __init__(self, model: StoredModel, backend: str = "cpu", precision: str | None = None,
                  ctx: int | None = None, layer_precisions: list[str] | None = None,
                  active_layers: list[int] | None = None, ram_budget: int | None = None,
@@ -490,20 +512,6 @@ class Engine:
             sl = Linear(min(step, head.rows - r), head.cols, qs=head.qs[r:r + step], d=head.d[r:r + step])
             out[:, r:r + sl.rows] = xn @ self._dequant(sl).T
         return out
-
-    def reset(self) -> None:
-        self.n_past = 0
-
-    def truncate(self, n: int) -> None:
-        """Forget positions from n on (the cache rows are simply overwritten later)."""
-        self.n_past = min(self.n_past, n)
-
-    @property
-    def precision_counts(self) -> dict[str, int]:
-        counts = {"w4a8": 0, "w4a16": 0, "exact": 0}
-        for p in self.layer_precision.values():
-            counts[p] += 1
-        return counts
 
     @property
     def weight_bytes(self) -> int:
