@@ -45,7 +45,7 @@ def module_source(path: Path) -> str:
 
 
 def _nvrtc() -> ctypes.CDLL:
-    """libnvrtc from the nvidia-cuda-nvrtc wheel (CUDA 13 or 12 layout), else the system's."""
+    """libnvrtc from the nvidia-cuda-nvrtc wheel (CUDA 13 or 12 layout), else a CUDA toolkit's."""
     import importlib.util
 
     candidates = []
@@ -53,7 +53,9 @@ def _nvrtc() -> ctypes.CDLL:
     for root in (spec.submodule_search_locations or []) if spec else []:
         candidates += sorted(glob.glob(os.path.join(root, "cu13", "lib", "libnvrtc.so*")))
         candidates += sorted(glob.glob(os.path.join(root, "cuda_nvrtc", "lib", "libnvrtc.so*")))
-    candidates += ["libnvrtc.so"]
+    for toolkit in filter(None, (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda")):
+        candidates += sorted(glob.glob(os.path.join(toolkit, "lib64", "libnvrtc.so*")))
+    candidates += ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"]
     for c in candidates:
         if "builtins" in c:
             continue
