@@ -96,6 +96,7 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
         if pager[1] + pager[2] else 1.0, "stall_ms_per_token": round(pager[3] / 1e6 / passes, 3),
         "h2d_bytes_per_token": round(pager[4] / passes),
         "direct_io": engine.weights.direct_io,
+        **({"gpudirect_storage": engine.gds} if gpu else {}),
         "prompt_tokens": opts.prompt_tokens, "gen_tokens": opts.gen_tokens, "repeat": opts.repeat,
         "prefill_tok_s": round(float(np.median([s.prefill_tok_s for s in runs])), 2),
         "decode_tok_s": round(float(np.median([s.decode_tok_s for s in runs])), 2),

@@ -234,6 +234,10 @@ def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau
                         f"{len(gp.vram.paged_layers)} stream through {gp.vram.slots} VRAM slots "
                         f"({output.human_bytes(gp.vram.paged_bytes_per_token)} a token) from pinned RAM "
                         f"({len(gp.warm)} layers) and disk ({len(gp.cold)})")
+        if gp.cold:
+            output.info("GPUDirect Storage: " + ("used for the layers read from disk" if engine.gds["used"]
+                                                 else f"not used ({engine.gds['reason']}); disk reads are "
+                                                      "staged through pinned RAM"))
         return engine, tokenizer, threads
     from nerva_cli.engine import Engine
 

@@ -149,14 +149,15 @@ class DeviceLayer:
 class GpuWeights:
     """The ledger's and bench's view of where layers came from: pager counters, O_DIRECT."""
 
-    def __init__(self, cold: PagedWeights | None, dev):
-        self.cold, self.dev = cold, dev
+    def __init__(self, cold: PagedWeights | None, dev, gds: bool = False):
+        self.cold, self.dev, self.gds = cold, dev, gds
         self.stats = cold.stats if cold is not None else PagerStats()
         self.policy = "ring"
 
     @property
     def direct_io(self):
-        return self.cold.direct_io if self.cold is not None else None
+        """True/False: cold reads bypass the page cache or not; None: nothing is read from disk."""
+        return True if self.gds else (self.cold.direct_io if self.cold is not None else None)
 
     def close(self) -> None:
         if self.cold is not None:
@@ -184,8 +185,9 @@ class CudaEngine(EngineBase):
     def __init__(self, model: StoredModel, precision: str | None = None, ctx: int | None = None,
                  layer_precisions: list[str] | None = None, active_layers: list[int] | None = None,
                  vram_budget: int | None = None, ram_budget: int | None = None, policy: str = "ring",
-                 importance: dict[int, float] | None = None, device=None):
-        """vram_budget None: auto_vram_budget; ram_budget None: every paged layer pinned in RAM."""
+                 importance: dict[int, float] | None = None, device=None, gds: dict | None = None):
+        """vram_budget None: auto_vram_budget; ram_budget None: every paged layer pinned in RAM;
+        gds None: GPUDirect Storage for cold layers where `nerva topology` finds it working."""
         if policy != "ring":
             raise NervaError(f"--policy {policy}: the cuda backend pages through the ring only "
                              "(lru is measured on the cpu backend)")
@@ -213,6 +215,11 @@ class CudaEngine(EngineBase):
         self.splits = attention_splits(cfg.num_heads, self.ctx, dev.sms)
         if vram_budget is None:
             vram_budget = auto_vram_budget(dev)
+        if gds is None:
+            from nerva_cli import gds as gds_module
+
+            gds = gds_module.status()
+        self.gds = gds  # {"used", "reason"}: GPUDirect Storage for the cold tier, reported either way
         self.gpu_plan = gpu_residency_plan(model, self.ctx, vram_budget, ram_budget, importance, self.active,
                                            dev.sms)
         self.plan = self.gpu_plan.vram
@@ -260,7 +267,7 @@ class CudaEngine(EngineBase):
             self.layers[i] = DeviceLayer(i, self._upload_file(layer_file(i)), self.layer_precision[i])
         self.paged = list(gp.vram.paged_layers)
         self.slots, self.slot_views, self.warm = [], [], {}
-        cold = None
+        cold, self.gds_reader = None, None
         if self.paged:
             table = model.meta["files"][layer_file(self.paged[0])]["tensors"]
             if any(model.meta["files"][layer_file(i)]["tensors"] != table for i in self.paged):
@@ -273,7 +280,11 @@ class CudaEngine(EngineBase):
                 buf = dev.pinned(size)
                 reader.read(layer_file(i), [memoryview(buf)])
                 self.warm[i] = buf
-            if gp.cold:
+            if gp.cold and self.gds["used"]:
+                from nerva_cli.gds import GdsReader
+
+                self.gds_reader = GdsReader(model, [layer_file(i) for i in gp.cold])
+            elif gp.cold:
                 cold = PagedWeights(model, {}, gp.cold, {i: self.layer_precision[i] for i in gp.cold},
                                     HOST_SLOTS, max(model.meta["files"][layer_file(i)]["size"] for i in gp.cold),
                                     "ring", None, view_buffer=lambda buf: (_HostView(buf), lambda: None))
@@ -284,7 +295,7 @@ class CudaEngine(EngineBase):
             self.stall_marks = [(dev.timing_event(), dev.timing_event()) for _ in range(2 * len(self.paged))]
         self.stall_next = self.stall_read = 0  # timing marks recorded, read
         self._layer_graphs = {i: [None] * (len(self.slots) + 1) for i in self.active}  # [-1]: resident
-        self.weights = GpuWeights(cold, dev)
+        self.weights = GpuWeights(cold, dev, self.gds_reader is not None)
         self._primed = False  # the ring's first copies are queued on first use
         self._cold_pass = iter(())
         self._cold_copy = None  # the event of the last copy out of a cold staging buffer
@@ -442,6 +453,18 @@ class CudaEngine(EngineBase):
         dev, c = self.dev, self.dev.copy
         slot = visit % len(self.slots)
         layer = self.paged[visit % len(self.paged)]
+        stats = self.weights.stats
+        stats.prefetched += 1
+        if layer not in self.warm and self.gds_reader is not None:
+            # kvikio reads outside stream order: the host waits for the slot to be free, reads
+            # into it, then marks it ready (the GPU idles for that read: the cold tier is
+            # disk-bound, and overlapping it needs a reader thread)
+            if visit >= len(self.slots):
+                self._sync("staging", self.free[slot])
+            stats.disk_bytes += self.gds_reader.read(layer_file(layer), self.slots[slot])
+            stats.reads += 1
+            self.ready[slot].record(c)
+            return
         if visit >= len(self.slots):
             c.wait_event(self.free[slot])
         src = self.warm.get(layer)
@@ -449,8 +472,7 @@ class CudaEngine(EngineBase):
             src = self._next_cold(layer)
         dev.copy_async(self.slots[slot][: src.nbytes], src, c)
         self.ready[slot].record(c)
-        self.weights.stats.h2d_bytes += src.nbytes
-        self.weights.stats.prefetched += 1
+        stats.h2d_bytes += src.nbytes
         if layer not in self.warm:
             self._cold_copy = self.ready[slot]
 

@@ -242,3 +242,55 @@ def test_arena_sizes_are_what_the_arena_allocates(stored):
         dev = EmuDevice()
         arena = DeviceArena(dev, cfg, 80, 3)
         assert arena_sizes(cfg, 80, 3) == (arena.kv_bytes, dev.allocated)
+
+
+def test_cold_layers_through_gpudirect_storage(stored, monkeypatch):
+    """Where GPUDirect Storage works, cold layers go from their files straight into the VRAM slots
+    (kvikio's CuFile, faked here: the emulated device's memory is host memory): the same tokens,
+    disk bytes and no host staging; a file touched after load stops the run naming it."""
+    import os
+    import sys
+    from types import SimpleNamespace
+
+    from cuda_emu.device import EmuDevice
+    from nerva_cli.errors import BadInput
+
+    class CuFile:
+        def __init__(self, path, mode):
+            assert mode == "r"
+            self.f = open(path, "rb")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def pread(self, buf, size, file_offset):
+            self.f.seek(file_offset)
+            data = self.f.read(size)
+            buf[:len(data)] = np.frombuffer(data, np.uint8)
+            return SimpleNamespace(get=lambda: len(data))
+
+    monkeypatch.setitem(sys.modules, "kvikio", SimpleNamespace(CuFile=CuFile))
+    model = stored("llama", "q4_0")
+    resident, _ = greedy_run(CudaEngine(model, device=EmuDevice(), ctx=96), 8)
+    layer = model.meta["files"][layer_file(0)]["size"]
+    engine = CudaEngine(model, device=EmuDevice(), ctx=96, vram_budget=fixed_bytes(model, 96) + 2 * layer,
+                        ram_budget=HOST_SLOTS * layer, gds={"used": True, "reason": "test"})
+    assert engine.gpu_plan.cold == [0, 1, 2] and engine.weights.cold is None  # no staging buffers
+    assert greedy_run(engine, 8)[0] == resident
+    s = engine.weights.stats
+    assert s.h2d_bytes == 0 and s.disk_bytes >= 9 * 3 * layer and engine.weights.direct_io is True
+    path = model.path / layer_file(1)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1))
+    with pytest.raises(BadInput, match=f"{path}: changed on disk"):
+        greedy_run(engine, 4)
+
+
+def test_gpudirect_storage_is_reported_when_missing(stored, cuda_device):
+    engine = CudaEngine(stored("llama", "q4_0"), device=cuda_device, ctx=96)
+    from nerva_cli.topology import gpudirect_storage
+
+    g = gpudirect_storage()
+    assert engine.gds == {"used": g["available"], "reason": g["reason"]} and engine.gds["reason"]
