@@ -235,6 +235,7 @@ def test_ledger_on_the_cuda_backend(stored, cuda_device):
 def test_arena_sizes_are_what_the_arena_allocates(stored):
     """The planner counts the device arena from sizes alone; it must be the arena's real size."""
     from cuda_emu.device import EmuDevice
+
     from nerva_cli.cuda_engine import DeviceArena, arena_sizes
 
     for family in ("llama", "qwen3"):
@@ -253,6 +254,7 @@ def test_cold_layers_through_gpudirect_storage(stored, monkeypatch):
     from types import SimpleNamespace
 
     from cuda_emu.device import EmuDevice
+
     from nerva_cli.errors import BadInput
 
     class CuFile:
