@@ -296,3 +296,28 @@ def test_gpudirect_storage_is_reported_when_missing(stored, cuda_device):
 
     g = gpudirect_storage()
     assert engine.gds == {"used": g["available"], "reason": g["reason"]} and engine.gds["reason"]
+
+
+def test_cli_run_bench_and_ledger_on_the_cuda_backend(cli, stored, monkeypatch):
+    """The commands' cuda wiring, on the emulated device standing in for CuPy's."""
+    import json
+
+    from cuda_emu.device import EmuDevice
+    from nerva_cli.backends import cuda
+
+    monkeypatch.setattr(cuda, "cupy_or_none", lambda: object())
+    monkeypatch.setattr(cuda, "CupyDevice", EmuDevice)
+    model = stored("llama", "q4_0")
+    vram = str(fixed_bytes(model, 64) + 2 * model.meta["files"][layer_file(0)]["size"])
+    common = ("--no-profile", "--ctx", "64", "--vram-budget", vram)
+    code, out, err = cli("run", str(model.path), "-p", "the license", "-n", "6", "--temperature", "0",
+                         "--raw", "--ledger", *common)
+    assert code == 0, err
+    assert f"residency on {EmuDevice.name}: 0 layers in VRAM, 3 stream through 2 VRAM slots" in err
+    assert "per phase: inside CUDA graphs" in err and out.strip()
+    code, out, err = cli("bench", str(model.path), "--prompt-tokens", "8", "--gen-tokens", "4", "--repeat", "1",
+                         *common)
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["backend"] == "cuda" and r["paged_layers"] == 3 and r["hot_path_allocations"] == 0
+    assert r["gpudirect_storage"]["used"] is False

@@ -119,28 +119,36 @@ class EmuKernel:
         self._fn = getattr(lib, f"emu_{name}")
         self._fn.argtypes = [ctypes.c_uint] * 6 + [ctypes.c_void_p]
         self._fn.restype = ctypes.c_char_p  # null, or why the launch failed
-        # The arguments' bytes, 8 a parameter, and the void* array pointing at them, made once:
-        # a launch only writes into them (under the lock, as two threads may share a kernel).
-        self._block = np.zeros(len(params), np.uint64)
-        self._slots = [self._block[i:i + 1] if p.pointer else self._block[i:i + 1].view(p.dtype)[:1]
-                       for i, p in enumerate(params)]
-        self._argv = (ctypes.c_void_p * len(params))(*(self._block.ctypes.data + 8 * i for i in range(len(params))))
 
     def __call__(self, grid, block, args, *, shared_mem: int = 0, stream=None):
+        if shared_mem:
+            raise ValueError(f"kernel {self.name}: dynamic shared memory is not emulated")
+        self.prepare(grid, block, args)()
+
+    def prepare(self, grid, block, args):
+        """The launch checked and its arguments packed once (8 bytes a parameter, and the void*
+        array pointing at them); -> a call that runs it. A captured graph replays these, so a
+        replay makes next to no Python objects (the hot-path allocation count stays the engine's)."""
         grid, block = _dims(grid), _dims(block)
         n = block[0] * block[1] * block[2]
         if n % 32 or n > 1024:
             raise ValueError(f"kernel {self.name}: the emulator needs whole warps (<= 1024 threads), block {block}")
-        if shared_mem:
-            raise ValueError(f"kernel {self.name}: dynamic shared memory is not emulated")
         if not isinstance(args, tuple) or len(args) != len(self.params):
             raise TypeError(f"kernel {self.name} takes {len(self.params)} arguments as a tuple, got {args!r:.200}")
-        with self._lock:  # one launch at a time per library (see _LIB_LOCKS)
-            for p, a, slot in zip(self.params, args, self._slots):
-                p.store(a, slot)
-            error = self._fn(*grid, *block, self._argv)  # `args` keeps the arrays alive meanwhile
-        if error is not None:
-            raise EmuKernelError(f"kernel {self.name} grid {grid} block {block}: {error.decode()}")
+        packed = np.zeros(len(self.params), np.uint64)
+        for i, (p, a) in enumerate(zip(self.params, args)):
+            p.store(a, packed[i:i + 1] if p.pointer else packed[i:i + 1].view(p.dtype)[:1])
+        argv = (ctypes.c_void_p * len(self.params))(*(packed.ctypes.data + 8 * i for i in range(len(self.params))))
+        dims, fn, lock, name = (*grid, *block), self._fn, self._lock, self.name
+
+        def launch():
+            with lock:  # one launch at a time per library (see _LIB_LOCKS)
+                error = fn(*dims, argv)
+            if error is not None:
+                raise EmuKernelError(f"kernel {name} grid {grid} block {block}: {error.decode()}")
+
+        launch.keep = (args, packed)  # the arrays and the packed bytes live as long as the call
+        return launch
 
 
 class EmuModule:

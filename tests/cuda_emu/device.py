@@ -57,7 +57,7 @@ class EmuDevice:
 
     def launch(self, fn, grid, block, args) -> None:
         if self._recording is not None:
-            self._recording.append((fn, grid, block, args))
+            self._recording.append(fn.prepare(grid, block, args))
             return
         fn(grid, block, args)
         self.launches += 1
@@ -72,9 +72,9 @@ class EmuDevice:
         return graph
 
     def replay(self, graph, stream) -> None:
-        for fn, grid, block, args in graph:
-            fn(grid, block, args)
-            self.launches += 1
+        for launch in graph:
+            launch()
+        self.launches += len(graph)
 
     def _count(self, a: np.ndarray) -> np.ndarray:
         self.allocated += a.nbytes
