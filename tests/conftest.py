@@ -12,6 +12,16 @@ import pytest
 TEXT_PATH = Path("/usr/share/common-licenses/GPL-3")
 
 
+@pytest.fixture
+def rng():
+    """A fresh generator per test; its seed is printed, so pytest shows it when the test fails."""
+    import numpy as np
+
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
 @pytest.fixture(autouse=True)
 def nerva_home(tmp_path, monkeypatch):
     home = tmp_path / "nerva-home"

@@ -141,13 +141,6 @@ def mod(tmp_path_factory):
     return EmuModule(sources, inc, root / "cache")
 
 
-@pytest.fixture
-def rng():
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
-
 def cdiv(a, b):
     return -(-a // b)
 

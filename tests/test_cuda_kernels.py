@@ -22,13 +22,6 @@ from test_kernels import EPS, act_q8, random_q4, randn, rel, rope_tables, sum_to
 
 
 @pytest.fixture
-def rng():
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
-
-@pytest.fixture
 def k(cuda_device):
     return Kernels(cuda_device)
 

@@ -35,13 +35,6 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.fixture
-def rng():
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
-
 def randn(rng, *shape):
     return rng.standard_normal(shape, dtype=np.float32)
 
