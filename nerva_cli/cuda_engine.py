@@ -72,7 +72,10 @@ def gpu_residency_plan(model: StoredModel, ctx: int | None, vram_budget: int | N
     cfg, files = model.config, model.meta["files"]
     ctx = context_length(cfg, ctx)
     kv, arena = arena_sizes(cfg, ctx, attention_splits(cfg.num_heads, ctx, sms))
+    # prefill's GEMM outputs and logits rows come from CuPy's pool as it runs: room is kept for them
+    temporaries = 4 * PREFILL_CHUNK * (cfg.vocab_size + 2 * max(cfg.hidden_size, cfg.intermediate_size))
     fixed = {"kv_cache": ("kv_cache", kv), "workspace": ("workspace", arena - kv),
+             "prefill_temporaries": ("workspace", temporaries),
              "embed": ("embed", files["embed.bin"]["size"]), "norms": ("norms", files["final_norm.bin"]["size"])}
     if "lm_head.bin" in files:
         fixed["lm_head"] = ("lm_head", files["lm_head.bin"]["size"])
@@ -577,6 +580,16 @@ class CudaEngine(EngineBase):
                              f"({self.ctx - self.n_past} left); raise --ctx")
         if any(not 0 <= t < self.cfg.vocab_size for t in tokens):
             raise NervaError(f"a token id is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
+        try:
+            return self._prefill(tokens, all_logits)
+        except Exception as e:
+            if not self.dev.is_out_of_memory(e):
+                raise
+            raise NervaError(f"out of GPU memory in prefill ({human_bytes(self.dev.free_bytes())} free): "
+                             f"another process may hold VRAM; try --vram-budget "
+                             f"{human_bytes(int(self.plan.budget * 0.8))}") from None
+
+    def _prefill(self, tokens: list[int], all_logits: bool) -> np.ndarray:
         outs = []
         with self.dev.on(self.dev.compute):
             for start in range(0, len(tokens), PREFILL_CHUNK):

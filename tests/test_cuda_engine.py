@@ -177,6 +177,14 @@ def test_out_of_memory_is_one_line_with_a_budget(stored, monkeypatch):
     monkeypatch.setattr(dev, "zeros", zeros)
     with pytest.raises(NervaError, match=r"out of GPU memory .* try --vram-budget \S+"):
         CudaEngine(stored("llama", "q4_0"), device=dev, ctx=96)
+    engine = CudaEngine(stored("llama", "q4_0"), device=EmuDevice(), ctx=96)
+
+    def no_room(*args):
+        raise MemoryError("out of memory")
+
+    monkeypatch.setattr(engine.dev, "empty", no_room)  # prefill's temporaries
+    with pytest.raises(NervaError, match=r"out of GPU memory in prefill .* try --vram-budget \S+"):
+        engine.prefill(PROMPT, all_logits=True)
 
 
 def test_bench_json_on_the_cuda_backend(stored, cuda_device):
