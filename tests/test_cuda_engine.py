@@ -329,3 +329,26 @@ def test_cli_run_bench_and_ledger_on_the_cuda_backend(cli, stored, monkeypatch):
     r = json.loads(out)
     assert r["backend"] == "cuda" and r["paged_layers"] == 3 and r["hot_path_allocations"] == 0
     assert r["gpudirect_storage"]["used"] is False
+
+
+@pytest.mark.parametrize("eager_copies", [False, True], ids=["lazy", "eager-copies"])
+def test_stream_ordering_under_adversarial_schedules(stored, eager_copies):
+    """Paged decode (warm and cold tiers), the host-sampling path and the streamed one, on streams
+    that run late, or copies that run as early as their waits allow (cuda_emu/streams.py): a
+    missing event wait or a pinned buffer reused too soon would decode other tokens."""
+    from cuda_emu.device import EmuDevice
+    from cuda_emu.streams import AsyncEmuDevice
+
+    model = stored("llama", "q4_0")
+    want, _ = greedy_run(CudaEngine(model, device=EmuDevice(), ctx=96), 10)
+    layer = model.meta["files"][layer_file(0)]["size"]
+    vram = fixed_bytes(model, 96) + 2 * layer
+    for ram in (None, HOST_SLOTS * layer):  # warm, then cold
+        engine = CudaEngine(model, device=AsyncEmuDevice(eager_copies), ctx=96, vram_budget=vram, ram_budget=ram,
+                            gds={"used": False, "reason": "test"})
+        try:
+            assert greedy_run(engine, 10)[0] == want
+            engine.reset()
+            assert list(engine.stream(PROMPT, SamplingOptions(temperature=0.0), 11)) == want
+        finally:
+            engine.weights.close()
