@@ -253,17 +253,11 @@ def test_arena_sizes_are_what_the_arena_allocates(stored):
         assert arena_sizes(cfg, 80, 3) == (arena.kv_bytes, dev.allocated)
 
 
-def test_cold_layers_through_gpudirect_storage(stored, monkeypatch):
-    """Where GPUDirect Storage works, cold layers go from their files straight into the VRAM slots
-    (kvikio's CuFile, faked here: the emulated device's memory is host memory): the same tokens,
-    disk bytes and no host staging; a file touched after load stops the run naming it."""
-    import os
+@pytest.fixture
+def fake_kvikio(monkeypatch):
+    """kvikio's CuFile as far as the engine uses it; the emulated device's memory is host memory."""
     import sys
     from types import SimpleNamespace
-
-    from cuda_emu.device import EmuDevice
-
-    from nerva_cli.errors import BadInput
 
     class CuFile:
         def __init__(self, path, mode):
@@ -283,6 +277,17 @@ def test_cold_layers_through_gpudirect_storage(stored, monkeypatch):
             return SimpleNamespace(get=lambda: len(data))
 
     monkeypatch.setitem(sys.modules, "kvikio", SimpleNamespace(CuFile=CuFile))
+
+
+def test_cold_layers_through_gpudirect_storage(stored, fake_kvikio):
+    """Where GPUDirect Storage works, cold layers go from their files straight into the VRAM slots
+    (kvikio's CuFile, faked here: the emulated device's memory is host memory): the same tokens,
+    disk bytes and no host staging; a file touched after load stops the run naming it."""
+    import os
+
+    from cuda_emu.device import EmuDevice
+    from nerva_cli.errors import BadInput
+
     model = stored("llama", "q4_0")
     resident, _ = greedy_run(CudaEngine(model, device=EmuDevice(), ctx=96), 8)
     layer = model.meta["files"][layer_file(0)]["size"]
@@ -311,6 +316,7 @@ def test_cli_run_bench_and_ledger_on_the_cuda_backend(cli, stored, monkeypatch):
     import json
 
     from cuda_emu.device import EmuDevice
+
     from nerva_cli.backends import cuda
 
     monkeypatch.setattr(cuda, "cupy_or_none", lambda: object())
@@ -332,8 +338,8 @@ def test_cli_run_bench_and_ledger_on_the_cuda_backend(cli, stored, monkeypatch):
 
 
 @pytest.mark.parametrize("eager_copies", [False, True], ids=["lazy", "eager-copies"])
-def test_stream_ordering_under_adversarial_schedules(stored, eager_copies):
-    """Paged decode (warm and cold tiers), the host-sampling path and the streamed one, on streams
+def test_stream_ordering_under_adversarial_schedules(stored, eager_copies, fake_kvikio):
+    """Paged decode (warm, cold, and cold by GPUDirect Storage), host-sampled and streamed, on streams
     that run late, or copies that run as early as their waits allow (cuda_emu/streams.py): a
     missing event wait or a pinned buffer reused too soon would decode other tokens."""
     from cuda_emu.device import EmuDevice
@@ -343,9 +349,9 @@ def test_stream_ordering_under_adversarial_schedules(stored, eager_copies):
     want, _ = greedy_run(CudaEngine(model, device=EmuDevice(), ctx=96), 10)
     layer = model.meta["files"][layer_file(0)]["size"]
     vram = fixed_bytes(model, 96) + 2 * layer
-    for ram in (None, HOST_SLOTS * layer):  # warm, then cold
+    for ram, gds in ((None, False), (HOST_SLOTS * layer, False), (HOST_SLOTS * layer, True)):
         engine = CudaEngine(model, device=AsyncEmuDevice(eager_copies), ctx=96, vram_budget=vram, ram_budget=ram,
-                            gds={"used": False, "reason": "test"})
+                            gds={"used": gds, "reason": "test"})
         try:
             assert greedy_run(engine, 10)[0] == want
             engine.reset()
