@@ -2,7 +2,8 @@
 CudaEngine's host code (plans, slots, graphs, the token ring) runs in CI without a GPU.
 
 Arrays are NumPy arrays. Streams and events do nothing: every copy and launch completes when
-it is issued, in issue order, which is one of the orders CUDA allows. A capture records the
+it is issued, in issue order, which is one of the orders CUDA allows (streams.py runs the
+orders a careless host program would not expect). A capture records the
 launches without running them and a replay runs the recording with the arguments captured, as
 a CUDA graph does: a step that depended on a host value changing between replays would
 decode wrong tokens here too.
