@@ -358,3 +358,31 @@ def test_stream_ordering_under_adversarial_schedules(stored, eager_copies, fake_
             assert list(engine.stream(PROMPT, SamplingOptions(temperature=0.0), 11)) == want
         finally:
             engine.weights.close()
+
+
+def test_cupy_device_code_against_a_stand_in_for_cupy(stored, monkeypatch):
+    """The real CupyDevice, over tests/fake_cupy.py (CuPy's API surface as CuPy 14.2's source has
+    it, running the kernel emulation): it compiles cubins with NVRTC, loads them, captures and
+    replays graphs, copies through pinned memory, probes bandwidth, counts allocations, and
+    decodes the tokens the emulated device does."""
+    import sys
+
+    import fake_cupy
+    from cuda_emu.device import EmuDevice
+    from nerva_cli.backends import cuda
+
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    model = stored("qwen2", "q4_0")
+    want, _ = greedy_run(CudaEngine(model, device=EmuDevice(), ctx=96), 6)
+    dev = cuda.CupyDevice()
+    assert dev.name == "Fake GPU (tests/fake_cupy.py)" and dev.sms == 4
+    layer = model.meta["files"][layer_file(0)]["size"]
+    for vram in (None, fixed_bytes(model, 96) + 2 * layer):
+        engine = CudaEngine(model, device=dev, ctx=96, vram_budget=vram)
+        assert greedy_run(engine, 6)[0] == want
+        engine.reset()
+        assert list(engine.stream(PROMPT, SamplingOptions(temperature=0.0), 7)) == want
+        assert engine.count_hot_path_allocations(PROMPT, steps=4) == 0
+    assert sorted(dev.bandwidths(1 << 20, rounds=1)) == ["d2h_pinned", "device_copy", "h2d_pinned"]
+    pinned = dev.pinned(10_000)
+    assert pinned.nbytes == 10_000 and pinned.ctypes.data % 4096 == 0
