@@ -396,7 +396,7 @@ def topology(
             vram = (auto_vram_budget(dev) if vram_budget in (None, "auto")
                     else parse_budget(vram_budget, "vram-budget"))
             gp = gpu_residency_plan(stored, ctx, vram, budget, importance, layers.active_layers, dev.sms)
-            info["plan"] = topo.gpu_plan_report(stored, gp, dev.name)
+            info["plan"] = topo.gpu_plan_report(stored, gp, dev.name, info["probe"])
         else:
             from nerva_cli.engine import residency_plan
 

@@ -300,19 +300,33 @@ def plan_report(model, plan, probe: dict | None) -> dict:
     return report
 
 
-def gpu_plan_report(model, gp, device: str) -> dict:
+def gpu_plan_report(model, gp, device: str, probe: dict | None) -> dict:
     """The cuda backend's plan: VRAM-resident layers, and the paged ones by where their bytes
-    come from each token (pinned RAM or disk, both through the VRAM slots)."""
+    come from each token (pinned RAM or disk, both through the VRAM slots); the decode bound
+    from the measured pinned H2D bandwidth and, for cold layers, the O_DIRECT disk bandwidth."""
     files = model.meta["files"]
     size = lambda layers: sum(files[f"layer_{i:03d}.bin"]["size"] for i in layers)  # noqa: E731
-    return {"model": f"{model.name}:{model.variant}", "device": device, **gp.to_dict(),
-            "tiers": {"gpu": {"blocks": [b.name for b in gp.vram.fixed]
-                              + [f"layer {i}" for i in gp.vram.resident_layers],
-                              "read_bytes_per_token": size(gp.vram.resident_layers)},
-                      "host (pinned)": {"blocks": [f"layer {i}" for i in gp.warm],
-                                        "read_bytes_per_token": size(gp.warm)},
-                      "disk": {"blocks": [f"layer {i}" for i in gp.cold], "read_bytes_per_token": size(gp.cold)}},
-            "decode_bound": no("no H2D probe yet: nerva bench --backend cuda measures the paged run")}
+    report = {"model": f"{model.name}:{model.variant}", "device": device, **gp.to_dict(),
+              "tiers": {"gpu": {"blocks": [b.name for b in gp.vram.fixed]
+                                + [f"layer {i}" for i in gp.vram.resident_layers],
+                                "read_bytes_per_token": size(gp.vram.resident_layers)},
+                        "host (pinned)": {"blocks": [f"layer {i}" for i in gp.warm],
+                                          "read_bytes_per_token": size(gp.warm)},
+                        "disk": {"blocks": [f"layer {i}" for i in gp.cold], "read_bytes_per_token": size(gp.cold)}}}
+    h2d, disk = (probe or {}).get("h2d_pinned") or {}, (probe or {}).get("disk_read_o_direct") or {}
+    paged, cold = size(gp.vram.paged_layers), size(gp.cold)
+    if not paged:
+        report["decode_bound"] = no("nothing is paged: copies do not bound decode")
+    elif not h2d.get("available") or (cold and not disk.get("available")):
+        report["decode_bound"] = no("run with --probe for a bound" if probe is None else
+                                    (h2d if not h2d.get("available") else disk)["reason"])
+    else:  # copies and disk reads overlap compute but not each other's bandwidth: the slower bounds
+        seconds = max(paged / (h2d["gb_s"] * 1e9), cold / (disk["gb_s"] * 1e9) if cold else 0.0)
+        report["decode_bound"] = {"available": True, "read_seconds_per_token": seconds, "tok_s": 1 / seconds,
+                                  "reason": f"{paged} bytes a token host->GPU at {h2d['gb_s']} GB/s pinned"
+                                  + (f", {cold} of them from disk at {disk['gb_s']} GB/s" if cold else "")
+                                  + f" (measured {probe['measured_at']})"}
+    return report
 
 
 # -- text --------------------------------------------------------------------------------------

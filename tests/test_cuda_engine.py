@@ -386,3 +386,31 @@ def test_cupy_device_code_against_a_stand_in_for_cupy(stored, monkeypatch):
     assert sorted(dev.bandwidths(1 << 20, rounds=1)) == ["d2h_pinned", "device_copy", "h2d_pinned"]
     pinned = dev.pinned(10_000)
     assert pinned.nbytes == 10_000 and pinned.ctypes.data % 4096 == 0
+
+
+def test_cli_over_the_cupy_stand_in(cli, stored, monkeypatch):
+    """--backend auto picks cuda when CuPy answers; topology probes the copies and shows the GPU
+    plan; all through the real CupyDevice over tests/fake_cupy.py."""
+    import json
+    import sys
+
+    import fake_cupy
+
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    monkeypatch.setenv("NERVA_PROBE_MB", "16")
+    model = stored("llama", "q4_0")
+    vram = str(fixed_bytes(model, 64) + 2 * model.meta["files"][layer_file(0)]["size"])
+    code, out, err = cli("run", str(model.path), "-p", "the license", "-n", "4", "--temperature", "0", "--raw",
+                         "--no-profile", "--ctx", "64", "--vram-budget", vram)
+    assert code == 0, err
+    assert "residency on Fake GPU (tests/fake_cupy.py): 0 layers in VRAM" in err
+    code, out, err = cli("topology", "--json", "--probe", "--model", str(model.path), "--no-profile",
+                         "--ctx", "64", "--vram-budget", vram)
+    assert code == 0, err
+    info = json.loads(out)
+    assert info["gpus"]["available"] and info["probe"]["h2d_pinned"]["gb_s"] > 0
+    assert info["plan"]["tier"] == "gpu" and info["plan"]["paged_layers"] == [0, 1, 2]
+    assert info["plan"]["device"] == "Fake GPU (tests/fake_cupy.py)"
+    bound = info["plan"]["decode_bound"]  # 3 layers a token over the probed pinned H2D bandwidth
+    paged = 3 * model.meta["files"][layer_file(0)]["size"]
+    assert bound["tok_s"] == pytest.approx(info["probe"]["h2d_pinned"]["gb_s"] * 1e9 / paged)
