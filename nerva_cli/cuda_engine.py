@@ -522,7 +522,8 @@ class CudaEngine(EngineBase):
 
     def stream(self, prompt_ids: list[int], opts, max_tokens: int):
         """Prefill, then sample on the device: yields each token as its copy lands in pinned host
-        memory, the next step already queued behind it (the host never gates the GPU). When the
+        memory, the next step already queued behind it, so the GPU computes while the caller
+        prints (the host waits for a token, never for a step before queuing the next). When the
         caller stops early (EOS, a stop string) the step queued ahead is dropped: n_past counts
         the tokens that really ran. (That step's token stays in the device's penalty ring until
         the next sample overwrites it.)"""
