@@ -44,8 +44,10 @@ def module_source(path: Path) -> str:
     return INCLUDE.sub(inline, path.read_text())
 
 
-def _nvrtc() -> ctypes.CDLL:
-    """libnvrtc from the nvidia-cuda-nvrtc wheel (CUDA 13 or 12 layout), else a CUDA toolkit's."""
+def _nvrtc(major: int | None = None) -> ctypes.CDLL:
+    """libnvrtc from the nvidia-cuda-nvrtc wheel (CUDA 13 or 12 layout), else a CUDA toolkit's;
+    with `major`, that CUDA major version's first (a cubin from a newer major than the
+    driver's CUDA may not load)."""
     import importlib.util
 
     candidates = []
@@ -56,6 +58,8 @@ def _nvrtc() -> ctypes.CDLL:
     for toolkit in filter(None, (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda")):
         candidates += sorted(glob.glob(os.path.join(toolkit, "lib64", "libnvrtc.so*")))
     candidates += ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"]
+    if major is not None:
+        candidates.sort(key=lambda c: f"libnvrtc.so.{major}" not in c)  # stable: the rest keep their order
     for c in candidates:
         if "builtins" in c:
             continue
@@ -66,18 +70,18 @@ def _nvrtc() -> ctypes.CDLL:
     raise NervaError("NVRTC not found: pip install nvidia-cuda-nvrtc (CUDA 13) or nvidia-cuda-nvrtc-cu12")
 
 
-def nvrtc_version() -> str:
-    lib = _nvrtc()
+def nvrtc_version(major: int | None = None) -> str:
+    lib = _nvrtc(major)
     major, minor = ctypes.c_int(), ctypes.c_int()
     lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
     return f"{major.value}.{minor.value}"
 
 
-def compile_cubin(path: Path, arch: str) -> bytes:
+def compile_cubin(path: Path, arch: str, major: int | None = None) -> bytes:
     """NVRTC-compiles one source to machine code for `arch` (e.g. sm_90), through ptxas, so
     register and shared-memory limits are checked too. A failure raises with NVRTC's log, which
     names the file and line."""
-    lib = _nvrtc()
+    lib = _nvrtc(major)
     prog = ctypes.c_void_p()
     src = module_source(path).encode()
     check = _checker(lib, path)

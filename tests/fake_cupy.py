@@ -102,7 +102,8 @@ def _memcpy_async(dst: int, src: int, size: int, kind: int, stream: int) -> None
 
 
 runtime = types.SimpleNamespace(
-    getDeviceCount=lambda: 1, deviceSynchronize=lambda: None, memGetInfo=lambda: (1 << 34, 1 << 35),
+    getDeviceCount=lambda: 1, deviceSynchronize=lambda: None, runtimeGetVersion=lambda: 13000,
+    memGetInfo=lambda: (1 << 34, 1 << 35),
     getDeviceProperties=lambda i: {"name": b"Fake GPU (tests/fake_cupy.py)", "multiProcessorCount": 4,
                                    "totalGlobalMem": 1 << 35, "major": 9, "minor": 0},
     deviceGetPCIBusId=lambda i: "0000:00:00.0", hostRegister=lambda ptr, size, flags: None,

@@ -217,6 +217,7 @@ class CupyDevice:
         from nerva_cli.store import home
 
         arch = f"sm_{self.cp.cuda.Device().compute_capability}"
+        major = self.cp.cuda.runtime.runtimeGetVersion() // 1000  # the NVRTC of CuPy's CUDA major
         cache = home() / "cuda-cache"
         cache.mkdir(parents=True, exist_ok=True)
         mods, fns = {}, {}
@@ -224,11 +225,11 @@ class CupyDevice:
             if mod not in mods:
                 path = kernels.sources()[mod]
                 key = hashlib.sha256((kernels.module_source(path) + repr(kernels.OPTIONS) + arch
-                                      + kernels.nvrtc_version()).encode()).hexdigest()[:16]
+                                      + kernels.nvrtc_version(major)).encode()).hexdigest()[:16]
                 cubin = cache / f"{mod}-{arch}-{key}.cubin"
                 if not cubin.exists():
                     tmp = cubin.with_name(f".{cubin.name}.tmp-{os.getpid()}")
-                    tmp.write_bytes(kernels.compile_cubin(path, arch))
+                    tmp.write_bytes(kernels.compile_cubin(path, arch, major))
                     tmp.replace(cubin)
                 mods[mod] = self.cp.RawModule(path=str(cubin))
             fns[name] = mods[mod].get_function(name)
