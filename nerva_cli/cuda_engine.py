@@ -23,7 +23,7 @@ from time import perf_counter_ns
 import numpy as np
 
 from nerva_cli import rope
-from nerva_cli.backends.cuda import RECENT, Kernels, attention_splits
+from nerva_cli.backends.cuda import MAX_HEAD_DIM, RECENT, Kernels, attention_splits
 from nerva_cli.engine import PREFILL_CHUNK, EngineBase, context_length, default_precision
 from nerva_cli.errors import NervaError
 from nerva_cli.layout import layer_file
@@ -201,9 +201,9 @@ class CudaEngine(EngineBase):
         self.dev = dev = device
         self.model, self.cfg = model, model.config
         cfg = self.cfg
-        if cfg.head_dim > 256 or cfg.hidden_size % QK or cfg.intermediate_size % QK or cfg.q_dim % QK:
-            raise NervaError(f"{model.path}: the cuda kernels need head_dim <= 256 and widths that are "
-                             "multiples of 32")
+        if cfg.head_dim > MAX_HEAD_DIM or cfg.hidden_size % QK or cfg.intermediate_size % QK or cfg.q_dim % QK:
+            raise NervaError(f"{model.path}: the cuda kernels need head_dim <= {MAX_HEAD_DIM} and widths that "
+                             "are multiples of 32")
         self.precision = default_precision(model, precision)
         if layer_precisions is not None:
             if self.precision == "exact" or len(layer_precisions) != cfg.num_layers:

@@ -49,8 +49,6 @@ class EmuDevice:
         self.total_bytes = 1 << 34
         self.allocated = 0
         self.allocations = 0
-        self.launches = 0  # kernels run, replays included
-        self.captures = 0
         self._recording: list | None = None
 
     def functions(self) -> dict:
@@ -61,7 +59,6 @@ class EmuDevice:
             self._recording.append(fn.prepare(grid, block, args))
             return
         fn(grid, block, args)
-        self.launches += 1
 
     def capture(self, stream, record):
         self._recording = []
@@ -69,13 +66,11 @@ class EmuDevice:
             record()
         finally:
             graph, self._recording = self._recording, None
-        self.captures += 1
         return graph
 
     def replay(self, graph, stream) -> None:
         for launch in graph:
             launch()
-        self.launches += len(graph)
 
     def _count(self, a: np.ndarray) -> np.ndarray:
         self.allocated += a.nbytes

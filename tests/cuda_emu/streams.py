@@ -116,7 +116,6 @@ class AsyncEmuDevice(EmuDevice):
             super().launch(fn, grid, block, args)
             return
         self.sync_stream.push(fn.prepare(grid, block, args))
-        self.launches += 1
 
     def replay(self, graph, stream) -> None:
         def run():
@@ -124,7 +123,6 @@ class AsyncEmuDevice(EmuDevice):
                 launch()
 
         stream.push(run)
-        self.launches += len(graph)
 
     def copy_async(self, dst, src, stream) -> None:
         stream.push(lambda: super(AsyncEmuDevice, self).copy_async(dst, src, stream))
