@@ -6,10 +6,12 @@
 - paged decode under --vram-budget (2G by default) against the PCIe limit: pinned H2D bandwidth /
   the bytes copied to the GPU a token (bench's h2d_bytes_per_token).
 
-Both runs go through `nerva bench --backend cuda`, the one place nerva measures speed. One JSON
-file naming the device is written to OUT_DIR.
+Both runs go through `nerva bench --backend cuda`, the one place nerva measures speed. With
+--peer-json (llama-bench's JSON from shared/gpu-peers, run on the same model file in the same
+lease) the resident figures are also given as ratios to llama.cpp CUDA's. One JSON file naming
+the device is written to OUT_DIR.
 
-    python3 scripts/gpu_bench.py MODEL_DIR [--out docs/perf] [--vram-budget 2G]
+    python3 scripts/gpu_bench.py MODEL_DIR [--out docs/perf] [--vram-budget 2G] [--peer-json FILE]
 """
 
 from __future__ import annotations
@@ -35,11 +37,25 @@ def bench(model: Path, *extra: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def peer_ratios(runs: list[dict], nerva: dict) -> dict:
+    """llama-bench rows (decode: n_gen > 0; prefill: n_prompt > 0), by flash attention on/off,
+    with nerva's resident figure over each."""
+    out = {}
+    for r in runs:
+        kind = "decode" if r.get("n_gen") else "prefill"
+        ours = nerva.get(f"{kind}_tok_s")
+        key = f"{kind}_fa{int(bool(r.get('flash_attn')))}"
+        out[key] = {"llama_cpp_tok_s": round(r["avg_ts"], 1), "nerva_tok_s": ours,
+                    "nerva_over_llama_cpp": round(ours / r["avg_ts"], 3) if ours else None}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", type=Path)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "perf")
     ap.add_argument("--vram-budget", default="2G")
+    ap.add_argument("--peer-json", type=Path, help="llama-bench -o json output on the same model")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from nerva_cli.backends.cuda import CupyDevice
@@ -66,6 +82,8 @@ def main() -> None:
                        "pcie_limit_tok_s": round(pcie_limit, 2) if pcie_limit else None,
                        "fraction_of_limit": round(paged["decode_tok_s"] / pcie_limit, 3) if pcie_limit else None,
                        "target": 0.8}
+    if args.peer_json is not None:
+        result["llama_cpp"] = peer_ratios(json.loads(args.peer_json.read_text()), resident)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"gpu_{re.sub(r'[^A-Za-z0-9]+', '_', dev.name).strip('_').lower()}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check, on a machine with a CUDA device (pip install -e '.[test,cuda13]'): the GPU tests,
-# then the GPU benchmarks (scripts/gpu_bench.py) on a random-weight model with Llama-3-8B's
-# shapes. Results, each naming the device, go to docs/perf/ (or $RESULTS).
+# then the GPU benchmarks (scripts/gpu_bench.py). With ../shared/gpu-peers packed into .gpu-peer/
+# (its pack.sh), llama.cpp CUDA is built and benched on its random Llama-3-8B-shaped Q4_0 GGUF
+# and nerva runs the same file, so the figures are ratios measured in the same lease; without
+# it, nerva runs a model of the same shapes from scripts/synthetic_model.py. Results, each naming
+# the device, go to docs/perf/ (or $RESULTS).
 #   bash scripts/gpu_check.sh [MODEL_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,9 +14,22 @@ python3 -c "import sys; from nerva_cli.backends import cuda
 sys.exit(0 if cuda.cupy_or_none() else 'gpu_check: ' + cuda.why_no_cuda)" || exit 1
 python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$out/gpu_tests.log"
 tests=${PIPESTATUS[0]}
-model=${1:-${TMPDIR:-/tmp}/nerva-synthetic-llama3-8b}
-if [ ! -f "$model/metadata.json" ]; then
-  python3 scripts/synthetic_model.py llama3-8b "$model" || exit 1
+model=${1:-}
+peer=()
+if [ -z "$model" ] && [ -d .gpu-peer ]; then
+  RESULTS=$out bash .gpu-peer/ceilings_and_build.sh > "$out/peer_ceilings.log" 2>&1
+  if RESULTS=$out bash .gpu-peer/llamacpp_bench.sh > "$out/peer_llamacpp.log" 2>&1; then
+    peer=(--peer-json "$out/llama_bench_full.json")
+  else
+    echo "gpu_check: the llama.cpp bench failed (see $out/peer_llamacpp.log); nerva's figures come alone"
+  fi
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}  # the gguf wheel the peer scripts installed
+  model=${TMPDIR:-/tmp}/nerva-r8b
+  python3 -m nerva_cli convert /tmp/r8b.gguf --out "$model" --force || model=
 fi
-python3 scripts/gpu_bench.py "$model" --out "$out" || exit 1
+if [ -z "$model" ]; then
+  model=${TMPDIR:-/tmp}/nerva-synthetic-llama3-8b
+  [ -f "$model/metadata.json" ] || python3 scripts/synthetic_model.py llama3-8b "$model" || exit 1
+fi
+python3 scripts/gpu_bench.py "$model" --out "$out" "${peer[@]}" || exit 1
 exit "$tests"
