@@ -304,8 +304,10 @@ def gpu_plan_report(model, gp, device: str, probe: dict | None) -> dict:
     """The cuda backend's plan: VRAM-resident layers, and the paged ones by where their bytes
     come from each token (pinned RAM or disk, both through the VRAM slots); the decode bound
     from the measured pinned H2D bandwidth and, for cold layers, the O_DIRECT disk bandwidth."""
+    from nerva_cli.layout import layer_file
+
     files = model.meta["files"]
-    size = lambda layers: sum(files[f"layer_{i:03d}.bin"]["size"] for i in layers)  # noqa: E731
+    size = lambda layers: sum(files[layer_file(i)]["size"] for i in layers)  # noqa: E731
     report = {"model": f"{model.name}:{model.variant}", "device": device, **gp.to_dict(),
               "tiers": {"gpu": {"blocks": [b.name for b in gp.vram.fixed]
                                 + [f"layer {i}" for i in gp.vram.resident_layers],
