@@ -1,5 +1,5 @@
-// Small per-element kernels: embedding rows, RoPE, SiLU*mul, broadcast adds, the KV cache write,
-// and prefill's dequantisation. Positions come from device memory (pos0), so a captured decode
+// Small per-element kernels: embedding rows, RoPE with the KV cache write, SiLU*mul, broadcast
+// adds, and prefill's dequantisation. Positions come from device memory (pos0), so a captured decode
 // graph replays without the host writing anything.
 #include "common.cuh"
 
@@ -22,18 +22,34 @@ extern "C" __global__ void embed_exact(const u16* table, int bf16, const int* to
     if (c < cols) out[c] = exact2f(table[(size_t)token[blockIdx.y] * cols + c], bf16);
 }
 
-// x [T, heads, head_dim] with rows `stride` floats apart; token t is at position pos0[0] + t.
-// NeoX pairing (i, i + half), cos/sin [max_pos, half].
-extern "C" __global__ void rope(float* x, int stride, const int* pos0, const float* cos_t, const float* sin_t,
-                                int T, int heads, int half) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < T * heads * half) {
-        int t = i / (heads * half), h = (i / half) % heads, j = i % half;
-        float* r = x + (size_t)t * stride + h * 2 * half;
-        size_t p = (size_t)(pos0[0] + t) * half + j;
-        float c = cos_t[p], s = sin_t[p], a = r[j], b = r[j + half];
-        r[j] = a * c - b * s;
-        r[j + half] = b * c + a * s;
+// What a layer does between its q/k/v products and attention, in one launch: rotate q [T, heads,
+// head_dim] in place and k [T, kv_heads, head_dim] (NeoX pairing (i, i + half), cos/sin
+// [max_pos, half]) for token t at position pos0[0] + t, and store k and v in f16 at that position
+// of the cache [ctx, kv_heads, head_dim]. Rows of q, k and v are `stride` floats apart.
+extern "C" __global__ void rope_kv_store(float* q, const float* k, const float* v, int stride, const int* pos0,
+                                         const float* cos_t, const float* sin_t, int T, int heads, int kv_heads,
+                                         int half, u16* k_cache, u16* v_cache) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x, all = heads + kv_heads;
+    if (i < T * all * half) {
+        int t = i / (all * half), h = (i / half) % all, j = i % half;
+        size_t pos = (size_t)(pos0[0] + t), row = (size_t)t * stride;
+        float c = cos_t[pos * half + j], s = sin_t[pos * half + j];
+        if (h < heads) {
+            float* r = q + row + h * 2 * half;
+            float a = r[j], b = r[j + half];
+            r[j] = a * c - b * s;
+            r[j + half] = b * c + a * s;
+        } else {
+            int kh = h - heads;
+            const float* r = k + row + kh * 2 * half;
+            const float* w = v + row + kh * 2 * half;
+            float a = r[j], b = r[j + half];
+            size_t dst = (pos * kv_heads + kh) * 2 * half;
+            k_cache[dst + j] = f2h(a * c - b * s);
+            k_cache[dst + j + half] = f2h(b * c + a * s);
+            v_cache[dst + j] = f2h(w[j]);
+            v_cache[dst + j + half] = f2h(w[j + half]);
+        }
     }
 }
 
@@ -51,18 +67,6 @@ extern "C" __global__ void silu_mul(const float* gate_up, float* out, int f, int
 extern "C" __global__ void add_rows(float* x, const float* b, int n, int T) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < T * n) x[i] += b[i % n];
-}
-
-// K/V rows [T, kv_dim] (rows `stride` floats apart) -> f16 cache rows pos0[0] .. pos0[0] + T - 1
-extern "C" __global__ void kv_store(const float* k, const float* v, int stride, u16* k_cache, u16* v_cache,
-                                    const int* pos0, int T, int kv_dim) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < T * kv_dim) {
-        int t = i / kv_dim, j = i % kv_dim;
-        size_t dst = (size_t)(pos0[0] + t) * kv_dim + j;
-        k_cache[dst] = f2h(k[(size_t)t * stride + j]);
-        v_cache[dst] = f2h(v[(size_t)t * stride + j]);
-    }
 }
 
 // Q4_0 planes -> f32 [rows, cols], one thread per code byte (two weights)

@@ -1,16 +1,21 @@
-// Decode matvecs, split over K: a block of MV_THREADS threads computes MV_ROWS rows; thread t
-// takes the 32-weight blocks t, t + MV_THREADS, ... of every one of its rows, so each thread has
-// MV_ROWS independent 16-byte weight loads in flight and reads the activations once for all of
-// them (on an H100 this layout reached 49% of HBM bandwidth where a warp per few rows reached
-// 32%: shared/gpu-peers). Q4_0 in nerva's two planes: qs [rows, cols/2] (byte j of a block holds
-// element j in its low nibble and j + 16 in its high one), d f16 [rows, cols/32].
+// Decode matvecs, split over K: a block of blockDim.x threads (a multiple of 32, at most
+// MV_MAX_THREADS; the host sizes it to the row's blocks) computes MV_ROWS rows; thread t takes the
+// 32-weight blocks t, t + blockDim.x, ... of every one of its rows. A thread issues all MV_ROWS
+// 16-byte weight loads (and their scales) before it uses any of them: decode reads each weight
+// once, so what bounds it is the bytes in flight per SM (on an H100, with one load in flight at a
+// time this kernel read 507 GB/s of an 8B model's matrices, of about 3000). Rows past the end are
+// read as the last row and not stored, so the loads need no predicates. Q4_0 in nerva's two
+// planes: qs [rows, cols/2] (byte j of a block holds element j in its low nibble and j + 16 in
+// its high one), d f16 [rows, cols/32].
 #include "common.cuh"
 
-#define MV_THREADS 128
+#ifndef MV_ROWS
 #define MV_ROWS 8
+#endif
+#define MV_MAX_THREADS 256
 
 // sum_j (q_j - 8) * x_j over one block of 32 weights
-__device__ __forceinline__ float q4_block_dot(uint4 c, const float4* x) {
+__device__ __forceinline__ float q4_block_dot(uint4 c, const float4 (&x)[8]) {
     unsigned words[4] = {c.x, c.y, c.z, c.w};
     float s = 0.f;
 #pragma unroll
@@ -25,10 +30,30 @@ __device__ __forceinline__ float q4_block_dot(uint4 c, const float4* x) {
     return s;
 }
 
+// A launch covers up to three matrices that share the input vector (a layer's q, k and v; gate
+// and up): one launch instead of three, and the small k and v no longer run alone on a GPU they
+// cannot fill. Blocks go to matrix 0's rows first, then 1's, then 2's; a matrix of 0 rows is
+// absent. Each matrix: weights, scales (unused by exact weights), out, rows.
+#define PICK(i, a0, a1, a2) ((i) == 0 ? (a0) : (i) == 1 ? (a1) : (a2))
+
+// -> this block's matrix (0, 1 or 2), its first row in row0 and that matrix's rows in rows
+__device__ __forceinline__ int block_matrix(int rows0, int rows1, int rows2, int* row0, int* rows) {
+    int b = blockIdx.x, n0 = (rows0 + MV_ROWS - 1) / MV_ROWS, n1 = (rows1 + MV_ROWS - 1) / MV_ROWS;
+    int i = b < n0 ? 0 : b < n0 + n1 ? 1 : 2;
+    *row0 = (b - (i > 0 ? n0 : 0) - (i > 1 ? n1 : 0)) * MV_ROWS;
+    *rows = PICK(i, rows0, rows1, rows2);
+    return i;
+}
+
+// Row r of the block, clamped to the matrix (see above).
+__device__ __forceinline__ size_t block_row(int row0, int r, int rows) {
+    return (size_t)(row0 + r < rows ? row0 + r : rows - 1);
+}
+
 // The block's MV_ROWS partial sums -> out[row0 ..]; every thread of the block must call it.
 __device__ __forceinline__ void store_rows(float (&acc)[MV_ROWS], float* out, int row0, int rows) {
-    __shared__ float part[MV_THREADS / 32][MV_ROWS];
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __shared__ float part[MV_MAX_THREADS / 32][MV_ROWS];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
 #pragma unroll
     for (int r = 0; r < MV_ROWS; r++) {
         float v = warp_sum(acc[r]);
@@ -37,84 +62,100 @@ __device__ __forceinline__ void store_rows(float (&acc)[MV_ROWS], float* out, in
     __syncthreads();
     if ((int)threadIdx.x < MV_ROWS && row0 + (int)threadIdx.x < rows) {
         float v = 0.f;
-        for (int w = 0; w < MV_THREADS / 32; w++) v += part[w][threadIdx.x];
+        for (int w = 0; w < warps; w++) v += part[w][threadIdx.x];
         out[row0 + threadIdx.x] = v;
     }
 }
 
-extern "C" __global__ void matvec_q4_w4a16(const u8* __restrict__ qs, const u16* __restrict__ d,
-                                           const float* __restrict__ x, float* __restrict__ out,
-                                           int rows, int cols) {
-    int row0 = blockIdx.x * MV_ROWS, nb = cols / QK, n = rows - row0 < MV_ROWS ? rows - row0 : MV_ROWS;
+extern "C" __global__ void matvec_q4_w4a16(const void* w0, const u16* d0, float* out0, int rows0,
+                                           const void* w1, const u16* d1, float* out1, int rows1,
+                                           const void* w2, const u16* d2, float* out2, int rows2,
+                                           const float* __restrict__ x, int cols) {
+    int row0, rows, i = block_matrix(rows0, rows1, rows2, &row0, &rows), nb = cols / QK;
+    const u8* __restrict__ qs = (const u8*)PICK(i, w0, w1, w2);
+    const u16* __restrict__ d = PICK(i, d0, d1, d2);
     float acc[MV_ROWS] = {};
-    for (int b = threadIdx.x; b < nb; b += MV_THREADS) {
-        const float4* xb = (const float4*)(x + b * QK);
+    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+        uint4 c[MV_ROWS];
+        u16 h[MV_ROWS];
 #pragma unroll
         for (int r = 0; r < MV_ROWS; r++) {
-            if (r < n) {
-                size_t row = (size_t)(row0 + r);
-                uint4 c = ((const uint4*)(qs + row * (cols / 2)))[b];
-                acc[r] += h2f(d[row * nb + b]) * q4_block_dot(c, xb);
-            }
+            size_t row = block_row(row0, r, rows);
+            c[r] = ((const uint4*)(qs + row * (cols / 2)))[b];
+            h[r] = d[row * nb + b];
         }
+        float4 xb[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) xb[k] = ((const float4*)(x + b * QK))[k];
+#pragma unroll
+        for (int r = 0; r < MV_ROWS; r++) acc[r] += h2f(h[r]) * q4_block_dot(c[r], xb);
     }
-    store_rows(acc, out, row0, rows);
+    store_rows(acc, PICK(i, out0, out1, out2), row0, rows);
 }
 
 // W4A8: per block d_w * d_x * (sum q_w q_x - 8 sum q_x). The -8 of every weight code is applied
 // once per block through the activation code sum xs (deferred bias correction), so dp4a runs on
 // the raw 0..15 codes, which fit a signed byte. The integer part is exact.
-extern "C" __global__ void matvec_q4_w4a8(const u8* __restrict__ qs, const u16* __restrict__ d,
+extern "C" __global__ void matvec_q4_w4a8(const void* w0, const u16* d0, float* out0, int rows0,
+                                          const void* w1, const u16* d1, float* out1, int rows1,
+                                          const void* w2, const u16* d2, float* out2, int rows2,
                                           const signed char* __restrict__ xq, const float* __restrict__ xd,
-                                          const int* __restrict__ xs, float* __restrict__ out,
-                                          int rows, int cols) {
-    int row0 = blockIdx.x * MV_ROWS, nb = cols / QK, n = rows - row0 < MV_ROWS ? rows - row0 : MV_ROWS;
+                                          const int* __restrict__ xs, int cols) {
+    int row0, rows, i = block_matrix(rows0, rows1, rows2, &row0, &rows), nb = cols / QK;
+    const u8* __restrict__ qs = (const u8*)PICK(i, w0, w1, w2);
+    const u16* __restrict__ d = PICK(i, d0, d1, d2);
     float acc[MV_ROWS] = {};
-    for (int b = threadIdx.x; b < nb; b += MV_THREADS) {
+    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+        uint4 c[MV_ROWS];
+        u16 h[MV_ROWS];
+#pragma unroll
+        for (int r = 0; r < MV_ROWS; r++) {
+            size_t row = block_row(row0, r, rows);
+            c[r] = ((const uint4*)(qs + row * (cols / 2)))[b];
+            h[r] = d[row * nb + b];
+        }
         const int4* xv = (const int4*)(xq + b * QK);
         int4 x0 = xv[0], x1 = xv[1];  // elements 0..15, 16..31
         float dx = xd[b];
         int bias = 8 * xs[b];
 #pragma unroll
         for (int r = 0; r < MV_ROWS; r++) {
-            if (r < n) {
-                size_t row = (size_t)(row0 + r);
-                uint4 c = ((const uint4*)(qs + row * (cols / 2)))[b];
-                int s = 0;
-                s = __dp4a((int)(c.x & 0x0F0F0F0Fu), x0.x, s);
-                s = __dp4a((int)(c.y & 0x0F0F0F0Fu), x0.y, s);
-                s = __dp4a((int)(c.z & 0x0F0F0F0Fu), x0.z, s);
-                s = __dp4a((int)(c.w & 0x0F0F0F0Fu), x0.w, s);
-                s = __dp4a((int)((c.x >> 4) & 0x0F0F0F0Fu), x1.x, s);
-                s = __dp4a((int)((c.y >> 4) & 0x0F0F0F0Fu), x1.y, s);
-                s = __dp4a((int)((c.z >> 4) & 0x0F0F0F0Fu), x1.z, s);
-                s = __dp4a((int)((c.w >> 4) & 0x0F0F0F0Fu), x1.w, s);
-                acc[r] += (h2f(d[row * nb + b]) * dx) * (float)(s - bias);
-            }
+            int s = 0;
+            s = __dp4a((int)(c[r].x & 0x0F0F0F0Fu), x0.x, s);
+            s = __dp4a((int)(c[r].y & 0x0F0F0F0Fu), x0.y, s);
+            s = __dp4a((int)(c[r].z & 0x0F0F0F0Fu), x0.z, s);
+            s = __dp4a((int)(c[r].w & 0x0F0F0F0Fu), x0.w, s);
+            s = __dp4a((int)((c[r].x >> 4) & 0x0F0F0F0Fu), x1.x, s);
+            s = __dp4a((int)((c[r].y >> 4) & 0x0F0F0F0Fu), x1.y, s);
+            s = __dp4a((int)((c[r].z >> 4) & 0x0F0F0F0Fu), x1.z, s);
+            s = __dp4a((int)((c[r].w >> 4) & 0x0F0F0F0Fu), x1.w, s);
+            acc[r] += (h2f(h[r]) * dx) * (float)(s - bias);
         }
     }
-    store_rows(acc, out, row0, rows);
+    store_rows(acc, PICK(i, out0, out1, out2), row0, rows);
 }
 
 // Exact variants: f16/bf16 weights as stored, 8 per 16-byte load; cols must be a multiple of 8.
-extern "C" __global__ void matvec_exact(const u16* __restrict__ w, int bf16, const float* __restrict__ x,
-                                        float* __restrict__ out, int rows, int cols) {
-    int row0 = blockIdx.x * MV_ROWS, n = rows - row0 < MV_ROWS ? rows - row0 : MV_ROWS;
+extern "C" __global__ void matvec_exact(const void* w0, const u16* d0, float* out0, int rows0,
+                                        const void* w1, const u16* d1, float* out1, int rows1,
+                                        const void* w2, const u16* d2, float* out2, int rows2,
+                                        int bf16, const float* __restrict__ x, int cols) {
+    int row0, rows, i = block_matrix(rows0, rows1, rows2, &row0, &rows);
+    const u16* __restrict__ w = (const u16*)PICK(i, w0, w1, w2);
     float acc[MV_ROWS] = {};
-    for (int c = threadIdx.x; c < cols / 8; c += MV_THREADS) {
+    for (int c = threadIdx.x; c < cols / 8; c += blockDim.x) {
+        uint4 p[MV_ROWS];
+#pragma unroll
+        for (int r = 0; r < MV_ROWS; r++) p[r] = ((const uint4*)(w + block_row(row0, r, rows) * cols))[c];
         float4 a = ((const float4*)x)[2 * c], b = ((const float4*)x)[2 * c + 1];
 #pragma unroll
-        for (int r = 0; r < MV_ROWS; r++) {
-            if (r < n) {
-                uint4 p = ((const uint4*)(w + (size_t)(row0 + r) * cols))[c];
-                acc[r] += exact2f(p.x & 0xffff, bf16) * a.x + exact2f(p.x >> 16, bf16) * a.y
-                        + exact2f(p.y & 0xffff, bf16) * a.z + exact2f(p.y >> 16, bf16) * a.w
-                        + exact2f(p.z & 0xffff, bf16) * b.x + exact2f(p.z >> 16, bf16) * b.y
-                        + exact2f(p.w & 0xffff, bf16) * b.z + exact2f(p.w >> 16, bf16) * b.w;
-            }
-        }
+        for (int r = 0; r < MV_ROWS; r++)
+            acc[r] += exact2f(p[r].x & 0xffff, bf16) * a.x + exact2f(p[r].x >> 16, bf16) * a.y
+                    + exact2f(p[r].y & 0xffff, bf16) * a.z + exact2f(p[r].y >> 16, bf16) * a.w
+                    + exact2f(p[r].z & 0xffff, bf16) * b.x + exact2f(p[r].z >> 16, bf16) * b.y
+                    + exact2f(p[r].w & 0xffff, bf16) * b.z + exact2f(p[r].w >> 16, bf16) * b.w;
     }
-    store_rows(acc, out, row0, rows);
+    store_rows(acc, PICK(i, out0, out1, out2), row0, rows);
 }
 
 // One 32-group per warp: scale d = max|x| / 127, codes round-half-away(x / d) in -127..127,

@@ -1,24 +1,62 @@
 // RMSNorm over rows, one block per row (x [rows, n]); the fused form adds the residual first.
+// A thread holds its NORM_VEC float4s of the row in registers between the sum of squares and the
+// scaling, and issues them all at once: a decode row is one vector, so the kernel is as fast as
+// one round of loads (on an H100 a strided loop of scalar loads took 6.5 us for 4096 floats).
+// n must be a multiple of 4 and at most 4 * NORM_VEC * blockDim.x.
 #include "common.cuh"
 
-__device__ __forceinline__ void rmsnorm_row(const float* x, const float* w, float eps, float* out, int n) {
+#define NORM_VEC 4
+
+// v: the row's float4s this thread holds (index threadIdx.x + j * blockDim.x); -> 1 / rms
+__device__ __forceinline__ float inv_rms(const float4 (&v)[NORM_VEC], float eps, int n) {
     __shared__ float scratch[32];
     float ss = 0.f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
-    float inv = 1.f / sqrtf(block_sum(ss, scratch) / (float)n + eps);
-    // each thread writes only what it read itself, so out may be x
-    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = x[i] * inv * w[i];
+#pragma unroll
+    for (int j = 0; j < NORM_VEC; j++) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+    return 1.f / sqrtf(block_sum(ss, scratch) / (float)n + eps);
 }
 
+__device__ __forceinline__ void scale_out(const float4 (&v)[NORM_VEC], float inv, const float* w, float* out, int n) {
+#pragma unroll
+    for (int j = 0; j < NORM_VEC; j++) {
+        int i = threadIdx.x + j * blockDim.x;
+        if (i < n / 4) {
+            float4 g = ((const float4*)w)[i], o;
+            o.x = v[j].x * inv * g.x;
+            o.y = v[j].y * inv * g.y;
+            o.z = v[j].z * inv * g.z;
+            o.w = v[j].w * inv * g.w;
+            ((float4*)out)[i] = o;
+        }
+    }
+}
+
+// each thread writes only what it read itself, so out may be x
 extern "C" __global__ void rmsnorm(const float* x, const float* w, float eps, float* out, int n) {
     size_t row = (size_t)blockIdx.x * n;
-    rmsnorm_row(x + row, w, eps, out + row, n);
+    float4 v[NORM_VEC];
+#pragma unroll
+    for (int j = 0; j < NORM_VEC; j++) {
+        int i = threadIdx.x + j * blockDim.x;
+        v[j] = i < n / 4 ? ((const float4*)(x + row))[i] : float4{0.f, 0.f, 0.f, 0.f};
+    }
+    scale_out(v, inv_rms(v, eps, n), w, out + row, n);
 }
 
 // residual += x, then out = rmsnorm(residual)
 extern "C" __global__ void add_rmsnorm(const float* x, float* residual, const float* w, float eps,
                                        float* out, int n) {
     size_t row = (size_t)blockIdx.x * n;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) residual[row + i] += x[row + i];
-    rmsnorm_row(residual + row, w, eps, out + row, n);
+    float4 v[NORM_VEC];
+#pragma unroll
+    for (int j = 0; j < NORM_VEC; j++) {
+        int i = threadIdx.x + j * blockDim.x;
+        v[j] = float4{0.f, 0.f, 0.f, 0.f};
+        if (i < n / 4) {
+            float4 a = ((const float4*)(x + row))[i], r = ((float4*)(residual + row))[i];
+            v[j] = float4{a.x + r.x, a.y + r.y, a.z + r.z, a.w + r.w};
+            ((float4*)(residual + row))[i] = v[j];
+        }
+    }
+    scale_out(v, inv_rms(v, eps, n), w, out + row, n);
 }

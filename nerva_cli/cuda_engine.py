@@ -322,23 +322,20 @@ class CudaEngine(EngineBase):
         eps, qd, kvd = cfg.rms_eps, cfg.q_dim, cfg.kv_dim
         k.rmsnorm(a.x, t["attn_norm"], eps, a.xn)
         act = self._quantized(a.xn, p)
+        k.matvecs([L.mat("q"), L.mat("k"), L.mat("v")], a.xn, [a.q, a.k, a.v], p, act)
         for name, out in (("q", a.q), ("k", a.k), ("v", a.v)):
-            k.matvec(L.mat(name), a.xn, out, p, act)
             if f"{name}_bias" in t:
                 k.add_rows(out, t[f"{name}_bias"], 1)
         if "q_norm" in t:
             k.rmsnorm(a.q, t["q_norm"], eps, a.q)
             k.rmsnorm(a.k, t["k_norm"], eps, a.k)
-        k.rope(a.q, qd, a.pos, self.cos, self.sin, 1, cfg.num_heads)
-        k.rope(a.k, kvd, a.pos, self.cos, self.sin, 1, cfg.num_kv_heads)
         kc, vc = a.kv[L.index, 0], a.kv[L.index, 1]
-        k.kv_store(a.k, a.v, kvd, kc, vc, a.pos, 1)
+        k.rope_kv_store(a.q, a.k, a.v, qd, a.pos, self.cos, self.sin, 1, cfg.num_heads, kc, vc)
         k.attention_decode(a.q, kc, vc, a.pos, a.part, a.attn, cfg.num_heads, self.splits)
         k.matvec(L.mat("o"), a.attn, a.h_out, p, self._quantized(a.attn, p))
         k.add_rmsnorm(a.h_out, a.x, t["mlp_norm"], eps, a.xn)
         act = self._quantized(a.xn, p)
-        k.matvec(L.mat("gate"), a.xn, a.gate, p, act)
-        k.matvec(L.mat("up"), a.xn, a.up, p, act)
+        k.matvecs([L.mat("gate"), L.mat("up")], a.xn, [a.gate, a.up], p, act)
         k.silu_mul(a.gate_up, a.act, cfg.intermediate_size, 1)
         k.matvec(L.mat("down"), a.act, a.h_out, p, self._quantized(a.act, p))
         k.add_rows(a.x, a.h_out, 1)
@@ -649,10 +646,8 @@ class CudaEngine(EngineBase):
                 part = qkv[:, lo:hi].copy()
                 k.rmsnorm(part, w, eps, part)
                 qkv[:, lo:hi] = part
-        k.rope(flat, stride, a.pos, self.cos, self.sin, T, cfg.num_heads)
-        k.rope(flat[qd:], stride, a.pos, self.cos, self.sin, T, cfg.num_kv_heads)
         kc, vc = a.kv[L.index, 0], a.kv[L.index, 1]
-        k.kv_store(flat[qd:], flat[qd + kvd:], stride, kc, vc, a.pos, T)
+        k.rope_kv_store(flat, flat[qd:], flat[qd + kvd:], stride, a.pos, self.cos, self.sin, T, cfg.num_heads, kc, vc)
         attn = a.pattn[:T]
         k.attention_prefill(flat, stride, kc, vc, a.pos, attn, T, cfg.num_heads)
         out = a.pout[:T, : cfg.hidden_size]

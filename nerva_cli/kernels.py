@@ -77,17 +77,17 @@ def nvrtc_version(major: int | None = None) -> str:
     return f"{major.value}.{minor.value}"
 
 
-def compile_cubin(path: Path, arch: str, major: int | None = None) -> bytes:
+def compile_cubin(path: Path, arch: str, major: int | None = None, defines: tuple[str, ...] = ()) -> bytes:
     """NVRTC-compiles one source to machine code for `arch` (e.g. sm_90), through ptxas, so
     register and shared-memory limits are checked too. A failure raises with NVRTC's log, which
-    names the file and line."""
+    names the file and line. defines ("MV_ROWS=4", ...): tuning sweeps (scripts/gpu_matvec_sweep.py)."""
     lib = _nvrtc(major)
     prog = ctypes.c_void_p()
     src = module_source(path).encode()
     check = _checker(lib, path)
     check(lib.nvrtcCreateProgram(ctypes.byref(prog), src, str(path).encode(), 0, None, None))
     try:
-        opts = [o.encode() for o in (*OPTIONS, f"--gpu-architecture={arch}")]
+        opts = [o.encode() for o in (*OPTIONS, f"--gpu-architecture={arch}", *(f"-D{d}" for d in defines))]
         arr = (ctypes.c_char_p * len(opts))(*opts)
         rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
         if rc != 0:

@@ -82,20 +82,32 @@ def test_embed_rows(k, rng, kind):
     np.testing.assert_array_equal(down(k, out), want)
 
 
-@pytest.mark.parametrize("T,heads,start", [(1, 4, 9), (5, 3, 0), (6, 2, 17)])
-def test_rope_on_strided_rows(k, rng, T, heads, start):
-    """Rows `stride` floats apart, as q and k lie in prefill's fused q|k|v rows."""
-    hd, extra = 32, 40
-    stride = heads * hd + extra
+@pytest.mark.parametrize("T,heads,kv_heads,start", [(1, 4, 2, 9), (5, 3, 3, 0), (6, 2, 1, 17)])
+def test_rope_kv_store(k, rng, T, heads, kv_heads, start):
+    """q rotated in place; k rotated and v stored in f16 at positions start .., nothing else written.
+    Rows laid out as prefill's: q, k, v side by side, `stride` floats apart."""
+    hd, ctx = 32, 32
+    qd, kvd = heads * hd, kv_heads * hd
+    stride = qd + 2 * kvd
+    rows = randn(rng, T, stride)
     cos, sin = rope_tables(64, hd)
-    x = randn(rng, T, stride)
-    want = x[:, : heads * hd].copy().reshape(T, heads, hd)
-    ref.rope(want, np.arange(start, start + T), cos, sin)
-    xd = up(k, x)
-    k.rope(xd, stride, up(k, np.array([start], np.int32)), up(k, cos), up(k, sin), T, heads)
-    got = down(k, xd)
-    assert rel(got[:, : heads * hd].reshape(T, heads, hd), want) < 4 * EPS
-    np.testing.assert_array_equal(got[:, heads * hd:], x[:, heads * hd:])  # the rest untouched
+    want_q = rows[:, :qd].reshape(T, heads, hd).copy()
+    want_k = rows[:, qd:qd + kvd].reshape(T, kv_heads, hd).copy()
+    ref.rope(want_q, np.arange(start, start + T), cos, sin)
+    ref.rope(want_k, np.arange(start, start + T), cos, sin)
+    flat = up(k, rows).reshape(-1)
+    kc, vc = up(k, np.zeros((ctx, kv_heads, hd), np.float16)), up(k, np.zeros((ctx, kv_heads, hd), np.float16))
+    k.rope_kv_store(flat, flat[qd:], flat[qd + kvd:], stride, up(k, np.array([start], np.int32)), up(k, cos),
+                    up(k, sin), T, heads, kc, vc)
+    got = down(k, flat).reshape(T, stride)
+    assert rel(got[:, :qd].reshape(T, heads, hd), want_q) < 4 * EPS
+    np.testing.assert_array_equal(got[:, qd:], rows[:, qd:])  # k and v rows are read only
+    gk, gv = down(k, kc).astype(np.float32), down(k, vc)
+    # f16 of a rotation that may differ from NumPy's in its last f32 bit: within one f16 rounding
+    assert rel(gk[start:start + T], want_k) < 2.0 ** -11 + 4 * EPS
+    np.testing.assert_array_equal(gv[start:start + T], rows[:, qd + kvd:].astype(np.float16).reshape(T, kv_heads, hd))
+    for cache in (gk, gv):
+        assert not cache[:start].any() and not cache[start + T:].any()
 
 
 def test_silu_mul_and_add_rows(k, rng):
@@ -112,23 +124,9 @@ def test_silu_mul_and_add_rows(k, rng):
     np.testing.assert_array_equal(down(k, xd), x + b)
 
 
-def test_kv_store_rounds_to_f16_at_the_position(k, rng):
-    T, kvh, hd, ctx, start = 3, 2, 32, 16, 5
-    stride = 3 * kvh * hd
-    rows = randn(rng, T, stride)
-    kc, vc = up(k, np.zeros((ctx, kvh, hd), np.float16)), up(k, np.zeros((ctx, kvh, hd), np.float16))
-    flat = up(k, rows).reshape(-1)
-    k.kv_store(flat[kvh * hd:], flat[2 * kvh * hd:], stride, kc, vc, up(k, np.array([start], np.int32)), T)
-    gk, gv = down(k, kc), down(k, vc)
-    want_k = rows[:, kvh * hd: 2 * kvh * hd].astype(np.float16).reshape(T, kvh, hd)
-    want_v = rows[:, 2 * kvh * hd:].astype(np.float16).reshape(T, kvh, hd)
-    np.testing.assert_array_equal(gk[start:start + T], want_k)
-    np.testing.assert_array_equal(gv[start:start + T], want_v)
-    assert not gk[:start].any() and not gk[start + T:].any()
-
-
 # -- matvecs -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("rows,cols", [(1, 32), (37, 64), (200, 576), (9, 1536)])
+# 4160 columns: 130 blocks a row, more than a matvec block has threads (two rounds, the second partial)
+@pytest.mark.parametrize("rows,cols", [(1, 32), (37, 64), (200, 576), (9, 1536), (5, 4160)])
 def test_matvec_w4a16(k, rng, rows, cols):
     qs, d = random_q4(rng, rows, cols)
     x = randn(rng, cols)
@@ -136,6 +134,34 @@ def test_matvec_w4a16(k, rng, rows, cols):
     out = up(k, np.zeros(rows, np.float32))
     k.matvec({"qs": up(k, qs), "d": up(k, d)}, up(k, x), out, "w4a16")
     assert_rows_close(down(k, out), w @ x, np.abs(w) @ np.abs(x), cols)
+
+
+@pytest.mark.parametrize("precision", ["w4a16", "w4a8", "f16"])
+def test_matvecs_share_a_launch(k, rng, precision):
+    """q, k and v (or gate and up) in one launch: each output is its own matrix's product, and
+    no block writes into another's output (each starts poisoned with NaN)."""
+    cols, x = 576, randn(rng, 576)
+    act = act_q8(ref, x)
+    mats, outs, wants = [], [], []
+    for rows in (37, 9, 200):
+        if precision == "f16":
+            w = randn(rng, rows, cols).astype(np.float16)
+            mats.append({"w": up(k, w)})
+            wants.append((w.astype(np.float64) @ x, np.abs(w.astype(np.float64)) @ np.abs(x)))
+        else:
+            qs, d = random_q4(rng, rows, cols)
+            mats.append({"qs": up(k, qs), "d": up(k, d)})
+            w = dequantize_q4_0(qs, d).astype(np.float64)
+            if precision == "w4a8":
+                want = np.empty(rows, np.float32)
+                ref.matvec_q4_w4a8(qs, d, *act, want)
+                wants.append((want, (np.abs(d.astype(np.float64)) * act[1] * 127 * 15).sum(axis=1) + np.abs(want)))
+            else:
+                wants.append((w @ x, np.abs(w) @ np.abs(x)))
+        outs.append(up(k, np.full(rows, np.nan, np.float32)))
+    k.matvecs(mats, up(k, x), outs, precision, tuple(up(k, a) for a in act) if precision == "w4a8" else None)
+    for out, (want, scale) in zip(outs, wants):
+        assert_rows_close(down(k, out), want, scale, cols // 32 if precision == "w4a8" else cols)
 
 
 @pytest.mark.parametrize("cols", [32, 96, 1536])
@@ -155,7 +181,7 @@ def test_activation_quantiser_is_bit_exact(k, rng, cols):
     np.testing.assert_array_equal(down(k, fq), want_fq)
 
 
-@pytest.mark.parametrize("rows,cols", [(1, 32), (37, 64), (200, 576)])
+@pytest.mark.parametrize("rows,cols", [(1, 32), (37, 64), (200, 576), (11, 4160)])
 def test_matvec_w4a8(k, rng, rows, cols):
     qs, d = random_q4(rng, rows, cols)
     x = randn(rng, cols)
@@ -184,7 +210,7 @@ def test_matvec_w4a8_integer_sums_are_exact(k, rng):
 
 
 @pytest.mark.parametrize("kind", ["f16", "bf16"])
-@pytest.mark.parametrize("rows,cols", [(3, 64), (70, 160)])
+@pytest.mark.parametrize("rows,cols", [(3, 64), (70, 160), (5, 1112)])
 def test_matvec_exact(k, rng, kind, rows, cols):
     w32 = randn(rng, rows, cols)
     if kind == "f16":

@@ -21,16 +21,31 @@ from nerva_cli.quant import QK
 
 I32, F32 = np.int32, np.float32
 THREADS = 256  # elementwise and norm blocks
-MV_THREADS, MV_ROWS = 128, 8  # matvecs: rows per block, K split over its threads (matvec.cu)
+MV_THREADS, MV_ROWS = 128, 8  # matvecs: most threads splitting K, rows per block (matvec.cu)
 GROUPS_PER_BLOCK = THREADS // 32  # the activation quantiser: one warp per 32-group
 ATT_THREADS = 128  # attention: 4 warps (ATT_WARPS in attention.cu)
 SAMPLE_THREADS = 1024
+NORM_VEC = 4  # float4s a norm thread holds (norm.cu)
 MAX_HEAD_DIM = 256  # MAX_HEAD_DIM in common.cuh
 RECENT = 64  # tokens the repetition penalty looks back on (the CPU sampler's repeat_last_n)
 
 
 def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+def mv_threads(units: int) -> int:
+    """Threads of a matvec block whose rows are `units` 16-byte loads long: a warp per 32 of
+    them, up to MV_THREADS, so short rows (a 576-wide model's) leave no warp idle."""
+    return min(MV_THREADS, 32 * _cdiv(units, 32))
+
+
+def norm_threads(n: int) -> int:
+    """Threads of a norm block: each holds up to NORM_VEC float4s of the row (norm.cu)."""
+    if n % 4 or n > 4 * NORM_VEC * 1024:
+        raise NervaError(f"rmsnorm rows of {n} floats: the cuda kernel needs a multiple of 4, at most "
+                         f"{4 * NORM_VEC * 1024}")
+    return 32 * _cdiv(n, 4 * NORM_VEC * 32)
 
 
 def is_bf16(a) -> bool:
@@ -52,11 +67,11 @@ class Kernels:
     def rmsnorm(self, x, w, eps: float, out) -> None:
         """Rows of w.shape[0] elements; out may be x."""
         n = w.shape[0]
-        self._go("rmsnorm", (x.size // n,), (THREADS,), (x, w, F32(eps), out, I32(n)))
+        self._go("rmsnorm", (x.size // n,), (norm_threads(n),), (x, w, F32(eps), out, I32(n)))
 
     def add_rmsnorm(self, x, residual, w, eps: float, out) -> None:
         n = w.shape[0]
-        self._go("add_rmsnorm", (x.size // n,), (THREADS,), (x, residual, w, F32(eps), out, I32(n)))
+        self._go("add_rmsnorm", (x.size // n,), (norm_threads(n),), (x, residual, w, F32(eps), out, I32(n)))
 
     def embed(self, table: dict, tokens, out) -> None:
         """out [T, cols] = rows tokens [T] (device int32) of table: {"qs", "d"} (Q4_0) or {"w"}."""
@@ -67,11 +82,12 @@ class Kernels:
             w = table["w"]
             self._go("embed_exact", grid, (THREADS,), (w, I32(is_bf16(w)), tokens, out, I32(cols)))
 
-    def rope(self, x, stride: int, pos0, cos, sin, T: int, heads: int) -> None:
-        """x: T rows `stride` floats apart, each `heads` heads; token t at position pos0[0] + t."""
-        half = cos.shape[1]
-        self._go("rope", (_cdiv(T * heads * half, THREADS),), (THREADS,),
-                 (x, I32(stride), pos0, cos, sin, I32(T), I32(heads), I32(half)))
+    def rope_kv_store(self, q, k, v, stride: int, pos0, cos, sin, T: int, heads: int, k_cache, v_cache) -> None:
+        """Rotates q (in place) and k for tokens at positions pos0[0] + t and stores k and v in f16
+        at those cache rows. q, k, v: T rows `stride` floats apart; caches [ctx, kv_heads, hd]."""
+        half, kv_heads = cos.shape[1], k_cache.shape[-2]
+        self._go("rope_kv_store", (_cdiv(T * (heads + kv_heads) * half, THREADS),), (THREADS,),
+                 (q, k, v, I32(stride), pos0, cos, sin, I32(T), I32(heads), I32(kv_heads), I32(half), k_cache, v_cache))
 
     def silu_mul(self, gate_up, out, f: int, T: int) -> None:
         self._go("silu_mul", (_cdiv(T * f, THREADS),), (THREADS,), (gate_up, out, I32(f), I32(T)))
@@ -81,28 +97,36 @@ class Kernels:
         n = b.shape[0]
         self._go("add_rows", (_cdiv(T * n, THREADS),), (THREADS,), (x, b, I32(n), I32(T)))
 
-    def kv_store(self, k, v, stride: int, k_cache, v_cache, pos0, T: int) -> None:
-        kv_dim = k_cache.shape[-1] * k_cache.shape[-2]
-        self._go("kv_store", (_cdiv(T * kv_dim, THREADS),), (THREADS,),
-                 (k, v, I32(stride), k_cache, v_cache, pos0, I32(T), I32(kv_dim)))
-
     # -- matvecs -------------------------------------------------------------------------------
     def matvec(self, m: dict, x, out, precision: str, act=None) -> None:
         """out = W x. m: {"qs", "d"} or {"w"}; act = (xq, xd, xs) already quantised for w4a8."""
-        if "w" in m:
-            w = m["w"]
-            rows, cols = w.shape
-            self._go("matvec_exact", (_cdiv(rows, MV_ROWS),), (MV_THREADS,),
-                     (w, I32(is_bf16(w)), x, out, I32(rows), I32(cols)))
+        self.matvecs([m], x, [out], precision, act)
+
+    def matvecs(self, ms: list[dict], x, outs: list, precision: str, act=None) -> None:
+        """outs[i] = W_i x for up to three matrices of the same width, in one launch (a layer's q,
+        k and v; gate and up)."""
+        if not 1 <= len(ms) <= 3 or len(ms) != len(outs):
+            raise ValueError(f"matvecs takes 1 to 3 matrices with an output each, got {len(ms)}, {len(outs)}")
+        exact = "w" in ms[0]
+        if len({(m["w"] if exact else m["qs"]).shape[1] for m in ms}) != 1:
+            raise ValueError("matvecs: the matrices of one launch must have the same width")
+        mats, blocks = [], 0
+        for m, out in zip(ms, outs):
+            w = m["w"] if exact else m["qs"]
+            mats.append((w, w if exact else m["d"], out, I32(w.shape[0])))  # exact weights have no scales
+            blocks += _cdiv(w.shape[0], MV_ROWS)
+        mats += [(*mats[0][:3], I32(0))] * (3 - len(mats))  # absent: 0 rows
+        flat = tuple(a for mat in mats for a in mat)
+        w = mats[0][0]
+        if exact:
+            cols = w.shape[1]
+            self._go("matvec_exact", (blocks,), (mv_threads(cols // 8),), (*flat, I32(is_bf16(w)), x, I32(cols)))
             return
-        rows, cols = m["qs"].shape[0], m["qs"].shape[1] * 2
+        cols = w.shape[1] * 2
         if precision == "w4a8":
-            xq, xd, xs = act
-            self._go("matvec_q4_w4a8", (_cdiv(rows, MV_ROWS),), (MV_THREADS,),
-                     (m["qs"], m["d"], xq, xd, xs, out, I32(rows), I32(cols)))
+            self._go("matvec_q4_w4a8", (blocks,), (mv_threads(cols // QK),), (*flat, *act, I32(cols)))
         else:
-            self._go("matvec_q4_w4a16", (_cdiv(rows, MV_ROWS),), (MV_THREADS,),
-                     (m["qs"], m["d"], x, out, I32(rows), I32(cols)))
+            self._go("matvec_q4_w4a16", (blocks,), (mv_threads(cols // QK),), (*flat, x, I32(cols)))
 
     def quantize_act_q8(self, x, xq, xd, xs) -> None:
         groups = x.size // QK
@@ -153,8 +177,8 @@ class Kernels:
 
 def attention_splits(heads: int, ctx: int, sms: int) -> int:
     """Blocks over the context per head for decode: enough blocks to fill the GPU twice over,
-    none shorter than 128 positions at full context."""
-    return max(1, min(32, _cdiv(2 * sms, heads), ctx // 128))
+    none shorter than 64 positions at full context (a block reads 16 of them a round)."""
+    return max(1, min(32, _cdiv(2 * sms, heads), ctx // 64))
 
 
 def kernel_names() -> dict[str, str]:

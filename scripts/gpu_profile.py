@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Where a resident decode step's GPU time goes, kernel by kernel (needs a CUDA device).
+
+Each launch of one decode step (the launches the step graph holds, then greedy sampling) is
+captured alone, REPEAT times in one graph, and that graph's replay is timed with events: the
+per-launch figure includes a graph node's launch cost, as in the real step, and none of the
+host's. The step graph itself is timed the same way, so the table's sum can be held against it.
+Matvec rows also give GB/s over the bytes of the weights they read.
+
+    python3 scripts/gpu_profile.py MODEL_DIR [--fill 512] [--repeat 20] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def timed(dev, graph, reps: int = 5) -> float:
+    """Median ms of one replay of graph on the compute stream."""
+    s = dev.compute
+    start, end = dev.timing_event(), dev.timing_event()
+    dev.replay(graph, s)  # warm
+    times = []
+    for _ in range(reps):
+        start.record(s)
+        dev.replay(graph, s)
+        end.record(s)
+        end.synchronize()
+        times.append(dev.elapsed_ms(start, end))
+    return float(np.median(times))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--fill", type=int, default=512, help="tokens in the KV cache before the step")
+    ap.add_argument("--repeat", type=int, default=20, help="copies of each launch in its timing graph")
+    ap.add_argument("--precision", default=None)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from nerva_cli.cuda_engine import CudaEngine
+    from nerva_cli.sampling import SamplingOptions
+    from nerva_cli.store import load_metadata
+
+    model = load_metadata(args.model)
+    engine = CudaEngine(model, precision=args.precision, ctx=args.fill + 64)
+    dev, rng = engine.dev, np.random.default_rng()
+    engine.prefill([int(t) for t in rng.integers(0, engine.cfg.vocab_size, args.fill)])
+    engine._use_sampling(SamplingOptions(temperature=0.0))
+    engine._write_state(int(rng.integers(0, engine.cfg.vocab_size)))
+    dev.synchronize()
+
+    launches = []  # (kernel name, fn, grid, block, args) of one step, in order
+    go = engine.k._go
+    engine.k._go = lambda name, grid, block, a: launches.append((name, engine.k.fn[name], grid, block, a))
+    engine._record_step()
+    engine._record_sample_first()
+    engine.k._go = go
+
+    per = defaultdict(lambda: {"launches": 0, "ms": 0.0, "bytes": 0})
+    for name, fn, grid, block, a in launches:
+        g = dev.capture(dev.compute, lambda fn=fn, grid=grid, block=block, a=a:
+                        [dev.launch(fn, grid, block, a) for _ in range(args.repeat)])
+        row = per[name]
+        row["launches"] += 1
+        row["ms"] += timed(dev, g) / args.repeat
+        if name.startswith("matvec"):
+            row["bytes"] += sum(int(x.nbytes) for x in a[:2])  # the weight planes
+    step_ms = timed(dev, engine._graph("step"))
+    sample_ms = per["sample"]["ms"]
+    total = sum(r["ms"] for r in per.values())
+    rows = sorted(per.items(), key=lambda kv: -kv[1]["ms"])
+    print(f"{dev.name}: {model.name}:{model.variant} ({engine.cfg.num_layers} layers), {args.fill} tokens cached, "
+          f"precision {engine.precision}")
+    print(f"{'kernel':<22}{'launches':>9}{'us/step':>10}{'share':>8}{'GB/s':>9}")
+    for name, r in rows:
+        gbs = f"{r['bytes'] / (r['ms'] / 1e3) / 1e9:9.0f}" if r["bytes"] and r["ms"] else ""
+        print(f"{name:<22}{r['launches']:>9}{r['ms'] * 1e3:>10.1f}{r['ms'] / (total or 1):>8.1%}{gbs}")
+    print(f"sum of launches {total * 1e3:.1f} us; step graph {step_ms * 1e3:.1f} us + sample {sample_ms * 1e3:.1f} us")
+    if args.json:
+        args.json.write_text(json.dumps({"device": dev.name, "model": f"{model.name}:{model.variant}",
+                                         "fill": args.fill, "step_graph_ms": step_ms,
+                                         "kernels": {k: v for k, v in rows}}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
