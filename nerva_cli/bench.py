@@ -79,7 +79,8 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
             f"decode {stats.decode_tok_s:.1f} tok/s")
     token_ms = np.array([t for s in runs for t in s.token_s]) * 1000
     pager = [b - a for a, b in zip(pager0, _pager_counters(engine))]
-    passes = sum(s.gen_tokens - 1 + math.ceil(s.prompt_tokens / PREFILL_CHUNK) for s in runs)  # layer passes
+    chunk = getattr(engine, "prefill_chunk", PREFILL_CHUNK)
+    passes = sum(s.gen_tokens - 1 + math.ceil(s.prompt_tokens / chunk) for s in runs)  # layer passes
     allocs = hot_path_allocations(engine, prompt[:8], steps=16)
     best = max(runs, key=lambda s: s.decode_tok_s)
     gpu = getattr(engine, "gpu_plan", None)

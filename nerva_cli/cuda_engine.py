@@ -24,7 +24,7 @@ import numpy as np
 
 from nerva_cli import rope
 from nerva_cli.backends.cuda import MAX_HEAD_DIM, RECENT, Kernels, attention_splits
-from nerva_cli.engine import PREFILL_CHUNK, EngineBase, context_length, default_precision
+from nerva_cli.engine import EngineBase, context_length, default_precision
 from nerva_cli.errors import NervaError
 from nerva_cli.layout import layer_file
 from nerva_cli.output import human_bytes
@@ -38,6 +38,10 @@ HOST_SLOTS = 2  # staging buffers between the disk reader and the copy stream
 
 
 # -- sizes and the plan ----------------------------------------------------------------------
+# Prompt tokens a prefill pass takes (the cpu plane's is 256): every pass dequantises every
+# weight matrix once, so on the GPU, where that costs as much as the GEMMs, fewer passes pay.
+PREFILL_CHUNK = 512
+
 def arena_sizes(cfg, ctx: int, splits: int) -> tuple[int, int]:
     """(kv_bytes, total bytes) of DeviceArena: decode buffers, f16 KV cache, prefill workspace."""
     h, f, qd, kvd, T = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim, PREFILL_CHUNK
@@ -184,6 +188,10 @@ SYNC_KINDS = ("state", "logits", "token", "staging", "drain")
 class CudaEngine(EngineBase):
     backend = "cuda"
     device_sampling = True
+
+    @property
+    def prefill_chunk(self) -> int:
+        return PREFILL_CHUNK
 
     def __init__(self, model: StoredModel, precision: str | None = None, ctx: int | None = None,
                  layer_precisions: list[str] | None = None, active_layers: list[int] | None = None,

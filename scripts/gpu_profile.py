@@ -5,7 +5,9 @@ Each launch of one decode step (the launches the step graph holds, then greedy s
 captured alone, REPEAT times in one graph, and that graph's replay is timed with events: the
 per-launch figure includes a graph node's launch cost, as in the real step, and none of the
 host's. The step graph itself is timed the same way, so the table's sum can be held against it.
-Matvec rows also give GB/s over the bytes of the weights they read.
+Matvec rows also give GB/s over the bytes of the weights they read; each launch's copies reread
+one matrix, which a small one finds in L2, so scripts/gpu_matvec_sweep.py (which rotates over
+copies) is the measure of matvec bandwidth, this the measure of where the step's time goes.
 
     python3 scripts/gpu_profile.py MODEL_DIR [--fill 512] [--repeat 20] [--json OUT]
 """
@@ -73,8 +75,9 @@ def main() -> None:
         row = per[name]
         row["launches"] += 1
         row["ms"] += timed(dev, g) / args.repeat
-        if name.startswith("matvec"):
-            row["bytes"] += sum(int(x.nbytes) for x in a[:2])  # the weight planes
+        if name.startswith("matvec"):  # (weights, scales, out, rows) for each of up to 3 matrices
+            planes = (0,) if name == "matvec_exact" else (0, 1)
+            row["bytes"] += sum(int(a[4 * j + p].nbytes) for j in range(3) if int(a[4 * j + 3]) for p in planes)
     step_ms = timed(dev, engine._graph("step"))
     sample_ms = per["sample"]["ms"]
     total = sum(r["ms"] for r in per.values())

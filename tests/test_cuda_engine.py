@@ -96,6 +96,19 @@ def test_64_steps_of_exact_variants_agree_on_the_same_tokens(stored, cuda_device
     assert near_ties <= 2
 
 
+def test_prefill_in_chunks_equals_one_chunk(stored, cuda_device, monkeypatch):
+    """Chunk boundaries change nothing but the GEMMs' blocking: 1e-4 allows a GPU's TF32 sums
+    in another order (the inputs round the same either way)."""
+    from nerva_cli import cuda_engine
+
+    model = stored("qwen2", "f16")
+    ids = [int(t) for t in np.random.default_rng().integers(0, model.config.vocab_size, 40)]
+    whole = CudaEngine(model, ctx=128, device=cuda_device).prefill(ids, all_logits=True)
+    monkeypatch.setattr(cuda_engine, "PREFILL_CHUNK", 7)
+    chunked = CudaEngine(model, ctx=128, device=cuda_device).prefill(ids, all_logits=True)
+    assert max_rel(chunked, whole) < 1e-4
+
+
 def test_paged_tiers_decode_the_resident_tokens(stored, cuda_device):
     """All layers through 2 VRAM slots: from pinned RAM (warm), then from disk (cold: RAM for the
     2 staging buffers only)."""
