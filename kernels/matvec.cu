@@ -50,6 +50,18 @@ __device__ __forceinline__ size_t block_row(int row0, int r, int rows) {
     return (size_t)(row0 + r < rows ? row0 + r : rows - 1);
 }
 
+// Block b (32 weights: 16 code bytes and a scale) of each of the block's MV_ROWS rows, every load
+// issued before any is used.
+__device__ __forceinline__ void load_q4_block(const u8* __restrict__ qs, const u16* __restrict__ d, int row0,
+                                              int rows, int cols, int b, uint4 (&c)[MV_ROWS], u16 (&h)[MV_ROWS]) {
+#pragma unroll
+    for (int r = 0; r < MV_ROWS; r++) {
+        size_t row = block_row(row0, r, rows);
+        c[r] = ((const uint4*)(qs + row * (cols / 2)))[b];
+        h[r] = d[row * (cols / QK) + b];
+    }
+}
+
 // The block's MV_ROWS partial sums -> out[row0 ..]; every thread of the block must call it.
 __device__ __forceinline__ void store_rows(float (&acc)[MV_ROWS], float* out, int row0, int rows) {
     __shared__ float part[MV_MAX_THREADS / 32][MV_ROWS];
@@ -78,12 +90,7 @@ extern "C" __global__ void matvec_q4_w4a16(const void* w0, const u16* d0, float*
     for (int b = threadIdx.x; b < nb; b += blockDim.x) {
         uint4 c[MV_ROWS];
         u16 h[MV_ROWS];
-#pragma unroll
-        for (int r = 0; r < MV_ROWS; r++) {
-            size_t row = block_row(row0, r, rows);
-            c[r] = ((const uint4*)(qs + row * (cols / 2)))[b];
-            h[r] = d[row * nb + b];
-        }
+        load_q4_block(qs, d, row0, rows, cols, b, c, h);
         float4 xb[8];
 #pragma unroll
         for (int k = 0; k < 8; k++) xb[k] = ((const float4*)(x + b * QK))[k];
@@ -108,12 +115,7 @@ extern "C" __global__ void matvec_q4_w4a8(const void* w0, const u16* d0, float* 
     for (int b = threadIdx.x; b < nb; b += blockDim.x) {
         uint4 c[MV_ROWS];
         u16 h[MV_ROWS];
-#pragma unroll
-        for (int r = 0; r < MV_ROWS; r++) {
-            size_t row = block_row(row0, r, rows);
-            c[r] = ((const uint4*)(qs + row * (cols / 2)))[b];
-            h[r] = d[row * nb + b];
-        }
+        load_q4_block(qs, d, row0, rows, cols, b, c, h);
         const int4* xv = (const int4*)(xq + b * QK);
         int4 x0 = xv[0], x1 = xv[1];  // elements 0..15, 16..31
         float dx = xd[b];
