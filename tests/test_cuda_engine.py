@@ -97,8 +97,10 @@ def test_64_steps_of_exact_variants_agree_on_the_same_tokens(stored, cuda_device
 
 
 def test_prefill_in_chunks_equals_one_chunk(stored, cuda_device, monkeypatch):
-    """Chunk boundaries change nothing but the GEMMs' blocking: 1e-4 allows a GPU's TF32 sums
-    in another order (the inputs round the same either way)."""
+    """Chunk boundaries change only the GEMMs' blocking, and so the last bits of some k and v
+    values, which can flip their f16 rounding in the cache (2^-11 relative): held to LOGIT_REL's
+    5e-3 for the same reason (measured 1e-5 to 5e-4 over 12 draws on the emulation); a chunk attending at the
+    wrong positions would be off by far more."""
     from nerva_cli import cuda_engine
 
     model = stored("qwen2", "f16")
@@ -106,7 +108,7 @@ def test_prefill_in_chunks_equals_one_chunk(stored, cuda_device, monkeypatch):
     whole = CudaEngine(model, ctx=128, device=cuda_device).prefill(ids, all_logits=True)
     monkeypatch.setattr(cuda_engine, "PREFILL_CHUNK", 7)
     chunked = CudaEngine(model, ctx=128, device=cuda_device).prefill(ids, all_logits=True)
-    assert max_rel(chunked, whole) < 1e-4
+    assert max_rel(chunked, whole) < LOGIT_REL["exact"]
 
 
 def test_paged_tiers_decode_the_resident_tokens(stored, cuda_device):
