@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check, on a machine with a CUDA device (pip install -e '.[test,cuda13]'): the GPU tests,
 # then the GPU benchmarks (scripts/gpu_bench.py), where a decode step's time goes
-# (scripts/gpu_profile.py) and the matvec tuning table (scripts/gpu_matvec_sweep.py). With ../shared/gpu-peers packed into .gpu-peer/
-# (its pack.sh), llama.cpp CUDA is built and benched on its random Llama-3-8B-shaped Q4_0 GGUF
-# and nerva runs the same file, so the figures are ratios measured in the same lease; without
-# it, nerva runs a model of the same shapes from scripts/synthetic_model.py. Results, each naming
-# the device, go to docs/perf/ (or $RESULTS).
+# (scripts/gpu_profile.py) and the matvec tuning table (scripts/gpu_matvec_sweep.py). With
+# ../shared/gpu-peers packed into .gpu-peer/ (its pack.sh), llama.cpp CUDA is built and benched on
+# its random Llama-3-8B-shaped Q4_0 GGUF and nerva runs the same file, so the figures are ratios
+# measured in the same lease; without it, nerva runs a model of the same shapes from
+# scripts/synthetic_model.py. Results, each naming the device, go to docs/perf/ (or $RESULTS).
 #   bash scripts/gpu_check.sh [MODEL_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
