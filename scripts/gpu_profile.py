@@ -25,19 +25,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def timed(dev, graph, reps: int = 5) -> float:
-    """Median ms of one replay of graph on the compute stream."""
-    s = dev.compute
-    start, end = dev.timing_event(), dev.timing_event()
-    dev.replay(graph, s)  # warm
-    times = []
-    for _ in range(reps):
-        start.record(s)
-        dev.replay(graph, s)
-        end.record(s)
-        end.synchronize()
-        times.append(dev.elapsed_ms(start, end))
-    return float(np.median(times))
+def timed(dev, graph) -> float:
+    """Median ms of one replay of graph on the compute stream, after one to warm up."""
+    dev.replay(graph, dev.compute)
+    return float(np.median(dev.times_ms(lambda: dev.replay(graph, dev.compute))))
 
 
 def main() -> None:

@@ -133,6 +133,11 @@ class EmuDevice:
     def elapsed_ms(self, start, end) -> float:
         return 0.0  # copies complete when issued: compute never waits for one
 
+    def times_ms(self, work, rounds: int = 5) -> list[float]:
+        for _ in range(rounds):
+            work()
+        return [0.0] * rounds  # as elapsed_ms: no GPU clock to read
+
     def on(self, stream):
         return nullcontext()
 
