@@ -5,7 +5,7 @@ Llama-3-8B and a SmolLM2-135M decode step, in GB/s of weights read. Each shape r
 copies of random weights (at least 512 MB) that no launch finds its matrix in L2, as in a real
 step, and the launches are replayed from a graph, as in a real step.
 
-    python3 scripts/gpu_matvec_sweep.py [--rows 4,8,16] [--threads 64,128,256] [--kernel matvec_q4_w4a16]
+    python3 scripts/gpu_matvec_sweep.py [--rows 4,8,16] [--threads 64,128,256] [--precision w4a16|w4a8]
 """
 
 from __future__ import annotations
@@ -21,11 +21,49 @@ SHAPES = {"8b qo": (4096, 4096), "8b kv": (1024, 4096), "8b gate/up": (14336, 40
           "8b lm_head": (128256, 4096), "135m q": (576, 576), "135m gate": (1536, 576), "135m down": (576, 1536)}
 
 
+def sweep(dev, fns: dict, shapes: dict, threads: list[int], precision: str) -> dict:
+    """{(shape label, rows a block, most threads): (ms a launch, GB/s)}. fns: rows a block -> the
+    matvec kernel compiled with that MV_ROWS. Launches go through Kernels.matvec, the engine's
+    own launch code, with backends/cuda.py's MV_ROWS and MV_THREADS set to each pair."""
+    from nerva_cli.backends import cuda
+
+    k, rng, results = cuda.Kernels(dev), np.random.default_rng(), {}
+    name = "matvec_q4_w4a8" if precision == "w4a8" else "matvec_q4_w4a16"
+    saved = cuda.MV_ROWS, cuda.MV_THREADS
+    try:
+        for label, (rows, cols) in shapes.items():
+            qs = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+            d = rng.standard_normal((rows, cols // 32)).astype(np.float16)
+            nbytes = qs.nbytes + d.nbytes
+            # copies at other addresses (the values do not matter): no launch finds its matrix in L2
+            copies = max(1, min(64, (512 << 20) // nbytes))
+            mats = [{"qs": dev.upload(qs), "d": dev.upload(d)} for _ in range(copies)]
+            x = dev.upload(rng.standard_normal(cols).astype(np.float32))
+            xq = rng.integers(-127, 128, cols, dtype=np.int8)
+            act = (dev.upload(xq), dev.upload(rng.random(cols // 32).astype(np.float32)),
+                   dev.upload(xq.reshape(-1, 32).sum(axis=1, dtype=np.int32)))
+            out = dev.zeros(rows, np.float32)
+            for rows_per_block, fn in fns.items():
+                k.fn = {**k.fn, name: fn}
+                cuda.MV_ROWS = rows_per_block
+                for cap in threads:
+                    cuda.MV_THREADS = cap
+                    g = dev.capture(dev.compute, lambda mats=mats, x=x, out=out, act=act:
+                                    [k.matvec(m, x, out, precision, act) for m in mats])
+                    dev.replay(g, dev.compute)  # warm
+                    ms = float(np.median(dev.times_ms(lambda g=g: dev.replay(g, dev.compute)))) / copies
+                    results[label, rows_per_block, cap] = (ms, nbytes / ms / 1e6 if ms else 0.0)
+            del mats
+    finally:
+        cuda.MV_ROWS, cuda.MV_THREADS = saved
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="4,8,16")
     ap.add_argument("--threads", default="64,128,256")
-    ap.add_argument("--kernel", default="matvec_q4_w4a16", choices=["matvec_q4_w4a16", "matvec_q4_w4a8"])
+    ap.add_argument("--precision", default="w4a16", choices=["w4a16", "w4a8"])
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from nerva_cli import kernels
@@ -35,47 +73,14 @@ def main() -> None:
     cp = dev.cp
     arch = f"sm_{cp.cuda.Device().compute_capability}"
     major = cp.cuda.runtime.runtimeGetVersion() // 1000
-    rng = np.random.default_rng()
-    s = dev.compute
-    start, end = dev.timing_event(), dev.timing_event()
-    results = {}
+    name = "matvec_q4_w4a8" if args.precision == "w4a8" else "matvec_q4_w4a16"
     fns = {}
     for rows_per_block in map(int, args.rows.split(",")):
         cubin = Path(f"/tmp/matvec-rows{rows_per_block}.cubin")
         cubin.write_bytes(kernels.compile_cubin(kernels.sources()["matvec"], arch, major, (f"MV_ROWS={rows_per_block}",)))
-        fns[rows_per_block] = cp.RawModule(path=str(cubin)).get_function(args.kernel)
-    for label, (rows, cols) in SHAPES.items():
-        nbytes = rows * cols // 2 + rows * cols // 32 * 2
-        copies = max(1, min(64, (512 << 20) // nbytes))
-        mats = [((cp.random.random((rows, cols // 2), dtype=np.float32) * 256).astype(np.uint8),
-                 cp.random.standard_normal((rows, cols // 32), dtype=np.float32).astype(np.float16))
-                for _ in range(copies)]
-        x = cp.asarray(rng.standard_normal(cols).astype(np.float32))
-        xq = cp.asarray(rng.integers(-127, 128, cols, dtype=np.int8))
-        xd = cp.asarray(rng.random(cols // 32).astype(np.float32))
-        xs = xq.reshape(-1, 32).sum(axis=1, dtype=np.int32)
-        out = cp.empty(rows, np.float32)
-        for rows_per_block, fn in fns.items():
-            for cap in map(int, args.threads.split(",")):
-                threads = min(cap, 32 * -(-cols // 32 // 32))
-                grid = (-(-rows // rows_per_block),)
-                launches = [((qs, d, x, out) if args.kernel.endswith("w4a16") else (qs, d, xq, xd, xs, out))
-                            + (np.int32(rows), np.int32(cols)) for qs, d in mats]
-                g = dev.capture(s, lambda fn=fn, launches=launches, grid=grid, threads=threads:
-                                [fn(grid, (threads,), a) for a in launches])
-                dev.replay(g, s)
-                times = []
-                for _ in range(5):
-                    start.record(s)
-                    dev.replay(g, s)
-                    end.record(s)
-                    end.synchronize()
-                    times.append(dev.elapsed_ms(start, end) / copies)
-                ms = float(np.median(times))
-                results[label, rows_per_block, cap] = (ms, nbytes / ms / 1e6)
-        del mats
-        cp.get_default_memory_pool().free_all_blocks()
-    print(f"{dev.name}, {args.kernel}: GB/s (us a launch) by MV_ROWS x MV_THREADS")
+        fns[rows_per_block] = cp.RawModule(path=str(cubin)).get_function(name)
+    results = sweep(dev, fns, SHAPES, [int(t) for t in args.threads.split(",")], args.precision)
+    print(f"{dev.name}, {name}: GB/s (us a launch) by MV_ROWS x MV_THREADS")
     configs = sorted({(r, t) for _, r, t in results})
     print(f"{'shape':<14}" + "".join(f"{f'{r}x{t}':>16}" for r, t in configs))
     for label in SHAPES:
