@@ -27,6 +27,19 @@ inline float h2f(u16 h) { _Float16 v; __builtin_memcpy(&v, &h, 2); return (float
 inline u16 f2h(float f) { _Float16 v = (_Float16)f; u16 h; __builtin_memcpy(&h, &v, 2); return h; }
 #endif
 
+// (a & MASK) | c in one LOP3 with MASK as its immediate: written in C, ptxas makes c the
+// immediate instead and rebuilds MASK in a register for every use (one MOV per LOP3).
+template <unsigned MASK>
+__device__ __forceinline__ unsigned and_or(unsigned a, unsigned c) {
+#if defined(__CUDACC_RTC__) || defined(__CUDACC__)
+    unsigned r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "n"(MASK), "r"(c));
+    return r;
+#else
+    return (a & MASK) | c;
+#endif
+}
+
 // bf16 is the top half of an f32.
 __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((unsigned)b) << 16); }
 
