@@ -63,7 +63,7 @@ extern "C" __global__ void silu_mul(const float* gate_up, float* out, int f, int
     }
 }
 
-// x [T, n] += b [n] for every row (biases; with T = 1 the residual add)
+// x [T, n] += b [n] for every row (q, k and v biases)
 extern "C" __global__ void add_rows(float* x, const float* b, int n, int T) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < T * n) x[i] += b[i % n];

@@ -78,8 +78,10 @@ __device__ __forceinline__ void load_q4_block(const u8* __restrict__ qs, const u
     }
 }
 
-// The block's MV_ROWS partial sums -> out[row0 ..]; every thread of the block must call it.
-__device__ __forceinline__ void store_rows(float (&acc)[MV_ROWS], float* out, int row0, int rows) {
+// The block's MV_ROWS partial sums -> out[row0 ..], or added to it when add is set (a layer's o
+// and down products go straight into the residual stream: out + W x rounded once, as a separate
+// add would, without its launch); every thread of the block must call it.
+__device__ __forceinline__ void store_rows(float (&acc)[MV_ROWS], float* out, int row0, int rows, int add) {
     __shared__ float part[MV_MAX_THREADS / 32][MV_ROWS];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
 #pragma unroll
@@ -91,14 +93,15 @@ __device__ __forceinline__ void store_rows(float (&acc)[MV_ROWS], float* out, in
     if ((int)threadIdx.x < MV_ROWS && row0 + (int)threadIdx.x < rows) {
         float v = 0.f;
         for (int w = 0; w < warps; w++) v += part[w][threadIdx.x];
-        out[row0 + threadIdx.x] = v;
+        float* o = out + row0 + threadIdx.x;
+        *o = add ? *o + v : v;
     }
 }
 
 extern "C" __global__ void matvec_q4_w4a16(const void* w0, const u16* d0, float* out0, int rows0,
                                            const void* w1, const u16* d1, float* out1, int rows1,
                                            const void* w2, const u16* d2, float* out2, int rows2,
-                                           const float* __restrict__ x, int cols) {
+                                           const float* __restrict__ x, int cols, int add) {
     int row0, rows, i = block_matrix(rows0, rows1, rows2, &row0, &rows), nb = cols / QK;
     const u8* __restrict__ qs = (const u8*)PICK(i, w0, w1, w2);
     const u16* __restrict__ d = PICK(i, d0, d1, d2);
@@ -117,7 +120,7 @@ extern "C" __global__ void matvec_q4_w4a16(const void* w0, const u16* d0, float*
 #pragma unroll
         for (int r = 0; r < MV_ROWS; r++) acc[r] += h2f(h[r]) * q4_block_dot(c[r], xb);
     }
-    store_rows(acc, PICK(i, out0, out1, out2), row0, rows);
+    store_rows(acc, PICK(i, out0, out1, out2), row0, rows, add);
 }
 
 // W4A8: per block d_w * d_x * (sum q_w q_x - 8 sum q_x). The -8 of every weight code is applied
@@ -127,7 +130,7 @@ extern "C" __global__ void matvec_q4_w4a8(const void* w0, const u16* d0, float* 
                                           const void* w1, const u16* d1, float* out1, int rows1,
                                           const void* w2, const u16* d2, float* out2, int rows2,
                                           const signed char* __restrict__ xq, const float* __restrict__ xd,
-                                          const int* __restrict__ xs, int cols) {
+                                          const int* __restrict__ xs, int cols, int add) {
     int row0, rows, i = block_matrix(rows0, rows1, rows2, &row0, &rows), nb = cols / QK;
     const u8* __restrict__ qs = (const u8*)PICK(i, w0, w1, w2);
     const u16* __restrict__ d = PICK(i, d0, d1, d2);
@@ -154,14 +157,14 @@ extern "C" __global__ void matvec_q4_w4a8(const void* w0, const u16* d0, float* 
             acc[r] += (h2f(h[r]) * dx) * (float)(s - bias);
         }
     }
-    store_rows(acc, PICK(i, out0, out1, out2), row0, rows);
+    store_rows(acc, PICK(i, out0, out1, out2), row0, rows, add);
 }
 
 // Exact variants: f16/bf16 weights as stored, 8 per 16-byte load; cols must be a multiple of 8.
 extern "C" __global__ void matvec_exact(const void* w0, const u16* d0, float* out0, int rows0,
                                         const void* w1, const u16* d1, float* out1, int rows1,
                                         const void* w2, const u16* d2, float* out2, int rows2,
-                                        int bf16, const float* __restrict__ x, int cols) {
+                                        int bf16, const float* __restrict__ x, int cols, int add) {
     int row0, rows, i = block_matrix(rows0, rows1, rows2, &row0, &rows);
     const u16* __restrict__ w = (const u16*)PICK(i, w0, w1, w2);
     float acc[MV_ROWS] = {};
@@ -177,7 +180,7 @@ extern "C" __global__ void matvec_exact(const void* w0, const u16* d0, float* ou
                     + exact2f(p[r].z & 0xffff, bf16) * b.x + exact2f(p[r].z >> 16, bf16) * b.y
                     + exact2f(p[r].w & 0xffff, bf16) * b.z + exact2f(p[r].w >> 16, bf16) * b.w;
     }
-    store_rows(acc, PICK(i, out0, out1, out2), row0, rows);
+    store_rows(acc, PICK(i, out0, out1, out2), row0, rows, add);
 }
 
 // One 32-group per warp: scale d = max|x| / 127, codes round-half-away(x / d) in -127..127,

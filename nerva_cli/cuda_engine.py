@@ -46,7 +46,7 @@ def arena_sizes(cfg, ctx: int, splits: int) -> tuple[int, int]:
     """(kv_bytes, total bytes) of DeviceArena: decode buffers, f16 KV cache, prefill workspace."""
     h, f, qd, kvd, T = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim, PREFILL_CHUNK
     widest = max(h, f, qd)
-    decode = 4 * (3 * h + 2 * qd + 2 * kvd + 3 * f + cfg.vocab_size + 2 * (widest // QK)
+    decode = 4 * (2 * h + 2 * qd + 2 * kvd + 3 * f + cfg.vocab_size + 2 * (widest // QK)
                   + cfg.num_heads * splits * (cfg.head_dim + 2) + 4 + RECENT) + widest  # + xq, int8
     prefill = 4 * T * (3 * h + 2 * qd + 2 * kvd + 3 * f)
     kv = cfg.num_layers * 2 * ctx * kvd * 2
@@ -114,7 +114,7 @@ class DeviceArena:
     def __init__(self, dev, cfg, ctx: int, splits: int):
         h, f, qd, kvd, T = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim, PREFILL_CHUNK
         f32 = lambda *s: dev.zeros(s, np.float32)  # noqa: E731
-        self.x, self.xn, self.h_out = f32(h), f32(h), f32(h)
+        self.x, self.xn = f32(h), f32(h)
         self.qkv = f32(qd + 2 * kvd)
         self.q, self.k, self.v = self.qkv[:qd], self.qkv[qd:qd + kvd], self.qkv[qd + kvd:]
         self.attn = f32(qd)
@@ -340,13 +340,12 @@ class CudaEngine(EngineBase):
         kc, vc = a.kv[L.index, 0], a.kv[L.index, 1]
         k.rope_kv_store(a.q, a.k, a.v, qd, a.pos, self.cos, self.sin, 1, cfg.num_heads, kc, vc)
         k.attention_decode(a.q, kc, vc, a.pos, a.part, a.attn, cfg.num_heads, self.splits)
-        k.matvec(L.mat("o"), a.attn, a.h_out, p, self._quantized(a.attn, p))
-        k.add_rmsnorm(a.h_out, a.x, t["mlp_norm"], eps, a.xn)
+        k.matvec(L.mat("o"), a.attn, a.x, p, self._quantized(a.attn, p), add=True)
+        k.rmsnorm(a.x, t["mlp_norm"], eps, a.xn)
         act = self._quantized(a.xn, p)
         k.matvecs([L.mat("gate"), L.mat("up")], a.xn, [a.gate, a.up], p, act)
         k.silu_mul(a.gate_up, a.act, cfg.intermediate_size, 1)
-        k.matvec(L.mat("down"), a.act, a.h_out, p, self._quantized(a.act, p))
-        k.add_rows(a.x, a.h_out, 1)
+        k.matvec(L.mat("down"), a.act, a.x, p, self._quantized(a.act, p), add=True)
 
     def _record_head(self) -> None:
         self.k.embed(self.embed_t, self.a.token, self.a.x)

@@ -50,9 +50,9 @@ class CountingBackend:
         if not callable(fn):
             return fn
 
-        def counted(*args):
+        def counted(*args, **kwargs):
             self.calls += 1
-            return fn(*args)
+            return fn(*args, **kwargs)
 
         setattr(self, name, counted)  # made once per kernel, then found without __getattr__
         return counted

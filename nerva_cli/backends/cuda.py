@@ -69,10 +69,6 @@ class Kernels:
         n = w.shape[0]
         self._go("rmsnorm", (x.size // n,), (norm_threads(n),), (x, w, F32(eps), out, I32(n)))
 
-    def add_rmsnorm(self, x, residual, w, eps: float, out) -> None:
-        n = w.shape[0]
-        self._go("add_rmsnorm", (x.size // n,), (norm_threads(n),), (x, residual, w, F32(eps), out, I32(n)))
-
     def embed(self, table: dict, tokens, out) -> None:
         """out [T, cols] = rows tokens [T] (device int32) of table: {"qs", "d"} (Q4_0) or {"w"}."""
         cols, grid = out.shape[-1], (_cdiv(out.shape[-1], THREADS), tokens.shape[0])
@@ -98,13 +94,14 @@ class Kernels:
         self._go("add_rows", (_cdiv(T * n, THREADS),), (THREADS,), (x, b, I32(n), I32(T)))
 
     # -- matvecs -------------------------------------------------------------------------------
-    def matvec(self, m: dict, x, out, precision: str, act=None) -> None:
-        """out = W x. m: {"qs", "d"} or {"w"}; act = (xq, xd, xs) already quantised for w4a8."""
-        self.matvecs([m], x, [out], precision, act)
+    def matvec(self, m: dict, x, out, precision: str, act=None, add: bool = False) -> None:
+        """out = W x, or out += W x with add (the residual add, fused into the store). m: {"qs",
+        "d"} or {"w"}; act = (xq, xd, xs) already quantised for w4a8."""
+        self.matvecs([m], x, [out], precision, act, add)
 
-    def matvecs(self, ms: list[dict], x, outs: list, precision: str, act=None) -> None:
-        """outs[i] = W_i x for up to three matrices of the same width, in one launch (a layer's q,
-        k and v; gate and up)."""
+    def matvecs(self, ms: list[dict], x, outs: list, precision: str, act=None, add: bool = False) -> None:
+        """outs[i] = W_i x (+= with add) for up to three matrices of the same width, in one launch
+        (a layer's q, k and v; gate and up)."""
         if not 1 <= len(ms) <= 3 or len(ms) != len(outs):
             raise ValueError(f"matvecs takes 1 to 3 matrices with an output each, got {len(ms)}, {len(outs)}")
         exact = "w" in ms[0]
@@ -120,13 +117,13 @@ class Kernels:
         w = mats[0][0]
         if exact:
             cols = w.shape[1]
-            self._go("matvec_exact", (blocks,), (mv_threads(cols // 8),), (*flat, I32(is_bf16(w)), x, I32(cols)))
+            self._go("matvec_exact", (blocks,), (mv_threads(cols // 8),), (*flat, I32(is_bf16(w)), x, I32(cols), I32(add)))
             return
         cols = w.shape[1] * 2
         if precision == "w4a8":
-            self._go("matvec_q4_w4a8", (blocks,), (mv_threads(cols // QK),), (*flat, *act, I32(cols)))
+            self._go("matvec_q4_w4a8", (blocks,), (mv_threads(cols // QK),), (*flat, *act, I32(cols), I32(add)))
         else:
-            self._go("matvec_q4_w4a16", (blocks,), (mv_threads(cols // QK),), (*flat, x, I32(cols)))
+            self._go("matvec_q4_w4a16", (blocks,), (mv_threads(cols // QK),), (*flat, x, I32(cols), I32(add)))
 
     def quantize_act_q8(self, x, xq, xd, xs) -> None:
         groups = x.size // QK
