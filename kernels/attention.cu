@@ -103,31 +103,9 @@ __device__ __forceinline__ void merge_warps(const Partial& r, int hd, Merged& ou
     __syncthreads();
 }
 
-// Decode, split over the context: grid (heads, splits), ATT_WARPS warps a block. n = pos[0] + 1
-// positions (read on the device, so a replayed graph needs no new arguments). Writes per
-// (head, split) [m, l, acc[head_dim]] to part; attention_combine finishes.
-extern "C" __global__ void attention_decode(const float* q, const u16* k_cache, const u16* v_cache,
-                                            const int* pos, float* part, int heads, int kv_heads, int hd,
-                                            float scale) {
-    int h = blockIdx.x, split = blockIdx.y, splits = gridDim.y, warp = threadIdx.x >> 5;
-    int n = pos[0] + 1, chunk = (n + splits - 1) / splits;
-    int p0 = split * chunk, p1 = p0 + chunk < n ? p0 + chunk : n;
-    int row = kv_heads * hd, kvh = h / (heads / kv_heads);
-    Partial r;
-    attend(q + h * hd, k_cache + kvh * hd, v_cache + kvh * hd, row, hd, scale, p0 + warp, p1, ATT_WARPS, r);
-    __shared__ Merged mg;
-    merge_warps(r, hd, mg);
-    float* out = part + ((size_t)h * splits + split) * (hd + 2);
-    if (threadIdx.x == 0) {
-        out[0] = mg.m;
-        out[1] = mg.l;
-    }
-    for (int e = threadIdx.x; e < hd; e += blockDim.x) out[2 + e] = mg.acc[e];
-}
-
-// grid heads: out [heads, hd] = merged partials / denominator (empty splits have m = -inf).
-extern "C" __global__ void attention_combine(const float* part, float* out, int splits, int hd) {
-    const float* p = part + (size_t)blockIdx.x * splits * (hd + 2);
+// One head's split partials [splits][m, l, acc[hd]] -> out[hd] = merged acc / merged l (empty
+// splits have m = -inf). volatile: the partials come from other blocks of the same launch.
+__device__ __forceinline__ void combine_splits(const volatile float* p, float* out, int splits, int hd) {
     float m = NEG_INF;
     for (int s = 0; s < splits; s++) m = fmaxf(m, p[s * (hd + 2)]);
     float l = 0.f;
@@ -137,7 +115,40 @@ extern "C" __global__ void attention_combine(const float* part, float* out, int 
         float a = 0.f;
         for (int s = 0; s < splits; s++)
             if (p[s * (hd + 2)] != NEG_INF) a += p[s * (hd + 2) + 2 + e] * expf(p[s * (hd + 2)] - m);
-        out[blockIdx.x * hd + e] = a / l;
+        out[e] = a / l;
+    }
+}
+
+// Decode, split over the context: grid (heads, splits), ATT_WARPS warps a block. n = pos[0] + 1
+// positions (read on the device, so a replayed graph needs no new arguments). Each block writes
+// its (head, split) partial [m, l, acc[head_dim]] to part and counts itself in done[head]; the
+// head's last block merges them into out and resets the count for the next launch. (A separate
+// combine kernel took 3.3 us a layer in gpu_profile.py on an H100, for under 50 KB of reads.)
+extern "C" __global__ void attention_decode(const float* q, const u16* k_cache, const u16* v_cache,
+                                            const int* pos, float* part, int* done, float* out, int heads,
+                                            int kv_heads, int hd, float scale) {
+    int h = blockIdx.x, split = blockIdx.y, splits = gridDim.y, warp = threadIdx.x >> 5;
+    int n = pos[0] + 1, chunk = (n + splits - 1) / splits;
+    int p0 = split * chunk, p1 = p0 + chunk < n ? p0 + chunk : n;
+    int row = kv_heads * hd, kvh = h / (heads / kv_heads);
+    Partial r;
+    attend(q + h * hd, k_cache + kvh * hd, v_cache + kvh * hd, row, hd, scale, p0 + warp, p1, ATT_WARPS, r);
+    __shared__ Merged mg;
+    merge_warps(r, hd, mg);
+    float* mine = part + ((size_t)h * splits + split) * (hd + 2);
+    if (threadIdx.x == 0) {
+        mine[0] = mg.m;
+        mine[1] = mg.l;
+    }
+    for (int e = threadIdx.x; e < hd; e += blockDim.x) mine[2 + e] = mg.acc[e];
+    __threadfence();  // this block's partial is visible device-wide before it is counted
+    __syncthreads();
+    __shared__ int last;
+    if (threadIdx.x == 0) last = atomicAdd(done + h, 1) == splits - 1;
+    __syncthreads();
+    if (last) {
+        combine_splits(part + (size_t)h * splits * (hd + 2), out + (size_t)h * hd, splits, hd);
+        if (threadIdx.x == 0) done[h] = 0;
     }
 }
 

@@ -47,7 +47,7 @@ def arena_sizes(cfg, ctx: int, splits: int) -> tuple[int, int]:
     h, f, qd, kvd, T = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim, PREFILL_CHUNK
     widest = max(h, f, qd)
     decode = 4 * (2 * h + 2 * qd + 2 * kvd + 3 * f + cfg.vocab_size + 2 * (widest // QK)
-                  + cfg.num_heads * splits * (cfg.head_dim + 2) + 4 + RECENT) + widest  # + xq, int8
+                  + cfg.num_heads * (splits * (cfg.head_dim + 2) + 1) + 4 + RECENT) + widest  # + xq, int8
     prefill = 4 * T * (3 * h + 2 * qd + 2 * kvd + 3 * f)
     kv = cfg.num_layers * 2 * ctx * kvd * 2
     return kv, kv + decode + prefill + min(SCRATCH_BYTES, 4 * _widest_matrix(cfg))
@@ -125,6 +125,7 @@ class DeviceArena:
         self.xq, self.xd, self.xs = dev.zeros(widest, np.int8), f32(widest // QK), dev.zeros(widest // QK, np.int32)
         self.act_q8 = {n: (self.xq[:n], self.xd[:n // QK], self.xs[:n // QK]) for n in {h, f, qd}}
         self.part = f32(cfg.num_heads * splits * (cfg.head_dim + 2))
+        self.done = dev.zeros(cfg.num_heads, np.int32)  # attention_decode's per-head split count
         self.state = dev.zeros(4, np.int32)  # position, token, draws, sampled (sample.cu)
         self.recent = dev.zeros(RECENT, np.int32)
         self.pos = self.state[0:1]
@@ -339,7 +340,7 @@ class CudaEngine(EngineBase):
             k.rmsnorm(a.k, t["k_norm"], eps, a.k)
         kc, vc = a.kv[L.index, 0], a.kv[L.index, 1]
         k.rope_kv_store(a.q, a.k, a.v, qd, a.pos, self.cos, self.sin, 1, cfg.num_heads, kc, vc)
-        k.attention_decode(a.q, kc, vc, a.pos, a.part, a.attn, cfg.num_heads, self.splits)
+        k.attention_decode(a.q, kc, vc, a.pos, a.part, a.done, a.attn, cfg.num_heads, self.splits)
         k.matvec(L.mat("o"), a.attn, a.x, p, self._quantized(a.attn, p), add=True)
         k.rmsnorm(a.x, t["mlp_norm"], eps, a.xn)
         act = self._quantized(a.xn, p)

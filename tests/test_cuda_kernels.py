@@ -242,15 +242,21 @@ def f16_cache(rng, ctx, kvh, hd):
 @pytest.mark.parametrize("heads,kvh,hd,n,splits", [(4, 2, 32, 1, 1), (4, 2, 64, 37, 3), (6, 3, 32, 5, 8),
                                                    (2, 1, 256, 70, 2), (8, 8, 128, 130, 4)])
 def test_attention_decode_split_over_context(k, rng, heads, kvh, hd, n, splits):
-    """GQA, online softmax, any number of splits (some empty when n < splits)."""
+    """GQA, online softmax, any number of splits (some empty when n < splits); the last split of
+    each head merges them, and leaves the split counts at zero for the next launch (a second
+    query, with a position more, runs on the same buffers)."""
     ctx = 160
-    q = randn(rng, heads, hd)
     kc, vc = f16_cache(rng, ctx, kvh, hd), f16_cache(rng, ctx, kvh, hd)
-    want = np.empty((heads, hd), np.float32)
-    ref.attention_decode(q, kc.astype(np.float32), vc.astype(np.float32), n, want)
     out, part = up(k, np.zeros((heads, hd), np.float32)), up(k, np.zeros(heads * splits * (hd + 2), np.float32))
-    k.attention_decode(up(k, q), up(k, kc), up(k, vc), up(k, np.array([n - 1], np.int32)), part, out, heads, splits)
-    assert rel(down(k, out), want) < 64 * EPS
+    done = up(k, np.zeros(heads, np.int32))
+    for n_ctx in (n, n + 1):
+        q = randn(rng, heads, hd)
+        want = np.empty((heads, hd), np.float32)
+        ref.attention_decode(q, kc.astype(np.float32), vc.astype(np.float32), n_ctx, want)
+        pos = up(k, np.array([n_ctx - 1], np.int32))
+        k.attention_decode(up(k, q), up(k, kc), up(k, vc), pos, part, done, out, heads, splits)
+        assert rel(down(k, out), want) < 64 * EPS
+        np.testing.assert_array_equal(down(k, done), 0)
 
 
 @pytest.mark.parametrize("T,start", [(1, 0), (6, 0), (5, 11)])

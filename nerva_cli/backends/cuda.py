@@ -144,13 +144,13 @@ class Kernels:
                      (m["qs"], m["d"], out, I32(rows), I32(half * 2)))
 
     # -- attention -----------------------------------------------------------------------------
-    def attention_decode(self, q, k_cache, v_cache, pos, part, out, heads: int, splits: int) -> None:
-        """q [heads, hd]; caches [ctx, kv_heads, hd] f16; pos[0] + 1 positions; part: the
-        split partials [heads, splits, hd + 2]; out [heads, hd]."""
+    def attention_decode(self, q, k_cache, v_cache, pos, part, done, out, heads: int, splits: int) -> None:
+        """q [heads, hd]; caches [ctx, kv_heads, hd] f16; pos[0] + 1 positions; part: the split
+        partials [heads, splits, hd + 2]; done: int32 [heads], zero, and zero again after; out [heads, hd]."""
         kv_heads, hd = k_cache.shape[-2], k_cache.shape[-1]
         self._go("attention_decode", (heads, splits), (ATT_THREADS,),
-                 (q, k_cache, v_cache, pos, part, I32(heads), I32(kv_heads), I32(hd), F32(1.0 / np.sqrt(hd))))
-        self._go("attention_combine", (heads,), (ATT_THREADS,), (part, out, I32(splits), I32(hd)))
+                 (q, k_cache, v_cache, pos, part, done, out, I32(heads), I32(kv_heads), I32(hd),
+                  F32(1.0 / np.sqrt(hd))))
 
     def attention_prefill(self, q, q_stride: int, k_cache, v_cache, pos0, out, T: int, heads: int) -> None:
         kv_heads, hd = k_cache.shape[-2], k_cache.shape[-1]
