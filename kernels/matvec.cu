@@ -12,7 +12,14 @@
 #ifndef MV_ROWS
 #define MV_ROWS 8
 #endif
-#define MV_MAX_THREADS 256
+#ifndef MV_MAX_THREADS
+#define MV_MAX_THREADS 128  // backends/cuda.py's MV_THREADS (gpu_matvec_sweep.py sets both)
+#endif
+// At least 640 threads of a W4A16 matvec resident per SM, which holds it to 96 registers a thread
+// at 128 a block: the GLU kernel's second set of matrix pointers took 100, which the register
+// file's allocation unit (256 a warp) turns into 4 blocks an SM instead of 5. (W4A8 and exact
+// need fewer; a bound would let ptxas spend up to 96 on them and fit fewer blocks.)
+#define MV_MIN_BLOCKS (640 / MV_MAX_THREADS)
 
 // W4A16 turns a code n into the float n - 8 without an int conversion. (float)((int)n - 8) made
 // the loop 1399 instructions per 8 rows of a block, about 970 of them integer (I2FP, shift, mask,
@@ -50,66 +57,99 @@ __device__ __forceinline__ float q4_block_dot(uint4 c, const float4 (&x)[8]) {
 // and up): one launch instead of three, and the small k and v no longer run alone on a GPU they
 // cannot fill. Blocks go to matrix 0's rows first, then 1's, then 2's; a matrix of 0 rows is
 // absent. Each matrix: weights, scales (unused by exact weights), out, rows.
+#define MATRICES const void *w0, const u16 *d0, float *out0, int rows0, const void *w1, const u16 *d1, \
+                 float *out1, int rows1, const void *w2, const u16 *d2, float *out2, int rows2
 #define PICK(i, a0, a1, a2) ((i) == 0 ? (a0) : (i) == 1 ? (a1) : (a2))
+#define HALF (MV_ROWS / 2)
 
-// -> this block's matrix (0, 1 or 2), its first row in row0 and that matrix's rows in rows
-__device__ __forceinline__ int block_matrix(int rows0, int rows1, int rows2, int* row0, int* rows) {
+// Where a block's MV_ROWS row slots come from. A plain launch: MV_ROWS consecutive rows of one
+// matrix. A GLU launch (matrix 0 gate, 1 up, out0 = silu(gate x) * up x): slots r < HALF are gate
+// rows and the rest the same rows of up, so a block holds both factors of each of its outputs
+// and the silu_mul launch goes. Rows past the end are read as the last row and not stored.
+struct Slots {
+    const void* w[2];
+    const u16* d[2];
+    float* out;
+    int row0, rows;
+};
+
+template <bool GLU>
+__device__ __forceinline__ Slots block_slots(MATRICES) {
+    Slots s;
+    if (GLU) {
+        s.w[0] = w0, s.d[0] = d0, s.w[1] = w1, s.d[1] = d1;
+        s.out = out0, s.row0 = blockIdx.x * HALF, s.rows = rows0;
+        return s;
+    }
     int b = blockIdx.x, n0 = (rows0 + MV_ROWS - 1) / MV_ROWS, n1 = (rows1 + MV_ROWS - 1) / MV_ROWS;
     int i = b < n0 ? 0 : b < n0 + n1 ? 1 : 2;
-    *row0 = (b - (i > 0 ? n0 : 0) - (i > 1 ? n1 : 0)) * MV_ROWS;
-    *rows = PICK(i, rows0, rows1, rows2);
-    return i;
+    s.w[0] = s.w[1] = PICK(i, w0, w1, w2);
+    s.d[0] = s.d[1] = PICK(i, d0, d1, d2);
+    s.out = PICK(i, out0, out1, out2);
+    s.row0 = (b - (i > 0 ? n0 : 0) - (i > 1 ? n1 : 0)) * MV_ROWS;
+    s.rows = PICK(i, rows0, rows1, rows2);
+    return s;
 }
 
-// Row r of the block, clamped to the matrix (see above).
-__device__ __forceinline__ size_t block_row(int row0, int r, int rows) {
-    return (size_t)(row0 + r < rows ? row0 + r : rows - 1);
+// Slot r's matrix (0 or 1) and row; r is a compile-time constant once the loops unroll.
+template <bool GLU>
+__device__ __forceinline__ int slot_matrix(int r) { return GLU && r >= HALF ? 1 : 0; }
+template <bool GLU>
+__device__ __forceinline__ size_t slot_row(const Slots& s, int r) {
+    int row = s.row0 + (GLU ? r % HALF : r);
+    return (size_t)(row < s.rows ? row : s.rows - 1);
 }
 
-// Block b (32 weights: 16 code bytes and a scale) of each of the block's MV_ROWS rows, every load
-// issued before any is used.
-__device__ __forceinline__ void load_q4_block(const u8* __restrict__ qs, const u16* __restrict__ d, int row0,
-                                              int rows, int cols, int b, uint4 (&c)[MV_ROWS], u16 (&h)[MV_ROWS]) {
+// Block b (32 weights: 16 code bytes and a scale) of each slot's row, every load issued before
+// any is used.
+template <bool GLU>
+__device__ __forceinline__ void load_q4_block(const Slots& s, int cols, int b, uint4 (&c)[MV_ROWS], u16 (&h)[MV_ROWS]) {
 #pragma unroll
     for (int r = 0; r < MV_ROWS; r++) {
-        size_t row = block_row(row0, r, rows);
-        c[r] = ((const uint4*)(qs + row * (cols / 2)))[b];
-        h[r] = d[row * (cols / QK) + b];
+        size_t row = slot_row<GLU>(s, r);
+        c[r] = ((const uint4*)((const u8*)s.w[slot_matrix<GLU>(r)] + row * (cols / 2)))[b];
+        h[r] = s.d[slot_matrix<GLU>(r)][row * (cols / QK) + b];
     }
 }
 
-// The block's MV_ROWS partial sums -> out[row0 ..], or added to it when add is set (a layer's o
-// and down products go straight into the residual stream: out + W x rounded once, as a separate
-// add would, without its launch); every thread of the block must call it.
-__device__ __forceinline__ void store_rows(float (&acc)[MV_ROWS], float* out, int row0, int rows, int add) {
+// The block's MV_ROWS partial sums -> its outputs; every thread of the block must call it. Plain:
+// out[row] = sum, or out[row] + sum when add is set (a layer's o and down products go straight
+// into the residual stream: out + W x rounded once, as a separate add would, without its
+// launch). GLU: out[row] = silu(gate) * up, as silu_mul (elementwise.cu) computes it.
+template <bool GLU>
+__device__ __forceinline__ void store_slots(float (&acc)[MV_ROWS], const Slots& s, int add) {
     __shared__ float part[MV_MAX_THREADS / 32][MV_ROWS];
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5, t = threadIdx.x;
 #pragma unroll
     for (int r = 0; r < MV_ROWS; r++) {
         float v = warp_sum(acc[r]);
         if (lane == 0) part[warp][r] = v;
     }
     __syncthreads();
-    if ((int)threadIdx.x < MV_ROWS && row0 + (int)threadIdx.x < rows) {
-        float v = 0.f;
-        for (int w = 0; w < warps; w++) v += part[w][threadIdx.x];
-        float* o = out + row0 + threadIdx.x;
-        *o = add ? *o + v : v;
+    if (t < (GLU ? HALF : MV_ROWS) && s.row0 + t < s.rows) {
+        float v = 0.f, u = 0.f;
+        for (int w = 0; w < warps; w++) v += part[w][t];
+        float* o = s.out + s.row0 + t;
+        if (GLU) {
+            for (int w = 0; w < warps; w++) u += part[w][t + HALF];
+            *o = v / (1.f + expf(-v)) * u;
+        } else {
+            *o = add ? *o + v : v;
+        }
     }
 }
 
-extern "C" __global__ void matvec_q4_w4a16(const void* w0, const u16* d0, float* out0, int rows0,
-                                           const void* w1, const u16* d1, float* out1, int rows1,
-                                           const void* w2, const u16* d2, float* out2, int rows2,
-                                           const float* __restrict__ x, int cols, int add) {
-    int row0, rows, i = block_matrix(rows0, rows1, rows2, &row0, &rows), nb = cols / QK;
-    const u8* __restrict__ qs = (const u8*)PICK(i, w0, w1, w2);
-    const u16* __restrict__ d = PICK(i, d0, d1, d2);
+#define ALL_MATRICES w0, d0, out0, rows0, w1, d1, out1, rows1, w2, d2, out2, rows2
+
+template <bool GLU>
+__device__ __forceinline__ void q4_w4a16(MATRICES, const float* __restrict__ x, int cols, int add) {
+    Slots s = block_slots<GLU>(ALL_MATRICES);
+    int nb = cols / QK;
     float acc[MV_ROWS] = {};
     for (int b = threadIdx.x; b < nb; b += blockDim.x) {
         uint4 c[MV_ROWS];
         u16 h[MV_ROWS];
-        load_q4_block(qs, d, row0, rows, cols, b, c, h);
+        load_q4_block<GLU>(s, cols, b, c, h);
         float4 xb[8];
 #pragma unroll
         for (int k = 0; k < 8; k++) {  // x / 16^s for the nibble each element meets (q4_block_dot)
@@ -120,25 +160,22 @@ extern "C" __global__ void matvec_q4_w4a16(const void* w0, const u16* d0, float*
 #pragma unroll
         for (int r = 0; r < MV_ROWS; r++) acc[r] += h2f(h[r]) * q4_block_dot(c[r], xb);
     }
-    store_rows(acc, PICK(i, out0, out1, out2), row0, rows, add);
+    store_slots<GLU>(acc, s, add);
 }
 
 // W4A8: per block d_w * d_x * (sum q_w q_x - 8 sum q_x). The -8 of every weight code is applied
 // once per block through the activation code sum xs (deferred bias correction), so dp4a runs on
 // the raw 0..15 codes, which fit a signed byte. The integer part is exact.
-extern "C" __global__ void matvec_q4_w4a8(const void* w0, const u16* d0, float* out0, int rows0,
-                                          const void* w1, const u16* d1, float* out1, int rows1,
-                                          const void* w2, const u16* d2, float* out2, int rows2,
-                                          const signed char* __restrict__ xq, const float* __restrict__ xd,
-                                          const int* __restrict__ xs, int cols, int add) {
-    int row0, rows, i = block_matrix(rows0, rows1, rows2, &row0, &rows), nb = cols / QK;
-    const u8* __restrict__ qs = (const u8*)PICK(i, w0, w1, w2);
-    const u16* __restrict__ d = PICK(i, d0, d1, d2);
+template <bool GLU>
+__device__ __forceinline__ void q4_w4a8(MATRICES, const signed char* __restrict__ xq, const float* __restrict__ xd,
+                                        const int* __restrict__ xs, int cols, int add) {
+    Slots s = block_slots<GLU>(ALL_MATRICES);
+    int nb = cols / QK;
     float acc[MV_ROWS] = {};
     for (int b = threadIdx.x; b < nb; b += blockDim.x) {
         uint4 c[MV_ROWS];
         u16 h[MV_ROWS];
-        load_q4_block(qs, d, row0, rows, cols, b, c, h);
+        load_q4_block<GLU>(s, cols, b, c, h);
         const int4* xv = (const int4*)(xq + b * QK);
         int4 x0 = xv[0], x1 = xv[1];  // elements 0..15, 16..31
         float dx = xd[b];
@@ -157,21 +194,19 @@ extern "C" __global__ void matvec_q4_w4a8(const void* w0, const u16* d0, float* 
             acc[r] += (h2f(h[r]) * dx) * (float)(s - bias);
         }
     }
-    store_rows(acc, PICK(i, out0, out1, out2), row0, rows, add);
+    store_slots<GLU>(acc, s, add);
 }
 
 // Exact variants: f16/bf16 weights as stored, 8 per 16-byte load; cols must be a multiple of 8.
-extern "C" __global__ void matvec_exact(const void* w0, const u16* d0, float* out0, int rows0,
-                                        const void* w1, const u16* d1, float* out1, int rows1,
-                                        const void* w2, const u16* d2, float* out2, int rows2,
-                                        int bf16, const float* __restrict__ x, int cols, int add) {
-    int row0, rows, i = block_matrix(rows0, rows1, rows2, &row0, &rows);
-    const u16* __restrict__ w = (const u16*)PICK(i, w0, w1, w2);
+template <bool GLU>
+__device__ __forceinline__ void exact(MATRICES, int bf16, const float* __restrict__ x, int cols, int add) {
+    Slots s = block_slots<GLU>(ALL_MATRICES);
     float acc[MV_ROWS] = {};
     for (int c = threadIdx.x; c < cols / 8; c += blockDim.x) {
         uint4 p[MV_ROWS];
 #pragma unroll
-        for (int r = 0; r < MV_ROWS; r++) p[r] = ((const uint4*)(w + block_row(row0, r, rows) * cols))[c];
+        for (int r = 0; r < MV_ROWS; r++)
+            p[r] = ((const uint4*)((const u16*)s.w[slot_matrix<GLU>(r)] + slot_row<GLU>(s, r) * cols))[c];
         float4 a = ((const float4*)x)[2 * c], b = ((const float4*)x)[2 * c + 1];
 #pragma unroll
         for (int r = 0; r < MV_ROWS; r++)
@@ -180,7 +215,46 @@ extern "C" __global__ void matvec_exact(const void* w0, const u16* d0, float* ou
                     + exact2f(p[r].z & 0xffff, bf16) * b.x + exact2f(p[r].z >> 16, bf16) * b.y
                     + exact2f(p[r].w & 0xffff, bf16) * b.z + exact2f(p[r].w >> 16, bf16) * b.w;
     }
-    store_rows(acc, PICK(i, out0, out1, out2), row0, rows, add);
+    store_slots<GLU>(acc, s, add);
+}
+
+// Each body has two entry points with the same parameters: matvec_* (plain) and glu_* (add
+// unused). Their parameters are spelled out, not MATRICES: tests/cuda_emu reads them.
+extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) matvec_q4_w4a16(
+    const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
+    const void* w2, const u16* d2, float* out2, int rows2,
+    const float* __restrict__ x, int cols, int add) {
+    q4_w4a16<false>(ALL_MATRICES, x, cols, add);
+}
+extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) glu_q4_w4a16(
+    const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
+    const void* w2, const u16* d2, float* out2, int rows2,
+    const float* __restrict__ x, int cols, int add) {
+    q4_w4a16<true>(ALL_MATRICES, x, cols, add);
+}
+extern "C" __global__ void matvec_q4_w4a8(
+    const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
+    const void* w2, const u16* d2, float* out2, int rows2,
+    const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs, int cols, int add) {
+    q4_w4a8<false>(ALL_MATRICES, xq, xd, xs, cols, add);
+}
+extern "C" __global__ void glu_q4_w4a8(
+    const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
+    const void* w2, const u16* d2, float* out2, int rows2,
+    const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs, int cols, int add) {
+    q4_w4a8<true>(ALL_MATRICES, xq, xd, xs, cols, add);
+}
+extern "C" __global__ void matvec_exact(
+    const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
+    const void* w2, const u16* d2, float* out2, int rows2,
+    int bf16, const float* __restrict__ x, int cols, int add) {
+    exact<false>(ALL_MATRICES, bf16, x, cols, add);
+}
+extern "C" __global__ void glu_exact(
+    const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
+    const void* w2, const u16* d2, float* out2, int rows2,
+    int bf16, const float* __restrict__ x, int cols, int add) {
+    exact<true>(ALL_MATRICES, bf16, x, cols, add);
 }
 
 // One 32-group per warp: scale d = max|x| / 127, codes round-half-away(x / d) in -127..127,

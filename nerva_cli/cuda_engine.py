@@ -46,7 +46,7 @@ def arena_sizes(cfg, ctx: int, splits: int) -> tuple[int, int]:
     """(kv_bytes, total bytes) of DeviceArena: decode buffers, f16 KV cache, prefill workspace."""
     h, f, qd, kvd, T = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim, PREFILL_CHUNK
     widest = max(h, f, qd)
-    decode = 4 * (2 * h + 2 * qd + 2 * kvd + 3 * f + cfg.vocab_size + 2 * (widest // QK)
+    decode = 4 * (2 * h + 2 * qd + 2 * kvd + f + cfg.vocab_size + 2 * (widest // QK)
                   + cfg.num_heads * (splits * (cfg.head_dim + 2) + 1) + 4 + RECENT) + widest  # + xq, int8
     prefill = 4 * T * (3 * h + 2 * qd + 2 * kvd + 3 * f)
     kv = cfg.num_layers * 2 * ctx * kvd * 2
@@ -118,8 +118,7 @@ class DeviceArena:
         self.qkv = f32(qd + 2 * kvd)
         self.q, self.k, self.v = self.qkv[:qd], self.qkv[qd:qd + kvd], self.qkv[qd + kvd:]
         self.attn = f32(qd)
-        self.gate_up, self.act = f32(2 * f), f32(f)
-        self.gate, self.up = self.gate_up[:f], self.gate_up[f:]
+        self.act = f32(f)  # silu(gate) * up, straight from the glu launch
         self.logits = f32(cfg.vocab_size)
         widest = max(h, f, qd)
         self.xq, self.xd, self.xs = dev.zeros(widest, np.int8), f32(widest // QK), dev.zeros(widest // QK, np.int32)
@@ -344,8 +343,7 @@ class CudaEngine(EngineBase):
         k.matvec(L.mat("o"), a.attn, a.x, p, self._quantized(a.attn, p), add=True)
         k.rmsnorm(a.x, t["mlp_norm"], eps, a.xn)
         act = self._quantized(a.xn, p)
-        k.matvecs([L.mat("gate"), L.mat("up")], a.xn, [a.gate, a.up], p, act)
-        k.silu_mul(a.gate_up, a.act, cfg.intermediate_size, 1)
+        k.glu(L.mat("gate"), L.mat("up"), a.xn, a.act, p, act)
         k.matvec(L.mat("down"), a.act, a.x, p, self._quantized(a.act, p), add=True)
 
     def _record_head(self) -> None:

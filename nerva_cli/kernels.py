@@ -18,7 +18,7 @@ ARCHES = ("sm_75", "sm_80", "sm_86", "sm_89", "sm_90")  # Turing .. Hopper (ARCH
 # IEEE division and square root: the activation quantiser must match the NumPy reference bit
 # for bit, so no fast math.
 OPTIONS = ("--std=c++17",)
-DECLARED = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(')
+DECLARED = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(')
 INCLUDE = re.compile(r'^#include "([\w.]+)"$', re.MULTILINE)
 
 

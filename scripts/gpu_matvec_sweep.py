@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Tunes the decode matvecs (kernels/matvec.cu) on a CUDA device: rows a block (MV_ROWS, compiled
-in) by most threads a block (MV_THREADS in backends/cuda.py), over the matrix shapes of a
-Llama-3-8B and a SmolLM2-135M decode step, in GB/s of weights read. Each shape runs over enough
+"""Tunes the decode matvecs (kernels/matvec.cu) on a CUDA device: rows a block (MV_ROWS) by most
+threads a block (MV_THREADS in backends/cuda.py; both compiled in, as MV_ROWS and
+MV_MAX_THREADS), over the matrix shapes of a Llama-3-8B and a SmolLM2-135M decode step, in GB/s of weights read. Each shape runs over enough
 copies of random weights (at least 512 MB) that no launch finds its matrix in L2, as in a real
 step, and the launches are replayed from a graph, as in a real step.
 
@@ -21,10 +21,11 @@ SHAPES = {"8b qo": (4096, 4096), "8b kv": (1024, 4096), "8b gate/up": (14336, 40
           "8b lm_head": (128256, 4096), "135m q": (576, 576), "135m gate": (1536, 576), "135m down": (576, 1536)}
 
 
-def sweep(dev, fns: dict, shapes: dict, threads: list[int], precision: str) -> dict:
-    """{(shape label, rows a block, most threads): (ms a launch, GB/s)}. fns: rows a block -> the
-    matvec kernel compiled with that MV_ROWS. Launches go through Kernels.matvec, the engine's
-    own launch code, with backends/cuda.py's MV_ROWS and MV_THREADS set to each pair."""
+def sweep(dev, fns: dict, shapes: dict, precision: str) -> dict:
+    """{(shape label, rows a block, most threads): (ms a launch, GB/s)}. fns: (rows a block, most
+    threads) -> the matvec kernel compiled with that MV_ROWS and MV_MAX_THREADS (its launch
+    bounds depend on it). Launches go through Kernels.matvec, the engine's own launch code, with
+    backends/cuda.py's MV_ROWS and MV_THREADS set to each pair."""
     from nerva_cli.backends import cuda
 
     k, rng, results = cuda.Kernels(dev), np.random.default_rng(), {}
@@ -43,16 +44,14 @@ def sweep(dev, fns: dict, shapes: dict, threads: list[int], precision: str) -> d
             act = (dev.upload(xq), dev.upload(rng.random(cols // 32).astype(np.float32)),
                    dev.upload(xq.reshape(-1, 32).sum(axis=1, dtype=np.int32)))
             out = dev.zeros(rows, np.float32)
-            for rows_per_block, fn in fns.items():
+            for (rows_per_block, cap), fn in fns.items():
                 k.fn = {**k.fn, name: fn}
-                cuda.MV_ROWS = rows_per_block
-                for cap in threads:
-                    cuda.MV_THREADS = cap
-                    g = dev.capture(dev.compute, lambda mats=mats, x=x, out=out, act=act:
-                                    [k.matvec(m, x, out, precision, act) for m in mats])
-                    dev.replay(g, dev.compute)  # warm
-                    ms = float(np.median(dev.times_ms(lambda g=g: dev.replay(g, dev.compute)))) / copies
-                    results[label, rows_per_block, cap] = (ms, nbytes / ms / 1e6 if ms else 0.0)
+                cuda.MV_ROWS, cuda.MV_THREADS = rows_per_block, cap
+                g = dev.capture(dev.compute, lambda mats=mats, x=x, out=out, act=act:
+                                [k.matvec(m, x, out, precision, act) for m in mats])
+                dev.replay(g, dev.compute)  # warm
+                ms = float(np.median(dev.times_ms(lambda g=g: dev.replay(g, dev.compute)))) / copies
+                results[label, rows_per_block, cap] = (ms, nbytes / ms / 1e6 if ms else 0.0)
             del mats
     finally:
         cuda.MV_ROWS, cuda.MV_THREADS = saved
@@ -76,17 +75,19 @@ def main() -> None:
     name = "matvec_q4_w4a8" if args.precision == "w4a8" else "matvec_q4_w4a16"
     fns = {}
     for rows_per_block in map(int, args.rows.split(",")):
-        cubin = Path(f"/tmp/matvec-rows{rows_per_block}.cubin")
-        cubin.write_bytes(kernels.compile_cubin(kernels.sources()["matvec"], arch, major, (f"MV_ROWS={rows_per_block}",)))
-        fns[rows_per_block] = cp.RawModule(path=str(cubin)).get_function(name)
-    results = sweep(dev, fns, SHAPES, [int(t) for t in args.threads.split(",")], args.precision)
+        for cap in map(int, args.threads.split(",")):
+            cubin = Path(f"/tmp/matvec-rows{rows_per_block}-threads{cap}.cubin")
+            defines = (f"MV_ROWS={rows_per_block}", f"MV_MAX_THREADS={cap}")
+            cubin.write_bytes(kernels.compile_cubin(kernels.sources()["matvec"], arch, major, defines))
+            fns[rows_per_block, cap] = cp.RawModule(path=str(cubin)).get_function(name)
+    results = sweep(dev, fns, SHAPES, args.precision)
     print(f"{dev.name}, {name}: GB/s (us a launch) by MV_ROWS x MV_THREADS")
     configs = sorted({(r, t) for _, r, t in results})
     print(f"{'shape':<14}" + "".join(f"{f'{r}x{t}':>16}" for r, t in configs))
     for label in SHAPES:
         print(f"{label:<14}" + "".join(f"{results[label, r, t][1]:>8.0f}{f'({results[label, r, t][0] * 1e3:.1f})':>8}"
                                        for r, t in configs))
-    step = {c: sum(results[lbl, *c][0] * n for lbl, n in (("8b qo", 64), ("8b kv", 64), ("8b gate/up", 64),
+    step = {c: sum(results[(lbl, *c)][0] * n for lbl, n in (("8b qo", 64), ("8b kv", 64), ("8b gate/up", 64),
                                                              ("8b down", 32), ("8b lm_head", 1))) for c in configs}
     print("8b step's matvecs, ms: " + ", ".join(f"{r}x{t} {ms:.2f}" for (r, t), ms in step.items()))
 

@@ -163,6 +163,47 @@ def test_matvecs_share_a_launch(k, rng, precision, add):
         assert_rows_close(down(k, out), want, scale, cols // 32 if precision == "w4a8" else cols)
 
 
+@pytest.mark.parametrize("precision", ["w4a16", "w4a8", "f16"])
+@pytest.mark.parametrize("rows,cols", [(1, 64), (37, 576), (6, 4160)])
+def test_glu_is_silu_of_gate_times_up(k, rng, precision, rows, cols):
+    """One launch for silu(gate x) * up x, rows of both in each block (a row count that is no
+    multiple of a block's 4 gate rows leaves a partial block). Held to the unfused launches
+    (matvecs, then silu_mul) within a few ulps, and to ref's products through silu's error
+    propagation: |d out| <= 1.1 |d gate| |up| + |silu(gate)| |d up|, each product's error as the
+    matvec tests bound it."""
+    x = randn(rng, cols)
+    act = act_q8(ref, x)
+    dev_act = tuple(up(k, a) for a in act) if precision == "w4a8" else None
+    mats, wants = [], []
+    for _ in range(2):  # gate, up
+        if precision == "f16":
+            w = randn(rng, rows, cols).astype(np.float16)
+            mats.append({"w": up(k, w)})
+            wide = w.astype(np.float64)
+            wants.append((wide @ x, sum_tol(cols) * (np.abs(wide) @ np.abs(x))))
+        else:
+            qs, d = random_q4(rng, rows, cols)
+            mats.append({"qs": up(k, qs), "d": up(k, d)})
+            if precision == "w4a8":
+                want = np.empty(rows, np.float32)
+                ref.matvec_q4_w4a8(qs, d, *act, want)
+                scale = (np.abs(d.astype(np.float64)) * act[1] * 127 * 15).sum(axis=1) + np.abs(want)
+                wants.append((want.astype(np.float64), sum_tol(cols // 32) * scale))
+            else:
+                wide = dequantize_q4_0(qs, d).astype(np.float64)
+                wants.append((wide @ x, sum_tol(cols) * (np.abs(wide) @ np.abs(x))))
+    out = up(k, np.full(rows, np.nan, np.float32))
+    k.glu(mats[0], mats[1], up(k, x), out, precision, dev_act)
+    got = down(k, out).astype(np.float64)
+    (g, dg), (u, du) = wants
+    silu = g / (1 + np.exp(-g))
+    assert np.all(np.abs(got - silu * u) <= 1.1 * dg * np.abs(u) + np.abs(silu) * du + 8 * EPS * np.abs(silu * u))
+    gate_up, unfused = up(k, np.zeros(2 * rows, np.float32)), up(k, np.zeros(rows, np.float32))
+    k.matvecs(mats, up(k, x), [gate_up[:rows], gate_up[rows:]], precision, dev_act)
+    k.silu_mul(gate_up, unfused, rows, 1)
+    np.testing.assert_allclose(got, down(k, unfused), rtol=4 * EPS, atol=0)
+
+
 @pytest.mark.parametrize("cols", [32, 96, 1536])
 def test_activation_quantiser_is_bit_exact(k, rng, cols):
     x = randn(rng, cols) * rng.uniform(0.1, 10)

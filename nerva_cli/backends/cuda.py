@@ -34,6 +34,11 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+def _weights(m: dict):
+    """A matrix's weight array: Q4_0 codes or exact f16/bf16 values."""
+    return m["w"] if "w" in m else m["qs"]
+
+
 def mv_threads(units: int) -> int:
     """Threads of a matvec block whose rows are `units` 16-byte loads long: a warp per 32 of
     them, up to MV_THREADS, so short rows (a 576-wide model's) leave no warp idle."""
@@ -101,29 +106,39 @@ class Kernels:
 
     def matvecs(self, ms: list[dict], x, outs: list, precision: str, act=None, add: bool = False) -> None:
         """outs[i] = W_i x (+= with add) for up to three matrices of the same width, in one launch
-        (a layer's q, k and v; gate and up)."""
+        (a layer's q, k and v)."""
         if not 1 <= len(ms) <= 3 or len(ms) != len(outs):
             raise ValueError(f"matvecs takes 1 to 3 matrices with an output each, got {len(ms)}, {len(outs)}")
+        blocks = sum(_cdiv(_weights(m).shape[0], MV_ROWS) for m in ms)
+        self._matvec_launch("matvec", ms, outs, x, precision, act, add, blocks)
+
+    def glu(self, gate: dict, up: dict, x, out, precision: str, act=None) -> None:
+        """out = silu(gate x) * up x in one launch: a block computes rows of both (matvec.cu)."""
+        rows = _weights(gate).shape[0]
+        if _weights(up).shape != _weights(gate).shape:
+            raise ValueError(f"glu: gate {_weights(gate).shape} and up {_weights(up).shape} differ")
+        self._matvec_launch("glu", [gate, up], [out, out], x, precision, act, False, _cdiv(rows, MV_ROWS // 2))
+
+    def _matvec_launch(self, kind: str, ms: list[dict], outs: list, x, precision: str, act, add: bool,
+                       blocks: int) -> None:
         exact = "w" in ms[0]
-        if len({(m["w"] if exact else m["qs"]).shape[1] for m in ms}) != 1:
+        if len({_weights(m).shape[1] for m in ms}) != 1:
             raise ValueError("matvecs: the matrices of one launch must have the same width")
-        mats, blocks = [], 0
-        for m, out in zip(ms, outs):
-            w = m["w"] if exact else m["qs"]
-            mats.append((w, w if exact else m["d"], out, I32(w.shape[0])))  # exact weights have no scales
-            blocks += _cdiv(w.shape[0], MV_ROWS)
+        mats = [(_weights(m), _weights(m) if exact else m["d"], out, I32(_weights(m).shape[0]))  # exact: no scales
+                for m, out in zip(ms, outs)]
         mats += [(*mats[0][:3], I32(0))] * (3 - len(mats))  # absent: 0 rows
         flat = tuple(a for mat in mats for a in mat)
         w = mats[0][0]
         if exact:
             cols = w.shape[1]
-            self._go("matvec_exact", (blocks,), (mv_threads(cols // 8),), (*flat, I32(is_bf16(w)), x, I32(cols), I32(add)))
+            self._go(f"{kind}_exact", (blocks,), (mv_threads(cols // 8),),
+                     (*flat, I32(is_bf16(w)), x, I32(cols), I32(add)))
             return
         cols = w.shape[1] * 2
         if precision == "w4a8":
-            self._go("matvec_q4_w4a8", (blocks,), (mv_threads(cols // QK),), (*flat, *act, I32(cols), I32(add)))
+            self._go(f"{kind}_q4_w4a8", (blocks,), (mv_threads(cols // QK),), (*flat, *act, I32(cols), I32(add)))
         else:
-            self._go("matvec_q4_w4a16", (blocks,), (mv_threads(cols // QK),), (*flat, x, I32(cols), I32(add)))
+            self._go(f"{kind}_q4_w4a16", (blocks,), (mv_threads(cols // QK),), (*flat, x, I32(cols), I32(add)))
 
     def quantize_act_q8(self, x, xq, xd, xs) -> None:
         groups = x.size // QK
