@@ -103,19 +103,26 @@ __device__ __forceinline__ void merge_warps(const Partial& r, int hd, Merged& ou
     __syncthreads();
 }
 
-// One head's split partials [splits][m, l, acc[hd]] -> out[hd] = merged acc / merged l (empty
-// splits have m = -inf). volatile: the partials come from other blocks of the same launch.
-__device__ __forceinline__ void combine_splits(const volatile float* p, float* out, int splits, int hd) {
-    float m = NEG_INF;
-    for (int s = 0; s < splits; s++) m = fmaxf(m, p[s * (hd + 2)]);
-    float l = 0.f;
-    for (int s = 0; s < splits; s++)
-        if (p[s * (hd + 2)] != NEG_INF) l += p[s * (hd + 2) + 1] * expf(p[s * (hd + 2)] - m);
+// One head's split partials [splits][m, l, acc[hd]] -> out[hd] = merged acc / merged l. Warp 0
+// takes the splits' m and l a lane each (splits <= 32), so every load of a round is in flight
+// at once; an empty split has m = -inf, l = 0 and acc = 0, and weight 0.
+__device__ __forceinline__ void combine_splits(const float* p, float* out, int splits, int hd) {
+    __shared__ float weight[32], total;
+    int lane = threadIdx.x & 31, stride = hd + 2;
+    if (threadIdx.x < 32) {
+        float m_s = lane < splits ? load_l2(p + lane * stride) : NEG_INF;
+        float l_s = lane < splits ? load_l2(p + lane * stride + 1) : 0.f;
+        float m = warp_max(m_s), w = m_s == NEG_INF ? 0.f : expf(m_s - m);
+        float l = warp_sum(l_s * w);
+        weight[lane] = w;
+        if (lane == 0) total = l;
+    }
+    __syncthreads();
     for (int e = threadIdx.x; e < hd; e += blockDim.x) {
         float a = 0.f;
-        for (int s = 0; s < splits; s++)
-            if (p[s * (hd + 2)] != NEG_INF) a += p[s * (hd + 2) + 2 + e] * expf(p[s * (hd + 2)] - m);
-        out[e] = a / l;
+#pragma unroll 8
+        for (int s = 0; s < splits; s++) a += load_l2(p + s * stride + 2 + e) * weight[s];
+        out[e] = a / total;
     }
 }
 

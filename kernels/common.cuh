@@ -40,6 +40,19 @@ __device__ __forceinline__ unsigned and_or(unsigned a, unsigned c) {
 #endif
 }
 
+// A load from L2, past this SM's L1 (ld.global.cg): for data other blocks of the same launch
+// wrote and published with __threadfence, which L1, not coherent, may hold stale. Not a plain
+// volatile load, which the compiler keeps from batching.
+__device__ __forceinline__ float load_l2(const float* p) {
+#if defined(__CUDACC_RTC__) || defined(__CUDACC__)
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+    return v;
+#else
+    return *(const volatile float*)p;
+#endif
+}
+
 // bf16 is the top half of an f32.
 __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((unsigned)b) << 16); }
 

@@ -163,6 +163,8 @@ class Kernels:
         """q [heads, hd]; caches [ctx, kv_heads, hd] f16; pos[0] + 1 positions; part: the split
         partials [heads, splits, hd + 2]; done: int32 [heads], zero, and zero again after; out [heads, hd]."""
         kv_heads, hd = k_cache.shape[-2], k_cache.shape[-1]
+        if not 1 <= splits <= 32:
+            raise ValueError(f"attention_decode: splits must be 1 to 32 (a warp merges them), got {splits}")
         self._go("attention_decode", (heads, splits), (ATT_THREADS,),
                  (q, k_cache, v_cache, pos, part, done, out, I32(heads), I32(kv_heads), I32(hd),
                   F32(1.0 / np.sqrt(hd))))
