@@ -53,6 +53,19 @@ __device__ __forceinline__ float load_l2(const float* p) {
 #endif
 }
 
+// Four floats from L2 (16-byte aligned), as load_l2.
+__device__ __forceinline__ float4 load_l2_4(const float* p) {
+#if defined(__CUDACC_RTC__) || defined(__CUDACC__)
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p)
+                 : "memory");
+    return v;
+#else
+    const volatile float* q = p;
+    return float4{q[0], q[1], q[2], q[3]};
+#endif
+}
+
 // bf16 is the top half of an f32.
 __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((unsigned)b) << 16); }
 

@@ -112,12 +112,67 @@ __device__ __forceinline__ void load_q4_block(const Slots& s, int cols, int b, u
     }
 }
 
-// The block's MV_ROWS partial sums -> its outputs; every thread of the block must call it. Plain:
-// out[row] = sum, or out[row] + sum when add is set (a layer's o and down products go straight
-// into the residual stream: out + W x rounded once, as a separate add would, without its
-// launch). GLU: out[row] = silu(gate) * up, as silu_mul (elementwise.cu) computes it.
+// What a plain launch does with its sums (GLU launches always store silu(gate) * up):
+#define STORE 0     // out[row] = sum
+#define ADD 1       // out[row] += sum: a layer's o and down products go straight into the residual
+                    // stream, rounded once, as a separate add was, without its launch
+#define ADD_NORM 2  // ADD, then the launch's last block: norm_out = rmsnorm(out) * norm_w
+
+// The norm that follows a residual add, by the launch's last block once every block has added its
+// rows (a count in *done, reset for the next launch): norm_out[0..n) = out * inv_rms * w, as
+// norm.cu's rmsnorm computes it, without that launch (2.5 to 3 us each, twice a layer, in
+// gpu_profile.py on an H100). n must be a multiple of 4, as rmsnorm's. Each pass over out keeps
+// TAIL_LOADS float4 loads in flight a thread. Its presence costs the W4A16 loop 32 instructions
+// a round (938, not 906, by sass_mix.py: ptxas then recomputes the slots' clamped rows each
+// round), a cost taken because that loop's issue bound stays above memory speed. Every thread of
+// the block must call it.
+#define TAIL_LOADS 4
+__device__ __forceinline__ void norm_tail(const float* out, int n, const float* w, float eps, float* norm_out,
+                                          int* done) {
+    __shared__ int last;
+    __shared__ float scratch[32];
+    __threadfence();  // this block's rows are visible device-wide before it is counted
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(done, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    int stride = 4 * blockDim.x;
+    float ss = 0.f;
+#pragma unroll 1
+    for (int i0 = 4 * threadIdx.x; i0 < n; i0 += TAIL_LOADS * stride) {
+        float4 v[TAIL_LOADS];
+#pragma unroll
+        for (int j = 0; j < TAIL_LOADS; j++) v[j] = i0 + j * stride < n ? load_l2_4(out + i0 + j * stride) : float4{};
+#pragma unroll
+        for (int j = 0; j < TAIL_LOADS; j++) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+    }
+    float inv = 1.f / sqrtf(block_sum(ss, scratch) / (float)n + eps);
+#pragma unroll 1
+    for (int i0 = 4 * threadIdx.x; i0 < n; i0 += TAIL_LOADS * stride) {
+        float4 v[TAIL_LOADS];
+#pragma unroll
+        for (int j = 0; j < TAIL_LOADS; j++) v[j] = i0 + j * stride < n ? load_l2_4(out + i0 + j * stride) : float4{};
+#pragma unroll
+        for (int j = 0; j < TAIL_LOADS; j++) {
+            int i = i0 + j * stride;
+            if (i < n) {
+                float4 g = *(const float4*)(w + i), o;
+                o.x = v[j].x * inv * g.x;
+                o.y = v[j].y * inv * g.y;
+                o.z = v[j].z * inv * g.z;
+                o.w = v[j].w * inv * g.w;
+                *(float4*)(norm_out + i) = o;
+            }
+        }
+    }
+    if (threadIdx.x == 0) *done = 0;
+}
+
+// The block's MV_ROWS partial sums -> its outputs (mode: STORE, or ADD and ADD_NORM's add); every
+// thread of the block must call it. GLU: out[row] = silu(gate) * up, as silu_mul (elementwise.cu)
+// computes it.
 template <bool GLU>
-__device__ __forceinline__ void store_slots(float (&acc)[MV_ROWS], const Slots& s, int add) {
+__device__ __forceinline__ void store_slots(float (&acc)[MV_ROWS], const Slots& s, int mode) {
     __shared__ float part[MV_MAX_THREADS / 32][MV_ROWS];
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5, t = threadIdx.x;
 #pragma unroll
@@ -134,7 +189,7 @@ __device__ __forceinline__ void store_slots(float (&acc)[MV_ROWS], const Slots& 
             for (int w = 0; w < warps; w++) u += part[w][t + HALF];
             *o = v / (1.f + expf(-v)) * u;
         } else {
-            *o = add ? *o + v : v;
+            *o = mode == STORE ? v : *o + v;
         }
     }
 }
@@ -142,7 +197,7 @@ __device__ __forceinline__ void store_slots(float (&acc)[MV_ROWS], const Slots& 
 #define ALL_MATRICES w0, d0, out0, rows0, w1, d1, out1, rows1, w2, d2, out2, rows2
 
 template <bool GLU>
-__device__ __forceinline__ void q4_w4a16(MATRICES, const float* __restrict__ x, int cols, int add) {
+__device__ __forceinline__ void q4_w4a16(MATRICES, const float* __restrict__ x, int cols, int mode) {
     Slots s = block_slots<GLU>(ALL_MATRICES);
     int nb = cols / QK;
     float acc[MV_ROWS] = {};
@@ -160,7 +215,7 @@ __device__ __forceinline__ void q4_w4a16(MATRICES, const float* __restrict__ x, 
 #pragma unroll
         for (int r = 0; r < MV_ROWS; r++) acc[r] += h2f(h[r]) * q4_block_dot(c[r], xb);
     }
-    store_slots<GLU>(acc, s, add);
+    store_slots<GLU>(acc, s, mode);
 }
 
 // W4A8: per block d_w * d_x * (sum q_w q_x - 8 sum q_x). The -8 of every weight code is applied
@@ -168,7 +223,7 @@ __device__ __forceinline__ void q4_w4a16(MATRICES, const float* __restrict__ x, 
 // the raw 0..15 codes, which fit a signed byte. The integer part is exact.
 template <bool GLU>
 __device__ __forceinline__ void q4_w4a8(MATRICES, const signed char* __restrict__ xq, const float* __restrict__ xd,
-                                        const int* __restrict__ xs, int cols, int add) {
+                                        const int* __restrict__ xs, int cols, int mode) {
     Slots s = block_slots<GLU>(ALL_MATRICES);
     int nb = cols / QK;
     float acc[MV_ROWS] = {};
@@ -194,12 +249,12 @@ __device__ __forceinline__ void q4_w4a8(MATRICES, const signed char* __restrict_
             acc[r] += (h2f(h[r]) * dx) * (float)(s - bias);
         }
     }
-    store_slots<GLU>(acc, s, add);
+    store_slots<GLU>(acc, s, mode);
 }
 
 // Exact variants: f16/bf16 weights as stored, 8 per 16-byte load; cols must be a multiple of 8.
 template <bool GLU>
-__device__ __forceinline__ void exact(MATRICES, int bf16, const float* __restrict__ x, int cols, int add) {
+__device__ __forceinline__ void exact(MATRICES, int bf16, const float* __restrict__ x, int cols, int mode) {
     Slots s = block_slots<GLU>(ALL_MATRICES);
     float acc[MV_ROWS] = {};
     for (int c = threadIdx.x; c < cols / 8; c += blockDim.x) {
@@ -215,46 +270,55 @@ __device__ __forceinline__ void exact(MATRICES, int bf16, const float* __restric
                     + exact2f(p[r].z & 0xffff, bf16) * b.x + exact2f(p[r].z >> 16, bf16) * b.y
                     + exact2f(p[r].w & 0xffff, bf16) * b.z + exact2f(p[r].w >> 16, bf16) * b.w;
     }
-    store_slots<GLU>(acc, s, add);
+    store_slots<GLU>(acc, s, mode);
 }
 
-// Each body has two entry points with the same parameters: matvec_* (plain) and glu_* (add
-// unused). Their parameters are spelled out, not MATRICES: tests/cuda_emu reads them.
+// Each body has two entry points with the same parameters: matvec_* (plain) and glu_* (the
+// epilogue unused). Their parameters are spelled out, not MATRICES: tests/cuda_emu reads them.
 extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) matvec_q4_w4a16(
     const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
     const void* w2, const u16* d2, float* out2, int rows2,
-    const float* __restrict__ x, int cols, int add) {
-    q4_w4a16<false>(ALL_MATRICES, x, cols, add);
+    const float* __restrict__ x, int cols, int epilogue,
+    const float* norm_w, float* norm_out, float eps, int* done) {
+    q4_w4a16<false>(ALL_MATRICES, x, cols, epilogue);
+    if (epilogue == ADD_NORM) norm_tail(out0, rows0, norm_w, eps, norm_out, done);  // one matrix
 }
 extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) glu_q4_w4a16(
     const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
     const void* w2, const u16* d2, float* out2, int rows2,
-    const float* __restrict__ x, int cols, int add) {
-    q4_w4a16<true>(ALL_MATRICES, x, cols, add);
+    const float* __restrict__ x, int cols, int epilogue,
+    const float* norm_w, float* norm_out, float eps, int* done) {
+    q4_w4a16<true>(ALL_MATRICES, x, cols, STORE);
 }
 extern "C" __global__ void matvec_q4_w4a8(
     const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
     const void* w2, const u16* d2, float* out2, int rows2,
-    const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs, int cols, int add) {
-    q4_w4a8<false>(ALL_MATRICES, xq, xd, xs, cols, add);
+    const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs, int cols, int epilogue,
+    const float* norm_w, float* norm_out, float eps, int* done) {
+    q4_w4a8<false>(ALL_MATRICES, xq, xd, xs, cols, epilogue);
+    if (epilogue == ADD_NORM) norm_tail(out0, rows0, norm_w, eps, norm_out, done);  // one matrix
 }
 extern "C" __global__ void glu_q4_w4a8(
     const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
     const void* w2, const u16* d2, float* out2, int rows2,
-    const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs, int cols, int add) {
-    q4_w4a8<true>(ALL_MATRICES, xq, xd, xs, cols, add);
+    const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs, int cols, int epilogue,
+    const float* norm_w, float* norm_out, float eps, int* done) {
+    q4_w4a8<true>(ALL_MATRICES, xq, xd, xs, cols, STORE);
 }
 extern "C" __global__ void matvec_exact(
     const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
     const void* w2, const u16* d2, float* out2, int rows2,
-    int bf16, const float* __restrict__ x, int cols, int add) {
-    exact<false>(ALL_MATRICES, bf16, x, cols, add);
+    int bf16, const float* __restrict__ x, int cols, int epilogue,
+    const float* norm_w, float* norm_out, float eps, int* done) {
+    exact<false>(ALL_MATRICES, bf16, x, cols, epilogue);
+    if (epilogue == ADD_NORM) norm_tail(out0, rows0, norm_w, eps, norm_out, done);  // one matrix
 }
 extern "C" __global__ void glu_exact(
     const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
     const void* w2, const u16* d2, float* out2, int rows2,
-    int bf16, const float* __restrict__ x, int cols, int add) {
-    exact<true>(ALL_MATRICES, bf16, x, cols, add);
+    int bf16, const float* __restrict__ x, int cols, int epilogue,
+    const float* norm_w, float* norm_out, float eps, int* done) {
+    exact<true>(ALL_MATRICES, bf16, x, cols, STORE);
 }
 
 // One 32-group per warp: scale d = max|x| / 127, codes round-half-away(x / d) in -127..127,

@@ -47,7 +47,7 @@ def arena_sizes(cfg, ctx: int, splits: int) -> tuple[int, int]:
     h, f, qd, kvd, T = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim, PREFILL_CHUNK
     widest = max(h, f, qd)
     decode = 4 * (2 * h + 2 * qd + 2 * kvd + f + cfg.vocab_size + 2 * (widest // QK)
-                  + cfg.num_heads * (splits * (cfg.head_dim + 2) + 1) + 4 + RECENT) + widest  # + xq, int8
+                  + cfg.num_heads * (splits * (cfg.head_dim + 2) + 1) + 5 + RECENT) + widest  # + xq, int8
     prefill = 4 * T * (3 * h + 2 * qd + 2 * kvd + 3 * f)
     kv = cfg.num_layers * 2 * ctx * kvd * 2
     return kv, kv + decode + prefill + min(SCRATCH_BYTES, 4 * _widest_matrix(cfg))
@@ -125,6 +125,7 @@ class DeviceArena:
         self.act_q8 = {n: (self.xq[:n], self.xd[:n // QK], self.xs[:n // QK]) for n in {h, f, qd}}
         self.part = f32(cfg.num_heads * splits * (cfg.head_dim + 2))
         self.done = dev.zeros(cfg.num_heads, np.int32)  # attention_decode's per-head split count
+        self.norm_done = dev.zeros(1, np.int32)  # blocks of a matvec that adds, then normalises
         self.state = dev.zeros(4, np.int32)  # position, token, draws, sampled (sample.cu)
         self.recent = dev.zeros(RECENT, np.int32)
         self.pos = self.state[0:1]
@@ -307,6 +308,7 @@ class CudaEngine(EngineBase):
         self.stall_next = self.stall_read = 0  # timing marks recorded, read
         self._layer_graphs = {i: [None] * (len(self.slots) + 1) for i in self.active}  # [-1]: resident
         self.weights = GpuWeights(cold, dev, self.gds_reader is not None)
+        self._plan_norms()
         self._primed = False  # the ring's first copies are queued on first use
         self._cold_pass = iter(())
         self._cold_copy = None  # the event of the last copy out of a cold staging buffer
@@ -325,10 +327,24 @@ class CudaEngine(EngineBase):
         self.k.quantize_act_q8(x, *act)
         return act
 
+    def _plan_norms(self) -> None:
+        """Which matvec does each norm: the norm after a residual add runs in the last block of
+        the matvec that adds (matvec.cu's ADD_NORM), which needs the norm's weights where every
+        graph can reach them. A layer's mlp_norm always is (its own file); the attention norm of
+        the next active layer is when that layer is resident, the final norm always. A layer
+        whose input arrives unnormalised (the first, or one behind a paged layer's down) starts
+        with its own rmsnorm."""
+        nxt = dict(zip(self.active, self.active[1:]))
+        self._down_norm = {i: self.final_norm if i not in nxt else
+                           self.layers[nxt[i]].t["attn_norm"] if nxt[i] in self.layers else None
+                           for i in self.active}
+        self._input_normed = {nxt[i] for i in self.active if i in nxt and self._down_norm[i] is not None}
+
     def _record_layer(self, L: DeviceLayer) -> None:
         cfg, a, k, p, t = self.cfg, self.a, self.k, L.precision, L.t
         eps, qd, kvd = cfg.rms_eps, cfg.q_dim, cfg.kv_dim
-        k.rmsnorm(a.x, t["attn_norm"], eps, a.xn)
+        if L.index not in self._input_normed:
+            k.rmsnorm(a.x, t["attn_norm"], eps, a.xn)
         act = self._quantized(a.xn, p)
         k.matvecs([L.mat("q"), L.mat("k"), L.mat("v")], a.xn, [a.q, a.k, a.v], p, act)
         for name, out in (("q", a.q), ("k", a.k), ("v", a.v)):
@@ -340,18 +356,21 @@ class CudaEngine(EngineBase):
         kc, vc = a.kv[L.index, 0], a.kv[L.index, 1]
         k.rope_kv_store(a.q, a.k, a.v, qd, a.pos, self.cos, self.sin, 1, cfg.num_heads, kc, vc)
         k.attention_decode(a.q, kc, vc, a.pos, a.part, a.done, a.attn, cfg.num_heads, self.splits)
-        k.matvec(L.mat("o"), a.attn, a.x, p, self._quantized(a.attn, p), add=True)
-        k.rmsnorm(a.x, t["mlp_norm"], eps, a.xn)
+        k.matvec(L.mat("o"), a.attn, a.x, p, self._quantized(a.attn, p), add=True,
+                 norm=(t["mlp_norm"], a.xn, eps, a.norm_done))
         act = self._quantized(a.xn, p)
         k.glu(L.mat("gate"), L.mat("up"), a.xn, a.act, p, act)
-        k.matvec(L.mat("down"), a.act, a.x, p, self._quantized(a.act, p), add=True)
+        after = self._down_norm[L.index]
+        k.matvec(L.mat("down"), a.act, a.x, p, self._quantized(a.act, p), add=True,
+                 norm=None if after is None else (after, a.xn, eps, a.norm_done))
 
     def _record_head(self) -> None:
         self.k.embed(self.embed_t, self.a.token, self.a.x)
 
     def _record_tail(self) -> None:
         a = self.a
-        self.k.rmsnorm(a.x, self.final_norm, self.cfg.rms_eps, a.xn)
+        if not self.active:  # else the last layer's down matvec did the final norm
+            self.k.rmsnorm(a.x, self.final_norm, self.cfg.rms_eps, a.xn)
         p = "w4a8" if self.precision == "w4a8" and "qs" in self.head_t else "w4a16"
         self.k.matvec(self.head_t, a.xn, a.logits, p, self._quantized(a.xn, p))
 

@@ -134,6 +134,26 @@ def test_paged_tiers_decode_the_resident_tokens(stored, cuda_device):
         cold.weights.close()
 
 
+def test_mixed_residency_decodes_the_resident_tokens(tmp_path, cuda_device):
+    """Five layers, two resident and three paged through two slots: the norm after a layer's
+    down product runs in that matvec only when the next layer's weights are resident (its
+    attention norm is in its file), so both ways into a layer run, normalised by the previous
+    down or by its own rmsnorm, and decode the all-resident engine's tokens."""
+    from conftest import make_tiny_model
+    from nerva_cli.pull import pull
+
+    model = pull(str(make_tiny_model(tmp_path / "hf", "llama", layers=5)), variant="q4_0", out=tmp_path / "q4")
+    resident, resident_logits = greedy_run(CudaEngine(model, device=cuda_device, ctx=96), 12)
+    layer = model.meta["files"][layer_file(0)]["size"]
+    mixed = CudaEngine(model, device=cuda_device, ctx=96, vram_budget=fixed_bytes(model, 96) + 4 * layer)
+    assert len(mixed.layers) == 2 and len(mixed.paged) == 3
+    assert mixed._input_normed == {i for i in mixed.active[1:] if i in mixed.layers}
+    assert {i for i in mixed.active[1:] if i not in mixed._input_normed}  # and some that normalise themselves
+    tokens, logits = greedy_run(mixed, 12)
+    assert tokens == resident
+    assert max_rel(logits, resident_logits) < 1e-5  # only the norms' sums of squares are taken in another order
+
+
 def test_streamed_tokens_and_an_early_stop(stored, cuda_device):
     """Device sampling: greedy tokens equal the host path's; a stream closed early leaves n_past
     at the tokens that ran, so decoding goes on exactly where an uninterrupted run would."""

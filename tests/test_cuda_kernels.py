@@ -164,6 +164,43 @@ def test_matvecs_share_a_launch(k, rng, precision, add):
 
 
 @pytest.mark.parametrize("precision", ["w4a16", "w4a8", "f16"])
+@pytest.mark.parametrize("rows", [36, 200, 1100])  # 36, 1100: a partial last block; 1100: 3 rounds of the tail
+def test_matvec_add_then_norm(k, rng, precision, rows):
+    """A residual add whose launch's last block then normalises the whole sum (the o and down
+    products): x = r + W x to the dot tolerance, xn = rmsnorm(x) * w of the x it wrote within
+    8 eps as the rmsnorm test holds it, and the block count back at 0 for the next launch (a
+    second launch on the same counter checks that)."""
+    cols = 576
+    done = up(k, np.zeros(1, np.int32))
+    for _ in range(2):
+        x, res, w = randn(rng, cols), randn(rng, rows), randn(rng, rows)
+        act = act_q8(ref, x)
+        if precision == "f16":
+            wt = randn(rng, rows, cols).astype(np.float16)
+            m, wide = {"w": up(k, wt)}, wt.astype(np.float64)
+            want, scale, terms = wide @ x, np.abs(wide) @ np.abs(x), cols
+        else:
+            qs, d = random_q4(rng, rows, cols)
+            m = {"qs": up(k, qs), "d": up(k, d)}
+            if precision == "w4a8":
+                want = np.empty(rows, np.float32)
+                ref.matvec_q4_w4a8(qs, d, *act, want)
+                scale, terms = (np.abs(d.astype(np.float64)) * act[1] * 127 * 15).sum(axis=1) + np.abs(want), cols // 32
+            else:
+                wide = dequantize_q4_0(qs, d).astype(np.float64)
+                want, scale, terms = wide @ x, np.abs(wide) @ np.abs(x), cols
+        out, xn = up(k, res), up(k, np.full(rows, np.nan, np.float32))
+        k.matvec(m, up(k, x), out, precision, tuple(up(k, a) for a in act) if precision == "w4a8" else None,
+                 add=True, norm=(up(k, w), xn, 0.25, done))
+        got = down(k, out)
+        assert_rows_close(got, res + want, np.abs(res) + scale, terms)
+        want_xn = np.empty((1, rows), np.float32)
+        ref.rmsnorm(got.reshape(1, -1), w, 0.25, want_xn)  # an eps large enough to matter to the test
+        assert rel(down(k, xn), want_xn[0]) < 8 * EPS
+        np.testing.assert_array_equal(down(k, done), 0)
+
+
+@pytest.mark.parametrize("precision", ["w4a16", "w4a8", "f16"])
 @pytest.mark.parametrize("rows,cols", [(1, 64), (37, 576), (6, 4160)])
 def test_glu_is_silu_of_gate_times_up(k, rng, precision, rows, cols):
     """One launch for silu(gate x) * up x, rows of both in each block (a row count that is no

@@ -64,6 +64,7 @@ class Kernels:
     def __init__(self, device):
         self.dev = device
         self.fn = device.functions()
+        self._no_count = device.zeros(1, np.int32)  # a matvec's norm counter when it has no norm
 
     def _go(self, name: str, grid, block, args) -> None:
         self.dev.launch(self.fn[name], grid, block, args)
@@ -99,27 +100,33 @@ class Kernels:
         self._go("add_rows", (_cdiv(T * n, THREADS),), (THREADS,), (x, b, I32(n), I32(T)))
 
     # -- matvecs -------------------------------------------------------------------------------
-    def matvec(self, m: dict, x, out, precision: str, act=None, add: bool = False) -> None:
+    def matvec(self, m: dict, x, out, precision: str, act=None, add: bool = False, norm=None) -> None:
         """out = W x, or out += W x with add (the residual add, fused into the store). m: {"qs",
-        "d"} or {"w"}; act = (xq, xd, xs) already quantised for w4a8."""
-        self.matvecs([m], x, [out], precision, act, add)
+        "d"} or {"w"}; act = (xq, xd, xs) already quantised for w4a8. norm = (w, xn, eps, done),
+        with add: then xn = rmsnorm(out) * w, by the launch's last block (matvec.cu's ADD_NORM;
+        done: an int32 counter, zero before and after)."""
+        self.matvecs([m], x, [out], precision, act, add, norm)
 
-    def matvecs(self, ms: list[dict], x, outs: list, precision: str, act=None, add: bool = False) -> None:
+    def matvecs(self, ms: list[dict], x, outs: list, precision: str, act=None, add: bool = False,
+                norm=None) -> None:
         """outs[i] = W_i x (+= with add) for up to three matrices of the same width, in one launch
         (a layer's q, k and v)."""
         if not 1 <= len(ms) <= 3 or len(ms) != len(outs):
             raise ValueError(f"matvecs takes 1 to 3 matrices with an output each, got {len(ms)}, {len(outs)}")
+        if norm is not None and (not add or len(ms) != 1 or _weights(ms[0]).shape[0] % 4):
+            raise ValueError("matvecs: a norm follows the residual add of a single matrix of 4k rows")
         blocks = sum(_cdiv(_weights(m).shape[0], MV_ROWS) for m in ms)
-        self._matvec_launch("matvec", ms, outs, x, precision, act, add, blocks)
+        mode = 2 if norm is not None else 1 if add else 0  # ADD_NORM, ADD, STORE (matvec.cu)
+        self._matvec_launch("matvec", ms, outs, x, precision, act, mode, norm, blocks)
 
     def glu(self, gate: dict, up: dict, x, out, precision: str, act=None) -> None:
         """out = silu(gate x) * up x in one launch: a block computes rows of both (matvec.cu)."""
         rows = _weights(gate).shape[0]
         if _weights(up).shape != _weights(gate).shape:
             raise ValueError(f"glu: gate {_weights(gate).shape} and up {_weights(up).shape} differ")
-        self._matvec_launch("glu", [gate, up], [out, out], x, precision, act, False, _cdiv(rows, MV_ROWS // 2))
+        self._matvec_launch("glu", [gate, up], [out, out], x, precision, act, 0, None, _cdiv(rows, MV_ROWS // 2))
 
-    def _matvec_launch(self, kind: str, ms: list[dict], outs: list, x, precision: str, act, add: bool,
+    def _matvec_launch(self, kind: str, ms: list[dict], outs: list, x, precision: str, act, mode: int, norm,
                        blocks: int) -> None:
         exact = "w" in ms[0]
         if len({_weights(m).shape[1] for m in ms}) != 1:
@@ -128,17 +135,18 @@ class Kernels:
                 for m, out in zip(ms, outs)]
         mats += [(*mats[0][:3], I32(0))] * (3 - len(mats))  # absent: 0 rows
         flat = tuple(a for mat in mats for a in mat)
+        norm_w, xn, eps, done = norm if norm is not None else (outs[0], outs[0], 0.0, self._no_count)  # unused
+        tail = (I32(mode), norm_w, xn, F32(eps), done)
         w = mats[0][0]
         if exact:
             cols = w.shape[1]
-            self._go(f"{kind}_exact", (blocks,), (mv_threads(cols // 8),),
-                     (*flat, I32(is_bf16(w)), x, I32(cols), I32(add)))
+            self._go(f"{kind}_exact", (blocks,), (mv_threads(cols // 8),), (*flat, I32(is_bf16(w)), x, I32(cols), *tail))
             return
         cols = w.shape[1] * 2
         if precision == "w4a8":
-            self._go(f"{kind}_q4_w4a8", (blocks,), (mv_threads(cols // QK),), (*flat, *act, I32(cols), I32(add)))
+            self._go(f"{kind}_q4_w4a8", (blocks,), (mv_threads(cols // QK),), (*flat, *act, I32(cols), *tail))
         else:
-            self._go(f"{kind}_q4_w4a16", (blocks,), (mv_threads(cols // QK),), (*flat, x, I32(cols), I32(add)))
+            self._go(f"{kind}_q4_w4a16", (blocks,), (mv_threads(cols // QK),), (*flat, x, I32(cols), *tail))
 
     def quantize_act_q8(self, x, xq, xd, xs) -> None:
         groups = x.size // QK
