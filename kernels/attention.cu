@@ -6,49 +6,71 @@
 #include "common.cuh"
 
 #define ATT_WARPS 4
-#define PER_LANE (MAX_HEAD_DIM / 32)
 #define ATT_UNROLL 4
 
+// A lane holds NI consecutive elements of a head, lane * NI .. lane * NI + NI - 1 (NI = ceil(hd /
+// 32), a template argument: the kernels switch on it, so a 128-wide head does 4 elements a lane,
+// not the 8 that MAX_HEAD_DIM would, and loads them as one 8-byte word).
+template <int NI>
 struct Partial {
-    float m, l, acc[PER_LANE];  // lane's elements lane, lane + 32, ...
+    float m, l, acc[NI];
 };
+
+// K or V elements e0 .. e0 + NI - 1 of a row (those past hd read as 0): one vector load when NI
+// is 2, 4 or 8 and the lane's elements are all in the row, else NI predicated ones.
+template <int NI>
+__device__ __forceinline__ void load_halves(const u16* row, int e0, int hd, u16 (&h)[NI]) {
+    if constexpr (NI == 2 || NI == 4 || NI == 8) {
+        if (e0 + NI <= hd) {
+            unsigned w[NI / 2];
+            if constexpr (NI == 2) {
+                w[0] = *(const unsigned*)(row + e0);
+            } else if constexpr (NI == 4) {
+                uint2 v = *(const uint2*)(row + e0);
+                w[0] = v.x, w[1] = v.y;
+            } else {
+                uint4 v = *(const uint4*)(row + e0);
+                w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+            }
+#pragma unroll
+            for (int i = 0; i < NI; i++) h[i] = (u16)(w[i / 2] >> (16 * (i & 1)));
+            return;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < NI; i++) h[i] = e0 + i < hd ? row[e0 + i] : (u16)0;
+}
 
 // Positions p0, p0 + step, ... < p1 of one head into a warp's partial, ATT_UNROLL positions a
 // round: their K and V rows are loaded before any is used, so a warp has that many rows in
 // flight (one position at a time, decode attention was a chain of dependent loads: about 18 us
 // a layer at 512 cached tokens on an H100, for 2 MB of cache).
+template <int NI>
 __device__ __forceinline__ void attend(const float* q, const u16* kc, const u16* vc, int row, int hd,
-                                       float scale, int p0, int p1, int step, Partial& r) {
-    int lane = threadIdx.x & 31;
-    float qr[PER_LANE];
+                                       float scale, int p0, int p1, int step, Partial<NI>& r) {
+    int e0 = (threadIdx.x & 31) * NI;
+    float qr[NI];
 #pragma unroll
-    for (int i = 0; i < PER_LANE; i++) {
-        int e = lane + 32 * i;
-        qr[i] = e < hd ? q[e] * scale : 0.f;
+    for (int i = 0; i < NI; i++) {
+        qr[i] = e0 + i < hd ? q[e0 + i] * scale : 0.f;
         r.acc[i] = 0.f;
     }
     r.m = NEG_INF;
     r.l = 0.f;
     for (int p = p0; p < p1; p += step * ATT_UNROLL) {
-        u16 kh[ATT_UNROLL][PER_LANE], vh[ATT_UNROLL][PER_LANE];
+        u16 kh[ATT_UNROLL][NI], vh[ATT_UNROLL][NI];
 #pragma unroll
         for (int u = 0; u < ATT_UNROLL; u++) {
             int pu = p + u * step < p1 ? p + u * step : p;  // past the end: a row already read, weight 0
-            const u16* k = kc + (size_t)pu * row;
-            const u16* v = vc + (size_t)pu * row;
-#pragma unroll
-            for (int i = 0; i < PER_LANE; i++) {
-                bool in = lane + 32 * i < hd;
-                kh[u][i] = in ? k[lane + 32 * i] : (u16)0;
-                vh[u][i] = in ? v[lane + 32 * i] : (u16)0;
-            }
+            load_halves<NI>(kc + (size_t)pu * row, e0, hd, kh[u]);
+            load_halves<NI>(vc + (size_t)pu * row, e0, hd, vh[u]);
         }
         float s[ATT_UNROLL], m = r.m;
 #pragma unroll
         for (int u = 0; u < ATT_UNROLL; u++) {
             float a = 0.f;
 #pragma unroll
-            for (int i = 0; i < PER_LANE; i++) a += qr[i] * h2f(kh[u][i]);  // qr is 0 past hd
+            for (int i = 0; i < NI; i++) a += qr[i] * h2f(kh[u][i]);  // qr is 0 past hd
             float t = warp_sum(a);  // every lane, every round: the shuffle needs the whole warp
             s[u] = p + u * step < p1 ? t : NEG_INF;
             m = fmaxf(m, s[u]);
@@ -56,13 +78,13 @@ __device__ __forceinline__ void attend(const float* q, const u16* kc, const u16*
         float corr = expf(r.m - m);  // exp(-inf) = 0 on the first round
         r.l *= corr;
 #pragma unroll
-        for (int i = 0; i < PER_LANE; i++) r.acc[i] *= corr;
+        for (int i = 0; i < NI; i++) r.acc[i] *= corr;
 #pragma unroll
         for (int u = 0; u < ATT_UNROLL; u++) {
             float w = expf(s[u] - m);
             r.l += w;
 #pragma unroll
-            for (int i = 0; i < PER_LANE; i++) r.acc[i] += w * h2f(vh[u][i]);
+            for (int i = 0; i < NI; i++) r.acc[i] += w * h2f(vh[u][i]);
         }
         r.m = m;
     }
@@ -74,23 +96,31 @@ struct Merged {
     float m, l, acc[MAX_HEAD_DIM];
 };
 
-__device__ __forceinline__ void merge_warps(const Partial& r, int hd, Merged& out) {
-    __shared__ float sm[ATT_WARPS], sl[ATT_WARPS], sacc[ATT_WARPS][MAX_HEAD_DIM];
+// The warps' partials in shared memory, declared once (attend_block) rather than in the template,
+// whose every instantiation would get its own.
+struct WarpPartials {
+    float m[ATT_WARPS], l[ATT_WARPS], acc[ATT_WARPS][MAX_HEAD_DIM];
+};
+
+template <int NI>
+__device__ __forceinline__ void merge_warps(const Partial<NI>& r, int hd, WarpPartials& wp, Merged& out) {
+    float* sm = wp.m;
+    float* sl = wp.l;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) {
         sm[warp] = r.m;
         sl[warp] = r.l;
     }
 #pragma unroll
-    for (int i = 0; i < PER_LANE; i++)
-        if (lane + 32 * i < hd) sacc[warp][lane + 32 * i] = r.acc[i];
+    for (int i = 0; i < NI; i++)
+        if (lane * NI + i < hd) wp.acc[warp][lane * NI + i] = r.acc[i];
     __syncthreads();
     float m = NEG_INF;
     for (int w = 0; w < ATT_WARPS; w++) m = fmaxf(m, sm[w]);
     for (int e = threadIdx.x; e < hd; e += blockDim.x) {
         float a = 0.f;
         for (int w = 0; w < ATT_WARPS; w++)
-            if (sm[w] != NEG_INF) a += sacc[w][e] * expf(sm[w] - m);
+            if (sm[w] != NEG_INF) a += wp.acc[w][e] * expf(sm[w] - m);
         out.acc[e] = a;
     }
     if (threadIdx.x == 0) {
@@ -101,6 +131,26 @@ __device__ __forceinline__ void merge_warps(const Partial& r, int hd, Merged& ou
         out.l = l;
     }
     __syncthreads();
+}
+
+// One head's positions p0 + warp, p0 + warp + ATT_WARPS, ... < p1, merged over the block's warps
+// into mg, for the NI that hd needs (hd <= MAX_HEAD_DIM).
+__device__ __forceinline__ void attend_block(const float* q, const u16* kc, const u16* vc, int row, int hd,
+                                             float scale, int p0, int p1, Merged& mg) {
+    __shared__ WarpPartials wp;
+    int warp = threadIdx.x >> 5;
+#define ATTEND_CASE(ni)                                                                           \
+    case ni: {                                                                                    \
+        Partial<ni> r;                                                                            \
+        attend<ni>(q, kc, vc, row, hd, scale, p0 + warp, p1, ATT_WARPS, r);                       \
+        merge_warps<ni>(r, hd, wp, mg);                                                           \
+        break;                                                                                    \
+    }
+    switch ((hd + 31) / 32) {
+        ATTEND_CASE(1) ATTEND_CASE(2) ATTEND_CASE(3) ATTEND_CASE(4)
+        ATTEND_CASE(5) ATTEND_CASE(6) ATTEND_CASE(7) ATTEND_CASE(8)
+    }
+#undef ATTEND_CASE
 }
 
 // One head's split partials [splits][m, l, acc[hd]] -> out[hd] = merged acc / merged l. Warp 0
@@ -131,17 +181,15 @@ __device__ __forceinline__ void combine_splits(const float* p, float* out, int s
 // its (head, split) partial [m, l, acc[head_dim]] to part and counts itself in done[head]; the
 // head's last block merges them into out and resets the count for the next launch. (A separate
 // combine kernel took 3.3 us a layer in gpu_profile.py on an H100, for under 50 KB of reads.)
-extern "C" __global__ void attention_decode(const float* q, const u16* k_cache, const u16* v_cache,
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5) attention_decode(const float* q, const u16* k_cache, const u16* v_cache,
                                             const int* pos, float* part, int* done, float* out, int heads,
                                             int kv_heads, int hd, float scale) {
-    int h = blockIdx.x, split = blockIdx.y, splits = gridDim.y, warp = threadIdx.x >> 5;
+    int h = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
     int n = pos[0] + 1, chunk = (n + splits - 1) / splits;
     int p0 = split * chunk, p1 = p0 + chunk < n ? p0 + chunk : n;
     int row = kv_heads * hd, kvh = h / (heads / kv_heads);
-    Partial r;
-    attend(q + h * hd, k_cache + kvh * hd, v_cache + kvh * hd, row, hd, scale, p0 + warp, p1, ATT_WARPS, r);
     __shared__ Merged mg;
-    merge_warps(r, hd, mg);
+    attend_block(q + h * hd, k_cache + kvh * hd, v_cache + kvh * hd, row, hd, scale, p0, p1, mg);
     float* mine = part + ((size_t)h * splits + split) * (hd + 2);
     if (threadIdx.x == 0) {
         mine[0] = mg.m;
@@ -161,15 +209,12 @@ extern "C" __global__ void attention_decode(const float* q, const u16* k_cache, 
 
 // Prefill, causal: grid (T, heads); query t (rows q_stride floats apart) at position pos0[0] + t
 // sees cache positions 0 .. pos0[0] + t. out [T, heads, hd].
-extern "C" __global__ void attention_prefill(const float* q, int q_stride, const u16* k_cache,
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5) attention_prefill(const float* q, int q_stride, const u16* k_cache,
                                              const u16* v_cache, const int* pos0, float* out, int heads,
                                              int kv_heads, int hd, float scale) {
-    int t = blockIdx.x, h = blockIdx.y, warp = threadIdx.x >> 5;
+    int t = blockIdx.x, h = blockIdx.y;
     int n = pos0[0] + t + 1, row = kv_heads * hd, kvh = h / (heads / kv_heads);
-    Partial r;
-    attend(q + (size_t)t * q_stride + h * hd, k_cache + kvh * hd, v_cache + kvh * hd, row, hd, scale, warp, n,
-           ATT_WARPS, r);
     __shared__ Merged mg;
-    merge_warps(r, hd, mg);
+    attend_block(q + (size_t)t * q_stride + h * hd, k_cache + kvh * hd, v_cache + kvh * hd, row, hd, scale, 0, n, mg);
     for (int e = threadIdx.x; e < hd; e += blockDim.x) out[((size_t)t * heads + h) * hd + e] = mg.acc[e] / mg.l;
 }

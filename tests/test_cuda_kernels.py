@@ -317,8 +317,11 @@ def f16_cache(rng, ctx, kvh, hd):
     return randn(rng, ctx, kvh, hd).astype(np.float16)
 
 
+# head dims: a lane holds hd / 32 elements, loaded as one word for 64, 128 and 256 (80 and 48:
+# lanes with fewer elements, or none)
 @pytest.mark.parametrize("heads,kvh,hd,n,splits", [(4, 2, 32, 1, 1), (4, 2, 64, 37, 3), (6, 3, 32, 5, 8),
-                                                   (2, 1, 256, 70, 2), (8, 8, 128, 130, 4)])
+                                                   (2, 1, 256, 70, 2), (8, 8, 128, 130, 4), (4, 2, 80, 21, 3),
+                                                   (2, 2, 48, 9, 2)])
 def test_attention_decode_split_over_context(k, rng, heads, kvh, hd, n, splits):
     """GQA, online softmax, any number of splits (some empty when n < splits); the last split of
     each head merges them, and leaves the split counts at zero for the next launch (a second
