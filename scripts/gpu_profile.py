@@ -66,8 +66,8 @@ def main() -> None:
         row = per[name]
         row["launches"] += 1
         row["ms"] += timed(dev, g) / args.repeat
-        if name.startswith("matvec"):  # (weights, scales, out, rows) for each of up to 3 matrices
-            planes = (0,) if name == "matvec_exact" else (0, 1)
+        if name.startswith(("matvec", "glu")):  # (weights, scales, out, rows) for each of up to 3 matrices
+            planes = (0,) if name.endswith("_exact") else (0, 1)
             row["bytes"] += sum(int(a[4 * j + p].nbytes) for j in range(3) if int(a[4 * j + 3]) for p in planes)
     step_ms = timed(dev, engine._graph("step"))
     sample_ms = per["sample"]["ms"]
