@@ -22,13 +22,14 @@
 #define MV_MIN_BLOCKS (640 / MV_MAX_THREADS)
 
 // W4A16 turns a code n into the float n - 8 without an int conversion. (float)((int)n - 8) made
-// the loop 1399 instructions per 8 rows of a block, about 970 of them integer (I2FP, shift, mask,
-// subtract; cuobjdump -sass for sm_90), and the integer pipe issues at half the FP32 rate: about
-// 2.3 TB/s of weights on an H100 at 1.75 GHz (its best shape, lm_head, measured 1.9). Instead a
-// nibble n at bits 4s..4s+3 (s < 4), ORed into the bits of 2^23, reads as the float 2^23 + n 16^s,
-// exactly, and subtracting 2^23 + 8 16^s leaves (n - 8) 16^s, exactly: one LOP3 and one FADD a
-// weight and a shift per 8, 912 instructions, 330 of them integer. The x it meets was divided by
-// 16^s (a power of two: exact), so each product is (n - 8) x rounded once, as before.
+// the loop 1399 instructions per 8 rows of a block, 973 of them integer (I2FP, shift, mask,
+// subtract; scripts/sass_mix.py, sm_90), and the integer pipe issues at half the FP32 rate: at
+// most 2.2 TB/s of weights on an H100 at 1.75 GHz (its best shape, lm_head, measured 1.9).
+// Instead a nibble n at bits 4s..4s+3 (s < 4), ORed into the bits of 2^23, reads as the float
+// 2^23 + n 16^s, exactly, and subtracting 2^23 + 8 16^s leaves (n - 8) 16^s, exactly: one LOP3
+// and one FADD a weight and a shift per 8, 906 instructions, 327 of them integer (938 with
+// norm_tail below in the kernel). The x it meets was divided by 16^s (a power of two: exact), so
+// each product is (n - 8) x rounded once, as before.
 #define MAGIC 0x4B000000u  // 2^23
 __device__ __forceinline__ float q4_code(unsigned bits, float bias) { return __uint_as_float(bits) - bias; }
 
@@ -237,16 +238,16 @@ __device__ __forceinline__ void q4_w4a8(MATRICES, const signed char* __restrict_
         int bias = 8 * xs[b];
 #pragma unroll
         for (int r = 0; r < MV_ROWS; r++) {
-            int s = 0;
-            s = __dp4a((int)(c[r].x & 0x0F0F0F0Fu), x0.x, s);
-            s = __dp4a((int)(c[r].y & 0x0F0F0F0Fu), x0.y, s);
-            s = __dp4a((int)(c[r].z & 0x0F0F0F0Fu), x0.z, s);
-            s = __dp4a((int)(c[r].w & 0x0F0F0F0Fu), x0.w, s);
-            s = __dp4a((int)((c[r].x >> 4) & 0x0F0F0F0Fu), x1.x, s);
-            s = __dp4a((int)((c[r].y >> 4) & 0x0F0F0F0Fu), x1.y, s);
-            s = __dp4a((int)((c[r].z >> 4) & 0x0F0F0F0Fu), x1.z, s);
-            s = __dp4a((int)((c[r].w >> 4) & 0x0F0F0F0Fu), x1.w, s);
-            acc[r] += (h2f(h[r]) * dx) * (float)(s - bias);
+            int dot = 0;
+            dot = __dp4a((int)(c[r].x & 0x0F0F0F0Fu), x0.x, dot);
+            dot = __dp4a((int)(c[r].y & 0x0F0F0F0Fu), x0.y, dot);
+            dot = __dp4a((int)(c[r].z & 0x0F0F0F0Fu), x0.z, dot);
+            dot = __dp4a((int)(c[r].w & 0x0F0F0F0Fu), x0.w, dot);
+            dot = __dp4a((int)((c[r].x >> 4) & 0x0F0F0F0Fu), x1.x, dot);
+            dot = __dp4a((int)((c[r].y >> 4) & 0x0F0F0F0Fu), x1.y, dot);
+            dot = __dp4a((int)((c[r].z >> 4) & 0x0F0F0F0Fu), x1.z, dot);
+            dot = __dp4a((int)((c[r].w >> 4) & 0x0F0F0F0Fu), x1.w, dot);
+            acc[r] += (h2f(h[r]) * dx) * (float)(dot - bias);
         }
     }
     store_slots<GLU>(acc, s, mode);
