@@ -119,6 +119,14 @@ __device__ __forceinline__ void load_q4_block(const Slots& s, int cols, int b, u
                     // stream, rounded once, as a separate add was, without its launch
 #define ADD_NORM 2  // ADD, then the launch's last block: norm_out = rmsnorm(out) * norm_w
 
+#define TAIL_LOADS 4
+
+// out[i0 + j stride] for j < TAIL_LOADS (0 past n), from L2, every load issued at once
+__device__ __forceinline__ void tail_loads(const float* out, int i0, int stride, int n, float4 (&v)[TAIL_LOADS]) {
+#pragma unroll
+    for (int j = 0; j < TAIL_LOADS; j++) v[j] = i0 + j * stride < n ? load_l2_4(out + i0 + j * stride) : float4{};
+}
+
 // The norm that follows a residual add, by the launch's last block once every block has added its
 // rows (a count in *done, reset for the next launch): norm_out[0..n) = out * inv_rms * w, as
 // norm.cu's rmsnorm computes it, without that launch (2.5 to 3 us each, twice a layer, in
@@ -127,7 +135,6 @@ __device__ __forceinline__ void load_q4_block(const Slots& s, int cols, int b, u
 // a round (938, not 906, by sass_mix.py: ptxas then recomputes the slots' clamped rows each
 // round), a cost taken because that loop's issue bound stays above memory speed. Every thread of
 // the block must call it.
-#define TAIL_LOADS 4
 __device__ __forceinline__ void norm_tail(const float* out, int n, const float* w, float eps, float* norm_out,
                                           int* done) {
     __shared__ int last;
@@ -138,21 +145,18 @@ __device__ __forceinline__ void norm_tail(const float* out, int n, const float* 
     __syncthreads();
     if (!last) return;
     int stride = 4 * blockDim.x;
+    float4 v[TAIL_LOADS];
     float ss = 0.f;
 #pragma unroll 1
     for (int i0 = 4 * threadIdx.x; i0 < n; i0 += TAIL_LOADS * stride) {
-        float4 v[TAIL_LOADS];
-#pragma unroll
-        for (int j = 0; j < TAIL_LOADS; j++) v[j] = i0 + j * stride < n ? load_l2_4(out + i0 + j * stride) : float4{};
+        tail_loads(out, i0, stride, n, v);
 #pragma unroll
         for (int j = 0; j < TAIL_LOADS; j++) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
     }
     float inv = 1.f / sqrtf(block_sum(ss, scratch) / (float)n + eps);
 #pragma unroll 1
     for (int i0 = 4 * threadIdx.x; i0 < n; i0 += TAIL_LOADS * stride) {
-        float4 v[TAIL_LOADS];
-#pragma unroll
-        for (int j = 0; j < TAIL_LOADS; j++) v[j] = i0 + j * stride < n ? load_l2_4(out + i0 + j * stride) : float4{};
+        tail_loads(out, i0, stride, n, v);
 #pragma unroll
         for (int j = 0; j < TAIL_LOADS; j++) {
             int i = i0 + j * stride;
