@@ -373,6 +373,42 @@ def test_greedy_is_argmax_lowest_index_on_ties(k, rng):
     assert st[0] == 3
 
 
+@pytest.mark.parametrize("vocab", [40003, 70000])
+def test_greedy_over_a_vocab_of_many_load_rounds(k, rng, vocab):
+    """A vocab a 1024-thread block reads in several rounds of float4 loads, with a tail of
+    single elements when it is no multiple of 4: ties across the whole range still go to the
+    lowest index, and a maximum in the last elements is found."""
+    logits = randn(rng, vocab)
+    top = logits.max() + 1.0
+    logits[[vocab - 1, 5000, 36000]] = top  # the tail (for 40003), and two earlier ties
+    st, _, _ = sample_once(k, logits, SamplingOptions(temperature=0.0))
+    assert st[1] == 5000
+    logits[[5000, 36000]] = 0.0
+    st, _, _ = sample_once(k, logits, SamplingOptions(temperature=0.0))
+    assert st[1] == vocab - 1
+
+
+def test_sampled_tokens_stay_in_the_candidate_set_of_a_large_vocab(k, rng):
+    """Top-k and top-p over 40003 logits (several load rounds a pass, and a tail): every draw is
+    in the host sampler's candidate set, and more than one of them is drawn when none dominates."""
+    vocab, draws = 40003, 40
+    logits = randn(rng, vocab)
+    opts = SamplingOptions(temperature=1.0, top_k=6, top_p=0.9, seed=int(rng.integers(1 << 31)))
+    top = np.argsort(-logits, kind="stable")[:6]
+    p = np.exp(logits[top] - logits[top].max())
+    p /= p.sum()
+    allowed = set(top[: int(np.searchsorted(np.cumsum(p), 0.9) + 1)].tolist())
+    st, rc, lg = up(k, np.zeros(4, np.int32)), up(k, np.zeros(RECENT, np.int32)), up(k, logits)
+    seen = set()
+    for _ in range(draws):
+        k.sample(lg, st, rc, opts, True)
+        seen.add(int(down(k, st)[1]))
+    assert seen <= allowed
+    kept = np.sort(p[: len(allowed)])[::-1] / p[: len(allowed)].sum()
+    if kept[0] < 0.5:  # then 40 draws of one token have probability below 2e-12
+        assert len(seen) > 1
+
+
 def test_repetition_penalty_as_the_host_sampler(k, rng):
     vocab = 300
     logits = randn(rng, vocab) * 3
