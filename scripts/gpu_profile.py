@@ -9,7 +9,7 @@ Matvec rows also give GB/s over the bytes of the weights they read; each launch'
 one matrix, which a small one finds in L2, so scripts/gpu_matvec_sweep.py (which rotates over
 copies) is the measure of matvec bandwidth, this the measure of where the step's time goes.
 
-    python3 scripts/gpu_profile.py MODEL_DIR [--fill 512] [--repeat 20] [--json OUT]
+    python3 scripts/gpu_profile.py MODEL_DIR [--fill 512] [--repeat 20] [--temperature 0.8] [--json OUT]
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("--fill", type=int, default=512, help="tokens in the KV cache before the step")
     ap.add_argument("--repeat", type=int, default=20, help="copies of each launch in its timing graph")
     ap.add_argument("--precision", default=None)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="the sample launch's temperature (0: greedy; above 0: with run's top-k and top-p)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -48,7 +50,7 @@ def main() -> None:
     engine = CudaEngine(model, precision=args.precision, ctx=args.fill + 64)
     dev, rng = engine.dev, np.random.default_rng()
     engine.prefill([int(t) for t in rng.integers(0, engine.cfg.vocab_size, args.fill)])
-    engine._use_sampling(SamplingOptions(temperature=0.0))
+    engine._use_sampling(SamplingOptions(temperature=args.temperature))
     engine._write_state(int(rng.integers(0, engine.cfg.vocab_size)))
     dev.synchronize()
 
