@@ -15,10 +15,10 @@
 #ifndef MV_MAX_THREADS
 #define MV_MAX_THREADS 128  // backends/cuda.py's MV_THREADS (gpu_matvec_sweep.py sets both)
 #endif
-// At least 640 threads of a W4A16 matvec resident per SM, which holds it to 96 registers a thread
-// at 128 a block: the GLU kernel's second set of matrix pointers took 100, which the register
-// file's allocation unit (256 a warp) turns into 4 blocks an SM instead of 5. (W4A8 and exact
-// need fewer; a bound would let ptxas spend up to 96 on them and fit fewer blocks.)
+// At least 640 threads of a Q4_0 matvec resident per SM, which holds it to 96 registers a thread
+// at 128 a block: W4A16's GLU kernel took 100 and W4A8 (quantising x in the loop) 127, which the
+// register file's allocation unit (256 a warp) turns into 4 blocks an SM instead of 5; bounded,
+// neither spills. (The exact kernels need fewer: a bound would let ptxas spend up to 96 on them.)
 #define MV_MIN_BLOCKS (640 / MV_MAX_THREADS)
 
 // W4A16 turns a code n into the float n - 8 without an int conversion. (float)((int)n - 8) made
@@ -223,12 +223,40 @@ __device__ __forceinline__ void q4_w4a16(MATRICES, const float* __restrict__ x, 
     store_slots<GLU>(acc, s, mode);
 }
 
+// W4A8's activation codes for one 32-group, in the thread that uses them: d = max|x| / 127, codes
+// round-half-away(x / d) in -127..127, four to a word (elements 0..15 in lo, 16..31 in hi), and
+// their sum; step for step quantize_lane's arithmetic (below), so the same codes. Quantising here
+// instead of in a launch of its own saves W4A8 layers four launches a token (a W4A8 matvec reads
+// x as f32, as W4A16 does).
+__device__ __forceinline__ void quantize_group(const float4 (&x)[8], int4& lo, int4& hi, float& d, int& sum) {
+    float amax = 0.f;
+#pragma unroll
+    for (int k = 0; k < 8; k++) amax = fmaxf(amax, fmaxf(fmaxf(fabsf(x[k].x), fabsf(x[k].y)), fmaxf(fabsf(x[k].z), fabsf(x[k].w))));
+    d = amax / 127.f;
+    float inv = d > 0.f ? 1.f / d : 0.f;
+    unsigned words[8];
+    sum = 0;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        float v[4] = {x[k].x, x[k].y, x[k].z, x[k].w};
+        unsigned w = 0;
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int q = (int)fminf(fmaxf(roundf(v[e] * inv), -127.f), 127.f);
+            sum += q;
+            w |= (unsigned)(q & 0xff) << (8 * e);
+        }
+        words[k] = w;
+    }
+    lo = int4{(int)words[0], (int)words[1], (int)words[2], (int)words[3]};
+    hi = int4{(int)words[4], (int)words[5], (int)words[6], (int)words[7]};
+}
+
 // W4A8: per block d_w * d_x * (sum q_w q_x - 8 sum q_x). The -8 of every weight code is applied
-// once per block through the activation code sum xs (deferred bias correction), so dp4a runs on
-// the raw 0..15 codes, which fit a signed byte. The integer part is exact.
+// once per block through the activation code sum (deferred bias correction), so dp4a runs on the
+// raw 0..15 codes, which fit a signed byte. The integer part is exact.
 template <bool GLU>
-__device__ __forceinline__ void q4_w4a8(MATRICES, const signed char* __restrict__ xq, const float* __restrict__ xd,
-                                        const int* __restrict__ xs, int cols, int mode) {
+__device__ __forceinline__ void q4_w4a8(MATRICES, const float* __restrict__ x, int cols, int mode) {
     Slots s = block_slots<GLU>(ALL_MATRICES);
     int nb = cols / QK;
     float acc[MV_ROWS] = {};
@@ -236,10 +264,14 @@ __device__ __forceinline__ void q4_w4a8(MATRICES, const signed char* __restrict_
         uint4 c[MV_ROWS];
         u16 h[MV_ROWS];
         load_q4_block<GLU>(s, cols, b, c, h);
-        const int4* xv = (const int4*)(xq + b * QK);
-        int4 x0 = xv[0], x1 = xv[1];  // elements 0..15, 16..31
-        float dx = xd[b];
-        int bias = 8 * xs[b];
+        float4 xb[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) xb[k] = ((const float4*)(x + b * QK))[k];
+        int4 x0, x1;  // codes of elements 0..15, 16..31
+        float dx;
+        int xsum;
+        quantize_group(xb, x0, x1, dx, xsum);
+        int bias = 8 * xsum;
 #pragma unroll
         for (int r = 0; r < MV_ROWS; r++) {
             int dot = 0;
@@ -295,20 +327,20 @@ extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) glu_
     const float* norm_w, float* norm_out, float eps, int* done) {
     q4_w4a16<true>(ALL_MATRICES, x, cols, STORE);
 }
-extern "C" __global__ void matvec_q4_w4a8(
+extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) matvec_q4_w4a8(
     const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
     const void* w2, const u16* d2, float* out2, int rows2,
-    const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs, int cols, int epilogue,
+    const float* __restrict__ x, int cols, int epilogue,
     const float* norm_w, float* norm_out, float eps, int* done) {
-    q4_w4a8<false>(ALL_MATRICES, xq, xd, xs, cols, epilogue);
+    q4_w4a8<false>(ALL_MATRICES, x, cols, epilogue);
     if (epilogue == ADD_NORM) norm_tail(out0, rows0, norm_w, eps, norm_out, done);  // one matrix
 }
-extern "C" __global__ void glu_q4_w4a8(
+extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) glu_q4_w4a8(
     const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
     const void* w2, const u16* d2, float* out2, int rows2,
-    const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs, int cols, int epilogue,
+    const float* __restrict__ x, int cols, int epilogue,
     const float* norm_w, float* norm_out, float eps, int* done) {
-    q4_w4a8<true>(ALL_MATRICES, xq, xd, xs, cols, STORE);
+    q4_w4a8<true>(ALL_MATRICES, x, cols, STORE);
 }
 extern "C" __global__ void matvec_exact(
     const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
@@ -333,21 +365,6 @@ __device__ __forceinline__ int quantize_lane(float v, float* d_out) {
     float inv = d > 0.f ? 1.f / d : 0.f;
     *d_out = d;
     return (int)fminf(fmaxf(roundf(v * inv), -127.f), 127.f);
-}
-
-// x [n] -> codes xq, scale xd and code sum xs per 32-group (W4A8's activations)
-extern "C" __global__ void quantize_act_q8(const float* x, signed char* xq, float* xd, int* xs, int n) {
-    int lane = threadIdx.x & 31, g = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (g < n / QK) {
-        float d;
-        int q = quantize_lane(x[g * QK + lane], &d);
-        xq[g * QK + lane] = (signed char)q;
-        int sum = warp_sum_int(q);
-        if (lane == 0) {
-            xd[g] = d;
-            xs[g] = sum;
-        }
-    }
 }
 
 // Prefill's W4A8: rows of x quantised per 32-group and scaled back (a GEMM over them gives the

@@ -45,9 +45,8 @@ PREFILL_CHUNK = 512
 def arena_sizes(cfg, ctx: int, splits: int) -> tuple[int, int]:
     """(kv_bytes, total bytes) of DeviceArena: decode buffers, f16 KV cache, prefill workspace."""
     h, f, qd, kvd, T = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim, PREFILL_CHUNK
-    widest = max(h, f, qd)
-    decode = 4 * (2 * h + 2 * qd + 2 * kvd + f + cfg.vocab_size + 2 * (widest // QK)
-                  + cfg.num_heads * (splits * (cfg.head_dim + 2) + 1) + 5 + RECENT) + widest  # + xq, int8
+    decode = 4 * (2 * h + 2 * qd + 2 * kvd + f + cfg.vocab_size
+                  + cfg.num_heads * (splits * (cfg.head_dim + 2) + 1) + 5 + RECENT)
     prefill = 4 * T * (3 * h + 2 * qd + 2 * kvd + 3 * f)
     kv = cfg.num_layers * 2 * ctx * kvd * 2
     return kv, kv + decode + prefill + min(SCRATCH_BYTES, 4 * _widest_matrix(cfg))
@@ -120,9 +119,6 @@ class DeviceArena:
         self.attn = f32(qd)
         self.act = f32(f)  # silu(gate) * up, straight from the glu launch
         self.logits = f32(cfg.vocab_size)
-        widest = max(h, f, qd)
-        self.xq, self.xd, self.xs = dev.zeros(widest, np.int8), f32(widest // QK), dev.zeros(widest // QK, np.int32)
-        self.act_q8 = {n: (self.xq[:n], self.xd[:n // QK], self.xs[:n // QK]) for n in {h, f, qd}}
         self.part = f32(cfg.num_heads * splits * (cfg.head_dim + 2))
         self.done = dev.zeros(cfg.num_heads, np.int32)  # attention_decode's per-head split count
         self.norm_done = dev.zeros(1, np.int32)  # blocks of a matvec that adds, then normalises
@@ -320,13 +316,6 @@ class CudaEngine(EngineBase):
         dev.settle()
 
     # -- the decode step, as recorded into graphs ----------------------------------------------
-    def _quantized(self, x, precision: str):
-        if precision != "w4a8":
-            return None
-        act = self.a.act_q8[x.shape[0]]
-        self.k.quantize_act_q8(x, *act)
-        return act
-
     def _plan_norms(self) -> None:
         """Which matvec does each norm: the norm after a residual add runs in the last block of
         the matvec that adds (matvec.cu's ADD_NORM), which needs the norm's weights where every
@@ -345,8 +334,7 @@ class CudaEngine(EngineBase):
         eps, qd, kvd = cfg.rms_eps, cfg.q_dim, cfg.kv_dim
         if L.index not in self._input_normed:
             k.rmsnorm(a.x, t["attn_norm"], eps, a.xn)
-        act = self._quantized(a.xn, p)
-        k.matvecs([L.mat("q"), L.mat("k"), L.mat("v")], a.xn, [a.q, a.k, a.v], p, act)
+        k.matvecs([L.mat("q"), L.mat("k"), L.mat("v")], a.xn, [a.q, a.k, a.v], p)
         for name, out in (("q", a.q), ("k", a.k), ("v", a.v)):
             if f"{name}_bias" in t:
                 k.add_rows(out, t[f"{name}_bias"], 1)
@@ -356,13 +344,10 @@ class CudaEngine(EngineBase):
         kc, vc = a.kv[L.index, 0], a.kv[L.index, 1]
         k.rope_kv_store(a.q, a.k, a.v, qd, a.pos, self.cos, self.sin, 1, cfg.num_heads, kc, vc)
         k.attention_decode(a.q, kc, vc, a.pos, a.part, a.done, a.attn, cfg.num_heads, self.splits)
-        k.matvec(L.mat("o"), a.attn, a.x, p, self._quantized(a.attn, p), add=True,
-                 norm=(t["mlp_norm"], a.xn, eps, a.norm_done))
-        act = self._quantized(a.xn, p)
-        k.glu(L.mat("gate"), L.mat("up"), a.xn, a.act, p, act)
+        k.matvec(L.mat("o"), a.attn, a.x, p, add=True, norm=(t["mlp_norm"], a.xn, eps, a.norm_done))
+        k.glu(L.mat("gate"), L.mat("up"), a.xn, a.act, p)
         after = self._down_norm[L.index]
-        k.matvec(L.mat("down"), a.act, a.x, p, self._quantized(a.act, p), add=True,
-                 norm=None if after is None else (after, a.xn, eps, a.norm_done))
+        k.matvec(L.mat("down"), a.act, a.x, p, add=True, norm=None if after is None else (after, a.xn, eps, a.norm_done))
 
     def _record_head(self) -> None:
         self.k.embed(self.embed_t, self.a.token, self.a.x)
@@ -372,7 +357,7 @@ class CudaEngine(EngineBase):
         if not self.active:  # else the last layer's down matvec did the final norm
             self.k.rmsnorm(a.x, self.final_norm, self.cfg.rms_eps, a.xn)
         p = "w4a8" if self.precision == "w4a8" and "qs" in self.head_t else "w4a16"
-        self.k.matvec(self.head_t, a.xn, a.logits, p, self._quantized(a.xn, p))
+        self.k.matvec(self.head_t, a.xn, a.logits, p)
 
     def _record_sample_first(self) -> None:
         """The token after a prefill: nothing has been fed at its position yet."""
@@ -623,7 +608,7 @@ class CudaEngine(EngineBase):
             if not all_logits:
                 self.k.rmsnorm(x[len(chunk) - 1], self.final_norm, self.cfg.rms_eps, self.a.xn)
                 p = "w4a8" if self.precision == "w4a8" and "qs" in self.head_t else "w4a16"
-                self.k.matvec(self.head_t, self.a.xn, self.a.logits, p, self._quantized(self.a.xn, p))
+                self.k.matvec(self.head_t, self.a.xn, self.a.logits, p)
                 self.dev.copy_to_host_async(self.logits_host, self.a.logits, self.dev.compute)
             self._write_state(0)  # state[0]: the next position; the token comes from sampling
             self._sync("logits", self.dev.compute)

@@ -40,15 +40,12 @@ def sweep(dev, fns: dict, shapes: dict, precision: str) -> dict:
             copies = max(1, min(64, (512 << 20) // nbytes))
             mats = [{"qs": dev.upload(qs), "d": dev.upload(d)} for _ in range(copies)]
             x = dev.upload(rng.standard_normal(cols).astype(np.float32))
-            xq = rng.integers(-127, 128, cols, dtype=np.int8)
-            act = (dev.upload(xq), dev.upload(rng.random(cols // 32).astype(np.float32)),
-                   dev.upload(xq.reshape(-1, 32).sum(axis=1, dtype=np.int32)))
             out = dev.zeros(rows, np.float32)
             for (rows_per_block, cap), fn in fns.items():
                 k.fn = {**k.fn, name: fn}
                 cuda.MV_ROWS, cuda.MV_THREADS = rows_per_block, cap
-                g = dev.capture(dev.compute, lambda mats=mats, x=x, out=out, act=act:
-                                [k.matvec(m, x, out, precision, act) for m in mats])
+                g = dev.capture(dev.compute, lambda mats=mats, x=x, out=out:
+                                [k.matvec(m, x, out, precision) for m in mats])
                 dev.replay(g, dev.compute)  # warm
                 ms = float(np.median(dev.times_ms(lambda g=g: dev.replay(g, dev.compute)))) / copies
                 results[label, rows_per_block, cap] = (ms, nbytes / ms / 1e6 if ms else 0.0)

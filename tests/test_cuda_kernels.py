@@ -158,7 +158,7 @@ def test_matvecs_share_a_launch(k, rng, precision, add):
         outs.append(up(k, res))
         if add:
             wants[-1] = (res + wants[-1][0], np.abs(res) + wants[-1][1])
-    k.matvecs(mats, up(k, x), outs, precision, tuple(up(k, a) for a in act) if precision == "w4a8" else None, add)
+    k.matvecs(mats, up(k, x), outs, precision, add)
     for out, (want, scale) in zip(outs, wants):
         assert_rows_close(down(k, out), want, scale, cols // 32 if precision == "w4a8" else cols)
 
@@ -190,8 +190,7 @@ def test_matvec_add_then_norm(k, rng, precision, rows):
                 wide = dequantize_q4_0(qs, d).astype(np.float64)
                 want, scale, terms = wide @ x, np.abs(wide) @ np.abs(x), cols
         out, xn = up(k, res), up(k, np.full(rows, np.nan, np.float32))
-        k.matvec(m, up(k, x), out, precision, tuple(up(k, a) for a in act) if precision == "w4a8" else None,
-                 add=True, norm=(up(k, w), xn, 0.25, done))
+        k.matvec(m, up(k, x), out, precision, add=True, norm=(up(k, w), xn, 0.25, done))
         got = down(k, out)
         assert_rows_close(got, res + want, np.abs(res) + scale, terms)
         want_xn = np.empty((1, rows), np.float32)
@@ -210,7 +209,6 @@ def test_glu_is_silu_of_gate_times_up(k, rng, precision, rows, cols):
     matvec tests bound it."""
     x = randn(rng, cols)
     act = act_q8(ref, x)
-    dev_act = tuple(up(k, a) for a in act) if precision == "w4a8" else None
     mats, wants = [], []
     for _ in range(2):  # gate, up
         if precision == "f16":
@@ -230,28 +228,35 @@ def test_glu_is_silu_of_gate_times_up(k, rng, precision, rows, cols):
                 wide = dequantize_q4_0(qs, d).astype(np.float64)
                 wants.append((wide @ x, sum_tol(cols) * (np.abs(wide) @ np.abs(x))))
     out = up(k, np.full(rows, np.nan, np.float32))
-    k.glu(mats[0], mats[1], up(k, x), out, precision, dev_act)
+    k.glu(mats[0], mats[1], up(k, x), out, precision)
     got = down(k, out).astype(np.float64)
     (g, dg), (u, du) = wants
     silu = g / (1 + np.exp(-g))
     assert np.all(np.abs(got - silu * u) <= 1.1 * dg * np.abs(u) + np.abs(silu) * du + 8 * EPS * np.abs(silu * u))
     gate_up, unfused = up(k, np.zeros(2 * rows, np.float32)), up(k, np.zeros(rows, np.float32))
-    k.matvecs(mats, up(k, x), [gate_up[:rows], gate_up[rows:]], precision, dev_act)
+    k.matvecs(mats, up(k, x), [gate_up[:rows], gate_up[rows:]], precision)
     k.silu_mul(gate_up, unfused, rows, 1)
     np.testing.assert_allclose(got, down(k, unfused), rtol=4 * EPS, atol=0)
 
 
 @pytest.mark.parametrize("cols", [32, 96, 1536])
 def test_activation_quantiser_is_bit_exact(k, rng, cols):
+    """W4A8's activation codes, made inside the matvec: with one-hot rows of unit scale (row r
+    keeps element r) each output is d_g * q_r, one f32 product, so every code and scale shows,
+    held to ref's quantiser exactly. Prefill's fake quantiser is held to ref's the same way."""
     x = randn(rng, cols) * rng.uniform(0.1, 10)
     if cols > 32:
         x[:32] = 0.0  # an all-zero group: scale 0, codes 0
         x[40] = -1.5 * abs(x[32:64]).max()  # a group whose extreme is negative
-    want = act_q8(ref, x)
-    xq, xd, xs = (up(k, np.zeros(n, t)) for n, t in ((cols, np.int8), (cols // 32, np.float32), (cols // 32, np.int32)))
-    k.quantize_act_q8(up(k, x), xq, xd, xs)
-    for got, w in zip((xq, xd, xs), want):
-        np.testing.assert_array_equal(down(k, got), w)
+    xq, xd, _ = act_q8(ref, x)
+    codes = np.full((cols, cols), 8, np.uint8)  # code 8 is weight 0
+    codes[np.arange(cols), np.arange(cols)] = 9  # weight +1
+    blocks = codes.reshape(cols, cols // 32, 32)  # byte j of a block: element j low, j + 16 high
+    qs = (blocks[:, :, :16] | (blocks[:, :, 16:] << 4)).reshape(cols, cols // 2)
+    d = np.ones((cols, cols // 32), np.float16)
+    out = up(k, np.zeros(cols, np.float32))
+    k.matvec({"qs": up(k, qs), "d": up(k, d)}, up(k, x), out, "w4a8")
+    np.testing.assert_array_equal(down(k, out), np.repeat(xd, 32) * xq.astype(np.float32))
     fq, want_fq = up(k, np.zeros((1, cols), np.float32)), np.empty((1, cols), np.float32)
     ref.fake_quantize_q8(x.reshape(1, -1), want_fq)
     k.fake_quantize_q8(up(k, x.reshape(1, -1)), fq)
@@ -266,23 +271,26 @@ def test_matvec_w4a8(k, rng, rows, cols):
     want = np.empty(rows, np.float32)
     ref.matvec_q4_w4a8(qs, d, *act, want)
     out = up(k, np.zeros(rows, np.float32))
-    k.matvec({"qs": up(k, qs), "d": up(k, d)}, None, out, "w4a8", tuple(up(k, a) for a in act))
+    k.matvec({"qs": up(k, qs), "d": up(k, d)}, up(k, x), out, "w4a8")
     terms = (np.abs(d.astype(np.float64)) * act[1]) * 127 * 15  # |per-block term| bound
     assert_rows_close(down(k, out), want, terms.sum(axis=1) + np.abs(want), cols // 32)
 
 
 def test_matvec_w4a8_integer_sums_are_exact(k, rng):
-    """Unit scales: the result is the integer sum itself, which f32 holds exactly here."""
+    """Unit scales: the result is the integer sum itself, which f32 holds exactly here. x is
+    integers in -127..127 with a 127 in every group, so its codes are x itself at scale 1."""
     rows, cols = 24, 256
     qs = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
     d = np.ones((rows, cols // 32), np.float16)
     xq = rng.integers(-127, 128, cols, dtype=np.int8)
+    xq[::32] = 127
     xd = np.ones(cols // 32, np.float32)
     xs = xq.reshape(-1, 32).sum(axis=1, dtype=np.int32)
+    assert [np.array_equal(a, b) for a, b in zip(act_q8(ref, xq.astype(np.float32)), (xq, xd, xs))] == [True] * 3
     want = np.empty(rows, np.float32)
     ref.matvec_q4_w4a8(qs, d, xq, xd, xs, want)
     out = up(k, np.zeros(rows, np.float32))
-    k.matvec({"qs": up(k, qs), "d": up(k, d)}, None, out, "w4a8", (up(k, xq), up(k, xd), up(k, xs)))
+    k.matvec({"qs": up(k, qs), "d": up(k, d)}, up(k, xq.astype(np.float32)), out, "w4a8")
     np.testing.assert_array_equal(down(k, out), want)
 
 

@@ -22,7 +22,7 @@ from nerva_cli.quant import QK
 I32, F32 = np.int32, np.float32
 THREADS = 256  # elementwise and norm blocks
 MV_THREADS, MV_ROWS = 128, 8  # matvecs: most threads splitting K, rows per block (matvec.cu)
-GROUPS_PER_BLOCK = THREADS // 32  # the activation quantiser: one warp per 32-group
+GROUPS_PER_BLOCK = THREADS // 32  # prefill's activation quantiser: one warp per 32-group
 ATT_THREADS = 128  # attention: 4 warps (ATT_WARPS in attention.cu)
 SAMPLE_THREADS = 1024
 NORM_VEC = 4  # float4s a norm thread holds (norm.cu)
@@ -100,15 +100,14 @@ class Kernels:
         self._go("add_rows", (_cdiv(T * n, THREADS),), (THREADS,), (x, b, I32(n), I32(T)))
 
     # -- matvecs -------------------------------------------------------------------------------
-    def matvec(self, m: dict, x, out, precision: str, act=None, add: bool = False, norm=None) -> None:
+    def matvec(self, m: dict, x, out, precision: str, add: bool = False, norm=None) -> None:
         """out = W x, or out += W x with add (the residual add, fused into the store). m: {"qs",
-        "d"} or {"w"}; act = (xq, xd, xs) already quantised for w4a8. norm = (w, xn, eps, done),
-        with add: then xn = rmsnorm(out) * w, by the launch's last block (matvec.cu's ADD_NORM;
-        done: an int32 counter, zero before and after)."""
-        self.matvecs([m], x, [out], precision, act, add, norm)
+        "d"} or {"w"}; x f32 at every precision (w4a8 quantises it in the kernel). norm = (w, xn,
+        eps, done), with add: then xn = rmsnorm(out) * w, by the launch's last block (matvec.cu's
+        ADD_NORM; done: an int32 counter, zero before and after)."""
+        self.matvecs([m], x, [out], precision, add, norm)
 
-    def matvecs(self, ms: list[dict], x, outs: list, precision: str, act=None, add: bool = False,
-                norm=None) -> None:
+    def matvecs(self, ms: list[dict], x, outs: list, precision: str, add: bool = False, norm=None) -> None:
         """outs[i] = W_i x (+= with add) for up to three matrices of the same width, in one launch
         (a layer's q, k and v)."""
         if not 1 <= len(ms) <= 3 or len(ms) != len(outs):
@@ -117,16 +116,16 @@ class Kernels:
             raise ValueError("matvecs: a norm follows the residual add of a single matrix of 4k rows")
         blocks = sum(_cdiv(_weights(m).shape[0], MV_ROWS) for m in ms)
         mode = 2 if norm is not None else 1 if add else 0  # ADD_NORM, ADD, STORE (matvec.cu)
-        self._matvec_launch("matvec", ms, outs, x, precision, act, mode, norm, blocks)
+        self._matvec_launch("matvec", ms, outs, x, precision, mode, norm, blocks)
 
-    def glu(self, gate: dict, up: dict, x, out, precision: str, act=None) -> None:
+    def glu(self, gate: dict, up: dict, x, out, precision: str) -> None:
         """out = silu(gate x) * up x in one launch: a block computes rows of both (matvec.cu)."""
         rows = _weights(gate).shape[0]
         if _weights(up).shape != _weights(gate).shape:
             raise ValueError(f"glu: gate {_weights(gate).shape} and up {_weights(up).shape} differ")
-        self._matvec_launch("glu", [gate, up], [out, out], x, precision, act, 0, None, _cdiv(rows, MV_ROWS // 2))
+        self._matvec_launch("glu", [gate, up], [out, out], x, precision, 0, None, _cdiv(rows, MV_ROWS // 2))
 
-    def _matvec_launch(self, kind: str, ms: list[dict], outs: list, x, precision: str, act, mode: int, norm,
+    def _matvec_launch(self, kind: str, ms: list[dict], outs: list, x, precision: str, mode: int, norm,
                        blocks: int) -> None:
         exact = "w" in ms[0]
         if len({_weights(m).shape[1] for m in ms}) != 1:
@@ -143,14 +142,8 @@ class Kernels:
             self._go(f"{kind}_exact", (blocks,), (mv_threads(cols // 8),), (*flat, I32(is_bf16(w)), x, I32(cols), *tail))
             return
         cols = w.shape[1] * 2
-        if precision == "w4a8":
-            self._go(f"{kind}_q4_w4a8", (blocks,), (mv_threads(cols // QK),), (*flat, *act, I32(cols), *tail))
-        else:
-            self._go(f"{kind}_q4_w4a16", (blocks,), (mv_threads(cols // QK),), (*flat, x, I32(cols), *tail))
-
-    def quantize_act_q8(self, x, xq, xd, xs) -> None:
-        groups = x.size // QK
-        self._go("quantize_act_q8", (_cdiv(groups, GROUPS_PER_BLOCK),), (THREADS,), (x, xq, xd, xs, I32(x.size)))
+        body = "q4_w4a8" if precision == "w4a8" else "q4_w4a16"
+        self._go(f"{kind}_{body}", (blocks,), (mv_threads(cols // QK),), (*flat, x, I32(cols), *tail))
 
     def fake_quantize_q8(self, x, out) -> None:
         groups = x.size // QK
