@@ -179,11 +179,13 @@ __device__ __forceinline__ void combine_splits(const float* p, float* out, int s
 // Decode, split over the context: grid (heads, splits), ATT_WARPS warps a block. n = pos[0] + 1
 // positions (read on the device, so a replayed graph needs no new arguments). Each block writes
 // its (head, split) partial [m, l, acc[head_dim]] to part and counts itself in done[head]; the
-// head's last block merges them into out and resets the count for the next launch. (A separate
-// combine kernel took 3.3 us a layer in gpu_profile.py on an H100, for under 50 KB of reads.)
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5) attention_decode(const float* q, const u16* k_cache, const u16* v_cache,
-                                            const int* pos, float* part, int* done, float* out, int heads,
-                                            int kv_heads, int hd, float scale) {
+// head's last block merges them into out and resets the count for the next launch (a separate
+// combine kernel took 3.3 us a layer in gpu_profile.py on an H100, mostly its launch). The
+// launch bounds hold both attention kernels to 96 registers, 5 blocks an SM, as before the
+// head-dim template.
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
+    attention_decode(const float* q, const u16* k_cache, const u16* v_cache, const int* pos, float* part, int* done,
+                     float* out, int heads, int kv_heads, int hd, float scale) {
     int h = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
     int n = pos[0] + 1, chunk = (n + splits - 1) / splits;
     int p0 = split * chunk, p1 = p0 + chunk < n ? p0 + chunk : n;
@@ -209,9 +211,9 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5) attention_decode
 
 // Prefill, causal: grid (T, heads); query t (rows q_stride floats apart) at position pos0[0] + t
 // sees cache positions 0 .. pos0[0] + t. out [T, heads, hd].
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5) attention_prefill(const float* q, int q_stride, const u16* k_cache,
-                                             const u16* v_cache, const int* pos0, float* out, int heads,
-                                             int kv_heads, int hd, float scale) {
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
+    attention_prefill(const float* q, int q_stride, const u16* k_cache, const u16* v_cache, const int* pos0, float* out,
+                      int heads, int kv_heads, int hd, float scale) {
     int t = blockIdx.x, h = blockIdx.y;
     int n = pos0[0] + t + 1, row = kv_heads * hd, kvh = h / (heads / kv_heads);
     __shared__ Merged mg;

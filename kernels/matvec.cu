@@ -151,7 +151,8 @@ __device__ __forceinline__ void norm_tail(const float* out, int n, const float* 
     for (int i0 = 4 * threadIdx.x; i0 < n; i0 += TAIL_LOADS * stride) {
         tail_loads(out, i0, stride, n, v);
 #pragma unroll
-        for (int j = 0; j < TAIL_LOADS; j++) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+        for (int j = 0; j < TAIL_LOADS; j++)
+            ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
     }
     float inv = 1.f / sqrtf(block_sum(ss, scratch) / (float)n + eps);
 #pragma unroll 1
@@ -231,7 +232,8 @@ __device__ __forceinline__ void q4_w4a16(MATRICES, const float* __restrict__ x, 
 __device__ __forceinline__ void quantize_group(const float4 (&x)[8], int4& lo, int4& hi, float& d, int& sum) {
     float amax = 0.f;
 #pragma unroll
-    for (int k = 0; k < 8; k++) amax = fmaxf(amax, fmaxf(fmaxf(fabsf(x[k].x), fabsf(x[k].y)), fmaxf(fabsf(x[k].z), fabsf(x[k].w))));
+    for (int k = 0; k < 8; k++)
+        amax = fmaxf(amax, fmaxf(fmaxf(fabsf(x[k].x), fabsf(x[k].y)), fmaxf(fabsf(x[k].z), fabsf(x[k].w))));
     d = amax / 127.f;
     float inv = d > 0.f ? 1.f / d : 0.f;
     unsigned words[8];

@@ -347,7 +347,8 @@ class CudaEngine(EngineBase):
         k.matvec(L.mat("o"), a.attn, a.x, p, add=True, norm=(t["mlp_norm"], a.xn, eps, a.norm_done))
         k.glu(L.mat("gate"), L.mat("up"), a.xn, a.act, p)
         after = self._down_norm[L.index]
-        k.matvec(L.mat("down"), a.act, a.x, p, add=True, norm=None if after is None else (after, a.xn, eps, a.norm_done))
+        k.matvec(L.mat("down"), a.act, a.x, p, add=True,
+                 norm=None if after is None else (after, a.xn, eps, a.norm_done))
 
     def _record_head(self) -> None:
         self.k.embed(self.embed_t, self.a.token, self.a.x)

@@ -139,7 +139,8 @@ class Kernels:
         w = mats[0][0]
         if exact:
             cols = w.shape[1]
-            self._go(f"{kind}_exact", (blocks,), (mv_threads(cols // 8),), (*flat, I32(is_bf16(w)), x, I32(cols), *tail))
+            self._go(f"{kind}_exact", (blocks,), (mv_threads(cols // 8),),
+                     (*flat, I32(is_bf16(w)), x, I32(cols), *tail))
             return
         cols = w.shape[1] * 2
         body = "q4_w4a8" if precision == "w4a8" else "q4_w4a16"
