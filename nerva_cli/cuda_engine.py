@@ -331,7 +331,7 @@ class CudaEngine(EngineBase):
 
     def _record_layer(self, L: DeviceLayer) -> None:
         cfg, a, k, p, t = self.cfg, self.a, self.k, L.precision, L.t
-        eps, qd, kvd = cfg.rms_eps, cfg.q_dim, cfg.kv_dim
+        eps, qd = cfg.rms_eps, cfg.q_dim
         if L.index not in self._input_normed:
             k.rmsnorm(a.x, t["attn_norm"], eps, a.xn)
         k.matvecs([L.mat("q"), L.mat("k"), L.mat("v")], a.xn, [a.q, a.k, a.v], p)
