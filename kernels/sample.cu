@@ -61,8 +61,9 @@ __device__ __forceinline__ void scan_chunk(const float* x, int c0, int c1, F f) 
     for (int i = (c1 & ~3) > c0 ? (c1 & ~3) : c0; i < c1; i++) f(x[i], i);  // c0 past c1 & ~3: an empty chunk
 }
 
-// Index of the largest value, the lowest index among equals (as numpy.argmax).
-__device__ int block_argmax(const float* x, int n) {
+// Index of the largest value, the lowest index among equals (as numpy.argmax); *mine is the
+// largest value of this thread's share (scan_strided's), NEG_INF if it has none.
+__device__ int block_argmax(const float* x, int n, float* mine) {
     __shared__ float sv[32];
     __shared__ int si[32];
     float best = NEG_INF;
@@ -70,6 +71,7 @@ __device__ int block_argmax(const float* x, int n) {
     scan_strided(x, n, [&](float v, int i) {  // increasing i: a later equal value keeps the lower index
         if (v > best) best = v, idx = i;
     });
+    *mine = best;
     for (int o = 16; o > 0; o >>= 1) {
         float v = __shfl_xor_sync(FULL_MASK, best, o);
         int j = __shfl_xor_sync(FULL_MASK, idx, o);
@@ -89,6 +91,52 @@ __device__ int block_argmax(const float* x, int n) {
     return idx;
 }
 
+// Prefix sums over the block in thread order (blockDim.x a multiple of 32): returns this
+// thread's inclusive sum, *excl its exclusive one, *total the block's. A thread's exclusive sum
+// is its predecessor's inclusive sum bit for bit, so [excl, incl) ranges tile [0, total) with no
+// gap or overlap for a draw to fall through. scratch: 32 floats of shared memory.
+__device__ float block_scan(float v, float* scratch, float* excl, float* total) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int o = 1; o < 32; o <<= 1) {
+        float t = __shfl_up_sync(FULL_MASK, v, o);
+        if (lane >= o) v += t;
+    }
+    float before_lane = __shfl_up_sync(FULL_MASK, v, 1);
+    __syncthreads();  // a previous call may still be reading scratch
+    if (lane == 31) scratch[warp] = v;
+    __syncthreads();
+    float before = 0.f, all = 0.f;
+    for (int w = 0; w < warps; w++) {
+        if (w == warp) before = all;
+        all += scratch[w];
+    }
+    *excl = lane ? before + before_lane : before;
+    *total = all;
+    return before + v;
+}
+
+// Descending bitonic sort of a[0..n) in shared memory, n a power of two; every thread calls it.
+__device__ void block_sort_desc(unsigned long long* a, int n) {
+    for (int size = 2; size <= n; size <<= 1)
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            __syncthreads();
+            for (int i = threadIdx.x; i < n; i += blockDim.x) {
+                int j = i ^ stride;
+                if (j > i) {
+                    unsigned long long x = a[i], y = a[j];
+                    if ((i & size) == 0 ? x < y : x > y) a[i] = y, a[j] = x;
+                }
+            }
+        }
+    __syncthreads();
+}
+
+// A candidate as one sortable word: its key above, its index's complement below, so a
+// descending sort orders by value, then by index ascending among equal values.
+__device__ __forceinline__ unsigned long long candidate(unsigned key, int i) {
+    return ((unsigned long long)key << 32) | (unsigned)~i;
+}
+
 // Largest key K >= lo with f(K) >= target, for f decreasing in K and f(lo) >= target: 32 rounds.
 template <class F>
 __device__ __forceinline__ unsigned bisect(unsigned lo, F f, float target) {
@@ -100,13 +148,114 @@ __device__ __forceinline__ unsigned bisect(unsigned lo, F f, float target) {
     return lo;
 }
 
+// Top-k's candidates, at most a thread each, gathered and sorted in shared memory. The k-th
+// largest of the threads' maxima is at most the k-th largest logit (the maxima are k distinct
+// logits), so one pass keeping what reaches it keeps the whole top k, and little else: of
+// 128256 normal random logits, 41 on average for k = 40, 503 for k = 400. Returns false, having
+// drawn nothing, when more than SAMPLE_CAP pass (ties, or k near the thread count), for
+// sample_by_bisection to draw instead.
+#define SAMPLE_CAP 1024
+__device__ bool sample_top_k(const float* logits, int vocab, float mine, float mx, float temperature,
+                             int top_k, float top_p, float u01, int* chosen) {
+    __shared__ unsigned long long cand[SAMPLE_CAP];
+    __shared__ float scratch[32];
+    __shared__ int n_cand;
+    __shared__ unsigned kp_shared;
+    __shared__ float kept_mass;
+    int tid = threadIdx.x, nt = blockDim.x;
+    if (nt != SAMPLE_CAP || top_k > SAMPLE_CAP) return false;  // both uniform across the block
+    cand[tid] = candidate(order_key(mine), tid);
+    block_sort_desc(cand, SAMPLE_CAP);
+    unsigned floor_key = (unsigned)(cand[top_k - 1] >> 32);
+    if (tid == 0) n_cand = 0;
+    __syncthreads();  // floor_key read everywhere before cand is refilled
+    scan_strided(logits, vocab, [&](float v, int i) {
+        unsigned key = order_key(v);
+        if (key >= floor_key) {
+            int slot = atomicAdd(&n_cand, 1);
+            if (slot < SAMPLE_CAP) cand[slot] = candidate(key, i);
+        }
+    });
+    __syncthreads();
+    int n = n_cand, size = 2;
+    if (n > SAMPLE_CAP) return false;
+    while (size < n) size <<= 1;
+    if (tid >= n && tid < size) cand[tid] = 0;  // below every real key (key 0 is a NaN's)
+    block_sort_desc(cand, size);
+    // thread i holds the i-th largest candidate; the top k are those reaching the k-th's key
+    unsigned kth = (unsigned)(cand[top_k - 1] >> 32), key = (unsigned)(cand[tid] >> 32);
+    int idx = (int)~(unsigned)cand[tid];
+    bool in_k = tid < n && key >= kth;
+    float w = in_k ? expf((logits[idx] - mx) / temperature) : 0.f, below, total;
+    float upto = block_scan(w, scratch, &below, &total);
+    // top-p: the keys down to the first whose running mass reaches p of the top-k mass, all of
+    // that key's ties included (the bisection's rule); the thread that crosses is the only one
+    if (top_p < 1.f) {
+        float target = top_p * total;
+        if (in_k && upto >= target && below < target) kp_shared = key;
+    } else if (tid == 0) {
+        kp_shared = kth;
+    }
+    __syncthreads();
+    unsigned kp = kp_shared;
+    bool keep = tid < n && key >= kp;  // a prefix of the sorted candidates
+    bool last = keep && (tid + 1 == n || (unsigned)(cand[tid + 1] >> 32) < kp);
+    if (last) kept_mass = upto;
+    __syncthreads();
+    float u = u01 * kept_mass;
+    if (keep && u >= below && u < upto) *chosen = idx;
+    return true;
+}
+
+// Any top-k (0 too) and top-p over the whole vocabulary: thresholds on the keys by bisection,
+// each round a pass over the logits (about 66 passes with both on), then a draw by chunk sums.
+__device__ void sample_by_bisection(const float* logits, int vocab, float mx, float temperature, int top_k,
+                                    float top_p, float u01, int* chosen) {
+    __shared__ float scratch[32];
+    int tid = threadIdx.x, nt = blockDim.x;
+    auto count_ge = [&](unsigned key) {
+        float c = 0.f;
+        scan_strided(logits, vocab, [&](float v, int) { c += order_key(v) >= key ? 1.f : 0.f; });
+        return block_sum(c, scratch);
+    };
+    auto mass_ge = [&](unsigned key) {
+        float s = 0.f;
+        scan_strided(logits, vocab, [&](float v, int) {
+            if (order_key(v) >= key) s += expf((v - mx) / temperature);
+        });
+        return block_sum(s, scratch);
+    };
+    // keys below kmin are outside top-k; below kp, outside top-p (the smallest set reaching it)
+    unsigned kmin = top_k > 0 && top_k < vocab ? bisect(0u, count_ge, (float)top_k) : 0u;
+    unsigned kp = top_p < 1.f ? bisect(kmin, mass_ge, top_p * mass_ge(kmin)) : kmin;
+    // draw u in [0, total): contiguous chunks (whole float4s) a thread, the chunks' prefix sums
+    int per = 4 * ((vocab + 4 * nt - 1) / (4 * nt)), c0 = tid * per < vocab ? tid * per : vocab;
+    int c1 = c0 + per < vocab ? c0 + per : vocab;
+    float local = 0.f, below, total;
+    scan_chunk(logits, c0, c1, [&](float v, int) {
+        if (order_key(v) >= kp) local += expf((v - mx) / temperature);
+    });
+    float upto = block_scan(local, scratch, &below, &total);
+    float u = u01 * total;
+    if (u >= below && u < upto) {  // one thread's range holds u
+        int pick = -1, last = -1;
+        float run = below;
+        scan_chunk(logits, c0, c1, [&](float v, int i) {
+            if (pick < 0 && order_key(v) >= kp) {
+                run += expf((v - mx) / temperature);
+                last = i;
+                if (u < run) pick = i;
+            }
+        });
+        *chosen = pick >= 0 ? pick : last;  // summed again in another order, the chunk may end short of u
+    }
+}
+
 extern "C" __global__ void sample(float* logits, int vocab, int* state, int* recent, int recent_n,
                                   float temperature, int top_k, float top_p, float penalty, unsigned seed,
                                   int advance) {
-    __shared__ float scratch[32];
-    __shared__ float chunk_sum[1024];
     __shared__ int chosen;
-    int tid = threadIdx.x, nt = blockDim.x;
+    int tid = threadIdx.x;
     // llama.cpp's rule, once per distinct recent token: positive logits / penalty, negative * penalty
     int seen = state[3] < recent_n ? state[3] : recent_n;
     if (penalty != 1.f && tid < seen) {
@@ -116,52 +265,15 @@ extern "C" __global__ void sample(float* logits, int vocab, int* state, int* rec
         if (first) logits[tok] = logits[tok] > 0.f ? logits[tok] / penalty : logits[tok] * penalty;
     }
     __syncthreads();
-    int best = block_argmax(logits, vocab);
+    float mine;
+    int best = block_argmax(logits, vocab, &mine);
     if (tid == 0) chosen = best;
+    __syncthreads();
     if (temperature > 0.f) {
-        float mx = logits[best];
-        auto count_ge = [&](unsigned key) {
-            float c = 0.f;
-            scan_strided(logits, vocab, [&](float v, int) { c += order_key(v) >= key ? 1.f : 0.f; });
-            return block_sum(c, scratch);
-        };
-        auto mass_ge = [&](unsigned key) {
-            float s = 0.f;
-            scan_strided(logits, vocab, [&](float v, int) {
-                if (order_key(v) >= key) s += expf((v - mx) / temperature);
-            });
-            return block_sum(s, scratch);
-        };
-        // keys below kmin are outside top-k; below kp, outside top-p (the smallest set reaching it)
-        unsigned kmin = top_k > 0 && top_k < vocab ? bisect(0u, count_ge, (float)top_k) : 0u;
-        unsigned kp = top_p < 1.f ? bisect(kmin, mass_ge, top_p * mass_ge(kmin)) : kmin;
-        // draw u in [0, total) and find its token: contiguous chunks (whole float4s), prefix sums
-        // of the chunks
-        int per = 4 * ((vocab + 4 * nt - 1) / (4 * nt)), c0 = tid * per < vocab ? tid * per : vocab;
-        int c1 = c0 + per < vocab ? c0 + per : vocab;
-        float local = 0.f;
-        scan_chunk(logits, c0, c1, [&](float v, int) {
-            if (order_key(v) >= kp) local += expf((v - mx) / temperature);
-        });
-        chunk_sum[tid] = local;
-        __syncthreads();
-        if (tid == 0) {
-            float run = 0.f;
-            for (int t = 0; t < nt; t++) { float v = chunk_sum[t]; chunk_sum[t] = run; run += v; }
-            scratch[0] = run;
-        }
-        __syncthreads();
-        float u = uniform01(seed, (unsigned)state[2]) * scratch[0], run = chunk_sum[tid];
-        if (u >= run && u < run + local) {  // at most one thread's range holds u
-            int pick = -1;
-            scan_chunk(logits, c0, c1, [&](float v, int i) {
-                if (pick < 0 && order_key(v) >= kp) {
-                    run += expf((v - mx) / temperature);
-                    if (u < run) pick = i;
-                }
-            });
-            if (pick >= 0) chosen = pick;
-        }
+        float mx = logits[best], u01 = uniform01(seed, (unsigned)state[2]);
+        bool drawn = top_k > 0 && top_k < vocab &&
+                     sample_top_k(logits, vocab, mine, mx, temperature, top_k, top_p, u01, &chosen);
+        if (!drawn) sample_by_bisection(logits, vocab, mx, temperature, top_k, top_p, u01, &chosen);
     }
     __syncthreads();
     if (tid == 0) {

@@ -457,3 +457,63 @@ def test_sampled_frequencies_follow_the_truncated_softmax(k, rng):
     assert seen[np.setdiff1d(np.arange(vocab), allowed)].sum() == 0
     freq = seen[allowed] / draws
     assert np.all(np.abs(freq - probs) <= 4 * np.sqrt(probs * (1 - probs) / draws) + 1.0 / draws)
+
+
+def uniform01(seed: int, counter: int) -> float:
+    """sample.cu's uniform01, in 32-bit arithmetic."""
+    m = 0xFFFFFFFF
+    x = ((seed * 0x9E3779B9) & m) ^ ((counter + 0x7F4A7C15) & m)
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & m
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & m
+    x ^= x >> 16
+    return (x >> 8) / 16777216.0
+
+
+def kept_tokens(logits, temperature, top_k, top_p):
+    """The tokens sample.cu draws from: the top k with every tie of the k-th value, then the fewest
+    values (ties again kept whole) whose mass reaches top_p of theirs; and their weights."""
+    order = np.argsort(-logits, kind="stable")
+    kth = logits[order[top_k - 1]] if 0 < top_k < len(logits) else -np.inf
+    top = order[logits[order] >= kth]
+    w = np.exp((logits[top].astype(np.float64) - logits[top[0]]) / temperature)
+    cut = logits[top[np.searchsorted(np.cumsum(w), top_p * w.sum())]] if top_p < 1 else kth
+    keep = logits[top] >= cut
+    return top[keep], w[keep]
+
+
+@pytest.mark.parametrize("case", ["top_k", "top_k_ties", "top_p_only"])
+def test_a_draw_is_the_inverse_cdf_of_its_uniform(k, rng, case):
+    """Each draw, recomputed on the host from the kernel's own uniform: the token whose range of
+    the kept mass holds it. A top-k of up to 1024 candidates is drawn in value order (sorted in
+    shared memory); more than 1024 (1500 ties of the largest value) and top-k 0 go by bisection,
+    which draws in index order. Draws whose uniform lies within 1e-5 of the total mass of a range
+    boundary are skipped (float32 sums there may go either way); the kept set is built so no
+    top-p cut lies that near."""
+    vocab = {"top_k": 40003, "top_k_ties": 5000, "top_p_only": 3000}[case]
+    logits = randn(rng, vocab) * 2
+    top_k, temperature = (0, 1.5) if case == "top_p_only" else (40, 0.8)
+    if case == "top_k_ties":
+        logits[rng.choice(vocab, 1500, replace=False)] = logits.max() + 1.0
+    # top_p midway between two running masses of the candidates, away from every cut
+    cand, w = kept_tokens(logits, temperature, top_k, 1.0)
+    c = np.cumsum(w) / w.sum()
+    j = min(len(c) - 2, 12)
+    top_p = float(np.float32((c[j] + c[j + 1]) / 2))
+    kept, w = kept_tokens(logits, temperature, top_k, top_p)
+    if case != "top_k":
+        w, kept = w[np.argsort(kept)], np.sort(kept)  # bisection draws in index order
+    bounds = np.cumsum(w) / w.sum()
+    seed = int(rng.integers(1 << 31))
+    opts = SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    st, rc, lg = up(k, np.zeros(4, np.int32)), up(k, np.zeros(RECENT, np.int32)), up(k, logits)
+    checked = 0
+    for draw in range(24):
+        k.sample(lg, st, rc, opts, True)
+        u = uniform01(seed, draw)
+        if np.min(np.abs(bounds - u)) < 1e-5:
+            continue
+        assert int(down(k, st)[1]) == kept[np.searchsorted(bounds, u, side="right")], f"draw {draw}"
+        checked += 1
+    assert checked >= 20
