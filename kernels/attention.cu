@@ -45,9 +45,12 @@ __device__ __forceinline__ void load_halves(const u16* row, int e0, int hd, u16 
 // round: their K and V rows are loaded before any is used, so a warp has that many rows in
 // flight (one position at a time, decode attention was a chain of dependent loads: about 18 us
 // a layer at 512 cached tokens on an H100, for 2 MB of cache).
+// Position cur's K and V rows are k_cur and v_cur (decode's new token, not yet in the cache
+// when this launch reads it); cur = -1 for none.
 template <int NI>
 __device__ __forceinline__ void attend(const float* q, const u16* kc, const u16* vc, int row, int hd,
-                                       float scale, int p0, int p1, int step, Partial<NI>& r) {
+                                       float scale, int p0, int p1, int step, int cur, const u16* k_cur,
+                                       const u16* v_cur, Partial<NI>& r) {
     int e0 = (threadIdx.x & 31) * NI;
     float qr[NI];
 #pragma unroll
@@ -62,8 +65,8 @@ __device__ __forceinline__ void attend(const float* q, const u16* kc, const u16*
 #pragma unroll
         for (int u = 0; u < ATT_UNROLL; u++) {
             int pu = p + u * step < p1 ? p + u * step : p;  // past the end: a row already read, weight 0
-            load_halves<NI>(kc + (size_t)pu * row, e0, hd, kh[u]);
-            load_halves<NI>(vc + (size_t)pu * row, e0, hd, vh[u]);
+            load_halves<NI>(pu == cur ? k_cur : kc + (size_t)pu * row, e0, hd, kh[u]);
+            load_halves<NI>(pu == cur ? v_cur : vc + (size_t)pu * row, e0, hd, vh[u]);
         }
         float s[ATT_UNROLL], m = r.m;
 #pragma unroll
@@ -136,13 +139,14 @@ __device__ __forceinline__ void merge_warps(const Partial<NI>& r, int hd, WarpPa
 // One head's positions p0 + warp, p0 + warp + ATT_WARPS, ... < p1, merged over the block's warps
 // into mg, for the NI that hd needs (hd <= MAX_HEAD_DIM).
 __device__ __forceinline__ void attend_block(const float* q, const u16* kc, const u16* vc, int row, int hd,
-                                             float scale, int p0, int p1, Merged& mg) {
+                                             float scale, int p0, int p1, int cur, const u16* k_cur,
+                                             const u16* v_cur, Merged& mg) {
     __shared__ WarpPartials wp;
     int warp = threadIdx.x >> 5;
 #define ATTEND_CASE(ni)                                                                           \
     case ni: {                                                                                    \
         Partial<ni> r;                                                                            \
-        attend<ni>(q, kc, vc, row, hd, scale, p0 + warp, p1, ATT_WARPS, r);                       \
+        attend<ni>(q, kc, vc, row, hd, scale, p0 + warp, p1, ATT_WARPS, cur, k_cur, v_cur, r);    \
         merge_warps<ni>(r, hd, wp, mg);                                                           \
         break;                                                                                    \
     }
@@ -177,21 +181,44 @@ __device__ __forceinline__ void combine_splits(const float* p, float* out, int s
 }
 
 // Decode, split over the context: grid (heads, splits), ATT_WARPS warps a block. n = pos[0] + 1
-// positions (read on the device, so a replayed graph needs no new arguments). Each block writes
-// its (head, split) partial [m, l, acc[head_dim]] to part and counts itself in done[head]; the
-// head's last block merges them into out and resets the count for the next launch (a separate
-// combine kernel took 3.3 us a layer in gpu_profile.py on an H100, mostly its launch). The
-// launch bounds hold both attention kernels to 96 registers, 5 blocks an SM, as before the
-// head-dim template.
+// positions (read on the device, so a replayed graph needs no new arguments), the last of them
+// the new token's: q, k_new and v_new are its q/k/v products before RoPE. Each block rotates its
+// q head itself, and the block whose split holds the new position makes that position's K row
+// (rotated) and V row in f16 for itself; the first q head of each kv group's block also stores
+// them in the cache for later launches. (A separate rope_kv_store launch did this before: 60 us
+// of an 8B step in gpu_profile.py on an H100, plus its launch gap.) Each block writes its (head,
+// split) partial [m, l, acc[head_dim]] to part and counts itself in done[head]; the head's last
+// block merges them into out and resets the count for the next launch (a separate combine
+// kernel took 3.3 us a layer in gpu_profile.py, mostly its launch). The launch bounds hold both
+// attention kernels to 96 registers, 5 blocks an SM, as before the head-dim template.
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
-    attention_decode(const float* q, const u16* k_cache, const u16* v_cache, const int* pos, float* part, int* done,
+    attention_decode(const float* q, const float* k_new, const float* v_new, const float* cos_t,
+                     const float* sin_t, u16* k_cache, u16* v_cache, const int* pos, float* part, int* done,
                      float* out, int heads, int kv_heads, int hd, float scale) {
     int h = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
-    int n = pos[0] + 1, chunk = (n + splits - 1) / splits;
+    int n = pos[0] + 1, cur = n - 1, chunk = (n + splits - 1) / splits, half = hd / 2;
     int p0 = split * chunk, p1 = p0 + chunk < n ? p0 + chunk : n;
-    int row = kv_heads * hd, kvh = h / (heads / kv_heads);
+    int row = kv_heads * hd, group = heads / kv_heads, kvh = h / group;
+    const float *c = cos_t + (size_t)cur * half, *s = sin_t + (size_t)cur * half;
+    __shared__ float q_rot[MAX_HEAD_DIM];
+    __shared__ uint4 cur_rows[MAX_HEAD_DIM / 4];  // K then V, u16 each: 16-byte aligned for load_halves
+    u16* k_cur = (u16*)cur_rows;
+    u16* v_cur = k_cur + MAX_HEAD_DIM;
+    for (int e = threadIdx.x; e < hd; e += blockDim.x) q_rot[e] = rope_at(q + h * hd, e, half, c, s);
+    if (p0 <= cur && cur < p1) {
+        size_t at = ((size_t)cur * kv_heads + kvh) * hd;
+        for (int e = threadIdx.x; e < hd; e += blockDim.x) {
+            k_cur[e] = f2h(rope_at(k_new + kvh * hd, e, half, c, s));
+            v_cur[e] = f2h(v_new[kvh * hd + e]);
+            if (h % group == 0) {
+                k_cache[at + e] = k_cur[e];
+                v_cache[at + e] = v_cur[e];
+            }
+        }
+    }
+    __syncthreads();
     __shared__ Merged mg;
-    attend_block(q + h * hd, k_cache + kvh * hd, v_cache + kvh * hd, row, hd, scale, p0, p1, mg);
+    attend_block(q_rot, k_cache + kvh * hd, v_cache + kvh * hd, row, hd, scale, p0, p1, cur, k_cur, v_cur, mg);
     float* mine = part + ((size_t)h * splits + split) * (hd + 2);
     if (threadIdx.x == 0) {
         mine[0] = mg.m;
@@ -217,6 +244,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
     int t = blockIdx.x, h = blockIdx.y;
     int n = pos0[0] + t + 1, row = kv_heads * hd, kvh = h / (heads / kv_heads);
     __shared__ Merged mg;
-    attend_block(q + (size_t)t * q_stride + h * hd, k_cache + kvh * hd, v_cache + kvh * hd, row, hd, scale, 0, n, mg);
+    attend_block(q + (size_t)t * q_stride + h * hd, k_cache + kvh * hd, v_cache + kvh * hd, row, hd, scale, 0, n,
+                 -1, nullptr, nullptr, mg);
     for (int e = threadIdx.x; e < hd; e += blockDim.x) out[((size_t)t * heads + h) * hd + e] = mg.acc[e] / mg.l;
 }

@@ -66,6 +66,12 @@ __device__ __forceinline__ float4 load_l2_4(const float* p) {
 #endif
 }
 
+// Element j of head row r rotated (NeoX pairing (i, i + half)) by the position whose cos and sin
+// rows are c and s [half]: the one RoPE formula, for prefill's rope_kv_store and decode attention.
+__device__ __forceinline__ float rope_at(const float* r, int j, int half, const float* c, const float* s) {
+    return j < half ? r[j] * c[j] - r[j + half] * s[j] : r[j] * c[j - half] + r[j - half] * s[j - half];
+}
+
 // bf16 is the top half of an f32.
 __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((unsigned)b) << 16); }
 

@@ -22,10 +22,11 @@ extern "C" __global__ void embed_exact(const u16* table, int bf16, const int* to
     if (c < cols) out[c] = exact2f(table[(size_t)token[blockIdx.y] * cols + c], bf16);
 }
 
-// What a layer does between its q/k/v products and attention, in one launch: rotate q [T, heads,
-// head_dim] in place and k [T, kv_heads, head_dim] (NeoX pairing (i, i + half), cos/sin
-// [max_pos, half]) for token t at position pos0[0] + t, and store k and v in f16 at that position
-// of the cache [ctx, kv_heads, head_dim]. Rows of q, k and v are `stride` floats apart.
+// What a layer's prefill does between its q/k/v products and attention, in one launch (decode's
+// attention does it itself): rotate q [T, heads, head_dim] in place and k [T, kv_heads,
+// head_dim] (NeoX pairing (i, i + half), cos/sin [max_pos, half]) for token t at position
+// pos0[0] + t, and store k and v in f16 at that position of the cache [ctx, kv_heads,
+// head_dim]. Rows of q, k and v are `stride` floats apart.
 extern "C" __global__ void rope_kv_store(float* q, const float* k, const float* v, int stride, const int* pos0,
                                          const float* cos_t, const float* sin_t, int T, int heads, int kv_heads,
                                          int half, u16* k_cache, u16* v_cache) {
@@ -33,20 +34,19 @@ extern "C" __global__ void rope_kv_store(float* q, const float* k, const float* 
     if (i < T * all * half) {
         int t = i / (all * half), h = (i / half) % all, j = i % half;
         size_t pos = (size_t)(pos0[0] + t), row = (size_t)t * stride;
-        float c = cos_t[pos * half + j], s = sin_t[pos * half + j];
+        const float *c = cos_t + pos * half, *s = sin_t + pos * half;
         if (h < heads) {
             float* r = q + row + h * 2 * half;
-            float a = r[j], b = r[j + half];
-            r[j] = a * c - b * s;
-            r[j + half] = b * c + a * s;
+            float a = rope_at(r, j, half, c, s), b = rope_at(r, j + half, half, c, s);
+            r[j] = a;
+            r[j + half] = b;
         } else {
             int kh = h - heads;
             const float* r = k + row + kh * 2 * half;
             const float* w = v + row + kh * 2 * half;
-            float a = r[j], b = r[j + half];
             size_t dst = (pos * kv_heads + kh) * 2 * half;
-            k_cache[dst + j] = f2h(a * c - b * s);
-            k_cache[dst + j + half] = f2h(b * c + a * s);
+            k_cache[dst + j] = f2h(rope_at(r, j, half, c, s));
+            k_cache[dst + j + half] = f2h(rope_at(r, j + half, half, c, s));
             v_cache[dst + j] = f2h(w[j]);
             v_cache[dst + j + half] = f2h(w[j + half]);
         }

@@ -331,7 +331,7 @@ class CudaEngine(EngineBase):
 
     def _record_layer(self, L: DeviceLayer) -> None:
         cfg, a, k, p, t = self.cfg, self.a, self.k, L.precision, L.t
-        eps, qd = cfg.rms_eps, cfg.q_dim
+        eps = cfg.rms_eps
         if L.index not in self._input_normed:
             k.rmsnorm(a.x, t["attn_norm"], eps, a.xn)
         k.matvecs([L.mat("q"), L.mat("k"), L.mat("v")], a.xn, [a.q, a.k, a.v], p)
@@ -342,8 +342,8 @@ class CudaEngine(EngineBase):
             k.rmsnorm(a.q, t["q_norm"], eps, a.q)
             k.rmsnorm(a.k, t["k_norm"], eps, a.k)
         kc, vc = a.kv[L.index, 0], a.kv[L.index, 1]
-        k.rope_kv_store(a.q, a.k, a.v, qd, a.pos, self.cos, self.sin, 1, cfg.num_heads, kc, vc)
-        k.attention_decode(a.q, kc, vc, a.pos, a.part, a.done, a.attn, cfg.num_heads, self.splits)
+        k.attention_decode(a.q, a.k, a.v, self.cos, self.sin, kc, vc, a.pos, a.part, a.done, a.attn, cfg.num_heads,
+                           self.splits)
         k.matvec(L.mat("o"), a.attn, a.x, p, add=True, norm=(t["mlp_norm"], a.xn, eps, a.norm_done))
         k.glu(L.mat("gate"), L.mat("up"), a.xn, a.act, p)
         after = self._down_norm[L.index]

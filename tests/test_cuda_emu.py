@@ -119,6 +119,11 @@ extern "C" __global__ void affine2d(const float* x, float* out, float a,
     if (r < rows && c < cols) out[r * cols + c] = a * x[r * cols + c] + (float)r;
 }
 
+// The order the blocks ran in: order[k] = linear index of the k-th block to run.
+extern "C" __global__ void block_order(int* order, int* count) {
+    if (threadIdx.x == 0) order[atomicAdd(count, 1)] = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+}
+
 extern "C" __global__ void half_to_float(const unsigned short* h, float* out, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = h2f(h[i]);
@@ -193,6 +198,18 @@ def test_2d_grid(mod, rng):
     mod.get_function("affine2d")((cdiv(cols, 32), cdiv(rows, 4)), (32, 4),
                                  (x, out, a, np.int32(rows), np.int32(cols)))
     np.testing.assert_array_equal(out, a * x + np.arange(rows, dtype=np.float32)[:, None])
+
+
+def test_launches_run_their_blocks_forward_and_backward_by_turns(mod):
+    """CUDA runs a launch's blocks in no promised order: of two launches in a row, one runs them
+    in grid order and the other in reverse, so a block that counts on another having run first
+    fails on one of them."""
+    orders = []
+    for _ in range(2):
+        order, count = np.full(24, -1, np.int32), np.zeros(1, np.int32)
+        mod.get_function("block_order")((3, 4, 2), (32,), (order, count))
+        orders.append(order.tolist())
+    assert sorted(orders) == sorted([list(range(24)), list(range(23, -1, -1))])
 
 
 def test_half_host_branch(mod, rng):

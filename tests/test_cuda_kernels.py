@@ -331,19 +331,37 @@ def f16_cache(rng, ctx, kvh, hd):
                                                    (2, 1, 256, 70, 2), (8, 8, 128, 130, 4), (4, 2, 80, 21, 3),
                                                    (2, 2, 48, 9, 2)])
 def test_attention_decode_split_over_context(k, rng, heads, kvh, hd, n, splits):
-    """GQA, online softmax, any number of splits (some empty when n < splits); the last split of
-    each head merges them, and leaves the split counts at zero for the next launch (a second
-    query, with a position more, runs on the same buffers)."""
+    """The new token's q, k and v before RoPE: rotated in the launch, k and v stored in f16 at its
+    cache row (no other row written), attention over it and the rows before (GQA, online softmax,
+    any number of splits, some empty when n < splits). The last split of each head merges them,
+    and leaves the split counts at zero: a second token, a position on, runs on the same
+    buffers and attends to the row the first one stored."""
     ctx = 160
-    kc, vc = f16_cache(rng, ctx, kvh, hd), f16_cache(rng, ctx, kvh, hd)
+    kc = f16_cache(rng, ctx, kvh, hd)
+    vc = f16_cache(rng, ctx, kvh, hd)
+    cos, sin = rope_tables(ctx, hd)
+    kc_d, vc_d, cos_d, sin_d = up(k, kc), up(k, vc), up(k, cos), up(k, sin)
     out, part = up(k, np.zeros((heads, hd), np.float32)), up(k, np.zeros(heads * splits * (hd + 2), np.float32))
     done = up(k, np.zeros(heads, np.int32))
     for n_ctx in (n, n + 1):
-        q = randn(rng, heads, hd)
+        cur = n_ctx - 1
+        q, k_new, v_new = randn(rng, heads, hd), randn(rng, kvh, hd), randn(rng, kvh, hd)
+        q_rot, k_rot = q.copy(), k_new.copy()
+        ref.rope(q_rot, np.array([cur]), cos, sin)
+        ref.rope(k_rot, np.array([cur]), cos, sin)
+        vc[cur] = v_new.astype(np.float16)
+        pos = up(k, np.array([cur], np.int32))
+        k.attention_decode(up(k, q), up(k, k_new), up(k, v_new), cos_d, sin_d, kc_d, vc_d, pos, part, done, out,
+                           heads, splits)
+        # the kernel's f16 K row may differ from NumPy's in one f16 rounding (its rotation's last f32
+        # bit); the attention is held to the row it stored
+        got_k = down(k, kc_d)
+        assert rel(got_k[cur].astype(np.float32), k_rot) < 2.0 ** -11 + 4 * EPS
+        kc[cur] = got_k[cur]
+        np.testing.assert_array_equal(got_k, kc)
+        np.testing.assert_array_equal(down(k, vc_d), vc)
         want = np.empty((heads, hd), np.float32)
-        ref.attention_decode(q, kc.astype(np.float32), vc.astype(np.float32), n_ctx, want)
-        pos = up(k, np.array([n_ctx - 1], np.int32))
-        k.attention_decode(up(k, q), up(k, kc), up(k, vc), pos, part, done, out, heads, splits)
+        ref.attention_decode(q_rot, kc.astype(np.float32), vc.astype(np.float32), n_ctx, want)
         assert rel(down(k, out), want) < 64 * EPS
         np.testing.assert_array_equal(down(k, done), 0)
 

@@ -161,14 +161,17 @@ class Kernels:
                      (m["qs"], m["d"], out, I32(rows), I32(half * 2)))
 
     # -- attention -----------------------------------------------------------------------------
-    def attention_decode(self, q, k_cache, v_cache, pos, part, done, out, heads: int, splits: int) -> None:
-        """q [heads, hd]; caches [ctx, kv_heads, hd] f16; pos[0] + 1 positions; part: the split
-        partials [heads, splits, hd + 2]; done: int32 [heads], zero, and zero again after; out [heads, hd]."""
+    def attention_decode(self, q, k, v, cos, sin, k_cache, v_cache, pos, part, done, out, heads: int,
+                         splits: int) -> None:
+        """The new token at position pos[0]: q [heads, hd], k and v [kv_heads, hd] before RoPE
+        (rotated here; k and v stored in f16 at that cache row), attending over pos[0] + 1
+        positions. caches [ctx, kv_heads, hd] f16; part: the split partials [heads, splits,
+        hd + 2]; done: int32 [heads], zero, and zero again after; out [heads, hd]."""
         kv_heads, hd = k_cache.shape[-2], k_cache.shape[-1]
         if not 1 <= splits <= 32:
             raise ValueError(f"attention_decode: splits must be 1 to 32 (a warp merges them), got {splits}")
         self._go("attention_decode", (heads, splits), (ATT_THREADS,),
-                 (q, k_cache, v_cache, pos, part, done, out, I32(heads), I32(kv_heads), I32(hd),
+                 (q, k, v, cos, sin, k_cache, v_cache, pos, part, done, out, I32(heads), I32(kv_heads), I32(hd),
                   F32(1.0 / np.sqrt(hd))))
 
     def attention_prefill(self, q, q_stride: int, k_cache, v_cache, pos0, out, T: int, heads: int) -> None:

@@ -1,7 +1,9 @@
 // CUDA C on the CPU, for tests on machines without a GPU: force-included (g++ -include) before a
 // kernel source, which then builds as plain C++20. A launch runs the grid's blocks one after
-// another on the calling thread; the threads of a block are fibers (one small stack each, with
-// a guard page), switched cooperatively: a thread runs until it reaches __syncthreads, a warp
+// another on the calling thread, in grid order and in reverse grid order by turns (CUDA promises
+// no order: a block that reads what another block of its launch writes, with no atomic between
+// them, fails one of two launches). The threads of a block are fibers (one small stack each,
+// with a guard page), switched cooperatively: a thread runs until it reaches __syncthreads, a warp
 // shuffle or __syncwarp, or returns, and then another runnable thread of the block runs.
 //
 // Barriers are real barriers: no thread passes one before every thread it waits for has
@@ -131,6 +133,7 @@ struct Sched {
     unsigned nready = 0;
     unsigned* at_sync = nullptr;  // arrived at __syncthreads, in order
     unsigned sync_arrived = 0, exited = 0;
+    unsigned launches = 0;  // odd ones run their blocks in reverse
     Warp warps[32];
     Fiber* cur = nullptr;
 #if EMU_ASM_SWITCH
@@ -336,30 +339,31 @@ template <class... A> const char* launch(void (*f)(A...), dim3 grid, dim3 block,
     S.failed = false;
     blockDim = block;
     gridDim = grid;
-    for (unsigned z = 0; z < grid.z; z++)
-        for (unsigned y = 0; y < grid.y; y++)
-            for (unsigned x = 0; x < grid.x; x++) {
-                blockIdx = {x, y, z};
-                for (unsigned t = 0; t < n; t++) {
-                    Fiber& fb = S.fibers[t];
-                    fb.idx = {t % block.x, t / block.x % block.y, t / (block.x * block.y)};
-                    fb.tid = t;
-                    fb.state = READY;
-                    start(fb, t);
-                    S.ready[t] = n - 1 - t;  // thread 0 runs first (below), then 1, 2, ...
-                }
-                S.nready = n - 1;
-                S.sync_arrived = S.exited = 0;
-                for (unsigned w = 0; w < n / 32; w++) S.warps[w].arrived = S.warps[w].gen = 0;
-                S.cur = &S.fibers[0];
-                threadIdx = S.fibers[0].idx;
+    const bool reverse = S.launches++ & 1;
+    const unsigned blocks = grid.x * grid.y * grid.z;
+    for (unsigned b = 0; b < blocks; b++) {
+        const unsigned i = reverse ? blocks - 1 - b : b;
+        blockIdx = {i % grid.x, i / grid.x % grid.y, i / (grid.x * grid.y)};
+        for (unsigned t = 0; t < n; t++) {
+            Fiber& fb = S.fibers[t];
+            fb.idx = {t % block.x, t / block.x % block.y, t / (block.x * block.y)};
+            fb.tid = t;
+            fb.state = READY;
+            start(fb, t);
+            S.ready[t] = n - 1 - t;  // thread 0 runs first (below), then 1, 2, ...
+        }
+        S.nready = n - 1;
+        S.sync_arrived = S.exited = 0;
+        for (unsigned w = 0; w < n / 32; w++) S.warps[w].arrived = S.warps[w].gen = 0;
+        S.cur = &S.fibers[0];
+        threadIdx = S.fibers[0].idx;
 #if EMU_ASM_SWITCH
-                emu_ctx_switch(&S.main_sp, S.fibers[0].sp);
+        emu_ctx_switch(&S.main_sp, S.fibers[0].sp);
 #else
-                swapcontext(&S.main_uc, &S.fibers[0].uc);
+        swapcontext(&S.main_uc, &S.fibers[0].uc);
 #endif
-                if (S.failed) return S.error;
-            }
+        if (S.failed) return S.error;
+    }
     return nullptr;
 }
 }  // namespace emu
