@@ -41,16 +41,46 @@ __device__ __forceinline__ void load_halves(const u16* row, int e0, int hd, u16 
     for (int i = 0; i < NI; i++) h[i] = e0 + i < hd ? row[e0 + i] : (u16)0;
 }
 
+// q . K row, its NI elements a lane (qr is 0 past hd): every lane must call it, for the shuffle.
+template <int NI>
+__device__ __forceinline__ float score(const float (&qr)[NI], const u16 (&kh)[NI]) {
+    float a = 0.f;
+#pragma unroll
+    for (int i = 0; i < NI; i++) a += qr[i] * h2f(kh[i]);
+    return warp_sum(a);
+}
+
+// U positions' scores s (NEG_INF: no position, weight 0) and V rows into a warp's running
+// partial: the online softmax's rescale-and-add.
+template <int NI, int U>
+__device__ __forceinline__ void absorb(Partial<NI>& r, const float (&s)[U], const u16 (&vh)[U][NI]) {
+    float m = r.m;
+#pragma unroll
+    for (int u = 0; u < U; u++) m = fmaxf(m, s[u]);
+    float corr = expf(r.m - m);  // exp(-inf) = 0 on the first round
+    r.l *= corr;
+#pragma unroll
+    for (int i = 0; i < NI; i++) r.acc[i] *= corr;
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        float w = expf(s[u] - m);
+        r.l += w;
+#pragma unroll
+        for (int i = 0; i < NI; i++) r.acc[i] += w * h2f(vh[u][i]);
+    }
+    r.m = m;
+}
+
 // Positions p0, p0 + step, ... < p1 of one head into a warp's partial, ATT_UNROLL positions a
 // round: their K and V rows are loaded before any is used, so a warp has that many rows in
 // flight (one position at a time, decode attention was a chain of dependent loads: about 18 us
-// a layer at 512 cached tokens on an H100, for 2 MB of cache).
-// Position cur's K and V rows are k_cur and v_cur (decode's new token, not yet in the cache
-// when this launch reads it); cur = -1 for none.
+// a layer at 512 cached tokens on an H100, for 2 MB of cache). Then, if k_new is not null (the
+// same for the whole warp), one more position whose K and V rows are k_new and v_new: decode's
+// new token, from shared memory (kept out of the loop, whose loads then all stay global ones).
 template <int NI>
 __device__ __forceinline__ void attend(const float* q, const u16* kc, const u16* vc, int row, int hd,
-                                       float scale, int p0, int p1, int step, int cur, const u16* k_cur,
-                                       const u16* v_cur, Partial<NI>& r) {
+                                       float scale, int p0, int p1, int step, const u16* k_new,
+                                       const u16* v_new, Partial<NI>& r) {
     int e0 = (threadIdx.x & 31) * NI;
     float qr[NI];
 #pragma unroll
@@ -65,31 +95,23 @@ __device__ __forceinline__ void attend(const float* q, const u16* kc, const u16*
 #pragma unroll
         for (int u = 0; u < ATT_UNROLL; u++) {
             int pu = p + u * step < p1 ? p + u * step : p;  // past the end: a row already read, weight 0
-            load_halves<NI>(pu == cur ? k_cur : kc + (size_t)pu * row, e0, hd, kh[u]);
-            load_halves<NI>(pu == cur ? v_cur : vc + (size_t)pu * row, e0, hd, vh[u]);
+            load_halves<NI>(kc + (size_t)pu * row, e0, hd, kh[u]);
+            load_halves<NI>(vc + (size_t)pu * row, e0, hd, vh[u]);
         }
-        float s[ATT_UNROLL], m = r.m;
+        float s[ATT_UNROLL];
 #pragma unroll
         for (int u = 0; u < ATT_UNROLL; u++) {
-            float a = 0.f;
-#pragma unroll
-            for (int i = 0; i < NI; i++) a += qr[i] * h2f(kh[u][i]);  // qr is 0 past hd
-            float t = warp_sum(a);  // every lane, every round: the shuffle needs the whole warp
+            float t = score<NI>(qr, kh[u]);
             s[u] = p + u * step < p1 ? t : NEG_INF;
-            m = fmaxf(m, s[u]);
         }
-        float corr = expf(r.m - m);  // exp(-inf) = 0 on the first round
-        r.l *= corr;
-#pragma unroll
-        for (int i = 0; i < NI; i++) r.acc[i] *= corr;
-#pragma unroll
-        for (int u = 0; u < ATT_UNROLL; u++) {
-            float w = expf(s[u] - m);
-            r.l += w;
-#pragma unroll
-            for (int i = 0; i < NI; i++) r.acc[i] += w * h2f(vh[u][i]);
-        }
-        r.m = m;
+        absorb<NI, ATT_UNROLL>(r, s, vh);
+    }
+    if (k_new) {
+        u16 kh[1][NI], vh[1][NI];
+        load_halves<NI>(k_new, e0, hd, kh[0]);
+        load_halves<NI>(v_new, e0, hd, vh[0]);
+        float s[1] = {score<NI>(qr, kh[0])};
+        absorb<NI, 1>(r, s, vh);
     }
 }
 
@@ -138,15 +160,17 @@ __device__ __forceinline__ void merge_warps(const Partial<NI>& r, int hd, WarpPa
 
 // One head's positions p0 + warp, p0 + warp + ATT_WARPS, ... < p1, merged over the block's warps
 // into mg, for the NI that hd needs (hd <= MAX_HEAD_DIM).
+// k_new, v_new: as attend's (null for none), taken by warp 0.
 __device__ __forceinline__ void attend_block(const float* q, const u16* kc, const u16* vc, int row, int hd,
-                                             float scale, int p0, int p1, int cur, const u16* k_cur,
-                                             const u16* v_cur, Merged& mg) {
+                                             float scale, int p0, int p1, const u16* k_new,
+                                             const u16* v_new, Merged& mg) {
     __shared__ WarpPartials wp;
     int warp = threadIdx.x >> 5;
 #define ATTEND_CASE(ni)                                                                           \
     case ni: {                                                                                    \
         Partial<ni> r;                                                                            \
-        attend<ni>(q, kc, vc, row, hd, scale, p0 + warp, p1, ATT_WARPS, cur, k_cur, v_cur, r);    \
+        attend<ni>(q, kc, vc, row, hd, scale, p0 + warp, p1, ATT_WARPS, warp ? nullptr : k_new,   \
+                   v_new, r);                                                                     \
         merge_warps<ni>(r, hd, wp, mg);                                                           \
         break;                                                                                    \
     }
@@ -201,24 +225,26 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
     int row = kv_heads * hd, group = heads / kv_heads, kvh = h / group;
     const float *c = cos_t + (size_t)cur * half, *s = sin_t + (size_t)cur * half;
     __shared__ float q_rot[MAX_HEAD_DIM];
-    __shared__ uint4 cur_rows[MAX_HEAD_DIM / 4];  // K then V, u16 each: 16-byte aligned for load_halves
-    u16* k_cur = (u16*)cur_rows;
-    u16* v_cur = k_cur + MAX_HEAD_DIM;
+    __shared__ uint4 new_rows[MAX_HEAD_DIM / 4];  // K then V, u16 each: 16-byte aligned for load_halves
+    u16* k_row = (u16*)new_rows;
+    u16* v_row = k_row + MAX_HEAD_DIM;
+    bool has_new = p0 <= cur && cur < p1;  // this block's split holds the new position, its last
     for (int e = threadIdx.x; e < hd; e += blockDim.x) q_rot[e] = rope_at(q + h * hd, e, half, c, s);
-    if (p0 <= cur && cur < p1) {
+    if (has_new) {
         size_t at = ((size_t)cur * kv_heads + kvh) * hd;
         for (int e = threadIdx.x; e < hd; e += blockDim.x) {
-            k_cur[e] = f2h(rope_at(k_new + kvh * hd, e, half, c, s));
-            v_cur[e] = f2h(v_new[kvh * hd + e]);
+            k_row[e] = f2h(rope_at(k_new + kvh * hd, e, half, c, s));
+            v_row[e] = f2h(v_new[kvh * hd + e]);
             if (h % group == 0) {
-                k_cache[at + e] = k_cur[e];
-                v_cache[at + e] = v_cur[e];
+                k_cache[at + e] = k_row[e];
+                v_cache[at + e] = v_row[e];
             }
         }
     }
     __syncthreads();
     __shared__ Merged mg;
-    attend_block(q_rot, k_cache + kvh * hd, v_cache + kvh * hd, row, hd, scale, p0, p1, cur, k_cur, v_cur, mg);
+    attend_block(q_rot, k_cache + kvh * hd, v_cache + kvh * hd, row, hd, scale, p0, has_new ? cur : p1,
+                 has_new ? k_row : nullptr, v_row, mg);
     float* mine = part + ((size_t)h * splits + split) * (hd + 2);
     if (threadIdx.x == 0) {
         mine[0] = mg.m;
@@ -245,6 +271,6 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
     int n = pos0[0] + t + 1, row = kv_heads * hd, kvh = h / (heads / kv_heads);
     __shared__ Merged mg;
     attend_block(q + (size_t)t * q_stride + h * hd, k_cache + kvh * hd, v_cache + kvh * hd, row, hd, scale, 0, n,
-                 -1, nullptr, nullptr, mg);
+                 nullptr, nullptr, mg);
     for (int e = threadIdx.x; e < hd; e += blockDim.x) out[((size_t)t * heads + h) * hd + e] = mg.acc[e] / mg.l;
 }
