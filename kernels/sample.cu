@@ -187,15 +187,12 @@ __device__ bool sample_top_k(const float* logits, int vocab, float mine, float m
     int idx = (int)~(unsigned)cand[tid];
     bool in_k = tid < n && key >= kth;
     float w = in_k ? expf((logits[idx] - mx) / temperature) : 0.f, below, total;
-    float upto = block_scan(w, scratch, &below, &total);
+    if (tid == 0) kp_shared = kth;  // no top-p cut (nor one found, should the sums be inf or NaN)
+    float upto = block_scan(w, scratch, &below, &total);  // its barriers order that write first
     // top-p: the keys down to the first whose running mass reaches p of the top-k mass, all of
     // that key's ties included (the bisection's rule); the thread that crosses is the only one
-    if (top_p < 1.f) {
-        float target = top_p * total;
-        if (in_k && upto >= target && below < target) kp_shared = key;
-    } else if (tid == 0) {
-        kp_shared = kth;
-    }
+    float target = top_p * total;
+    if (top_p < 1.f && in_k && upto >= target && below < target) kp_shared = key;
     __syncthreads();
     unsigned kp = kp_shared;
     bool keep = tid < n && key >= kp;  // a prefix of the sorted candidates
