@@ -41,6 +41,13 @@ __device__ __forceinline__ void load_halves(const u16* row, int e0, int hd, u16 
     for (int i = 0; i < NI; i++) h[i] = e0 + i < hd ? row[e0 + i] : (u16)0;
 }
 
+// Decode's new K and V rows in f16 (K, then V at + MAX_HEAD_DIM), which the block whose split
+// holds the new position writes and attend folds in: one shared array both find.
+__device__ __forceinline__ u16* new_rows() {
+    __shared__ uint4 rows[MAX_HEAD_DIM / 4];  // 16-byte aligned for load_halves
+    return (u16*)rows;
+}
+
 // q . K row, its NI elements a lane (qr is 0 past hd): every lane must call it, for the shuffle.
 template <int NI>
 __device__ __forceinline__ float score(const float (&qr)[NI], const u16 (&kh)[NI]) {
@@ -74,13 +81,12 @@ __device__ __forceinline__ void absorb(Partial<NI>& r, const float (&s)[U], cons
 // Positions p0, p0 + step, ... < p1 of one head into a warp's partial, ATT_UNROLL positions a
 // round: their K and V rows are loaded before any is used, so a warp has that many rows in
 // flight (one position at a time, decode attention was a chain of dependent loads: about 18 us
-// a layer at 512 cached tokens on an H100, for 2 MB of cache). Then, if k_new is not null (the
-// same for the whole warp), one more position whose K and V rows are k_new and v_new: decode's
-// new token, from shared memory (kept out of the loop, whose loads then all stay global ones).
+// a layer at 512 cached tokens on an H100, for 2 MB of cache). Then, if fold_new, one more
+// position, decode's new token, whose K and V rows the block wrote to new_rows() (behind a
+// barrier): folded in by warp 0.
 template <int NI>
-__device__ __forceinline__ void attend(const float* q, const u16* kc, const u16* vc, int row, int hd,
-                                       float scale, int p0, int p1, int step, const u16* k_new,
-                                       const u16* v_new, Partial<NI>& r) {
+__device__ __forceinline__ void attend(const float* q, const u16* kc, const u16* vc, int row, int hd, float scale,
+                                       int p0, int p1, int step, bool fold_new, Partial<NI>& r) {
     int e0 = (threadIdx.x & 31) * NI;
     float qr[NI];
 #pragma unroll
@@ -98,20 +104,20 @@ __device__ __forceinline__ void attend(const float* q, const u16* kc, const u16*
             load_halves<NI>(kc + (size_t)pu * row, e0, hd, kh[u]);
             load_halves<NI>(vc + (size_t)pu * row, e0, hd, vh[u]);
         }
-        float s[ATT_UNROLL];
+        float sc[ATT_UNROLL];
 #pragma unroll
         for (int u = 0; u < ATT_UNROLL; u++) {
             float t = score<NI>(qr, kh[u]);
-            s[u] = p + u * step < p1 ? t : NEG_INF;
+            sc[u] = p + u * step < p1 ? t : NEG_INF;
         }
-        absorb<NI, ATT_UNROLL>(r, s, vh);
+        absorb<NI, ATT_UNROLL>(r, sc, vh);
     }
-    if (k_new) {
+    if (fold_new) {
         u16 kh[1][NI], vh[1][NI];
-        load_halves<NI>(k_new, e0, hd, kh[0]);
-        load_halves<NI>(v_new, e0, hd, vh[0]);
-        float s[1] = {score<NI>(qr, kh[0])};
-        absorb<NI, 1>(r, s, vh);
+        load_halves<NI>(new_rows(), e0, hd, kh[0]);
+        load_halves<NI>(new_rows() + MAX_HEAD_DIM, e0, hd, vh[0]);
+        float sc[1] = {score<NI>(qr, kh[0])};
+        absorb<NI, 1>(r, sc, vh);
     }
 }
 
@@ -160,17 +166,15 @@ __device__ __forceinline__ void merge_warps(const Partial<NI>& r, int hd, WarpPa
 
 // One head's positions p0 + warp, p0 + warp + ATT_WARPS, ... < p1, merged over the block's warps
 // into mg, for the NI that hd needs (hd <= MAX_HEAD_DIM).
-// k_new, v_new: as attend's (null for none), taken by warp 0.
+// fold_new: decode's new position, folded in by warp 0 (attend).
 __device__ __forceinline__ void attend_block(const float* q, const u16* kc, const u16* vc, int row, int hd,
-                                             float scale, int p0, int p1, const u16* k_new,
-                                             const u16* v_new, Merged& mg) {
+                                             float scale, int p0, int p1, bool fold_new, Merged& mg) {
     __shared__ WarpPartials wp;
     int warp = threadIdx.x >> 5;
 #define ATTEND_CASE(ni)                                                                           \
     case ni: {                                                                                    \
         Partial<ni> r;                                                                            \
-        attend<ni>(q, kc, vc, row, hd, scale, p0 + warp, p1, ATT_WARPS, warp ? nullptr : k_new,   \
-                   v_new, r);                                                                     \
+        attend<ni>(q, kc, vc, row, hd, scale, p0 + warp, p1, ATT_WARPS, fold_new && !warp, r);    \
         merge_warps<ni>(r, hd, wp, mg);                                                           \
         break;                                                                                    \
     }
@@ -224,14 +228,14 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
     int p0 = split * chunk, p1 = p0 + chunk < n ? p0 + chunk : n;
     int row = kv_heads * hd, group = heads / kv_heads, kvh = h / group;
     const float *c = cos_t + (size_t)cur * half, *s = sin_t + (size_t)cur * half;
-    __shared__ float q_rot[MAX_HEAD_DIM];
-    __shared__ uint4 new_rows[MAX_HEAD_DIM / 4];  // K then V, u16 each: 16-byte aligned for load_halves
-    u16* k_row = (u16*)new_rows;
-    u16* v_row = k_row + MAX_HEAD_DIM;
     bool has_new = p0 <= cur && cur < p1;  // this block's split holds the new position, its last
+    // q rotated through shared memory: rotated in registers inside attend, it cost the hd-128 loop
+    // 38 instructions a round (389, not 351) and spilled in the hd-224 one (sass_mix.py, sm_90)
+    __shared__ float q_rot[MAX_HEAD_DIM];
     for (int e = threadIdx.x; e < hd; e += blockDim.x) q_rot[e] = rope_at(q + h * hd, e, half, c, s);
     if (has_new) {
         size_t at = ((size_t)cur * kv_heads + kvh) * hd;
+        u16 *k_row = new_rows(), *v_row = new_rows() + MAX_HEAD_DIM;
         for (int e = threadIdx.x; e < hd; e += blockDim.x) {
             k_row[e] = f2h(rope_at(k_new + kvh * hd, e, half, c, s));
             v_row[e] = f2h(v_new[kvh * hd + e]);
@@ -243,8 +247,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
     }
     __syncthreads();
     __shared__ Merged mg;
-    attend_block(q_rot, k_cache + kvh * hd, v_cache + kvh * hd, row, hd, scale, p0, has_new ? cur : p1,
-                 has_new ? k_row : nullptr, v_row, mg);
+    attend_block(q_rot, k_cache + kvh * hd, v_cache + kvh * hd, row, hd, scale, p0, has_new ? cur : p1, has_new, mg);
     float* mine = part + ((size_t)h * splits + split) * (hd + 2);
     if (threadIdx.x == 0) {
         mine[0] = mg.m;
@@ -271,6 +274,6 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
     int n = pos0[0] + t + 1, row = kv_heads * hd, kvh = h / (heads / kv_heads);
     __shared__ Merged mg;
     attend_block(q + (size_t)t * q_stride + h * hd, k_cache + kvh * hd, v_cache + kvh * hd, row, hd, scale, 0, n,
-                 nullptr, nullptr, mg);
+                 false, mg);
     for (int e = threadIdx.x; e < hd; e += blockDim.x) out[((size_t)t * heads + h) * hd + e] = mg.acc[e] / mg.l;
 }
