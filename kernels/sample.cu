@@ -151,22 +151,26 @@ __device__ __forceinline__ unsigned bisect(unsigned lo, F f, float target) {
 // Top-k's candidates, at most a thread each, gathered and sorted in shared memory. The k-th
 // largest of the threads' maxima is at most the k-th largest logit (the maxima are k distinct
 // logits), so one pass keeping what reaches it keeps the whole top k, and little else: of
-// 128256 normal random logits, 41 on average for k = 40, 503 for k = 400. Returns false, having
-// drawn nothing, when more than SAMPLE_CAP pass (ties, or k near the thread count), for
+// 128256 normal random logits, 41 on average for k = 40, 503 for k = 400. Top-p alone (top_k 0)
+// takes the TOP_P_RANK largest as its candidates and one more pass for the whole vocabulary's
+// mass: the candidates are a prefix by value, so if they hold top_p of that mass, the top-p set
+// is among them. Returns false, having drawn nothing, when more than SAMPLE_CAP logits reach the
+// floor (ties, or k near the thread count) or top-p's set is wider than its candidates, for
 // sample_by_bisection to draw instead.
 #define SAMPLE_CAP 1024
-__device__ bool sample_top_k(const float* logits, int vocab, float mine, float mx, float temperature,
-                             int top_k, float top_p, float u01, int* chosen) {
+#define TOP_P_RANK 512
+__device__ bool sample_sorted(const float* logits, int vocab, float mine, float mx, float temperature, int top_k,
+                              float top_p, float u01, int* chosen) {
     __shared__ unsigned long long cand[SAMPLE_CAP];
     __shared__ float scratch[32];
     __shared__ int n_cand;
     __shared__ unsigned kp_shared;
     __shared__ float kept_mass;
-    int tid = threadIdx.x, nt = blockDim.x;
-    if (nt != SAMPLE_CAP || top_k > SAMPLE_CAP) return false;  // both uniform across the block
+    int tid = threadIdx.x, nt = blockDim.x, rank = top_k > 0 ? top_k : TOP_P_RANK;
+    if (nt != SAMPLE_CAP || rank > SAMPLE_CAP) return false;  // both uniform across the block
     cand[tid] = candidate(order_key(mine), tid);
     block_sort_desc(cand, SAMPLE_CAP);
-    unsigned floor_key = (unsigned)(cand[top_k - 1] >> 32);
+    unsigned floor_key = (unsigned)(cand[rank - 1] >> 32);
     if (tid == 0) n_cand = 0;
     __syncthreads();  // floor_key read everywhere before cand is refilled
     scan_strided(logits, vocab, [&](float v, int i) {
@@ -183,15 +187,22 @@ __device__ bool sample_top_k(const float* logits, int vocab, float mine, float m
     if (tid >= n && tid < size) cand[tid] = 0;  // below every real key (key 0 is a NaN's)
     block_sort_desc(cand, size);
     // thread i holds the i-th largest candidate; the top k are those reaching the k-th's key
-    unsigned kth = (unsigned)(cand[top_k - 1] >> 32), key = (unsigned)(cand[tid] >> 32);
+    unsigned kth = top_k > 0 ? (unsigned)(cand[top_k - 1] >> 32) : 0u, key = (unsigned)(cand[tid] >> 32);
     int idx = (int)~(unsigned)cand[tid];
     bool in_k = tid < n && key >= kth;
     float w = in_k ? expf((logits[idx] - mx) / temperature) : 0.f, below, total;
     if (tid == 0) kp_shared = kth;  // no top-p cut (nor one found, should the sums be inf or NaN)
     float upto = block_scan(w, scratch, &below, &total);  // its barriers order that write first
-    // top-p: the keys down to the first whose running mass reaches p of the top-k mass, all of
-    // that key's ties included (the bisection's rule); the thread that crosses is the only one
-    float target = top_p * total;
+    float mass = total;  // top-p's share is of the top k's mass, or of the whole vocabulary's
+    if (top_k == 0) {
+        float all = 0.f;
+        scan_strided(logits, vocab, [&](float v, int) { all += expf((v - mx) / temperature); });
+        mass = block_sum(all, scratch);
+        if (!(total >= top_p * mass)) return false;  // uniform: block_sum's result is every thread's
+    }
+    // top-p: the keys down to the first whose running mass reaches p of that mass, all of that
+    // key's ties included (the bisection's rule); the thread that crosses is the only one
+    float target = top_p * mass;
     if (top_p < 1.f && in_k && upto >= target && below < target) kp_shared = key;
     __syncthreads();
     unsigned kp = kp_shared;
@@ -204,8 +215,9 @@ __device__ bool sample_top_k(const float* logits, int vocab, float mine, float m
     return true;
 }
 
-// Any top-k (0 too) and top-p over the whole vocabulary: thresholds on the keys by bisection,
-// each round a pass over the logits (about 66 passes with both on), then a draw by chunk sums.
+// What sample_sorted leaves (and temperature alone, which needs no threshold): any top-k and
+// top-p over the whole vocabulary, thresholds on the keys by bisection, each round a pass over
+// the logits (about 66 passes with both on), then a draw by chunk sums in index order.
 __device__ void sample_by_bisection(const float* logits, int vocab, float mx, float temperature, int top_k,
                                     float top_p, float u01, int* chosen) {
     __shared__ float scratch[32];
@@ -268,8 +280,9 @@ extern "C" __global__ void sample(float* logits, int vocab, int* state, int* rec
     __syncthreads();
     if (temperature > 0.f) {
         float mx = logits[best], u01 = uniform01(seed, (unsigned)state[2]);
-        bool drawn = top_k > 0 && top_k < vocab &&
-                     sample_top_k(logits, vocab, mine, mx, temperature, top_k, top_p, u01, &chosen);
+        int k = top_k < vocab ? top_k : 0;  // 0: none
+        bool drawn = (k > 0 || top_p < 1.f) && sample_sorted(logits, vocab, mine, mx, temperature, k, top_p, u01,
+                                                             &chosen);
         if (!drawn) sample_by_bisection(logits, vocab, mx, temperature, top_k, top_p, u01, &chosen);
     }
     __syncthreads();

@@ -501,27 +501,37 @@ def kept_tokens(logits, temperature, top_k, top_p):
     return top[keep], w[keep]
 
 
-@pytest.mark.parametrize("case", ["top_k", "top_k_ties", "top_p_only"])
+# case: vocab, top_k, temperature, logit scale, the kept set's size about (top_p midway between two
+# running masses; None: top_p 1), and whether the kernel draws in value order (candidates sorted
+# in shared memory) or in index order (bisection, and temperature alone)
+DRAW_CASES = {
+    "top_k": (40003, 40, 0.8, 2.0, 12, True),
+    "top_k_ties": (5000, 40, 0.8, 2.0, 12, False),  # 1500 ties of the largest value: over 1024
+    "top_p_only": (3000, 0, 1.5, 2.0, 12, True),
+    "top_p_wide": (3000, 0, 1.0, 0.05, 2000, False),  # nearly flat: the top-p set passes its candidates
+    "temperature_only": (3000, 0, 1.5, 2.0, None, False),
+}
+
+
+@pytest.mark.parametrize("case", list(DRAW_CASES))
 def test_a_draw_is_the_inverse_cdf_of_its_uniform(k, rng, case):
     """Each draw, recomputed on the host from the kernel's own uniform: the token whose range of
-    the kept mass holds it. A top-k of up to 1024 candidates is drawn in value order (sorted in
-    shared memory); more than 1024 (1500 ties of the largest value) and top-k 0 go by bisection,
-    which draws in index order. Draws whose uniform lies within 1e-5 of the total mass of a range
-    boundary are skipped (float32 sums there may go either way); the kept set is built so no
-    top-p cut lies that near."""
-    vocab = {"top_k": 40003, "top_k_ties": 5000, "top_p_only": 3000}[case]
-    logits = randn(rng, vocab) * 2
-    top_k, temperature = (0, 1.5) if case == "top_p_only" else (40, 0.8)
+    the kept mass holds it, the kept tokens in the order the kernel takes them. Draws whose
+    uniform lies within 1e-5 of the total mass of a range boundary are skipped (float32 sums
+    there may go either way); the kept set is built so no top-p cut lies that near."""
+    vocab, top_k, temperature, scale, size, by_value = DRAW_CASES[case]
+    logits = randn(rng, vocab) * scale
     if case == "top_k_ties":
         logits[rng.choice(vocab, 1500, replace=False)] = logits.max() + 1.0
-    # top_p midway between two running masses of the candidates, away from every cut
-    cand, w = kept_tokens(logits, temperature, top_k, 1.0)
-    c = np.cumsum(w) / w.sum()
-    j = min(len(c) - 2, 12)
-    top_p = float(np.float32((c[j] + c[j + 1]) / 2))
+    top_p = 1.0
+    if size is not None:  # top_p midway between two running masses of the candidates, away from every cut
+        cand, w = kept_tokens(logits, temperature, top_k, 1.0)
+        c = np.cumsum(w) / w.sum()
+        j = min(len(c) - 2, size)
+        top_p = float(np.float32((c[j] + c[j + 1]) / 2))
     kept, w = kept_tokens(logits, temperature, top_k, top_p)
-    if case != "top_k":
-        w, kept = w[np.argsort(kept)], np.sort(kept)  # bisection draws in index order
+    if not by_value:
+        w, kept = w[np.argsort(kept)], np.sort(kept)
     bounds = np.cumsum(w) / w.sum()
     seed = int(rng.integers(1 << 31))
     opts = SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
