@@ -7,6 +7,7 @@
 
 #define ATT_WARPS 4
 #define ATT_UNROLL 4
+#define ATT_LONG_CHUNK 256  // backends/cuda.py's: positions a decode block takes before more blocks do
 
 // A lane holds NI consecutive elements of a head, lane * NI .. lane * NI + NI - 1 (NI = ceil(hd /
 // 32), a template argument: the kernels switch on it, so a 128-wide head does 4 elements a lane,
@@ -208,23 +209,29 @@ __device__ __forceinline__ void combine_splits(const float* p, float* out, int s
     }
 }
 
-// Decode, split over the context: grid (heads, splits), ATT_WARPS warps a block. n = pos[0] + 1
-// positions (read on the device, so a replayed graph needs no new arguments), the last of them
-// the new token's: q, k_new and v_new are its q/k/v products before RoPE. Each block rotates its
-// q head itself, and the block whose split holds the new position makes that position's K row
-// (rotated) and V row in f16 for itself; the first q head of each kv group's block also stores
-// them in the cache for later launches. (A separate rope_kv_store launch did this before: 60 us
-// of an 8B step in gpu_profile.py on an H100, plus its launch gap.) Each block writes its (head,
-// split) partial [m, l, acc[head_dim]] to part and counts itself in done[head]; the head's last
-// block merges them into out and resets the count for the next launch (a separate combine
-// kernel took 3.3 us a layer in gpu_profile.py, mostly its launch). The launch bounds hold both
-// attention kernels to 96 registers, 5 blocks an SM, as before the head-dim template.
+// Decode, split over the context: grid (heads, most), ATT_WARPS warps a block. n = pos[0] + 1
+// positions (read on the device, so a replayed graph needs no new arguments) go to `least`
+// blocks a head, or more when each would take more than ATT_LONG_CHUNK, up to the grid's
+// `most` (attention_splits in backends/cuda.py); the blocks beyond return at once. The last
+// position is the new token's: q, k_new and v_new are its q/k/v products before RoPE. Each
+// block rotates its q head itself, and the block whose split holds the new position makes that
+// position's K row (rotated) and V row in f16 for itself; the first q head of each kv group's
+// block also stores them in the cache for later launches. (A separate rope_kv_store launch did
+// this before: 60 us of an 8B step in gpu_profile.py on an H100, plus its launch gap.) Each
+// block writes its (head, split) partial [m, l, acc[head_dim]] to part and counts itself in
+// done[head]; the head's last block merges them into out and resets the count for the next
+// launch (a separate combine kernel took 3.3 us a layer in gpu_profile.py, mostly its launch).
+// The launch bounds hold both attention kernels to 96 registers, 5 blocks an SM, as before the
+// head-dim template.
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
     attention_decode(const float* q, const float* k_new, const float* v_new, const float* cos_t,
                      const float* sin_t, u16* k_cache, u16* v_cache, const int* pos, float* part, int* done,
-                     float* out, int heads, int kv_heads, int hd, float scale) {
-    int h = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
-    int n = pos[0] + 1, cur = n - 1, chunk = (n + splits - 1) / splits, half = hd / 2;
+                     float* out, int heads, int kv_heads, int hd, float scale, int least) {
+    int h = blockIdx.x, split = blockIdx.y, most = gridDim.y, n = pos[0] + 1;
+    int splits = (n + ATT_LONG_CHUNK - 1) / ATT_LONG_CHUNK;
+    splits = splits < least ? least : splits > most ? most : splits;
+    if (split >= splits) return;  // the whole block, before any barrier
+    int cur = n - 1, chunk = (n + splits - 1) / splits, half = hd / 2;
     int p0 = split * chunk, p1 = p0 + chunk < n ? p0 + chunk : n;
     int row = kv_heads * hd, group = heads / kv_heads, kvh = h / group;
     const float *c = cos_t + (size_t)cur * half, *s = sin_t + (size_t)cur * half;
@@ -248,7 +255,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
     __syncthreads();
     __shared__ Merged mg;
     attend_block(q_rot, k_cache + kvh * hd, v_cache + kvh * hd, row, hd, scale, p0, has_new ? cur : p1, has_new, mg);
-    float* mine = part + ((size_t)h * splits + split) * (hd + 2);
+    float* mine = part + ((size_t)h * most + split) * (hd + 2);
     if (threadIdx.x == 0) {
         mine[0] = mg.m;
         mine[1] = mg.l;
@@ -260,7 +267,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
     if (threadIdx.x == 0) last = atomicAdd(done + h, 1) == splits - 1;
     __syncthreads();
     if (last) {
-        combine_splits(part + (size_t)h * splits * (hd + 2), out + (size_t)h * hd, splits, hd);
+        combine_splits(part + (size_t)h * most * (hd + 2), out + (size_t)h * hd, splits, hd);
         if (threadIdx.x == 0) done[h] = 0;
     }
 }

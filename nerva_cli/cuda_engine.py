@@ -42,11 +42,11 @@ HOST_SLOTS = 2  # staging buffers between the disk reader and the copy stream
 # weight matrix once, so on the GPU, where that costs as much as the GEMMs, fewer passes pay.
 PREFILL_CHUNK = 512
 
-def arena_sizes(cfg, ctx: int, splits: int) -> tuple[int, int]:
+def arena_sizes(cfg, ctx: int, most_splits: int) -> tuple[int, int]:
     """(kv_bytes, total bytes) of DeviceArena: decode buffers, f16 KV cache, prefill workspace."""
     h, f, qd, kvd, T = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim, PREFILL_CHUNK
     decode = 4 * (2 * h + 2 * qd + 2 * kvd + f + cfg.vocab_size
-                  + cfg.num_heads * (splits * (cfg.head_dim + 2) + 1) + 5 + RECENT)
+                  + cfg.num_heads * (most_splits * (cfg.head_dim + 2) + 1) + 5 + RECENT)
     prefill = 4 * T * (3 * h + 2 * qd + 2 * kvd + 3 * f)
     kv = cfg.num_layers * 2 * ctx * kvd * 2
     return kv, kv + decode + prefill + min(SCRATCH_BYTES, 4 * _widest_matrix(cfg))
@@ -74,7 +74,7 @@ def gpu_residency_plan(model: StoredModel, ctx: int | None, vram_budget: int | N
     """From sizes alone: nothing is allocated or read (topology --model shows the same plan)."""
     cfg, files = model.config, model.meta["files"]
     ctx = context_length(cfg, ctx)
-    kv, arena = arena_sizes(cfg, ctx, attention_splits(cfg.num_heads, ctx, sms))
+    kv, arena = arena_sizes(cfg, ctx, attention_splits(cfg.num_heads, ctx, sms)[1])
     # prefill's GEMM outputs and logits rows come from CuPy's pool as it runs: room is kept for them
     temporaries = 4 * PREFILL_CHUNK * (cfg.vocab_size + 2 * max(cfg.hidden_size, cfg.intermediate_size))
     fixed = {"kv_cache": ("kv_cache", kv), "workspace": ("workspace", arena - kv),
@@ -110,7 +110,7 @@ def auto_vram_budget(dev) -> int:
 class DeviceArena:
     """Every buffer decode and prefill touch, allocated once (the planner counted them)."""
 
-    def __init__(self, dev, cfg, ctx: int, splits: int):
+    def __init__(self, dev, cfg, ctx: int, most_splits: int):
         h, f, qd, kvd, T = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim, PREFILL_CHUNK
         f32 = lambda *s: dev.zeros(s, np.float32)  # noqa: E731
         self.x, self.xn = f32(h), f32(h)
@@ -119,7 +119,7 @@ class DeviceArena:
         self.attn = f32(qd)
         self.act = f32(f)  # silu(gate) * up, straight from the glu launch
         self.logits = f32(cfg.vocab_size)
-        self.part = f32(cfg.num_heads * splits * (cfg.head_dim + 2))
+        self.part = f32(cfg.num_heads * most_splits * (cfg.head_dim + 2))  # attention_decode's partials
         self.done = dev.zeros(cfg.num_heads, np.int32)  # attention_decode's per-head split count
         self.norm_done = dev.zeros(1, np.int32)  # blocks of a matvec that adds, then normalises
         self.state = dev.zeros(4, np.int32)  # position, token, draws, sampled (sample.cu)
@@ -269,7 +269,7 @@ class CudaEngine(EngineBase):
             self.head_t = {"w": g["lm_head"]} if "lm_head" in g else self.embed_t
         cos, sin = rope.tables(cfg, self.ctx)
         self.cos, self.sin = dev.upload(cos), dev.upload(sin)
-        self.a = DeviceArena(dev, cfg, self.ctx, self.splits)
+        self.a = DeviceArena(dev, cfg, self.ctx, self.splits[1])
         self.layers: dict[int, DeviceLayer] = {}
         for i in gp.vram.resident_layers:
             self.layers[i] = DeviceLayer(i, self._upload_file(layer_file(i)), self.layer_precision[i])

@@ -326,22 +326,26 @@ def f16_cache(rng, ctx, kvh, hd):
 
 
 # head dims: a lane holds hd / 32 elements, loaded as one word for 64, 128 and 256 (80 and 48:
-# lanes with fewer elements, or none)
-@pytest.mark.parametrize("heads,kvh,hd,n,splits", [(4, 2, 32, 1, 1), (4, 2, 64, 37, 3), (6, 3, 32, 5, 8),
-                                                   (2, 1, 256, 70, 2), (8, 8, 128, 130, 4), (4, 2, 80, 21, 3),
-                                                   (2, 2, 48, 9, 2)])
+# lanes with fewer elements, or none). splits (least, most): least until a block would take more
+# than ATT_LONG_CHUNK (256) positions, then more, up to most; the last two cases grow to 3 of 5
+# and to all 5 (blocks past them return at once, and the merge takes only those that ran)
+@pytest.mark.parametrize("heads,kvh,hd,n,splits", [(4, 2, 32, 1, (1, 1)), (4, 2, 64, 37, (3, 3)),
+                                                   (6, 3, 32, 5, (8, 8)), (2, 1, 256, 70, (2, 2)),
+                                                   (8, 8, 128, 130, (4, 4)), (4, 2, 80, 21, (3, 3)),
+                                                   (2, 2, 48, 9, (2, 2)), (4, 2, 64, 700, (2, 5)),
+                                                   (2, 1, 32, 1400, (1, 5))])
 def test_attention_decode_split_over_context(k, rng, heads, kvh, hd, n, splits):
     """The new token's q, k and v before RoPE: rotated in the launch, k and v stored in f16 at its
     cache row (no other row written), attention over it and the rows before (GQA, online softmax,
     any number of splits, some empty when n < splits). The last split of each head merges them,
     and leaves the split counts at zero: a second token, a position on, runs on the same
     buffers and attends to the row the first one stored."""
-    ctx = 160
+    ctx = max(160, n + 2)
     kc = f16_cache(rng, ctx, kvh, hd)
     vc = f16_cache(rng, ctx, kvh, hd)
     cos, sin = rope_tables(ctx, hd)
     kc_d, vc_d, cos_d, sin_d = up(k, kc), up(k, vc), up(k, cos), up(k, sin)
-    out, part = up(k, np.zeros((heads, hd), np.float32)), up(k, np.zeros(heads * splits * (hd + 2), np.float32))
+    out, part = up(k, np.zeros((heads, hd), np.float32)), up(k, np.zeros(heads * splits[1] * (hd + 2), np.float32))
     done = up(k, np.zeros(heads, np.int32))
     for n_ctx in (n, n + 1):
         cur = n_ctx - 1
@@ -364,6 +368,10 @@ def test_attention_decode_split_over_context(k, rng, heads, kvh, hd, n, splits):
         ref.attention_decode(q_rot, kc.astype(np.float32), vc.astype(np.float32), n_ctx, want)
         assert rel(down(k, out), want) < 64 * EPS
         np.testing.assert_array_equal(down(k, done), 0)
+        # the blocks that ran wrote their partials' m (-inf for an empty one); the rest kept 0
+        ran = min(max(-(-n_ctx // 256), splits[0]), splits[1])
+        m = down(k, part).reshape(heads, splits[1], hd + 2)[:, :, 0]
+        assert np.all((m != 0).sum(axis=1) == ran)
 
 
 @pytest.mark.parametrize("T,start", [(1, 0), (6, 0), (5, 11)])

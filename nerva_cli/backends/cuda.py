@@ -24,6 +24,8 @@ THREADS = 256  # elementwise and norm blocks
 MV_THREADS, MV_ROWS = 128, 8  # matvecs: most threads splitting K, rows per block (matvec.cu)
 GROUPS_PER_BLOCK = THREADS // 32  # prefill's activation quantiser: one warp per 32-group
 ATT_THREADS = 128  # attention: 4 warps (ATT_WARPS in attention.cu)
+ATT_BLOCKS_PER_SM = 5  # attention.cu's launch bounds
+ATT_LONG_CHUNK = 256  # ATT_LONG_CHUNK in attention.cu
 SAMPLE_THREADS = 1024
 NORM_VEC = 4  # float4s a norm thread holds (norm.cu)
 MAX_HEAD_DIM = 256  # MAX_HEAD_DIM in common.cuh
@@ -162,17 +164,20 @@ class Kernels:
 
     # -- attention -----------------------------------------------------------------------------
     def attention_decode(self, q, k, v, cos, sin, k_cache, v_cache, pos, part, done, out, heads: int,
-                         splits: int) -> None:
+                         splits: tuple[int, int]) -> None:
         """The new token at position pos[0]: q [heads, hd], k and v [kv_heads, hd] before RoPE
         (rotated here; k and v stored in f16 at that cache row), attending over pos[0] + 1
-        positions. caches [ctx, kv_heads, hd] f16; part: the split partials [heads, splits,
-        hd + 2]; done: int32 [heads], zero, and zero again after; out [heads, hd]."""
+        positions. caches [ctx, kv_heads, hd] f16; splits: (least, most) blocks over the context
+        a head (attention_splits); part: the split partials [heads, most, hd + 2]; done: int32
+        [heads], zero, and zero again after; out [heads, hd]."""
         kv_heads, hd = k_cache.shape[-2], k_cache.shape[-1]
-        if not 1 <= splits <= 32:
-            raise ValueError(f"attention_decode: splits must be 1 to 32 (a warp merges them), got {splits}")
-        self._go("attention_decode", (heads, splits), (ATT_THREADS,),
+        least, most = splits
+        if not 1 <= least <= most <= 32:
+            raise ValueError(f"attention_decode: splits must be 1 <= least <= most <= 32 (a warp merges them), "
+                             f"got {splits}")
+        self._go("attention_decode", (heads, most), (ATT_THREADS,),
                  (q, k, v, cos, sin, k_cache, v_cache, pos, part, done, out, I32(heads), I32(kv_heads), I32(hd),
-                  F32(1.0 / np.sqrt(hd))))
+                  F32(1.0 / np.sqrt(hd)), I32(least)))
 
     def attention_prefill(self, q, q_stride: int, k_cache, v_cache, pos0, out, T: int, heads: int) -> None:
         kv_heads, hd = k_cache.shape[-2], k_cache.shape[-1]
@@ -194,10 +199,16 @@ class Kernels:
                   I32(advance)))
 
 
-def attention_splits(heads: int, ctx: int, sms: int) -> int:
-    """Blocks over the context per head for decode: enough blocks to fill the GPU twice over,
-    none shorter than 64 positions at full context (a block reads 16 of them a round)."""
-    return max(1, min(32, _cdiv(2 * sms, heads), ctx // 64))
+def attention_splits(heads: int, ctx: int, sms: int) -> tuple[int, int]:
+    """Blocks over the context per head for decode, (least, most). least: enough blocks to fill
+    the GPU twice over, none shorter than 64 positions at full context (a block reads 16 of them
+    a round). A launch holds `most` (its grid is fixed, as a CUDA graph's is), and the kernel
+    uses least until its blocks would take more than ATT_LONG_CHUNK positions each, then more of
+    them, up to one wave of ATT_BLOCKS_PER_SM blocks an SM: a long context's rounds of loads
+    spread over more warps instead of lengthening (at 8k positions, 9 blocks a head of an 8B
+    model on an H100 run 57 rounds a warp; 20 run 26)."""
+    least = max(1, min(32, _cdiv(2 * sms, heads), ctx // 64))
+    return least, max(least, min(32, ATT_BLOCKS_PER_SM * sms // heads, ctx // ATT_LONG_CHUNK))
 
 
 def kernel_names() -> dict[str, str]:
