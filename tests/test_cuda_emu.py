@@ -1,7 +1,8 @@
 """The CPU emulator of CUDA C (tests/cuda_emu) on a small kernel source of its own: shared memory
-and barriers, warp shuffles, dp4a, 2-D grids, the host half branch, and the argument checks
-that stand in for CuPy's silent scalar conversions; barriers that separate phases, deadlocks
-reported rather than hung on. Each test prints its seed."""
+and barriers (counting ones too), warp shuffles, dp4a, 2-D grids, the host half branch, and the
+argument checks that stand in for CuPy's silent scalar conversions; barriers that separate
+phases, deadlocks reported rather than hung on, blocks run in both orders. Each test prints its
+seed."""
 
 from __future__ import annotations
 
@@ -119,6 +120,14 @@ extern "C" __global__ void affine2d(const float* x, float* out, float a,
     if (r < rows && c < cols) out[r * cols + c] = a * x[r * cols + c] + (float)r;
 }
 
+// __syncthreads_count in back-to-back rounds: round r counts the threads with t % (r + 2) == 0.
+extern "C" __global__ void barrier_counts(int* out, int rounds) {
+    for (int r = 0; r < rounds; r++) {
+        int c = __syncthreads_count(threadIdx.x % (r + 2) == 0);
+        out[r * blockDim.x + threadIdx.x] = c;
+    }
+}
+
 // The order the blocks ran in: order[k] = linear index of the k-th block to run.
 extern "C" __global__ void block_order(int* order, int* count) {
     if (threadIdx.x == 0) order[atomicAdd(count, 1)] = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
@@ -198,6 +207,17 @@ def test_2d_grid(mod, rng):
     mod.get_function("affine2d")((cdiv(cols, 32), cdiv(rows, 4)), (32, 4),
                                  (x, out, a, np.int32(rows), np.int32(cols)))
     np.testing.assert_array_equal(out, a * x + np.arange(rows, dtype=np.float32)[:, None])
+
+
+@pytest.mark.parametrize("threads", [64, 1024])
+def test_syncthreads_count_gives_every_thread_the_round_total(mod, threads):
+    """Each thread gets its round's count, though the thread that completes a barrier runs on
+    into the next round before the others have read theirs."""
+    rounds = 5
+    out = np.full(rounds * threads, -1, np.int32)
+    mod.get_function("barrier_counts")((1,), (threads,), (out, np.int32(rounds)))
+    want = [len(range(0, threads, r + 2)) for r in range(rounds)]
+    np.testing.assert_array_equal(out.reshape(rounds, threads), np.repeat(np.array(want)[:, None], threads, 1))
 
 
 def test_launches_run_their_blocks_forward_and_backward_by_turns(mod):

@@ -133,6 +133,7 @@ struct Sched {
     unsigned nready = 0;
     unsigned* at_sync = nullptr;  // arrived at __syncthreads, in order
     unsigned sync_arrived = 0, exited = 0;
+    unsigned sync_count = 0, sync_result = 0;  // __syncthreads_count's sum so far, and the last total
     unsigned launches = 0;  // odd ones run their blocks in reverse
     Warp warps[32];
     Fiber* cur = nullptr;
@@ -219,19 +220,25 @@ inline void next(Fiber* me) {
     std::abort();  // a returned fiber is never resumed
 }
 
-inline void syncthreads() {
+// Returns how many threads of the block arrived with a nonzero pred. The total stays readable
+// until the next barrier completes, which needs every thread, each of which reads it first.
+inline unsigned syncthreads(int pred = 0) {
     Fiber* me = S.cur;
+    S.sync_count += pred != 0;
     if (++S.sync_arrived == S.n) {  // the last to arrive releases the others and goes on
         for (unsigned i = 0; i < S.n - 1; i++) {
             S.fibers[S.at_sync[i]].state = READY;
             push(S.at_sync[i]);
         }
         S.sync_arrived = 0;
-        return;
+        S.sync_result = S.sync_count;
+        S.sync_count = 0;
+        return S.sync_result;
     }
     S.at_sync[S.sync_arrived - 1] = me->tid;
     me->state = AT_SYNCTHREADS;
     next(me);
+    return S.sync_result;
 }
 
 // Returns the generation it waited in: a shuffle reads slot[gen & 1]. Lanes released by the
@@ -353,7 +360,7 @@ template <class... A> const char* launch(void (*f)(A...), dim3 grid, dim3 block,
             S.ready[t] = n - 1 - t;  // thread 0 runs first (below), then 1, 2, ...
         }
         S.nready = n - 1;
-        S.sync_arrived = S.exited = 0;
+        S.sync_arrived = S.exited = S.sync_count = 0;
         for (unsigned w = 0; w < n / 32; w++) S.warps[w].arrived = S.warps[w].gen = 0;
         S.cur = &S.fibers[0];
         threadIdx = S.fibers[0].idx;
@@ -369,6 +376,7 @@ template <class... A> const char* launch(void (*f)(A...), dim3 grid, dim3 block,
 }  // namespace emu
 
 inline void __syncthreads() { emu::syncthreads(); }
+inline int __syncthreads_count(int pred) { return (int)emu::syncthreads(pred); }
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
     if (mask != 0xffffffffu) emu::partial_mask("__syncwarp", mask);
     emu::warp_sync();
