@@ -16,6 +16,11 @@ qwen2): the tokens are the check.
 
 from __future__ import annotations
 
+import json
+import runpy
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -449,3 +454,21 @@ def test_cli_over_the_cupy_stand_in(cli, stored, monkeypatch):
     bound = info["plan"]["decode_bound"]  # 3 layers a token over the probed pinned H2D bandwidth
     paged = 3 * model.meta["files"][layer_file(0)]["size"]
     assert bound["tok_s"] == pytest.approx(info["probe"]["h2d_pinned"]["gb_s"] * 1e9 / paged)
+
+
+def test_gpu_profile_script_launches_each_kernel_of_a_step(stored, cuda_device, monkeypatch, tmp_path):
+    """scripts/gpu_profile.py, which a GPU lease runs early and cannot afford to find broken: it
+    captures a decode step's launches and replays each alone. On the emulation, which times
+    nothing, only its launch counts are checked: five a resident layer, none of them RoPE's."""
+    model = stored("llama", "q4_0")
+    init = CudaEngine.__init__
+    monkeypatch.setattr(CudaEngine, "__init__", lambda self, *a, **kw: init(self, *a, **{**kw, "device": cuda_device}))
+    out = tmp_path / "profile.json"
+    monkeypatch.setattr(sys, "argv", ["gpu_profile.py", str(model.path), "--fill", "8", "--repeat", "2",
+                                      "--temperature", "0.8", "--json", str(out)])
+    runpy.run_path(str(Path(__file__).resolve().parent.parent / "scripts" / "gpu_profile.py"), run_name="__main__")
+    kernels = json.loads(out.read_text())["kernels"]
+    layers = model.config.num_layers
+    launches = {name: row["launches"] for name, row in kernels.items()}
+    assert launches == {"embed_q4": 1, "rmsnorm": 1, "matvec_q4_w4a16": 3 * layers + 1, "glu_q4_w4a16": layers,
+                        "attention_decode": layers, "sample": 1}
