@@ -10,6 +10,11 @@ one matrix, which a small one finds in L2, so scripts/gpu_matvec_sweep.py (which
 copies) is the measure of matvec bandwidth, this the measure of where the step's time goes.
 
     python3 scripts/gpu_profile.py MODEL_DIR [--fill 512] [--repeat 20] [--temperature 0.8] [--json OUT]
+                                   [--ctx 8192] [--splits LEAST,MOST]
+
+--splits times decode attention with another number of blocks a head than attention_splits
+picks (MOST at most what the engine's --ctx allocates): an A/B in one lease, e.g. at --fill
+7680 --ctx 8192, `--splits 9,9` (the count before long contexts spread) against the default.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ def main() -> None:
     ap.add_argument("--precision", default=None)
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="the sample launch's temperature (0: greedy; above 0: with run's top-k and top-p)")
+    ap.add_argument("--ctx", type=int, help="the engine's context length (default: fill + 64)")
+    ap.add_argument("--splits", help="LEAST,MOST decode attention blocks a head, in place of attention_splits'")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -47,7 +54,13 @@ def main() -> None:
     from nerva_cli.store import load_metadata
 
     model = load_metadata(args.model)
-    engine = CudaEngine(model, precision=args.precision, ctx=args.fill + 64)
+    engine = CudaEngine(model, precision=args.precision, ctx=args.ctx or args.fill + 64)
+    if args.splits:
+        least, most = (int(v) for v in args.splits.split(","))
+        if not 1 <= least <= most <= engine.splits[1]:
+            sys.exit(f"gpu_profile.py: --splits {args.splits}: need 1 <= LEAST <= MOST <= {engine.splits[1]} "
+                     "(a larger --ctx allocates more)")
+        engine.splits = (least, most)
     dev, rng = engine.dev, np.random.default_rng()
     engine.prefill([int(t) for t in rng.integers(0, engine.cfg.vocab_size, args.fill)])
     engine._use_sampling(SamplingOptions(temperature=args.temperature))
@@ -76,7 +89,7 @@ def main() -> None:
     total = sum(r["ms"] for r in per.values())
     rows = sorted(per.items(), key=lambda kv: -kv[1]["ms"])
     print(f"{dev.name}: {model.name}:{model.variant} ({engine.cfg.num_layers} layers), {args.fill} tokens cached, "
-          f"precision {engine.precision}")
+          f"precision {engine.precision}, attention blocks a head {engine.splits}")
     print(f"{'kernel':<22}{'launches':>9}{'us/step':>10}{'share':>8}{'GB/s':>9}")
     for name, r in rows:
         gbs = f"{r['bytes'] / (r['ms'] / 1e3) / 1e9:9.0f}" if r["bytes"] and r["ms"] else ""
@@ -84,7 +97,7 @@ def main() -> None:
     print(f"sum of launches {total * 1e3:.1f} us; step graph {step_ms * 1e3:.1f} us + sample {sample_ms * 1e3:.1f} us")
     if args.json:
         args.json.write_text(json.dumps({"device": dev.name, "model": f"{model.name}:{model.variant}",
-                                         "fill": args.fill, "step_graph_ms": step_ms,
+                                         "fill": args.fill, "splits": list(engine.splits), "step_graph_ms": step_ms,
                                          "kernels": {k: v for k, v in rows}}, indent=1) + "\n")
 
 

@@ -465,9 +465,11 @@ def test_gpu_profile_script_launches_each_kernel_of_a_step(stored, cuda_device, 
     monkeypatch.setattr(CudaEngine, "__init__", lambda self, *a, **kw: init(self, *a, **{**kw, "device": cuda_device}))
     out = tmp_path / "profile.json"
     monkeypatch.setattr(sys, "argv", ["gpu_profile.py", str(model.path), "--fill", "8", "--repeat", "2",
-                                      "--temperature", "0.8", "--json", str(out)])
+                                      "--temperature", "0.8", "--ctx", "600", "--splits", "1,2", "--json", str(out)])
     runpy.run_path(str(Path(__file__).resolve().parent.parent / "scripts" / "gpu_profile.py"), run_name="__main__")
-    kernels = json.loads(out.read_text())["kernels"]
+    profile = json.loads(out.read_text())
+    assert profile["splits"] == [1, 2]
+    kernels = profile["kernels"]
     layers = model.config.num_layers
     launches = {name: row["launches"] for name, row in kernels.items()}
     assert launches == {"embed_q4": 1, "rmsnorm": 1, "matvec_q4_w4a16": 3 * layers + 1, "glu_q4_w4a16": layers,
