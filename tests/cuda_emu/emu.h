@@ -1,10 +1,10 @@
 // CUDA C on the CPU, for tests on machines without a GPU: force-included (g++ -include) before a
 // kernel source, which then builds as plain C++20. A launch runs the grid's blocks one after
 // another on the calling thread, in grid order and in reverse grid order by turns (CUDA promises
-// no order: a block that reads what another block of its launch writes, with no atomic between
-// them, fails one of two launches). The threads of a block are fibers (one small stack each,
-// with a guard page), switched cooperatively: a thread runs until it reaches __syncthreads, a warp
-// shuffle or __syncwarp, or returns, and then another runnable thread of the block runs.
+// no order, so a block that counts on another block of its launch having run first meets the
+// other order every second launch). The threads of a block are fibers (one small stack each,
+// with a guard page), switched cooperatively: a thread runs until it reaches __syncthreads, a
+// warp shuffle or __syncwarp, or returns, and then another runnable thread of the block runs.
 //
 // Barriers are real barriers: no thread passes one before every thread it waits for has
 // arrived. Between barriers nothing interleaves, and the order is chosen to break kernels that
