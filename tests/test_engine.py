@@ -70,29 +70,36 @@ def test_prefill_in_chunks_equals_one_chunk(tiny_models, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
-def test_q4_0_decode_matches_prefill_and_ref(precision, tiny_models, tmp_path):
+def test_q4_0_decode_matches_prefill_and_ref(precision, tiny_models, tmp_path, rng):
     """Decode (integer W4A8 / float W4A16 kernels) and prefill (dequantise + GEMM) are two
-    implementations of the same numerics: the logits of the same positions agree.
+    implementations of the same numerics: the logits of the same positions agree, over three
+    random 24-token sequences.
 
     f32 summation order differs (per-block combine vs GEMM): ~1e-6 relative, so 1e-4. W4A8 adds
     a discrete step: an activation within f32 noise of a rounding boundary lands on the other
-    int8 code in one path (about 1e-4 of a code step: with ~25k activations per run, 15% of
-    runs see one that matters). That moves a position's logits by up to 1.8% (measured over
-    60 seeds) and, through the KV cache, the positions after it. So W4A8 must agree to f32
-    noise somewhere (the wiring is the same) and to 3e-2 everywhere; the W4A8 kernels
-    themselves are held to ref exactly in test_kernels.py.
+    int8 code in one path, which moves that position's logits by a few percent and, through
+    the KV cache, the positions after it. Over 6000 seeded sequences, each decoded on both
+    backends (12000 runs of this test's loop body): the largest error 4.9%, 88 runs (0.7%) above
+    3% (this test's old bound, and its flake), none above 5%; 36 runs (0.3%) flipped at the
+    first position, so no position agreed to f32 noise. So W4A8 must agree to f32 noise
+    somewhere in the three (all three flipping there: about 1e-7) and to 1e-1 everywhere (a
+    wiring fault moves logits by their own size); the W4A8 kernels themselves are held to ref
+    exactly in test_kernels.py.
     """
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
-    ids = [int(t) for t in np.random.default_rng().integers(0, 384, size=24)]
-    batch = Engine(model, precision=precision, ctx=64).prefill(ids, all_logits=True)
+    sequences = [[int(t) for t in rng.integers(0, 384, size=24)] for _ in range(3)]
+    batches = [Engine(model, precision=precision, ctx=64).prefill(ids, all_logits=True) for ids in sequences]
     for backend in ("cpu", "ref"):
-        e = Engine(model, backend=backend, precision=precision, ctx=64)
-        e.prefill(ids[:1])
-        errs = np.array([rel_err(e.decode(t), batch[i]) for i, t in enumerate(ids[1:], start=1)])
+        errs = []
+        for ids, batch in zip(sequences, batches):
+            e = Engine(model, backend=backend, precision=precision, ctx=64)
+            e.prefill(ids[:1])
+            errs += [rel_err(e.decode(t), batch[i]) for i, t in enumerate(ids[1:], start=1)]
+        errs = np.array(errs)
         if precision == "w4a16":
             assert errs.max() < 1e-4, (backend, errs)
         else:
-            assert errs.min() < 1e-5 and errs.max() < 3e-2, (backend, errs)
+            assert errs.min() < 1e-5 and errs.max() < 1e-1, (backend, errs)
 
 
 def test_q4_0_w4a8_differs_from_w4a16_but_little(tiny_models, tmp_path):
