@@ -102,15 +102,16 @@ def test_q4_0_decode_matches_prefill_and_ref(precision, tiny_models, tmp_path, r
             assert errs.min() < 1e-5 and errs.max() < 1e-1, (backend, errs)
 
 
-def test_q4_0_w4a8_differs_from_w4a16_but_little(tiny_models, tmp_path):
+def test_q4_0_w4a8_differs_from_w4a16_but_little(tiny_models, tmp_path, rng):
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
-    ids = [int(t) for t in np.random.default_rng().integers(0, 384, size=16)]
+    ids = [int(t) for t in rng.integers(0, 384, size=16)]
     a16 = Engine(model, precision="w4a16", ctx=64).prefill(ids, all_logits=True)
     a8 = Engine(model, precision="w4a8", ctx=64).prefill(ids, all_logits=True)
     err = rel_err(a8, a16)
-    # int8 activations cost 3.2% to 5.1% of the logits' norm on this model (40 seeds; its
-    # weights are wide, std 0.25, so activation outliers are large): not zero, not O(1)
-    assert 0.005 < err < 0.1
+    # int8 activations cost 2.5% to 10.5% of the logits' norm on this model (2000 seeds: median
+    # 4.0%, 99th percentile 5.9%, one above 10%, which the old bound of 0.1 failed; its weights
+    # are wide, std 0.25, so activation outliers are large): not zero, not O(1)
+    assert 0.005 < err < 0.2
 
 
 def test_decode_allocates_nothing_after_warmup(tiny_models, tmp_path):
