@@ -464,7 +464,8 @@ def test_top_k_one_is_greedy(k, rng):
 
 def test_sampled_frequencies_follow_the_truncated_softmax(k, rng):
     """Temperature, top-k and top-p together: every draw inside the host sampler's candidate set,
-    frequencies within 4 standard errors of its probabilities."""
+    frequencies within 5 standard errors of its probabilities (plus one draw). A NumPy
+    multinomial of the same shapes fails that 3 times in 1e5 (4 standard errors: 16 in 1e5)."""
     vocab, draws = 40, 200
     logits = np.sort(randn(rng, vocab) * 2)[::-1].copy()
     rng.shuffle(logits)
@@ -482,7 +483,7 @@ def test_sampled_frequencies_follow_the_truncated_softmax(k, rng):
         seen[int(down(k, st)[1])] += 1
     assert seen[np.setdiff1d(np.arange(vocab), allowed)].sum() == 0
     freq = seen[allowed] / draws
-    assert np.all(np.abs(freq - probs) <= 4 * np.sqrt(probs * (1 - probs) / draws) + 1.0 / draws)
+    assert np.all(np.abs(freq - probs) <= 5 * np.sqrt(probs * (1 - probs) / draws) + 1.0 / draws)
 
 
 def uniform01(seed: int, counter: int) -> float:
