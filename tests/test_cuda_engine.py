@@ -101,7 +101,7 @@ def test_64_steps_of_exact_variants_agree_on_the_same_tokens(stored, cuda_device
     assert near_ties <= 2
 
 
-def test_prefill_in_chunks_equals_one_chunk(stored, cuda_device, monkeypatch):
+def test_prefill_in_chunks_equals_one_chunk(stored, cuda_device, monkeypatch, rng):
     """Chunk boundaries change only the GEMMs' blocking, and so the last bits of some k and v
     values, which can flip their f16 rounding in the cache (2^-11 relative): held to LOGIT_REL's
     5e-3 for the same reason (measured 1e-5 to 5e-4 over 12 draws on the emulation); a chunk attending at the
@@ -109,7 +109,7 @@ def test_prefill_in_chunks_equals_one_chunk(stored, cuda_device, monkeypatch):
     from nerva_cli import cuda_engine
 
     model = stored("qwen2", "f16")
-    ids = [int(t) for t in np.random.default_rng().integers(0, model.config.vocab_size, 40)]
+    ids = [int(t) for t in rng.integers(0, model.config.vocab_size, 40)]
     whole = CudaEngine(model, ctx=128, device=cuda_device).prefill(ids, all_logits=True)
     monkeypatch.setattr(cuda_engine, "PREFILL_CHUNK", 7)
     chunked = CudaEngine(model, ctx=128, device=cuda_device).prefill(ids, all_logits=True)

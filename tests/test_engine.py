@@ -58,11 +58,11 @@ def test_f16_greedy_and_logits_equal_transformers(family, backend, tiny_models, 
     assert len(set(got_tokens)) > 10  # the test model is not stuck on one token
 
 
-def test_prefill_in_chunks_equals_one_chunk(tiny_models, tmp_path, monkeypatch):
+def test_prefill_in_chunks_equals_one_chunk(tiny_models, tmp_path, monkeypatch, rng):
     from nerva_cli import engine as engine_mod
 
     model = pull(str(tiny_models("qwen2")), variant="f16", out=tmp_path / "m")
-    ids = list(np.random.default_rng().integers(0, 384, size=40))
+    ids = list(rng.integers(0, 384, size=40))
     whole = Engine(model, ctx=128).prefill(ids, all_logits=True)
     monkeypatch.setattr(engine_mod, "PREFILL_CHUNK", 7)
     chunked = Engine(model, ctx=128).prefill(ids, all_logits=True)

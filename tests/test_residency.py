@@ -90,9 +90,9 @@ def greedy(engine, prompt, n):
 
 @pytest.mark.parametrize("variant", ["q4_0", "f16"])
 @pytest.mark.parametrize("policy", ["ring", "lru"])
-def test_paged_decode_equals_resident_at_30_percent(variant, policy, deep_tiny, tmp_path):
+def test_paged_decode_equals_resident_at_30_percent(variant, policy, deep_tiny, tmp_path, rng):
     model = pull(str(deep_tiny("qwen2")), variant=variant, out=tmp_path / "m")
-    prompt = [int(t) for t in np.random.default_rng().integers(0, 384, size=12)]
+    prompt = [int(t) for t in rng.integers(0, 384, size=12)]
     full = Engine(model, ctx=128)
     want = greedy(full, prompt, 64)
     paged = Engine(model, ctx=128, ram_budget=budget_at(full, 0.3), policy=policy)
