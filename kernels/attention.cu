@@ -82,9 +82,9 @@ __device__ __forceinline__ void absorb(Partial<NI>& r, const float (&s)[U], cons
 // Positions p0, p0 + step, ... < p1 of one head into a warp's partial, ATT_UNROLL positions a
 // round: their K and V rows are loaded before any is used, so a warp has that many rows in
 // flight (one position at a time, decode attention was a chain of dependent loads: about 18 us
-// a layer at 512 cached tokens on an H100, for 2 MB of cache). Then, if fold_new, one more
-// position, decode's new token, whose K and V rows the block wrote to new_rows() (behind a
-// barrier): folded in by warp 0.
+// a layer at 512 cached tokens on an H100, for 2 MB of cache). Then, if fold_new (attend_block
+// sets it for warp 0 alone), one more position: decode's new token, whose K and V rows the
+// block wrote to new_rows() behind a barrier.
 template <int NI>
 __device__ __forceinline__ void attend(const float* q, const u16* kc, const u16* vc, int row, int hd, float scale,
                                        int p0, int p1, int step, bool fold_new, Partial<NI>& r) {
