@@ -61,7 +61,7 @@ __device__ __forceinline__ float4 load_l2_4(const float* p) {
                  : "memory");
     return v;
 #else
-    const volatile float* q = p;
+    const volatile float* q = &((const float4*)p)->x;  // the member access checks the 16-byte alignment
     return float4{q[0], q[1], q[2], q[3]};
 #endif
 }

@@ -1,8 +1,8 @@
 """The CPU emulator of CUDA C (tests/cuda_emu) on a small kernel source of its own: shared memory
 and barriers (counting ones too), warp shuffles, dp4a, 2-D grids, the host half branch, and the
 argument checks that stand in for CuPy's silent scalar conversions; barriers that separate
-phases, deadlocks reported rather than hung on, blocks run in both orders. Each test prints its
-seed."""
+phases, deadlocks reported rather than hung on, blocks run in both orders, and the memory checks
+(accesses outside the launch's arrays, misaligned vector loads). Each test prints its seed."""
 
 from __future__ import annotations
 
@@ -131,6 +131,20 @@ extern "C" __global__ void barrier_counts(int* out, int rounds) {
 // The order the blocks ran in: order[k] = linear index of the k-th block to run.
 extern "C" __global__ void block_order(int* order, int* count) {
     if (threadIdx.x == 0) order[atomicAdd(count, 1)] = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+}
+
+// out[i] = x[i + shift] for every thread's i; with store set, out[i + shift] = x[i] instead.
+extern "C" __global__ void shifted_copy(const float* x, float* out, int shift, int store) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (store) out[i + shift] = x[i];
+    else out[i] = x[i + shift];
+}
+
+// The same as float4s: out's i-th float4 from x + shift floats, whose 16-byte words are aligned
+// only when shift is a multiple of 4.
+extern "C" __global__ void shifted_copy4(const float* x, float* out, int shift) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    ((float4*)out)[i] = ((const float4*)(x + shift))[i];
 }
 
 extern "C" __global__ void half_to_float(const unsigned short* h, float* out, long long n) {
@@ -314,6 +328,40 @@ def test_large_local_array(mod):
     np.testing.assert_array_equal(out, np.arange(0, 8192, 97).sum() * np.arange(64))
 
 
+def test_accesses_outside_the_arrays_are_caught(mod, rng):
+    x = rng.standard_normal(128, dtype=np.float32)
+    out = np.zeros(128, np.float32)
+    f = mod.get_function("shifted_copy")
+    f(4, 32, (x, out, np.int32(0), np.int32(0)))
+    np.testing.assert_array_equal(out, x)
+    read = r"4-byte read of 0x[0-9a-f]+ at harness\.cu:\d+ \(shifted_copy\), block \(\d,0,0\) thread \(\d+,0,0\): outside"
+    with pytest.raises(EmuKernelError, match=read + r".*nearest: byte \+512 of parameter 0 `const float\* x`, an array of 512"):
+        f(4, 32, (x, out, np.int32(1), np.int32(0)))
+    with pytest.raises(EmuKernelError, match=read + r".*nearest: byte -4 of parameter 0 `const float\* x`"):
+        f(4, 32, (x, out, np.int32(-1), np.int32(0)))
+    with pytest.raises(EmuKernelError, match=r"4-byte write .*nearest: byte \+\d+ of parameter 1 `float\* out`"):
+        f(4, 32, (x, out, np.int32(128), np.int32(1)))
+    # an argument is the array passed, not whatever memory lies beyond it
+    with pytest.raises(EmuKernelError, match=r"nearest: byte \+128 of parameter 0 .*an array of 128 bytes"):
+        f(2, 32, (x[:32], out, np.int32(0), np.int32(0)))
+    f(4, 32, (x, out, np.int32(0), np.int32(1)))  # the next launch is checked afresh, and passes
+    np.testing.assert_array_equal(out, x)
+
+
+def test_misaligned_vector_loads_are_caught(mod, rng):
+    x = rng.standard_normal(256, dtype=np.float32)
+    out = np.zeros(128, np.float32)
+    assert x.ctypes.data % 16 == 0
+    f = mod.get_function("shifted_copy4")
+    f(1, 32, (x, out, np.int32(4)))
+    np.testing.assert_array_equal(out, x[4:132])
+    for shift in (1, 2, 3):
+        with pytest.raises(EmuKernelError, match=rf"misaligned access at \S*harness\.cu:\d+, block \(0,0,0\) "
+                                                 rf"thread \(0,0,0\): 'const struct float4' needs 16-byte alignment, "
+                                                 rf"and 0x[0-9a-f]+ is {4 * shift} bytes past a boundary"):
+            f(1, 32, (x, out, np.int32(shift)))
+
+
 def test_compile_error_carries_gcc_message(tmp_path):
     sources, inc = write_sources(tmp_path, source=SOURCE + "\nextern \"C\" __global__ void bad(int n) { n +; }\n")
     with pytest.raises(EmuBuildError, match=r"harness\.cu.*error"):
@@ -329,4 +377,4 @@ def test_build_cached_by_content_and_headers(tmp_path):
     assert {p: p.stat().st_mtime_ns for p in cache.glob("*.so")} == first  # reused, not rebuilt
     write_sources(tmp_path, common=COMMON + "\n// changed\n")  # only the header changes
     EmuModule(sources, inc, cache)
-    assert len(list(cache.glob("*.so"))) == 2 and not list(cache.glob("*.tmp"))
+    assert len(list(cache.glob("*.so"))) == 2 and not list(cache.glob("*.tmp")) and not list(cache.glob("*.o"))

@@ -26,8 +26,14 @@ EMU_H = Path(__file__).with_name("emu.h")
 _LIB_LOCKS: dict[Path, threading.Lock] = {}
 _LIB_LOCKS_GUARD = threading.Lock()
 # -O1 leaves strict aliasing off (only -O2 turns it on), which the kernels' uint4/float4 casts
-# of byte pointers rely on, as CUDA does; -fno-strict-aliasing says so outright.
-FLAGS = ["-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-fno-strict-aliasing", "-fvisibility=hidden"]
+# of byte pointers rely on, as CUDA does; -fno-strict-aliasing says so outright. The sanitizer
+# flags make every access of a kernel call emu.h's checks (its header says which); -g1 gives
+# addr2line the source line of an access they refuse. The library is linked apart, without
+# them: g++ would add the UBSan runtime, whose handlers emu.h replaces.
+FLAGS = ["-std=c++20", "-O1", "-g1", "-pthread", "-fPIC", "-fno-strict-aliasing", "-fvisibility=hidden",
+         "-fsanitize=kernel-address", "-fsanitize=alignment", "--param", "asan-instrumentation-with-call-threshold=0",
+         "--param", "asan-stack=0", "--param", "asan-globals=0"]
+LINK_FLAGS = ["-shared", "-pthread", "-Wl,-z,defs"]  # a hook emu.h lacks fails here, not at a launch
 KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+'
                     r'(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)')
 QUALIFIERS = {"const", "volatile", "__restrict__", "__restrict", "restrict"}
@@ -56,8 +62,9 @@ class EmuBuildError(RuntimeError):
 
 class EmuKernelError(RuntimeError):
     """A launch that could not finish: a block deadlocked (threads returned, or wait at another
-    barrier, while others wait at __syncthreads or a warp shuffle), or a shuffle or __syncwarp
-    had a mask other than the whole warp's."""
+    barrier, while others wait at __syncthreads or a warp shuffle), a shuffle or __syncwarp
+    had a mask other than the whole warp's, or a thread touched memory outside its stack, shared
+    memory and the launch's arrays, or through a misaligned pointer."""
 
 
 class Param:
@@ -79,10 +86,11 @@ class Param:
     def where(self) -> str:
         return f"kernel {self.kernel} parameter {self.index} `{self.text}`"
 
-    def store(self, arg, slot: np.ndarray) -> None:
+    def store(self, arg, slot: np.ndarray) -> int:
         """Writes the argument's bytes to its slot (one element) of the kernel's argument block,
-        after the checks CuPy does not make. Whatever it allocates is gone when it returns: the
-        decode hot-path test (nerva_cli/hotpath.py) counts what a launch holds at its peak."""
+        after the checks CuPy does not make; -> the bytes of an array argument (0 for a scalar).
+        Whatever it allocates is gone when it returns: the decode hot-path test
+        (nerva_cli/hotpath.py) counts what a launch holds at its peak."""
         if self.pointer:
             if not isinstance(arg, np.ndarray):
                 if not hasattr(arg, "__array_interface__"):
@@ -93,11 +101,12 @@ class Param:
             if not self.const and not arg.flags.writeable:
                 raise TypeError(f"{self.where}: the kernel may write through it, but the array is read-only")
             slot[0] = arg.ctypes.data
-        elif isinstance(arg, np.generic) and arg.dtype == self.dtype:
+            return arg.nbytes
+        if isinstance(arg, np.generic) and arg.dtype == self.dtype:
             slot[0] = arg
-        else:
-            got = f"numpy {arg.dtype}" if isinstance(arg, np.generic) else f"Python {type(arg).__name__}"
-            raise TypeError(f"{self.where}: expected a numpy {self.dtype} scalar, got {got}")
+            return 0
+        got = f"numpy {arg.dtype}" if isinstance(arg, np.generic) else f"Python {type(arg).__name__}"
+        raise TypeError(f"{self.where}: expected a numpy {self.dtype} scalar, got {got}")
 
 
 def parse(source: str) -> dict[str, list[Param]]:
@@ -113,12 +122,30 @@ def _dims(v) -> tuple[int, int, int]:
     return tuple(int(d) for d in v) + (1,) * (3 - len(v))
 
 
+def _source_of(so: Path, offset: int) -> str:
+    """Where in the kernel source the library's code at offset is, innermost inlined call first."""
+    try:
+        done = subprocess.run(["addr2line", "-f", "-i", "-C", "-e", str(so), hex(offset)],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return f"+{offset:#x} in {so.name} (addr2line did not run)"
+    lines = done.stdout.split("\n")
+    frames = [f"{Path(where.split(' (discriminator')[0]).name} ({func.split('(')[0]})"
+              for func, where in zip(lines[::2], lines[1::2]) if where]
+    return ", inlined in ".join(frames[:4]) or f"+{offset:#x} in {so.name}"
+
+
 class EmuKernel:
-    def __init__(self, name: str, params: list[Param], lib: ctypes.CDLL, lock: threading.Lock):
-        self.name, self.params, self._lock = name, params, lock
+    def __init__(self, name: str, params: list[Param], lib: ctypes.CDLL, lock: threading.Lock, so: Path):
+        self.name, self.params, self._lock, self._so = name, params, lock, so
         self._fn = getattr(lib, f"emu_{name}")
-        self._fn.argtypes = [ctypes.c_uint] * 6 + [ctypes.c_void_p]
+        self._fn.argtypes = [ctypes.c_uint] * 6 + [ctypes.c_void_p, ctypes.c_void_p]
         self._fn.restype = ctypes.c_char_p  # null, or why the launch failed
+
+    def _explain(self, error: str) -> str:
+        """emu.h's message with the parameter's declaration and the access's source line."""
+        error = re.sub(r"parameter (\d+)", lambda m: f"parameter {m[1]} `{self.params[int(m[1])].text}`", error)
+        return re.sub(r"\[pc \+0x([0-9a-f]+)\]", lambda m: "at " + _source_of(self._so, int(m[1], 16)), error)
 
     def __call__(self, grid, block, args, *, shared_mem: int = 0, stream=None):
         if shared_mem:
@@ -136,18 +163,21 @@ class EmuKernel:
         if not isinstance(args, tuple) or len(args) != len(self.params):
             raise TypeError(f"kernel {self.name} takes {len(self.params)} arguments as a tuple, got {args!r:.200}")
         packed = np.zeros(len(self.params), np.uint64)
+        extents = np.zeros(2 * len(self.params), np.uint64)  # [lo, hi) of each array argument
         for i, (p, a) in enumerate(zip(self.params, args)):
-            p.store(a, packed[i:i + 1] if p.pointer else packed[i:i + 1].view(p.dtype)[:1])
+            nbytes = p.store(a, packed[i:i + 1] if p.pointer else packed[i:i + 1].view(p.dtype)[:1])
+            if p.pointer:
+                extents[2 * i:2 * i + 2] = packed[i], int(packed[i]) + nbytes
         argv = (ctypes.c_void_p * len(self.params))(*(packed.ctypes.data + 8 * i for i in range(len(self.params))))
-        dims, fn, lock, name = (*grid, *block), self._fn, self._lock, self.name
+        dims, fn, lock, name, bounds = (*grid, *block), self._fn, self._lock, self.name, extents.ctypes.data
 
         def launch():
             with lock:  # one launch at a time per library (see _LIB_LOCKS)
-                error = fn(*dims, argv)
+                error = fn(*dims, argv, bounds)
             if error is not None:
-                raise EmuKernelError(f"kernel {name} grid {grid} block {block}: {error.decode()}")
+                raise EmuKernelError(f"kernel {name} grid {grid} block {block}: {self._explain(error.decode())}")
 
-        launch.keep = (args, packed)  # the arrays and the packed bytes live as long as the call
+        launch.keep = (args, packed, extents)  # the arrays and packed bytes live as long as the call
         return launch
 
 
@@ -169,23 +199,29 @@ class EmuModule:
                 f'static_assert(emu::signature_is({k}, "{"".join(p.code for p in ps)}"),'
                 f' "{k}: parameters differ from what tests/cuda_emu parsed");\n'
                 f'extern "C" __attribute__((visibility("default"))) const char* emu_{k}(unsigned gx, unsigned gy,'
-                f' unsigned gz, unsigned bx, unsigned by, unsigned bz, void** args)'
-                f' {{ return emu::launch({k}, {{gx, gy, gz}}, {{bx, by, bz}}, args); }}\n'
+                f' unsigned gz, unsigned bx, unsigned by, unsigned bz, void** args, const unsigned long long* extents)'
+                f' {{ return emu::launch({k}, {{gx, gy, gz}}, {{bx, by, bz}}, args, extents); }}\n'
                 for k, ps in kernels.items())
             key = hashlib.sha256(b"\0".join([text.encode(), EMU_H.read_bytes(), headers, gen.encode(),
-                                             " ".join(FLAGS).encode()])).hexdigest()[:20]
+                                             " ".join(FLAGS + LINK_FLAGS).encode()])).hexdigest()[:20]
             so = cache_dir / f"{src.stem}-{key}.so"
             if not so.exists():
                 cpp = cache_dir / f"{src.stem}-{key}.cpp"
                 cpp.write_text(gen)
                 tmp = so.with_suffix(f".{os.getpid()}.tmp")  # renamed into place: parallel runs are safe
-                cmd = ["g++", *FLAGS, "-I", str(include_dir), "-include", str(EMU_H), str(cpp), "-o", str(tmp)]
+                cmd = ["g++", *FLAGS, "-I", str(include_dir), "-include", str(EMU_H), "-c", str(cpp), "-o",
+                       str(tmp.with_suffix(".o"))]
                 builds.append((src, so, tmp, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)))
             self._kernels.update({k: (ps, so) for k, ps in kernels.items()})
         failed = []
         for src, so, tmp, proc in builds:  # the sources compile side by side
             err = proc.communicate()[1]
-            if proc.returncode:
+            obj = tmp.with_suffix(".o")
+            if not proc.returncode:
+                link = subprocess.run(["g++", *LINK_FLAGS, str(obj), "-o", str(tmp)], stderr=subprocess.PIPE, text=True)
+                err = link.stderr
+            obj.unlink(missing_ok=True)
+            if proc.returncode or link.returncode:
                 failed.append(f"g++ failed on {src}:\n{err}")
             else:
                 os.replace(tmp, so)
@@ -200,4 +236,4 @@ class EmuModule:
             raise KeyError(f'no kernel {name!r} (declared as extern "C" __global__ void NAME(...)); '
                            f"have {sorted(self._kernels)}")
         params, so = self._kernels[name]
-        return EmuKernel(name, params, *self._libs[so])
+        return EmuKernel(name, params, *self._libs[so], so)

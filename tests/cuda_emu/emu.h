@@ -16,6 +16,15 @@
 // shows too). A block that can no longer progress (threads returned, or wait at another
 // barrier, while others wait) ends the launch with an error naming the block; a thread that
 // spins waiting for another thread or block without a barrier never yields, and hangs.
+// Memory is checked as compute-sanitizer's memcheck would on a GPU: the library is built with
+// gcc's kernel-address instrumentation, which calls the __asan_* hooks below before every load
+// and store, and with -fsanitize=alignment, which calls the __ubsan_* one before every typed
+// access through a misaligned pointer (on a GPU, an N-byte load needs an N-aligned address;
+// on x86 a misaligned vector load just works). Inside a launch a thread may touch its own
+// stack, the library's statics (__shared__ memory among them) and the arrays its launch was
+// passed, each within its extent; anything else, or a misaligned access, ends the launch with
+// an error naming the access, the nearest argument and the code's address (cuda_emu turns that
+// into a source line). The emulator's own code below is left unchecked (EMU_RUNTIME).
 // __CUDACC__ stays undefined on purpose: kernels/common.cuh then takes its host branch
 // (_Float16 half conversions instead of inline PTX).
 #pragma once
@@ -27,6 +36,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <link.h>
 #include <math.h>
 #include <string_view>
 #include <sys/mman.h>
@@ -41,6 +51,10 @@
 #define EMU_ASM_SWITCH 0
 #include <ucontext.h>
 #endif
+
+// The emulator's own code: not instrumented, so its bookkeeping (the fibers' table, the launch's
+// argument block) is not taken for the kernel's accesses.
+#define EMU_RUNTIME __attribute__((no_sanitize_address, no_sanitize("alignment")))
 
 // Each kernel source is its own shared library (as each is its own module on the GPU), so
 // __device__ needs no `inline` to avoid clashes, and must not get one: `__device__ inline`
@@ -146,12 +160,18 @@ struct Sched {
     void* body_arg = nullptr;
     char error[512];
     bool failed = false;
+    // Memory checks: on while a kernel thread runs. The launch's pointer arguments' extents
+    // [lo, hi) a parameter (0, 0 for a scalar), and the library's own loaded image.
+    bool checking = false;
+    const unsigned long long* extents = nullptr;
+    unsigned nparams = 0;
+    uintptr_t image_lo = 0, image_hi = 0, image_base = 0;
 };
 inline Sched S;
 
-inline void push(unsigned f) { S.ready[S.nready++] = f; }
+EMU_RUNTIME inline void push(unsigned f) { S.ready[S.nready++] = f; }
 
-inline void resume(Fiber* from, Fiber* to) {
+EMU_RUNTIME inline void resume(Fiber* from, Fiber* to) {
     S.cur = to;
     threadIdx = to->idx;
 #if EMU_ASM_SWITCH
@@ -161,7 +181,7 @@ inline void resume(Fiber* from, Fiber* to) {
 #endif
 }
 
-inline void to_main(Fiber* from) {
+EMU_RUNTIME inline void to_main(Fiber* from) {
 #if EMU_ASM_SWITCH
     emu_ctx_switch(&from->sp, S.main_sp);
 #else
@@ -170,13 +190,13 @@ inline void to_main(Fiber* from) {
 }
 
 // Ends the launch from inside a fiber: never resumed, as the next launch starts every fiber afresh.
-[[noreturn]] inline void fail(Fiber* me) {
+[[noreturn]] EMU_RUNTIME inline void fail(Fiber* me) {
     S.failed = true;
     to_main(me);
     __builtin_unreachable();
 }
 
-[[noreturn]] __attribute__((noinline)) inline void deadlock(Fiber* me) {
+[[noreturn]] EMU_RUNTIME __attribute__((noinline)) inline void deadlock(Fiber* me) {
     unsigned warp_waiting = 0;
     for (unsigned i = 0; i < S.n; i++) warp_waiting += S.fibers[i].state == AT_WARP;
     int len = snprintf(S.error, sizeof S.error,
@@ -193,7 +213,7 @@ inline void to_main(Fiber* from) {
     fail(me);
 }
 
-[[noreturn]] __attribute__((noinline)) inline void partial_mask(const char* what, unsigned mask) {
+[[noreturn]] EMU_RUNTIME __attribute__((noinline)) inline void partial_mask(const char* what, unsigned mask) {
     snprintf(S.error, sizeof S.error, "%s with mask 0x%08x in block (%u,%u,%u), thread (%u,%u,%u): the emulator "
              "only has whole-warp (0xffffffff) shuffles and __syncwarp", what, mask, blockIdx.x, blockIdx.y,
              blockIdx.z, threadIdx.x, threadIdx.y, threadIdx.z);
@@ -201,7 +221,7 @@ inline void to_main(Fiber* from) {
 }
 
 // `me` has stopped (waits or returned): run the next runnable fiber, or end the block.
-inline void next(Fiber* me) {
+EMU_RUNTIME inline void next(Fiber* me) {
     if (S.nready) {
         resume(me, &S.fibers[S.ready[--S.nready]]);  // whoever resumes `me` has set S.cur and threadIdx
     } else if (S.exited == S.n) {
@@ -211,7 +231,7 @@ inline void next(Fiber* me) {
     }
 }
 
-[[noreturn]] inline void fiber_main() {
+[[noreturn]] EMU_RUNTIME inline void fiber_main() {
     S.body(S.body_arg);
     Fiber* me = S.cur;
     me->state = EXITED;
@@ -222,7 +242,7 @@ inline void next(Fiber* me) {
 
 // Returns how many threads of the block arrived with a nonzero pred. The total stays readable
 // until the next barrier completes, which needs every thread, each of which reads it first.
-inline unsigned syncthreads(int pred = 0) {
+EMU_RUNTIME inline unsigned syncthreads(int pred = 0) {
     Fiber* me = S.cur;
     S.sync_count += pred != 0;
     if (++S.sync_arrived == S.n) {  // the last to arrive releases the others and goes on
@@ -244,7 +264,7 @@ inline unsigned syncthreads(int pred = 0) {
 // Returns the generation it waited in: a shuffle reads slot[gen & 1]. Lanes released by the
 // last arrival read after it, possibly after it has gone on to the next shuffle, which writes
 // the other slot; the one after that cannot start until they have all arrived at it.
-inline unsigned warp_sync() {
+EMU_RUNTIME inline unsigned warp_sync() {
     Fiber* me = S.cur;
     Warp& w = S.warps[me->tid / 32];
     unsigned gen = w.gen;
@@ -263,7 +283,7 @@ inline unsigned warp_sync() {
     return gen;
 }
 
-template <class T> T shuffle(T v, unsigned src) {
+template <class T> EMU_RUNTIME T shuffle(T v, unsigned src) {
     static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>);
     unsigned tid = S.cur->tid;
     Warp& w = S.warps[tid / 32];
@@ -273,7 +293,7 @@ template <class T> T shuffle(T v, unsigned src) {
     return v;
 }
 
-inline unsigned lane() { return S.cur->tid % 32; }
+EMU_RUNTIME inline unsigned lane() { return S.cur->tid % 32; }
 
 // Function pointer types hold the parameters with top-level const dropped, which is what
 // the Python side parsed: kind (p pointer, i signed, u unsigned/bool, f float) and size.
@@ -289,12 +309,12 @@ template <class... A> constexpr bool signature_is(void (*)(A...), std::string_vi
 template <class... A> struct Call {
     void (*f)(A...);
     void** args;
-    template <size_t... I> void run(std::index_sequence<I...>) { f(*static_cast<A*>(args[I])...); }
-    static void thunk(void* self) { static_cast<Call*>(self)->run(std::index_sequence_for<A...>{}); }
+    template <size_t... I> EMU_RUNTIME void run(std::index_sequence<I...>) { f(*static_cast<A*>(args[I])...); }
+    EMU_RUNTIME static void thunk(void* self) { static_cast<Call*>(self)->run(std::index_sequence_for<A...>{}); }
 };
 
 // Stacks are made once, at the most threads a launch has asked for, and kept.
-inline bool reserve(unsigned n) {
+EMU_RUNTIME inline bool reserve(unsigned n) {
     if (n <= S.capacity) return true;
     const size_t page = size_t(sysconf(_SC_PAGESIZE)), size = size_t(EMU_STACK_KIB) * 1024;
     auto* fibers = static_cast<Fiber*>(realloc(S.fibers, n * sizeof(Fiber)));
@@ -314,7 +334,7 @@ inline bool reserve(unsigned n) {
     return true;
 }
 
-inline void start(Fiber& f, unsigned i) {
+EMU_RUNTIME inline void start(Fiber& f, unsigned i) {
     const size_t size = size_t(EMU_STACK_KIB) * 1024;
     // Stack tops staggered by 64 bytes a thread, so the threads' hot frames do not all fall
     // in the same cache sets (the stacks themselves are page aligned).
@@ -334,11 +354,65 @@ inline void start(Fiber& f, unsigned i) {
 #endif
 }
 
-// Runs the launch; returns null, or what went wrong.
-template <class... A> const char* launch(void (*f)(A...), dim3 grid, dim3 block, void** args) {
+// The loaded image (every PT_LOAD segment) of the library holding S: its statics, __shared__
+// memory among them, are memory a kernel thread may touch.
+EMU_RUNTIME inline int find_image(dl_phdr_info* info, size_t, void*) {
+    uintptr_t lo = UINTPTR_MAX, hi = 0, me = reinterpret_cast<uintptr_t>(&S);
+    for (int i = 0; i < info->dlpi_phnum; i++) {
+        const auto& ph = info->dlpi_phdr[i];
+        if (ph.p_type != PT_LOAD) continue;
+        uintptr_t a = info->dlpi_addr + ph.p_vaddr;
+        lo = a < lo ? a : lo;
+        hi = a + ph.p_memsz > hi ? a + ph.p_memsz : hi;
+    }
+    if (me < lo || me >= hi) return 0;
+    S.image_lo = lo, S.image_hi = hi, S.image_base = info->dlpi_addr;
+    return 1;
+}
+
+[[noreturn]] EMU_RUNTIME __attribute__((noinline)) inline void bad_access(uintptr_t a, size_t n, bool write,
+                                                                          uintptr_t pc) {
+    int len = snprintf(S.error, sizeof S.error, "%zu-byte %s of 0x%lx [pc +0x%lx], block (%u,%u,%u) thread (%u,%u,%u): "
+                       "outside its stack, shared memory and the launch's arrays", n, write ? "write" : "read",
+                       (unsigned long)a, (unsigned long)(pc - S.image_base), blockIdx.x, blockIdx.y, blockIdx.z,
+                       threadIdx.x, threadIdx.y, threadIdx.z);
+    int near = -1;
+    uintptr_t gap = UINTPTR_MAX;
+    for (unsigned i = 0; i < S.nparams; i++) {
+        uintptr_t lo = S.extents[2 * i], hi = S.extents[2 * i + 1];
+        if (!lo) continue;  // a scalar
+        uintptr_t d = a >= hi ? a - hi : a + n <= lo ? lo - (a + n) : 0;
+        if (d < gap) gap = d, near = int(i);
+    }
+    if (near >= 0) {
+        uintptr_t lo = S.extents[2 * near], hi = S.extents[2 * near + 1];
+        snprintf(S.error + len, sizeof S.error - len, "; nearest: byte %+ld of parameter %d, an array of %lu bytes",
+                 (long)(a - lo), near, (unsigned long)(hi - lo));
+    }
+    fail(S.cur);
+}
+
+// Called before each load or store of a kernel thread (the __asan_* hooks below).
+EMU_RUNTIME inline void check(uintptr_t a, size_t n, bool write, uintptr_t pc) {
+    if (!S.checking) return;
+    uintptr_t stack = reinterpret_cast<uintptr_t>(S.cur->stack);
+    if (a >= stack && a + n <= stack + size_t(EMU_STACK_KIB) * 1024) return;
+    if (a >= S.image_lo && a + n <= S.image_hi) return;
+    for (unsigned i = 0; i < S.nparams; i++)
+        if (a >= S.extents[2 * i] && a + n <= S.extents[2 * i + 1]) return;
+    bad_access(a, n, write, pc);
+}
+
+// Runs the launch; returns null, or what went wrong. extents: [lo, hi) of each parameter's
+// array (0, 0 for a scalar), the memory the launch may touch besides its stacks and statics.
+template <class... A>
+EMU_RUNTIME const char* launch(void (*f)(A...), dim3 grid, dim3 block, void** args, const unsigned long long* extents) {
     const unsigned n = block.x * block.y * block.z;
     if (!(n > 0 && n % 32 == 0 && n <= 1024)) return "the emulator needs whole warps, at most 1024 threads";
     if (!reserve(n)) return "cannot allocate the emulated threads' stacks";
+    if (!S.image_hi && !dl_iterate_phdr(find_image, nullptr)) return "cannot find the emulator library's own image";
+    S.extents = extents;
+    S.nparams = sizeof...(A);
     Call<A...> call{f, args};
     S.body = &Call<A...>::thunk;
     S.body_arg = &call;
@@ -364,16 +438,63 @@ template <class... A> const char* launch(void (*f)(A...), dim3 grid, dim3 block,
         for (unsigned w = 0; w < n / 32; w++) S.warps[w].arrived = S.warps[w].gen = 0;
         S.cur = &S.fibers[0];
         threadIdx = S.fibers[0].idx;
+        S.checking = true;
 #if EMU_ASM_SWITCH
         emu_ctx_switch(&S.main_sp, S.fibers[0].sp);
 #else
         swapcontext(&S.main_uc, &S.fibers[0].uc);
 #endif
+        S.checking = false;
         if (S.failed) return S.error;
     }
     return nullptr;
 }
 }  // namespace emu
+
+// The hooks gcc's -fsanitize=kernel-address calls (with asan-instrumentation-with-call-threshold=0,
+// every access; asan-stack=0 and asan-globals=0 leave stacks and statics without redzones), and
+// the one -fsanitize=alignment calls on a misaligned typed access. Defined here, hidden, so the
+// library needs no sanitizer runtime: ASan's own would have to be preloaded into Python.
+#define EMU_ACCESS_HOOK(kind, n, write) \
+    extern "C" EMU_RUNTIME void __asan_##kind##n##_noabort(uintptr_t a) { \
+        emu::check(a, n, write, reinterpret_cast<uintptr_t>(__builtin_return_address(0))); }
+EMU_ACCESS_HOOK(load, 1, false)
+EMU_ACCESS_HOOK(load, 2, false)
+EMU_ACCESS_HOOK(load, 4, false)
+EMU_ACCESS_HOOK(load, 8, false)
+EMU_ACCESS_HOOK(load, 16, false)
+EMU_ACCESS_HOOK(store, 1, true)
+EMU_ACCESS_HOOK(store, 2, true)
+EMU_ACCESS_HOOK(store, 4, true)
+EMU_ACCESS_HOOK(store, 8, true)
+EMU_ACCESS_HOOK(store, 16, true)
+#undef EMU_ACCESS_HOOK
+extern "C" EMU_RUNTIME void __asan_loadN_noabort(uintptr_t a, size_t n) {
+    emu::check(a, n, false, reinterpret_cast<uintptr_t>(__builtin_return_address(0)));
+}
+extern "C" EMU_RUNTIME void __asan_storeN_noabort(uintptr_t a, size_t n) {
+    emu::check(a, n, true, reinterpret_cast<uintptr_t>(__builtin_return_address(0)));
+}
+extern "C" EMU_RUNTIME void __asan_handle_no_return() {}
+extern "C" EMU_RUNTIME void __asan_before_dynamic_init(const char*) {}
+extern "C" EMU_RUNTIME void __asan_after_dynamic_init() {}
+
+namespace emu {
+// gcc's descriptions of a typed access (compiler-rt's TypeMismatchData and TypeDescriptor).
+struct SourceLocation { const char* file; unsigned line, column; };
+struct TypeDescriptor { unsigned short kind, info; char name[1]; };
+struct TypeMismatch { SourceLocation loc; const TypeDescriptor* type; unsigned char log_alignment, check_kind; };
+}  // namespace emu
+
+extern "C" EMU_RUNTIME void __ubsan_handle_type_mismatch_v1(emu::TypeMismatch* d, uintptr_t p) {
+    if (!emu::S.checking) return;
+    unsigned align = 1u << d->log_alignment;
+    snprintf(emu::S.error, sizeof emu::S.error, "misaligned access at %s:%u, block (%u,%u,%u) thread (%u,%u,%u): "
+             "%s needs %u-byte alignment, and 0x%lx is %lu bytes past a boundary (a fault on a GPU)", d->loc.file,
+             d->loc.line, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x, threadIdx.y, threadIdx.z, d->type->name,
+             align, (unsigned long)p, (unsigned long)(p % align));
+    emu::fail(emu::S.cur);
+}
 
 inline void __syncthreads() { emu::syncthreads(); }
 inline int __syncthreads_count(int pred) { return (int)emu::syncthreads(pred); }
