@@ -23,13 +23,12 @@ from time import perf_counter_ns
 import numpy as np
 
 from nerva_cli import rope
-from nerva_cli.backends.cuda import MAX_HEAD_DIM, RECENT, Kernels, attention_splits
+from nerva_cli.backends.cuda import RECENT, Kernels, attention_splits, unsupported_shapes
 from nerva_cli.engine import EngineBase, context_length, default_precision
 from nerva_cli.errors import NervaError
 from nerva_cli.layout import layer_file
 from nerva_cli.output import human_bytes
 from nerva_cli.pager import LayerFileReader, PagedWeights, PagerStats
-from nerva_cli.quant import QK
 from nerva_cli.residency import Plan, plan
 from nerva_cli.store import StoredModel, tensors_in
 
@@ -206,9 +205,8 @@ class CudaEngine(EngineBase):
         self.dev = dev = device
         self.model, self.cfg = model, model.config
         cfg = self.cfg
-        if cfg.head_dim > MAX_HEAD_DIM or cfg.hidden_size % QK or cfg.intermediate_size % QK or cfg.q_dim % QK:
-            raise NervaError(f"{model.path}: the cuda kernels need head_dim <= {MAX_HEAD_DIM} and widths that "
-                             "are multiples of 32")
+        if problem := unsupported_shapes(cfg):
+            raise NervaError(f"{model.path}: {problem}")
         self.precision = default_precision(model, precision)
         if layer_precisions is not None:
             if self.precision == "exact" or len(layer_precisions) != cfg.num_layers:

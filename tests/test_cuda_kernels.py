@@ -374,6 +374,44 @@ def test_attention_decode_split_over_context(k, rng, heads, kvh, hd, n, splits):
         assert np.all((m != 0).sum(axis=1) == ran)
 
 
+def test_head_dims_the_engine_refuses_are_those_attention_misaligns(rng):
+    """Every even head dim up to MAX_HEAD_DIM, decoded on the emulation (a misaligned load would
+    poison a real GPU's context): those unsupported_shapes accepts run without a memory error
+    and match ref; those it refuses (98, 250, ...) would make a misaligned word load, which the
+    emulator reports as a GPU would fault."""
+    from types import SimpleNamespace
+
+    from cuda_emu import EmuKernelError
+    from cuda_emu.device import EmuDevice
+    from nerva_cli.backends.cuda import MAX_HEAD_DIM, unsupported_shapes
+
+    k, heads, kvh, n = Kernels(EmuDevice()), 2, 2, 3
+    refused = []
+    for hd in range(2, MAX_HEAD_DIM + 1, 2):
+        cfg = SimpleNamespace(head_dim=hd, hidden_size=64, intermediate_size=128, q_dim=64)
+        kc, vc = f16_cache(rng, 4, kvh, hd), f16_cache(rng, 4, kvh, hd)
+        cos, sin = rope_tables(4, hd)
+        q, k_new, v_new = randn(rng, heads, hd), randn(rng, kvh, hd), randn(rng, kvh, hd)
+        out = up(k, np.zeros((heads, hd), np.float32))
+        args = (up(k, q), up(k, k_new), up(k, v_new), up(k, cos), up(k, sin), up(k, kc), up(k, vc),
+                up(k, np.array([n - 1], np.int32)), up(k, np.zeros(heads * (hd + 2), np.float32)),
+                up(k, np.zeros(heads, np.int32)), out, heads, (1, 1))
+        if unsupported_shapes(cfg):
+            refused.append(hd)
+            with pytest.raises(EmuKernelError, match="misaligned"):
+                k.attention_decode(*args)
+            continue
+        k.attention_decode(*args)
+        q_rot, k_rot = q.copy(), k_new.copy()
+        ref.rope(q_rot, np.array([n - 1]), cos, sin)
+        ref.rope(k_rot, np.array([n - 1]), cos, sin)
+        kc[n - 1], vc[n - 1] = k_rot.astype(np.float16), v_new.astype(np.float16)
+        want = np.empty((heads, hd), np.float32)
+        ref.attention_decode(q_rot, kc.astype(np.float32), vc.astype(np.float32), n, want)
+        assert rel(down(k, out), want) < 1e-3, hd  # the kernel's f16 K row may round apart from NumPy's
+    assert refused == [h for h in range(98, 129, 4)] + [h for h in range(226, 257, 8) for h in (h, h + 2, h + 4)]
+
+
 @pytest.mark.parametrize("T,start", [(1, 0), (6, 0), (5, 11)])
 def test_attention_prefill_causal(k, rng, T, start):
     heads, kvh, hd = 4, 2, 32

@@ -41,6 +41,22 @@ def _weights(m: dict):
     return m["w"] if "w" in m else m["qs"]
 
 
+def unsupported_shapes(cfg) -> str | None:
+    """Why kernels/*.cu cannot run a model of cfg's shapes, or None. Matvec rows are whole Q4_0
+    blocks of 32. Attention holds at most MAX_HEAD_DIM elements of a head, ceil(head_dim / 32) a
+    lane, and loads a lane's elements as one word when they are 2, 4 or 8: rows start head_dim
+    elements apart, so that word is aligned to its size (a misaligned load faults on a GPU) only
+    when the count divides head_dim, as it does for every head dim of the supported families."""
+    hd, widths = cfg.head_dim, (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim)
+    if any(w % 32 for w in widths):
+        return f"the cuda kernels need widths that are multiples of 32 (hidden, intermediate, q: {widths})"
+    per_lane = _cdiv(hd, 32)
+    if hd > MAX_HEAD_DIM or (per_lane in (2, 4, 8) and hd % per_lane):
+        return (f"head_dim {hd}: the cuda attention kernels need head_dim <= {MAX_HEAD_DIM}, a multiple of "
+                f"{per_lane} when it is in {32 * per_lane - 31}..{32 * per_lane}")
+    return None
+
+
 def mv_threads(units: int) -> int:
     """Threads of a matvec block whose rows are `units` 16-byte loads long: a warp per 32 of
     them, up to MV_THREADS, so short rows (a 576-wide model's) leave no warp idle."""
