@@ -2,7 +2,8 @@
 and barriers (counting ones too), warp shuffles, dp4a, 2-D grids, the host half branch, and the
 argument checks that stand in for CuPy's silent scalar conversions; barriers that separate
 phases, deadlocks reported rather than hung on, blocks run in both orders, and the memory checks
-(accesses outside the launch's arrays, misaligned vector loads). Each test prints its seed."""
+(accesses outside the launch's arrays, misaligned vector loads, shared-memory races). Each test
+prints its seed."""
 
 from __future__ import annotations
 
@@ -64,12 +65,29 @@ extern "C" __global__ void dp4a(const int* a, const int* b, const int* c, int* o
 }
 
 // Each thread reads its neighbour's slot: right only with the barrier between write and read.
-extern "C" __global__ void neighbour(int* out, int base, int sync) {
+// The slots: in shared memory, or in global memory (slots) when global is set.
+extern "C" __global__ void neighbour(int* out, int* slots, int base, int sync, int global) {
     __shared__ int s[256];
-    int t = threadIdx.x;
-    s[t] = base + t;
+    int t = threadIdx.x, *slot = global ? slots : s;
+    slot[t] = base + t;
     if (sync) __syncthreads();
-    out[t] = s[(t + 1) % blockDim.x];
+    out[t] = slot[(t + 1) % blockDim.x];
+}
+
+// Lanes swap slots through shared memory, ordered by __syncwarp (sync set) or not at all; then
+// every thread counts itself in with a shared atomic, which races with nothing.
+extern "C" __global__ void warp_exchange(int* out, int* count, int sync) {
+    __shared__ int s[1024];
+    __shared__ int n;
+    int t = threadIdx.x;
+    if (t == 0) n = 0;
+    s[t] = 3 * t;
+    if (sync) __syncwarp();
+    out[t] = s[t ^ 1];
+    __syncthreads();
+    atomicAdd(&n, 1);
+    __syncthreads();
+    if (t == 0) *count = n;
 }
 
 // `returns` threads leave early; the rest wait at __syncthreads (mode 0) or shuffle (mode 1).
@@ -287,12 +305,36 @@ def test_argument_checks(mod, rng):
 
 
 def test_syncthreads_separates_phases(mod, rng):
-    f, out = mod.get_function("neighbour"), np.zeros(128, np.int32)
+    f, out, slots = mod.get_function("neighbour"), np.zeros(128, np.int32), np.zeros(128, np.int32)
     for base in rng.integers(0, 1000, 3) * 1000:  # a new base each launch: stale slots show
-        f(1, 128, (out, np.int32(base), np.int32(1)))
+        f(1, 128, (out, slots, np.int32(base), np.int32(1), np.int32(1)))
         np.testing.assert_array_equal(out, base + (np.arange(128) + 1) % 128)
-    f(1, 128, (out, np.int32(base + 7), np.int32(0)))  # no barrier: a thread reads before its neighbour writes
+    # no barrier: a thread reads before its neighbour writes
+    f(1, 128, (out, slots, np.int32(base + 7), np.int32(0), np.int32(1)))
     assert (out != base + 7 + (np.arange(128) + 1) % 128).any()
+
+
+def test_shared_memory_races_are_caught(mod, rng):
+    """The same exchange through shared memory, which is checked for races: without the barrier
+    the launch fails naming both accesses, before any value could be wrong."""
+    f, out, unused = mod.get_function("neighbour"), np.zeros(128, np.int32), np.zeros(128, np.int32)
+    f(1, 128, (out, unused, np.int32(5), np.int32(1), np.int32(0)))
+    np.testing.assert_array_equal(out, 5 + (np.arange(128) + 1) % 128)
+    with pytest.raises(EmuKernelError, match=r"shared-memory race \(write after read\) in block \(0,0,0\) on "
+                                             r"neighbour::s, byte 4: thread \(0,0,0\) at harness\.cu:\d+ "
+                                             r"\(neighbour\), then thread \(1,0,0\) at harness\.cu:\d+ \(neighbour\)"):
+        f(1, 128, (out, unused, np.int32(5), np.int32(0), np.int32(0)))
+
+
+def test_warp_syncs_and_atomics_order_shared_memory(mod):
+    f, out, count = mod.get_function("warp_exchange"), np.zeros(256, np.int32), np.zeros(1, np.int32)
+    f(1, 256, (out, count, np.int32(1)))
+    np.testing.assert_array_equal(out, 3 * (np.arange(256) ^ 1))
+    assert count[0] == 256
+    # thread 0 runs on to its read of slot 1 before thread 1 has written it
+    with pytest.raises(EmuKernelError, match=r"race \(write after read\) .* on warp_exchange::s, byte 4: thread "
+                                             r"\(0,0,0\) at harness\.cu:\d+ \(warp_exchange\), then thread \(1,0,0\)"):
+        f(1, 256, (out, count, np.int32(0)))
 
 
 @pytest.mark.parametrize("mode, returns, waits", [
@@ -313,8 +355,10 @@ def test_warp_running_ahead_is_caught(mod):
     out = np.zeros(4, np.float32)
     f(1, 256, (out, np.int32(4), np.int32(1)))
     np.testing.assert_array_equal(out, want)
-    f(1, 256, (out, np.int32(4), np.int32(0)))  # a fast warp rewrites scratch before the others read it
-    assert (out != want).any()
+    # a fast warp rewrites scratch before the others have read it
+    with pytest.raises(EmuKernelError, match=r"shared-memory race .* on repeated_sums::scratch, byte \d+: thread "
+                                             r"\(\d+,0,0\) at harness\.cu:\d+ \(bsum\), then thread"):
+        f(1, 256, (out, np.int32(4), np.int32(0)))
 
 
 def test_partial_masks_are_refused(mod):
@@ -334,8 +378,8 @@ def test_accesses_outside_the_arrays_are_caught(mod, rng):
     f = mod.get_function("shifted_copy")
     f(4, 32, (x, out, np.int32(0), np.int32(0)))
     np.testing.assert_array_equal(out, x)
-    read = r"4-byte read of 0x[0-9a-f]+ at harness\.cu:\d+ \(shifted_copy\), block \(\d,0,0\) thread \(\d+,0,0\): outside"
-    with pytest.raises(EmuKernelError, match=read + r".*nearest: byte \+512 of parameter 0 `const float\* x`, an array of 512"):
+    read = r"4-byte read of 0x[0-9a-f]+ at harness\.cu:\d+ \(shifted_copy\), block \(\d,0,0\) thread \(\d+,0,0\): out"
+    with pytest.raises(EmuKernelError, match=read + r".*nearest: byte \+512 of parameter 0 `const float\* x`"):
         f(4, 32, (x, out, np.int32(1), np.int32(0)))
     with pytest.raises(EmuKernelError, match=read + r".*nearest: byte -4 of parameter 0 `const float\* x`"):
         f(4, 32, (x, out, np.int32(-1), np.int32(0)))

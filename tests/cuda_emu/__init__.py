@@ -11,6 +11,7 @@ bits and a float as a double, which a kernel taking int or float misreads withou
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import re
@@ -29,10 +30,9 @@ _LIB_LOCKS_GUARD = threading.Lock()
 # of byte pointers rely on, as CUDA does; -fno-strict-aliasing says so outright. The sanitizer
 # flags make every access of a kernel call emu.h's checks (its header says which); -g1 gives
 # addr2line the source line of an access they refuse. The library is linked apart, without
-# them: g++ would add the UBSan runtime, whose handlers emu.h replaces.
+# them: g++ would add the sanitizers' runtimes, whose hooks emu.h replaces.
 FLAGS = ["-std=c++20", "-O1", "-g1", "-pthread", "-fPIC", "-fno-strict-aliasing", "-fvisibility=hidden",
-         "-fsanitize=kernel-address", "-fsanitize=alignment", "--param", "asan-instrumentation-with-call-threshold=0",
-         "--param", "asan-stack=0", "--param", "asan-globals=0"]
+         "-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0", "-fsanitize=alignment"]
 LINK_FLAGS = ["-shared", "-pthread", "-Wl,-z,defs"]  # a hook emu.h lacks fails here, not at a launch
 KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+'
                     r'(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)')
@@ -135,6 +135,26 @@ def _source_of(so: Path, offset: int) -> str:
     return ", inlined in ".join(frames[:4]) or f"+{offset:#x} in {so.name}"
 
 
+@functools.lru_cache(maxsize=None)
+def _data_symbols(so: Path) -> list[tuple[int, int, str]]:
+    """(offset, size, name) of the library's data symbols: __shared__ statics among them."""
+    try:
+        done = subprocess.run(["nm", "-C", "-S", "--defined-only", str(so)], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    rows = (line.split(maxsplit=3) for line in done.stdout.splitlines())
+    return [(int(r[0], 16), int(r[1], 16), r[3]) for r in rows if len(r) == 4 and r[2] in "bBdD"]
+
+
+def _data_of(so: Path, offset: int) -> str:
+    """The variable at the library's offset, as name[+byte]."""
+    for start, size, name in _data_symbols(so):
+        if start <= offset < start + size:
+            return f"{name}, byte {offset - start}"
+    return f"+{offset:#x} in {so.name}"
+
+
 class EmuKernel:
     def __init__(self, name: str, params: list[Param], lib: ctypes.CDLL, lock: threading.Lock, so: Path):
         self.name, self.params, self._lock, self._so = name, params, lock, so
@@ -145,6 +165,7 @@ class EmuKernel:
     def _explain(self, error: str) -> str:
         """emu.h's message with the parameter's declaration and the access's source line."""
         error = re.sub(r"parameter (\d+)", lambda m: f"parameter {m[1]} `{self.params[int(m[1])].text}`", error)
+        error = re.sub(r"\[data \+0x([0-9a-f]+)\]", lambda m: _data_of(self._so, int(m[1], 16)), error)
         return re.sub(r"\[pc \+0x([0-9a-f]+)\]", lambda m: "at " + _source_of(self._so, int(m[1], 16)), error)
 
     def __call__(self, grid, block, args, *, shared_mem: int = 0, stream=None):

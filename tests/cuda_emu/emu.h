@@ -17,14 +17,20 @@
 // barrier, while others wait) ends the launch with an error naming the block; a thread that
 // spins waiting for another thread or block without a barrier never yields, and hangs.
 // Memory is checked as compute-sanitizer's memcheck would on a GPU: the library is built with
-// gcc's kernel-address instrumentation, which calls the __asan_* hooks below before every load
-// and store, and with -fsanitize=alignment, which calls the __ubsan_* one before every typed
-// access through a misaligned pointer (on a GPU, an N-byte load needs an N-aligned address;
-// on x86 a misaligned vector load just works). Inside a launch a thread may touch its own
+// gcc's ThreadSanitizer instrumentation, which calls the __tsan_* hooks below before every load
+// and store that is not of a private local (statics included, which AddressSanitizer's skips
+// when it can see they are in bounds), and with -fsanitize=alignment, which calls the __ubsan_*
+// one before every typed access through a misaligned pointer (on a GPU, an N-byte load needs
+// an N-aligned address; on x86 a misaligned vector load just works). Inside a launch a thread may touch its own
 // stack, the library's statics (__shared__ memory among them) and the arrays its launch was
 // passed, each within its extent; anything else, or a misaligned access, ends the launch with
 // an error naming the access, the nearest argument and the code's address (cuda_emu turns that
 // into a source line). The emulator's own code below is left unchecked (EMU_RUNTIME).
+// Shared memory is also checked for races, as compute-sanitizer's racecheck would: two accesses
+// to a byte by different threads, one of them a write (atomics aside), need a __syncthreads
+// between them, or a warp shuffle or __syncwarp when both threads are of one warp. Blocks run
+// their threads in phases, so such a race often gives the right values here and the wrong ones
+// on a GPU; the check names both accesses instead.
 // __CUDACC__ stays undefined on purpose: kernels/common.cuh then takes its host branch
 // (_Float16 half conversions instead of inline PTX).
 #pragma once
@@ -54,7 +60,7 @@
 
 // The emulator's own code: not instrumented, so its bookkeeping (the fibers' table, the launch's
 // argument block) is not taken for the kernel's accesses.
-#define EMU_RUNTIME __attribute__((no_sanitize_address, no_sanitize("alignment")))
+#define EMU_RUNTIME __attribute__((no_sanitize_thread, no_sanitize("alignment")))
 
 // Each kernel source is its own shared library (as each is its own module on the GPU), so
 // __device__ needs no `inline` to avoid clashes, and must not get one: `__device__ inline`
@@ -166,6 +172,21 @@ struct Sched {
     const unsigned long long* extents = nullptr;
     unsigned nparams = 0;
     uintptr_t image_lo = 0, image_hi = 0, image_base = 0;
+    // Shared-memory races: the library's writable image (its __shared__ statics, and the
+    // emulator's own state, which no checked code writes), a Byte of history each. A phase is a
+    // block's stretch between barriers, numbered across blocks and launches, so history from an
+    // earlier phase is simply stale and nothing needs clearing.
+    uintptr_t shared_lo = 0, shared_hi = 0;
+    struct Byte* history = nullptr;
+    unsigned phase = 0;
+};
+// The last write to a byte of shared memory and the reads since, in phase wphase / rphase: by
+// thread writer / reader (MANY: several) at warp generation wgen / rgen (the readers' latest),
+// from code at wpc / rpc (offsets in the library). rwarp: the readers' one warp, or MANY.
+constexpr unsigned short MANY = 0xffff;
+struct Byte {
+    unsigned wphase, rphase, wpc, rpc, wgen, rgen;
+    unsigned short writer, reader, rwarp;
 };
 inline Sched S;
 
@@ -251,6 +272,7 @@ EMU_RUNTIME inline unsigned syncthreads(int pred = 0) {
             push(S.at_sync[i]);
         }
         S.sync_arrived = 0;
+        S.phase++;
         S.sync_result = S.sync_count;
         S.sync_count = 0;
         return S.sync_result;
@@ -367,7 +389,14 @@ EMU_RUNTIME inline int find_image(dl_phdr_info* info, size_t, void*) {
     }
     if (me < lo || me >= hi) return 0;
     S.image_lo = lo, S.image_hi = hi, S.image_base = info->dlpi_addr;
-    return 1;
+    for (int i = 0; i < info->dlpi_phnum; i++) {  // the writable segment holds the statics
+        const auto& ph = info->dlpi_phdr[i];
+        uintptr_t a = info->dlpi_addr + ph.p_vaddr;
+        if (ph.p_type == PT_LOAD && (ph.p_flags & PF_W) && a <= me && me < a + ph.p_memsz)
+            S.shared_lo = a, S.shared_hi = a + ph.p_memsz;
+    }
+    S.history = static_cast<Byte*>(calloc(S.shared_hi - S.shared_lo, sizeof(Byte)));
+    return S.history != nullptr;
 }
 
 [[noreturn]] EMU_RUNTIME __attribute__((noinline)) inline void bad_access(uintptr_t a, size_t n, bool write,
@@ -392,11 +421,57 @@ EMU_RUNTIME inline int find_image(dl_phdr_info* info, size_t, void*) {
     fail(S.cur);
 }
 
-// Called before each load or store of a kernel thread (the __asan_* hooks below).
-EMU_RUNTIME inline void check(uintptr_t a, size_t n, bool write, uintptr_t pc) {
+[[noreturn]] EMU_RUNTIME __attribute__((noinline)) inline void race(const char* kind, uintptr_t a, unsigned me,
+                                                                    unsigned pc, unsigned other, unsigned other_pc) {
+    auto thread = [](unsigned t, char* buf) {
+        if (t == MANY) return (void)snprintf(buf, 24, "several threads");
+        unsigned x = blockDim.x, y = blockDim.y;
+        snprintf(buf, 24, "thread (%u,%u,%u)", t % x, t / x % y, t / (x * y));
+    };
+    char first[24], second[24];
+    thread(other, first), thread(me, second);
+    snprintf(S.error, sizeof S.error, "shared-memory race (%s) in block (%u,%u,%u) on [data +0x%lx]: %s [pc +0x%x], "
+             "then %s [pc +0x%x], with no barrier between", kind, blockIdx.x, blockIdx.y, blockIdx.z,
+             (unsigned long)(a - S.image_base), first, other_pc, second, pc);
+    fail(S.cur);
+}
+
+// Threads t and u's accesses in one phase, u's now and t's at warp generation gen: ordered when
+// one thread made both, or a warp sync of their one warp came between.
+EMU_RUNTIME inline bool ordered(unsigned t, unsigned gen, unsigned u) {
+    return t == u || (t / 32 == u / 32 && S.warps[u / 32].gen > gen);
+}
+
+EMU_RUNTIME inline void race_check(uintptr_t a, size_t n, bool write, unsigned pc) {
+    const unsigned t = S.cur->tid, w = t / 32, gen = S.warps[w].gen;
+    for (Byte* b = S.history + (a - S.shared_lo); b < S.history + (a + n - S.shared_lo); b++) {
+        if (b->wphase == S.phase && !ordered(b->writer, b->wgen, t))
+            race(write ? "write after write" : "read after write", a, t, pc, b->writer, b->wpc);
+        if (write) {
+            if (b->rphase == S.phase && b->reader != t &&
+                (b->reader == MANY ? b->rwarp != w || gen <= b->rgen : !ordered(b->reader, b->rgen, t)))
+                race("write after read", a, t, pc, b->reader, b->rpc);
+            b->wphase = S.phase, b->writer = t, b->wgen = gen, b->wpc = pc;
+            b->rphase = 0;  // later writes are ordered against this one, which was against the reads
+        } else if (b->rphase != S.phase) {
+            b->rphase = S.phase, b->reader = t, b->rgen = gen, b->rwarp = w, b->rpc = pc;
+        } else if (b->reader != t) {
+            b->reader = MANY, b->rgen = gen > b->rgen ? gen : b->rgen, b->rpc = pc;
+            if (b->rwarp != w) b->rwarp = MANY;
+        }
+    }
+}
+
+// Called before each load or store of a kernel thread (the __tsan_* hooks below); atomic: an
+// atomic operation, which races with nothing.
+EMU_RUNTIME inline void check(uintptr_t a, size_t n, bool write, uintptr_t pc, bool atomic = false) {
     if (!S.checking) return;
     uintptr_t stack = reinterpret_cast<uintptr_t>(S.cur->stack);
     if (a >= stack && a + n <= stack + size_t(EMU_STACK_KIB) * 1024) return;
+    if (a >= S.shared_lo && a + n <= S.shared_hi) {
+        if (!atomic) race_check(a, n, write, unsigned(pc - S.image_base));
+        return;
+    }
     if (a >= S.image_lo && a + n <= S.image_hi) return;
     for (unsigned i = 0; i < S.nparams; i++)
         if (a >= S.extents[2 * i] && a + n <= S.extents[2 * i + 1]) return;
@@ -434,6 +509,7 @@ EMU_RUNTIME const char* launch(void (*f)(A...), dim3 grid, dim3 block, void** ar
             S.ready[t] = n - 1 - t;  // thread 0 runs first (below), then 1, 2, ...
         }
         S.nready = n - 1;
+        S.phase++;
         S.sync_arrived = S.exited = S.sync_count = 0;
         for (unsigned w = 0; w < n / 32; w++) S.warps[w].arrived = S.warps[w].gen = 0;
         S.cur = &S.fibers[0];
@@ -451,33 +527,32 @@ EMU_RUNTIME const char* launch(void (*f)(A...), dim3 grid, dim3 block, void** ar
 }
 }  // namespace emu
 
-// The hooks gcc's -fsanitize=kernel-address calls (with asan-instrumentation-with-call-threshold=0,
-// every access; asan-stack=0 and asan-globals=0 leave stacks and statics without redzones), and
-// the one -fsanitize=alignment calls on a misaligned typed access. Defined here, hidden, so the
-// library needs no sanitizer runtime: ASan's own would have to be preloaded into Python.
-#define EMU_ACCESS_HOOK(kind, n, write) \
-    extern "C" EMU_RUNTIME void __asan_##kind##n##_noabort(uintptr_t a) { \
-        emu::check(a, n, write, reinterpret_cast<uintptr_t>(__builtin_return_address(0))); }
-EMU_ACCESS_HOOK(load, 1, false)
-EMU_ACCESS_HOOK(load, 2, false)
-EMU_ACCESS_HOOK(load, 4, false)
-EMU_ACCESS_HOOK(load, 8, false)
-EMU_ACCESS_HOOK(load, 16, false)
-EMU_ACCESS_HOOK(store, 1, true)
-EMU_ACCESS_HOOK(store, 2, true)
-EMU_ACCESS_HOOK(store, 4, true)
-EMU_ACCESS_HOOK(store, 8, true)
-EMU_ACCESS_HOOK(store, 16, true)
+// The hooks gcc's -fsanitize=thread calls (with tsan-instrument-func-entry-exit=0, loads, stores
+// and the ranges of block copies), and the one -fsanitize=alignment calls on a misaligned typed
+// access. Defined here, hidden, so the library needs no sanitizer runtime: TSan's own would
+// take every access for a data race between the emulated threads, which share one OS thread.
+#define EMU_CALLER reinterpret_cast<uintptr_t>(__builtin_return_address(0))
+#define EMU_ACCESS_HOOK(name, n, write) \
+    extern "C" EMU_RUNTIME void __tsan_##name(void* a) { \
+        emu::check(reinterpret_cast<uintptr_t>(a), n, write, EMU_CALLER); }
+#define EMU_ACCESS_HOOKS(n) \
+    EMU_ACCESS_HOOK(read##n, n, false) EMU_ACCESS_HOOK(write##n, n, true) \
+    EMU_ACCESS_HOOK(unaligned_read##n, n, false) EMU_ACCESS_HOOK(unaligned_write##n, n, true)
+EMU_ACCESS_HOOK(read1, 1, false)
+EMU_ACCESS_HOOK(write1, 1, true)
+EMU_ACCESS_HOOKS(2)
+EMU_ACCESS_HOOKS(4)
+EMU_ACCESS_HOOKS(8)
+EMU_ACCESS_HOOKS(16)
+#undef EMU_ACCESS_HOOKS
 #undef EMU_ACCESS_HOOK
-extern "C" EMU_RUNTIME void __asan_loadN_noabort(uintptr_t a, size_t n) {
-    emu::check(a, n, false, reinterpret_cast<uintptr_t>(__builtin_return_address(0)));
+extern "C" EMU_RUNTIME void __tsan_read_range(void* a, size_t n) {
+    emu::check(reinterpret_cast<uintptr_t>(a), n, false, EMU_CALLER);
 }
-extern "C" EMU_RUNTIME void __asan_storeN_noabort(uintptr_t a, size_t n) {
-    emu::check(a, n, true, reinterpret_cast<uintptr_t>(__builtin_return_address(0)));
+extern "C" EMU_RUNTIME void __tsan_write_range(void* a, size_t n) {
+    emu::check(reinterpret_cast<uintptr_t>(a), n, true, EMU_CALLER);
 }
-extern "C" EMU_RUNTIME void __asan_handle_no_return() {}
-extern "C" EMU_RUNTIME void __asan_before_dynamic_init(const char*) {}
-extern "C" EMU_RUNTIME void __asan_after_dynamic_init() {}
+extern "C" EMU_RUNTIME void __tsan_init() {}
 
 namespace emu {
 // gcc's descriptions of a typed access (compiler-rt's TypeMismatchData and TypeDescriptor).
@@ -502,7 +577,7 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) {
     if (mask != 0xffffffffu) emu::partial_mask("__syncwarp", mask);
     emu::warp_sync();
 }
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+EMU_RUNTIME inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 
 // Shuffles with CUDA's width rules: a lane reads within its width-wide segment, and one whose
 // source would fall outside it (down past the end, xor into a later segment) keeps its value.
@@ -556,14 +631,26 @@ template <class A, class B> auto max(A a, B b) { return a < b ? b : a; }
 
 // Non-template overloads, as CUDA's, so atomicAdd(float_ptr, 1.0) converts instead of failing.
 // The threads of a launch share one OS thread, but atomics stay atomic: host code may not.
-#define EMU_ATOMIC(T) \
-    inline T atomicAdd(T* p, T v) { return std::atomic_ref<T>(*p).fetch_add(v); } \
-    inline T atomicExch(T* p, T v) { return std::atomic_ref<T>(*p).exchange(v); }
-#define EMU_ATOMIC_INT(T) EMU_ATOMIC(T) \
-    inline T atomicMax(T* p, T v) { std::atomic_ref<T> r(*p); T o = r.load(); \
-                                    while (o < v && !r.compare_exchange_weak(o, v)) {} return o; } \
-    inline T atomicMin(T* p, T v) { std::atomic_ref<T> r(*p); T o = r.load(); \
-                                    while (v < o && !r.compare_exchange_weak(o, v)) {} return o; }
+// Checked as atomics (within the launch's memory, never a race): the compare-and-swap loop
+// below is the emulator's own code, which gcc's builtins keep uninstrumented where
+// std::atomic_ref's inline members would be instrumented as plain accesses.
+namespace emu {
+template <class T, class F>
+EMU_RUNTIME __attribute__((noinline)) T atomic_apply(T* p, F f, uintptr_t pc) {
+    check(reinterpret_cast<uintptr_t>(p), sizeof *p, true, pc, true);
+    T old, next;
+    __atomic_load(p, &old, __ATOMIC_SEQ_CST);
+    do next = f(old);
+    while (!__atomic_compare_exchange(p, &old, &next, true, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+    return old;
+}
+}  // namespace emu
+#define EMU_ATOMIC_OP(name, T, update) \
+    EMU_RUNTIME __attribute__((noinline)) inline T name(T* p, T v) { \
+        return emu::atomic_apply(p, [v](T o) -> T { return update; }, EMU_CALLER); }
+#define EMU_ATOMIC(T) EMU_ATOMIC_OP(atomicAdd, T, o + v) EMU_ATOMIC_OP(atomicExch, T, v)
+#define EMU_ATOMIC_INT(T) \
+    EMU_ATOMIC(T) EMU_ATOMIC_OP(atomicMax, T, o < v ? v : o) EMU_ATOMIC_OP(atomicMin, T, v < o ? v : o)
 EMU_ATOMIC_INT(int)
 EMU_ATOMIC_INT(unsigned)
 EMU_ATOMIC_INT(unsigned long long)
