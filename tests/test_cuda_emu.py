@@ -165,6 +165,8 @@ extern "C" __global__ void shifted_copy4(const float* x, float* out, int shift) 
     ((float4*)out)[i] = ((const float4*)(x + shift))[i];
 }
 
+extern "C" __global__ void __launch_bounds__(64, 2) bounded(int* out) { out[threadIdx.x] = threadIdx.x; }
+
 extern "C" __global__ void half_to_float(const unsigned short* h, float* out, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = h2f(h[i]);
@@ -294,6 +296,10 @@ def test_argument_checks(mod, rng):
         f((2, 1), (16, 3), (x, out, np.float32(1), rows, cols))
     with pytest.raises(KeyError, match="no_such"):
         mod.get_function("no_such")
+    bounded = mod.get_function("bounded")
+    bounded(1, 64, (np.zeros(64, np.int32),))
+    with pytest.raises(EmuKernelError, match=r"block of 96 threads, more than the kernel's __launch_bounds__ \(64\)"):
+        bounded(1, 96, (np.zeros(96, np.int32),))
     # a read-only input through a const pointer, and an __array_interface__ object, are fine
     x.flags.writeable = False
 

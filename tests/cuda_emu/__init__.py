@@ -34,8 +34,8 @@ _LIB_LOCKS_GUARD = threading.Lock()
 FLAGS = ["-std=c++20", "-O1", "-g1", "-pthread", "-fPIC", "-fno-strict-aliasing", "-fvisibility=hidden",
          "-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0", "-fsanitize=alignment"]
 LINK_FLAGS = ["-shared", "-pthread", "-Wl,-z,defs"]  # a hook emu.h lacks fails here, not at a launch
-KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+'
-                    r'(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)')
+KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\(([^)]*)\)\s*)?void\s+'
+                    r'(?:__launch_bounds__\s*\(([^)]*)\)\s*)?(\w+)\s*\(([^)]*)\)')
 QUALIFIERS = {"const", "volatile", "__restrict__", "__restrict", "restrict"}
 
 
@@ -109,10 +109,13 @@ class Param:
         raise TypeError(f"{self.where}: expected a numpy {self.dtype} scalar, got {got}")
 
 
-def parse(source: str) -> dict[str, list[Param]]:
+def parse(source: str) -> dict[str, tuple[list[Param], str]]:
+    """Kernel name -> (its parameters, its most threads a block: __launch_bounds__'s first
+    argument as written, or 1024)."""
     text = re.sub(r"//[^\n]*|/\*.*?\*/", " ", source, flags=re.S)
-    return {name: [Param(name, i, p.strip()) for i, p in enumerate(params.split(",")) if p.strip()]
-            for name, params in KERNEL.findall(text)}
+    return {name: ([Param(name, i, p.strip()) for i, p in enumerate(params.split(",")) if p.strip()],
+                   (before or after or "1024").split(",")[0].strip())
+            for before, after, name, params in KERNEL.findall(text)}
 
 
 def _dims(v) -> tuple[int, int, int]:
@@ -221,8 +224,8 @@ class EmuModule:
                 f' "{k}: parameters differ from what tests/cuda_emu parsed");\n'
                 f'extern "C" __attribute__((visibility("default"))) const char* emu_{k}(unsigned gx, unsigned gy,'
                 f' unsigned gz, unsigned bx, unsigned by, unsigned bz, void** args, const unsigned long long* extents)'
-                f' {{ return emu::launch({k}, {{gx, gy, gz}}, {{bx, by, bz}}, args, extents); }}\n'
-                for k, ps in kernels.items())
+                f' {{ return emu::launch({k}, {{gx, gy, gz}}, {{bx, by, bz}}, args, extents, unsigned({bound})); }}\n'
+                for k, (ps, bound) in kernels.items())
             key = hashlib.sha256(b"\0".join([text.encode(), EMU_H.read_bytes(), headers, gen.encode(),
                                              " ".join(FLAGS + LINK_FLAGS).encode()])).hexdigest()[:20]
             so = cache_dir / f"{src.stem}-{key}.so"
@@ -233,7 +236,7 @@ class EmuModule:
                 cmd = ["g++", *FLAGS, "-I", str(include_dir), "-include", str(EMU_H), "-c", str(cpp), "-o",
                        str(tmp.with_suffix(".o"))]
                 builds.append((src, so, tmp, subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)))
-            self._kernels.update({k: (ps, so) for k, ps in kernels.items()})
+            self._kernels.update({k: (ps, so) for k, (ps, _) in kernels.items()})
         failed = []
         for src, so, tmp, proc in builds:  # the sources compile side by side
             err = proc.communicate()[1]

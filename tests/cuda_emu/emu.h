@@ -479,11 +479,18 @@ EMU_RUNTIME inline void check(uintptr_t a, size_t n, bool write, uintptr_t pc, b
 }
 
 // Runs the launch; returns null, or what went wrong. extents: [lo, hi) of each parameter's
-// array (0, 0 for a scalar), the memory the launch may touch besides its stacks and statics.
+// array (0, 0 for a scalar), the memory the launch may touch besides its stacks and statics;
+// most: the kernel's __launch_bounds__ (a larger block is a launch error on a GPU).
 template <class... A>
-EMU_RUNTIME const char* launch(void (*f)(A...), dim3 grid, dim3 block, void** args, const unsigned long long* extents) {
+EMU_RUNTIME const char* launch(void (*f)(A...), dim3 grid, dim3 block, void** args, const unsigned long long* extents,
+                               unsigned most) {
     const unsigned n = block.x * block.y * block.z;
     if (!(n > 0 && n % 32 == 0 && n <= 1024)) return "the emulator needs whole warps, at most 1024 threads";
+    if (n > most) {
+        snprintf(S.error, sizeof S.error, "a block of %u threads, more than the kernel's __launch_bounds__ (%u): a "
+                 "launch error on a GPU", n, most);
+        return S.error;
+    }
     if (!reserve(n)) return "cannot allocate the emulated threads' stacks";
     if (!S.image_hi && !dl_iterate_phdr(find_image, nullptr)) return "cannot find the emulator library's own image";
     S.extents = extents;
