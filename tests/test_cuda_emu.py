@@ -2,10 +2,12 @@
 and barriers (counting ones too), warp shuffles, dp4a, 2-D grids, the host half branch, and the
 argument checks that stand in for CuPy's silent scalar conversions; barriers that separate
 phases, deadlocks reported rather than hung on, blocks run in both orders, and the memory checks
-(accesses outside the launch's arrays, misaligned vector loads, shared-memory races). Each test
-prints its seed."""
+(accesses outside the launch's arrays, misaligned vector loads, shared-memory races, global
+memory shared between blocks without the last-block pattern). Each test prints its seed."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -95,7 +97,7 @@ extern "C" __global__ void early_exit(int* out, int returns, int mode) {
     int t = threadIdx.x;
     if (t < returns) return;
     if (mode == 0) __syncthreads();
-    else out[t] = __shfl_xor_sync(FULL, t, 1);
+    else out[blockIdx.x * blockDim.x + t] = __shfl_xor_sync(FULL, t, 1);
 }
 
 // Block sums without (first_sync 0) the barrier that keeps a warp from rewriting scratch while
@@ -128,7 +130,7 @@ extern "C" __global__ void big_local(int* out) {
     __syncthreads();
     int s = 0;
     for (int i = 0; i < 8192; i += 97) s += a[i];
-    out[threadIdx.x] = s;
+    out[blockIdx.x * blockDim.x + threadIdx.x] = s;
 }
 
 /* a 2-D grid of 2-D blocks; the parameters span lines */
@@ -163,6 +165,28 @@ extern "C" __global__ void shifted_copy(const float* x, float* out, int shift, i
 extern "C" __global__ void shifted_copy4(const float* x, float* out, int shift) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     ((float4*)out)[i] = ((const float4*)(x + shift))[i];
+}
+
+// Each block's sum into partial[block]; the last block adds them into *total: the last to count
+// itself in (count set), which every other block's fence (fence set) has published its partial
+// to, else simply the grid's last block, which on a GPU may run before the others.
+extern "C" __global__ void last_block_sum(const float* x, float* partial, int* done, float* total, int fence,
+                                          int count) {
+    __shared__ int last;
+    if (threadIdx.x == 0) {
+        float a = 0.f;
+        for (unsigned i = 0; i < blockDim.x; i++) a += x[blockIdx.x * blockDim.x + i];
+        partial[blockIdx.x] = a;
+        if (fence) __threadfence();
+        last = count ? atomicAdd(done, 1) == (int)gridDim.x - 1 : blockIdx.x == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (last && threadIdx.x == 0) {
+        float a = 0.f;
+        for (unsigned b = 0; b < gridDim.x; b++) a += partial[b];
+        *total = a;
+        *done = 0;
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(64, 2) bounded(int* out) { out[threadIdx.x] = threadIdx.x; }
@@ -347,11 +371,11 @@ def test_warp_syncs_and_atomics_order_shared_memory(mod):
     (0, 1, "255 wait at __syncthreads"), (0, 255, "1 wait at __syncthreads"),
     (1, 3, "warp 0: 0 at __syncthreads, 29 at warp, 3 returned")])
 def test_deadlock_is_reported(mod, mode, returns, waits):
-    f, out = mod.get_function("early_exit"), np.zeros(256, np.int32)
+    f, out = mod.get_function("early_exit"), np.zeros(512, np.int32)
     with pytest.raises(EmuKernelError, match=rf"early_exit .*deadlock in block \(0,0,0\).*{waits}"):
         f(1, 256, (out, np.int32(returns), np.int32(mode)))
     f(2, 256, (out, np.int32(0), np.int32(1)))  # the next launch starts afresh
-    np.testing.assert_array_equal(out, np.arange(256) ^ 1)
+    np.testing.assert_array_equal(out, np.tile(np.arange(256) ^ 1, 2))
     f(2, 256, (out, np.int32(64), np.int32(1)))  # whole warps that return are fine
     f(2, 256, (out, np.int32(256), np.int32(0)))  # and so is a block of which all return
 
@@ -373,9 +397,9 @@ def test_partial_masks_are_refused(mod):
 
 
 def test_large_local_array(mod):
-    out = np.zeros(64, np.int32)
+    out = np.zeros(128, np.int32)
     mod.get_function("big_local")(2, 64, (out,))
-    np.testing.assert_array_equal(out, np.arange(0, 8192, 97).sum() * np.arange(64))
+    np.testing.assert_array_equal(out, np.arange(0, 8192, 97).sum() * np.tile(np.arange(64), 2))
 
 
 def test_accesses_outside_the_arrays_are_caught(mod, rng):
@@ -410,6 +434,37 @@ def test_misaligned_vector_loads_are_caught(mod, rng):
                                                  rf"thread \(0,0,0\): 'const struct float4' needs 16-byte alignment, "
                                                  rf"and 0x[0-9a-f]+ is {4 * shift} bytes past a boundary"):
             f(1, 32, (x, out, np.int32(shift)))
+
+
+def test_blocks_share_global_memory_only_through_a_fence_and_a_count(mod, rng):
+    """Blocks run one after another here, so a block that reads another's output gets it
+    whatever the order; on a GPU only the last-block pattern (fence, then count) makes it so."""
+    x = rng.standard_normal(4 * 32, dtype=np.float32)
+    partial, done, total = np.zeros(4, np.float32), np.zeros(1, np.int32), np.zeros(1, np.float32)
+    f = mod.get_function("last_block_sum")
+    for _ in range(2):  # both block orders
+        f(4, 32, (x, partial, done, total, np.int32(1), np.int32(1)))
+        assert total[0] == pytest.approx(x.sum(), rel=1e-5) and done[0] == 0
+    race = (r"global-memory race between blocks \(read after write\): block \(\d,0,0\) thread \(0,0,0\) at "
+            r"harness\.cu:\d+ \(last_block_sum\) wrote a byte that block \(\d,0,0\) thread \(0,0,0\) at "
+            r"harness\.cu:\d+ \(last_block_sum\) then reads .*; byte \d+ of parameter 1 `float\* partial`")
+    for _ in range(2):  # no fence: the count can come before the partial
+        done[0] = 0
+        with pytest.raises(EmuKernelError, match=race):
+            f(4, 32, (x, partial, done, total, np.int32(0), np.int32(1)))
+    # No count: the grid's last block may run first. Where it does here too (every second
+    # launch), it reads the partials before any block of the launch wrote them, which the
+    # check does not follow (it knows the writes, not the reads to come): the sum is wrong.
+    raised = 0
+    for _ in range(2):
+        x = rng.standard_normal(4 * 32, dtype=np.float32)
+        try:
+            f(4, 32, (x, partial, done, total, np.int32(1), np.int32(0)))
+            assert total[0] != pytest.approx(x.sum(), rel=1e-5)
+        except EmuKernelError as e:
+            assert re.search(race, str(e))
+            raised += 1
+    assert raised == 1
 
 
 def test_compile_error_carries_gcc_message(tmp_path):

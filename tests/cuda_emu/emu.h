@@ -30,7 +30,11 @@
 // to a byte by different threads, one of them a write (atomics aside), need a __syncthreads
 // between them, or a warp shuffle or __syncwarp when both threads are of one warp. Blocks run
 // their threads in phases, so such a race often gives the right values here and the wrong ones
-// on a GPU; the check names both accesses instead.
+// on a GPU; the check names both accesses instead. So is global memory between the blocks of a
+// launch, which run one after another here and at once on a GPU: a block may read or overwrite
+// a byte another block of the launch wrote only as the last-block pattern orders it, the
+// writing thread's __threadfence after its write and an atomic of its block after that fence,
+// then an atomic of the reading block before its access.
 // __CUDACC__ stays undefined on purpose: kernels/common.cuh then takes its host branch
 // (_Float16 half conversions instead of inline PTX).
 #pragma once
@@ -179,6 +183,23 @@ struct Sched {
     uintptr_t shared_lo = 0, shared_hi = 0;
     struct Byte* history = nullptr;
     unsigned phase = 0;
+    // Global memory between blocks: the bytes this launch wrote, by open addressing on the
+    // address (an entry of an earlier launch is free), and the running block's written bytes,
+    // fences and atomics, numbered by seq.
+    struct Written* written = nullptr;
+    size_t written_cap = 0, written_count = 0;
+    uintptr_t* block_writes = nullptr;
+    size_t block_writes_n = 0, block_writes_cap = 0;
+    unsigned launch_id = 0, block_id = 0, seq = 0, block_atomic = 0;
+    unsigned fence[1024];  // seq of each thread's last __threadfence in the running block
+};
+// A byte of global memory the launch wrote: by which block and thread, at what seq, from code
+// at pc; published once its block ended with a fence after the write and an atomic after that.
+struct Written {
+    uintptr_t addr;
+    unsigned launch, block, seq, pc;
+    unsigned short thread;
+    bool published;
 };
 // The last write to a byte of shared memory and the reads since, in phase wphase / rphase: by
 // thread writer / reader (MANY: several) at warp generation wgen / rgen (the readers' latest),
@@ -462,6 +483,86 @@ EMU_RUNTIME inline void race_check(uintptr_t a, size_t n, bool write, unsigned p
     }
 }
 
+EMU_RUNTIME inline size_t slot_of(uintptr_t a, size_t cap) { return (a * 0x9E3779B97F4A7C15ull >> 20) & (cap - 1); }
+
+// The entry for byte a in this launch: found, or (insert) made, else null.
+EMU_RUNTIME inline Written* written_at(uintptr_t a, bool insert) {
+    if (insert && 2 * (S.written_count + 1) > S.written_cap) {  // grow, keeping this launch's entries
+        size_t cap = S.written_cap ? 2 * S.written_cap : 4096;
+        auto* table = static_cast<Written*>(calloc(cap, sizeof(Written)));
+        if (!table) abort();
+        for (size_t i = 0; i < S.written_cap; i++) {
+            const Written& e = S.written[i];
+            if (e.launch != S.launch_id) continue;
+            size_t j = slot_of(e.addr, cap);
+            while (table[j].launch == S.launch_id) j = (j + 1) & (cap - 1);
+            table[j] = e;
+        }
+        free(S.written);
+        S.written = table;
+        S.written_cap = cap;
+    }
+    if (!S.written_cap) return nullptr;
+    for (size_t j = slot_of(a, S.written_cap);; j = (j + 1) & (S.written_cap - 1)) {
+        Written& e = S.written[j];
+        if (e.launch != S.launch_id) {
+            if (!insert) return nullptr;
+            S.written_count++;
+            e = Written{a, S.launch_id, 0, 0, 0, 0, false};
+            return &e;
+        }
+        if (e.addr == a) return &e;
+    }
+}
+
+[[noreturn]] EMU_RUNTIME __attribute__((noinline)) inline void global_race(const char* kind, uintptr_t a,
+                                                                           const Written& w, unsigned pc) {
+    unsigned gx = gridDim.x, gy = gridDim.y, x = blockDim.x, y = blockDim.y, me = S.cur->tid;
+    int len = snprintf(S.error, sizeof S.error, "global-memory race between blocks (%s): block (%u,%u,%u) thread "
+                       "(%u,%u,%u) [pc +0x%x] wrote a byte that block (%u,%u,%u) thread (%u,%u,%u) [pc +0x%x] "
+                       "then %s in the same launch, not ordered by a fence and atomics (the last-block pattern)",
+                       kind, w.block % gx, w.block / gx % gy, w.block / (gx * gy), w.thread % x, w.thread / x % y,
+                       w.thread / (x * y), w.pc, blockIdx.x, blockIdx.y, blockIdx.z, me % x, me / x % y,
+                       me / (x * y), pc, kind[0] == 'r' ? "reads" : "overwrites");
+    for (unsigned i = 0; i < S.nparams; i++)
+        if (a >= S.extents[2 * i] && a < S.extents[2 * i + 1])
+            snprintf(S.error + len, sizeof S.error - len, "; byte %lu of parameter %u",
+                     (unsigned long)(a - S.extents[2 * i]), i);
+    fail(S.cur);
+}
+
+// An access to the launch's global memory: a byte another block wrote may be read or written
+// only once that block published it and this block has made an atomic.
+EMU_RUNTIME inline void global_check(uintptr_t a, size_t n, bool write, unsigned pc) {
+    if (!write && !S.written_count) return;  // the launch has written nothing yet
+    for (uintptr_t x = a; x < a + n; x++) {
+        Written* w = written_at(x, write);
+        if (!w) continue;
+        if (w->seq && w->block != S.block_id && !(w->published && S.block_atomic))
+            global_race(write ? "write after write" : "read after write", x, *w, pc);
+        if (!write) continue;
+        *w = Written{x, S.launch_id, S.block_id, ++S.seq, pc, (unsigned short)S.cur->tid, false};
+        if (S.block_writes_n == S.block_writes_cap) {
+            S.block_writes_cap = S.block_writes_cap ? 2 * S.block_writes_cap : 4096;
+            S.block_writes = static_cast<uintptr_t*>(realloc(S.block_writes, S.block_writes_cap * sizeof(uintptr_t)));
+            if (!S.block_writes) abort();
+        }
+        S.block_writes[S.block_writes_n++] = x;
+    }
+}
+
+// The running block has ended: which of its writes it published.
+EMU_RUNTIME inline void publish_block() {
+    for (size_t i = 0; i < S.block_writes_n; i++) {
+        Written* w = written_at(S.block_writes[i], false);
+        if (w && w->block == S.block_id) {
+            unsigned fenced = S.fence[w->thread];
+            w->published = fenced > w->seq && S.block_atomic > fenced;
+        }
+    }
+    S.block_writes_n = 0;
+}
+
 // Called before each load or store of a kernel thread (the __tsan_* hooks below); atomic: an
 // atomic operation, which races with nothing.
 EMU_RUNTIME inline void check(uintptr_t a, size_t n, bool write, uintptr_t pc, bool atomic = false) {
@@ -474,7 +575,13 @@ EMU_RUNTIME inline void check(uintptr_t a, size_t n, bool write, uintptr_t pc, b
     }
     if (a >= S.image_lo && a + n <= S.image_hi) return;
     for (unsigned i = 0; i < S.nparams; i++)
-        if (a >= S.extents[2 * i] && a + n <= S.extents[2 * i + 1]) return;
+        if (a >= S.extents[2 * i] && a + n <= S.extents[2 * i + 1]) {
+            if (atomic)
+                S.block_atomic = ++S.seq;
+            else
+                global_check(a, n, write, unsigned(pc - S.image_base));
+            return;
+        }
     bad_access(a, n, write, pc);
 }
 
@@ -504,9 +611,13 @@ EMU_RUNTIME const char* launch(void (*f)(A...), dim3 grid, dim3 block, void** ar
     gridDim = grid;
     const bool reverse = S.launches++ & 1;
     const unsigned blocks = grid.x * grid.y * grid.z;
+    S.launch_id++;  // every entry of the written table is now free
+    S.written_count = 0;
     for (unsigned b = 0; b < blocks; b++) {
         const unsigned i = reverse ? blocks - 1 - b : b;
         blockIdx = {i % grid.x, i / grid.x % grid.y, i / (grid.x * grid.y)};
+        S.block_id = i, S.block_atomic = 0, S.block_writes_n = 0;
+        memset(S.fence, 0, n * sizeof *S.fence);
         for (unsigned t = 0; t < n; t++) {
             Fiber& fb = S.fibers[t];
             fb.idx = {t % block.x, t / block.x % block.y, t / (block.x * block.y)};
@@ -529,6 +640,7 @@ EMU_RUNTIME const char* launch(void (*f)(A...), dim3 grid, dim3 block, void** ar
 #endif
         S.checking = false;
         if (S.failed) return S.error;
+        publish_block();
     }
     return nullptr;
 }
@@ -584,7 +696,10 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) {
     if (mask != 0xffffffffu) emu::partial_mask("__syncwarp", mask);
     emu::warp_sync();
 }
-EMU_RUNTIME inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+EMU_RUNTIME inline void __threadfence() {
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (emu::S.checking) emu::S.fence[emu::S.cur->tid] = ++emu::S.seq;
+}
 
 // Shuffles with CUDA's width rules: a lane reads within its width-wide segment, and one whose
 // source would fall outside it (down past the end, xor into a later segment) keeps its value.
