@@ -167,19 +167,20 @@ extern "C" __global__ void shifted_copy4(const float* x, float* out, int shift) 
     ((float4*)out)[i] = ((const float4*)(x + shift))[i];
 }
 
-// Each block's sum into partial[block]; the last block adds them into *total: the last to count
-// itself in (count set), which every other block's fence (fence set) has published its partial
-// to, else simply the grid's last block, which on a GPU may run before the others.
-extern "C" __global__ void last_block_sum(const float* x, float* partial, int* done, float* total, int fence,
-                                          int count) {
+// Each block's sum into partial[block]; the last block to count itself in adds them into *total.
+// mode 0: thread 0 sums, fences and counts; 1: without the fence; 2: without the count (the
+// grid's last block adds them, which on a GPU may run first); 3: thread 1 sums and fences, and
+// thread 0 counts behind a __syncthreads; 4: the same without the __syncthreads.
+extern "C" __global__ void last_block_sum(const float* x, float* partial, int* done, float* total, int mode) {
     __shared__ int last;
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == (mode >= 3 ? 1u : 0u)) {
         float a = 0.f;
         for (unsigned i = 0; i < blockDim.x; i++) a += x[blockIdx.x * blockDim.x + i];
         partial[blockIdx.x] = a;
-        if (fence) __threadfence();
-        last = count ? atomicAdd(done, 1) == (int)gridDim.x - 1 : blockIdx.x == gridDim.x - 1;
+        if (mode != 1) __threadfence();
     }
+    if (mode == 3) __syncthreads();
+    if (threadIdx.x == 0) last = mode == 2 ? blockIdx.x == gridDim.x - 1 : atomicAdd(done, 1) == (int)gridDim.x - 1;
     __syncthreads();
     if (last && threadIdx.x == 0) {
         float a = 0.f;
@@ -438,28 +439,32 @@ def test_misaligned_vector_loads_are_caught(mod, rng):
 
 def test_blocks_share_global_memory_only_through_a_fence_and_a_count(mod, rng):
     """Blocks run one after another here, so a block that reads another's output gets it
-    whatever the order; on a GPU only the last-block pattern (fence, then count) makes it so."""
-    x = rng.standard_normal(4 * 32, dtype=np.float32)
+    whatever the order; on a GPU only the last-block pattern (fence, then count, each after the
+    step before in its thread or behind a barrier) makes it so."""
     partial, done, total = np.zeros(4, np.float32), np.zeros(1, np.int32), np.zeros(1, np.float32)
     f = mod.get_function("last_block_sum")
-    for _ in range(2):  # both block orders
-        f(4, 32, (x, partial, done, total, np.int32(1), np.int32(1)))
-        assert total[0] == pytest.approx(x.sum(), rel=1e-5) and done[0] == 0
-    race = (r"global-memory race between blocks \(read after write\): block \(\d,0,0\) thread \(0,0,0\) at "
+    race = (r"global-memory race between blocks \(read after write\): block \(\d,0,0\) thread \((\d),0,0\) at "
             r"harness\.cu:\d+ \(last_block_sum\) wrote a byte that block \(\d,0,0\) thread \(0,0,0\) at "
             r"harness\.cu:\d+ \(last_block_sum\) then reads .*; byte \d+ of parameter 1 `float\* partial`")
-    for _ in range(2):  # no fence: the count can come before the partial
-        done[0] = 0
-        with pytest.raises(EmuKernelError, match=race):
-            f(4, 32, (x, partial, done, total, np.int32(0), np.int32(1)))
-    # No count: the grid's last block may run first. Where it does here too (every second
-    # launch), it reads the partials before any block of the launch wrote them, which the
-    # check does not follow (it knows the writes, not the reads to come): the sum is wrong.
+    for mode, writer in ((0, None), (3, None), (1, "0"), (4, "1")):
+        for _ in range(2):  # both block orders
+            x = rng.standard_normal(4 * 32, dtype=np.float32)
+            done[0] = 0
+            if writer is None:
+                f(4, 32, (x, partial, done, total, np.int32(mode)))
+                assert total[0] == pytest.approx(x.sum(), rel=1e-5) and done[0] == 0
+            else:
+                with pytest.raises(EmuKernelError, match=race) as e:
+                    f(4, 32, (x, partial, done, total, np.int32(mode)))
+                assert re.search(race, str(e.value))[1] == writer
+    # No count: where the grid's last block runs first here too (every second launch), it reads
+    # the partials before any block of the launch wrote them, which the check does not follow
+    # (it knows the writes, not the reads to come): the sum is wrong.
     raised = 0
     for _ in range(2):
         x = rng.standard_normal(4 * 32, dtype=np.float32)
         try:
-            f(4, 32, (x, partial, done, total, np.int32(1), np.int32(0)))
+            f(4, 32, (x, partial, done, total, np.int32(2)))
             assert total[0] != pytest.approx(x.sum(), rel=1e-5)
         except EmuKernelError as e:
             assert re.search(race, str(e))

@@ -34,7 +34,8 @@
 // launch, which run one after another here and at once on a GPU: a block may read or overwrite
 // a byte another block of the launch wrote only as the last-block pattern orders it, the
 // writing thread's __threadfence after its write and an atomic of its block after that fence,
-// then an atomic of the reading block before its access.
+// then an atomic of the reading block before its access, each step after the one before in
+// its thread or behind a __syncthreads (so the order the emulation ran them in does not count).
 // __CUDACC__ stays undefined on purpose: kernels/common.cuh then takes its host branch
 // (_Float16 half conversions instead of inline PTX).
 #pragma once
@@ -190,14 +191,16 @@ struct Sched {
     size_t written_cap = 0, written_count = 0;
     uintptr_t* block_writes = nullptr;
     size_t block_writes_n = 0, block_writes_cap = 0;
-    unsigned launch_id = 0, block_id = 0, seq = 0, block_atomic = 0;
-    unsigned fence[1024];  // seq of each thread's last __threadfence in the running block
+    unsigned launch_id = 0, block_id = 0, seq = 0;
+    unsigned atomic_seq = 0, atomic_phase = 0, atomic_thread = 0;  // the running block's last atomic
+    unsigned fence_seq[1024], fence_phase[1024];  // each thread's last __threadfence in the running block
 };
-// A byte of global memory the launch wrote: by which block and thread, at what seq, from code
-// at pc; published once its block ended with a fence after the write and an atomic after that.
+// A byte of global memory the launch wrote: by which block and thread, at what seq and phase,
+// from code at pc; published once its block ended with a fence after the write and an atomic
+// after that (after: see after()).
 struct Written {
     uintptr_t addr;
-    unsigned launch, block, seq, pc;
+    unsigned launch, block, seq, phase, pc;
     unsigned short thread;
     bool published;
 };
@@ -508,7 +511,7 @@ EMU_RUNTIME inline Written* written_at(uintptr_t a, bool insert) {
         if (e.launch != S.launch_id) {
             if (!insert) return nullptr;
             S.written_count++;
-            e = Written{a, S.launch_id, 0, 0, 0, 0, false};
+            e = Written{a, S.launch_id, 0, 0, 0, 0, 0, false};
             return &e;
         }
         if (e.addr == a) return &e;
@@ -531,17 +534,26 @@ EMU_RUNTIME inline Written* written_at(uintptr_t a, bool insert) {
     fail(S.cur);
 }
 
+// Step b of thread u comes after step a of thread t (seq and phase of each; seq 0: never made):
+// in t's program order, or behind a __syncthreads.
+EMU_RUNTIME inline bool after(unsigned a_seq, unsigned a_phase, unsigned t, unsigned b_seq, unsigned b_phase,
+                              unsigned u) {
+    return a_seq && b_seq && (t == u ? b_seq > a_seq : b_phase > a_phase);
+}
+
 // An access to the launch's global memory: a byte another block wrote may be read or written
-// only once that block published it and this block has made an atomic.
+// only once that block published it and this thread comes after an atomic of its own block.
 EMU_RUNTIME inline void global_check(uintptr_t a, size_t n, bool write, unsigned pc) {
     if (!write && !S.written_count) return;  // the launch has written nothing yet
+    const unsigned me = S.cur->tid;
+    const bool acquired = after(S.atomic_seq, S.atomic_phase, S.atomic_thread, S.seq + 1, S.phase, me);
     for (uintptr_t x = a; x < a + n; x++) {
         Written* w = written_at(x, write);
         if (!w) continue;
-        if (w->seq && w->block != S.block_id && !(w->published && S.block_atomic))
+        if (w->seq && w->block != S.block_id && !(w->published && acquired))
             global_race(write ? "write after write" : "read after write", x, *w, pc);
         if (!write) continue;
-        *w = Written{x, S.launch_id, S.block_id, ++S.seq, pc, (unsigned short)S.cur->tid, false};
+        *w = Written{x, S.launch_id, S.block_id, ++S.seq, S.phase, pc, (unsigned short)me, false};
         if (S.block_writes_n == S.block_writes_cap) {
             S.block_writes_cap = S.block_writes_cap ? 2 * S.block_writes_cap : 4096;
             S.block_writes = static_cast<uintptr_t*>(realloc(S.block_writes, S.block_writes_cap * sizeof(uintptr_t)));
@@ -556,8 +568,9 @@ EMU_RUNTIME inline void publish_block() {
     for (size_t i = 0; i < S.block_writes_n; i++) {
         Written* w = written_at(S.block_writes[i], false);
         if (w && w->block == S.block_id) {
-            unsigned fenced = S.fence[w->thread];
-            w->published = fenced > w->seq && S.block_atomic > fenced;
+            unsigned t = w->thread, fence = S.fence_seq[t], phase = S.fence_phase[t];
+            w->published = after(w->seq, w->phase, t, fence, phase, t) &&
+                           after(fence, phase, t, S.atomic_seq, S.atomic_phase, S.atomic_thread);
         }
     }
     S.block_writes_n = 0;
@@ -577,7 +590,7 @@ EMU_RUNTIME inline void check(uintptr_t a, size_t n, bool write, uintptr_t pc, b
     for (unsigned i = 0; i < S.nparams; i++)
         if (a >= S.extents[2 * i] && a + n <= S.extents[2 * i + 1]) {
             if (atomic)
-                S.block_atomic = ++S.seq;
+                S.atomic_seq = ++S.seq, S.atomic_phase = S.phase, S.atomic_thread = S.cur->tid;
             else
                 global_check(a, n, write, unsigned(pc - S.image_base));
             return;
@@ -616,8 +629,8 @@ EMU_RUNTIME const char* launch(void (*f)(A...), dim3 grid, dim3 block, void** ar
     for (unsigned b = 0; b < blocks; b++) {
         const unsigned i = reverse ? blocks - 1 - b : b;
         blockIdx = {i % grid.x, i / grid.x % grid.y, i / (grid.x * grid.y)};
-        S.block_id = i, S.block_atomic = 0, S.block_writes_n = 0;
-        memset(S.fence, 0, n * sizeof *S.fence);
+        S.block_id = i, S.atomic_seq = 0, S.block_writes_n = 0;
+        memset(S.fence_seq, 0, n * sizeof *S.fence_seq);
         for (unsigned t = 0; t < n; t++) {
             Fiber& fb = S.fibers[t];
             fb.idx = {t % block.x, t / block.x % block.y, t / (block.x * block.y)};
@@ -698,7 +711,10 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) {
 }
 EMU_RUNTIME inline void __threadfence() {
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    if (emu::S.checking) emu::S.fence[emu::S.cur->tid] = ++emu::S.seq;
+    if (emu::S.checking) {
+        unsigned t = emu::S.cur->tid;
+        emu::S.fence_seq[t] = ++emu::S.seq, emu::S.fence_phase[t] = emu::S.phase;
+    }
 }
 
 // Shuffles with CUDA's width rules: a lane reads within its width-wide segment, and one whose
