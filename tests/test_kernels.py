@@ -48,7 +48,7 @@ def random_q4(rng, rows, cols):
 
 def dequant_f64(qs, d):
     """Q4_0 decoded element by element from the layout's definition, independent of quant.py."""
-    rows, cols = qs.shape[0], qs.shape[1] * 2
+    cols = qs.shape[1] * 2
     k = np.arange(cols)
     b, j = k // 32, k % 32
     byte = qs[:, b * 16 + j % 16].astype(np.int64)
