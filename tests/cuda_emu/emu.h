@@ -21,11 +21,12 @@
 // and store that is not of a private local (statics included, which AddressSanitizer's skips
 // when it can see they are in bounds), and with -fsanitize=alignment, which calls the __ubsan_*
 // one before every typed access through a misaligned pointer (on a GPU, an N-byte load needs
-// an N-aligned address; on x86 a misaligned vector load just works). Inside a launch a thread may touch its own
-// stack, the library's statics (__shared__ memory among them) and the arrays its launch was
-// passed, each within its extent; anything else, or a misaligned access, ends the launch with
-// an error naming the access, the nearest argument and the code's address (cuda_emu turns that
-// into a source line). The emulator's own code below is left unchecked (EMU_RUNTIME).
+// an N-aligned address; on x86 a misaligned vector load just works). Inside a launch a thread
+// may touch its own stack, the library's statics (__shared__ memory among them) and the arrays
+// its launch was passed, each within its extent; anything else, or a misaligned access, ends
+// the launch with an error naming the access, the nearest argument and the code's address
+// (cuda_emu turns that into a source line). The emulator's own code below is left unchecked
+// (EMU_RUNTIME).
 // Shared memory is also checked for races, as compute-sanitizer's racecheck would: two accesses
 // to a byte by different threads, one of them a write (atomics aside), need a __syncthreads
 // between them, or a warp shuffle or __syncwarp when both threads are of one warp. Blocks run
@@ -183,7 +184,7 @@ struct Sched {
     // earlier phase is simply stale and nothing needs clearing.
     uintptr_t shared_lo = 0, shared_hi = 0;
     struct Byte* history = nullptr;
-    unsigned phase = 0;
+    unsigned long long phase = 0;
     // Global memory between blocks: the bytes this launch wrote, by open addressing on the
     // address (an entry of an earlier launch is free), and the running block's written bytes,
     // fences and atomics, numbered by seq.
@@ -191,16 +192,17 @@ struct Sched {
     size_t written_cap = 0, written_count = 0;
     uintptr_t* block_writes = nullptr;
     size_t block_writes_n = 0, block_writes_cap = 0;
-    unsigned launch_id = 0, block_id = 0, seq = 0;
-    unsigned atomic_seq = 0, atomic_phase = 0, atomic_thread = 0;  // the running block's last atomic
-    unsigned fence_seq[1024], fence_phase[1024];  // each thread's last __threadfence in the running block
+    unsigned launch_id = 0, block_id = 0, atomic_thread = 0;
+    unsigned long long seq = 0, atomic_seq = 0, atomic_phase = 0;  // atomic_*: the running block's last atomic
+    unsigned long long fence_seq[1024], fence_phase[1024];  // each thread's last __threadfence in the block
 };
 // A byte of global memory the launch wrote: by which block and thread, at what seq and phase,
 // from code at pc; published once its block ended with a fence after the write and an atomic
 // after that (after: see after()).
 struct Written {
     uintptr_t addr;
-    unsigned launch, block, seq, phase, pc;
+    unsigned long long seq, phase;
+    unsigned launch, block, pc;
     unsigned short thread;
     bool published;
 };
@@ -209,7 +211,8 @@ struct Written {
 // from code at wpc / rpc (offsets in the library). rwarp: the readers' one warp, or MANY.
 constexpr unsigned short MANY = 0xffff;
 struct Byte {
-    unsigned wphase, rphase, wpc, rpc, wgen, rgen;
+    unsigned long long wphase, rphase;
+    unsigned wpc, rpc, wgen, rgen;
     unsigned short writer, reader, rwarp;
 };
 inline Sched S;
@@ -511,7 +514,7 @@ EMU_RUNTIME inline Written* written_at(uintptr_t a, bool insert) {
         if (e.launch != S.launch_id) {
             if (!insert) return nullptr;
             S.written_count++;
-            e = Written{a, S.launch_id, 0, 0, 0, 0, 0, false};
+            e = Written{a, 0, 0, S.launch_id, 0, 0, 0, false};
             return &e;
         }
         if (e.addr == a) return &e;
@@ -528,16 +531,18 @@ EMU_RUNTIME inline Written* written_at(uintptr_t a, bool insert) {
                        w.thread / (x * y), w.pc, blockIdx.x, blockIdx.y, blockIdx.z, me % x, me / x % y,
                        me / (x * y), pc, kind[0] == 'r' ? "reads" : "overwrites");
     for (unsigned i = 0; i < S.nparams; i++)
-        if (a >= S.extents[2 * i] && a < S.extents[2 * i + 1])
+        if (a >= S.extents[2 * i] && a < S.extents[2 * i + 1]) {
             snprintf(S.error + len, sizeof S.error - len, "; byte %lu of parameter %u",
                      (unsigned long)(a - S.extents[2 * i]), i);
+            break;
+        }
     fail(S.cur);
 }
 
 // Step b of thread u comes after step a of thread t (seq and phase of each; seq 0: never made):
 // in t's program order, or behind a __syncthreads.
-EMU_RUNTIME inline bool after(unsigned a_seq, unsigned a_phase, unsigned t, unsigned b_seq, unsigned b_phase,
-                              unsigned u) {
+EMU_RUNTIME inline bool after(unsigned long long a_seq, unsigned long long a_phase, unsigned t,
+                              unsigned long long b_seq, unsigned long long b_phase, unsigned u) {
     return a_seq && b_seq && (t == u ? b_seq > a_seq : b_phase > a_phase);
 }
 
@@ -553,7 +558,7 @@ EMU_RUNTIME inline void global_check(uintptr_t a, size_t n, bool write, unsigned
         if (w->seq && w->block != S.block_id && !(w->published && acquired))
             global_race(write ? "write after write" : "read after write", x, *w, pc);
         if (!write) continue;
-        *w = Written{x, S.launch_id, S.block_id, ++S.seq, S.phase, pc, (unsigned short)me, false};
+        *w = Written{x, ++S.seq, S.phase, S.launch_id, S.block_id, pc, (unsigned short)me, false};
         if (S.block_writes_n == S.block_writes_cap) {
             S.block_writes_cap = S.block_writes_cap ? 2 * S.block_writes_cap : 4096;
             S.block_writes = static_cast<uintptr_t*>(realloc(S.block_writes, S.block_writes_cap * sizeof(uintptr_t)));
@@ -568,7 +573,8 @@ EMU_RUNTIME inline void publish_block() {
     for (size_t i = 0; i < S.block_writes_n; i++) {
         Written* w = written_at(S.block_writes[i], false);
         if (w && w->block == S.block_id) {
-            unsigned t = w->thread, fence = S.fence_seq[t], phase = S.fence_phase[t];
+            unsigned t = w->thread;
+            unsigned long long fence = S.fence_seq[t], phase = S.fence_phase[t];
             w->published = after(w->seq, w->phase, t, fence, phase, t) &&
                            after(fence, phase, t, S.atomic_seq, S.atomic_phase, S.atomic_thread);
         }
