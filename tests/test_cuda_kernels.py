@@ -410,6 +410,10 @@ def test_head_dims_the_engine_refuses_are_those_attention_misaligns(rng):
         ref.attention_decode(q_rot, kc.astype(np.float32), vc.astype(np.float32), n, want)
         assert rel(down(k, out), want) < 1e-3, hd  # the kernel's f16 K row may round apart from NumPy's
     assert refused == [h for h in range(98, 129, 4)] + [h for h in range(226, 257, 8) for h in (h, h + 2, h + 4)]
+    too_wide = SimpleNamespace(head_dim=MAX_HEAD_DIM + 2, hidden_size=64, intermediate_size=128, q_dim=64)
+    assert unsupported_shapes(too_wide) == f"head_dim {MAX_HEAD_DIM + 2}: the cuda attention kernels hold at most 256"
+    assert unsupported_shapes(SimpleNamespace(head_dim=98, hidden_size=64, intermediate_size=128, q_dim=64)) == (
+        "head_dim 98: the cuda attention kernels need a multiple of 4 for head dims 97 to 128")
 
 
 @pytest.mark.parametrize("T,start", [(1, 0), (6, 0), (5, 11)])

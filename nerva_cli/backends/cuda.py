@@ -48,12 +48,14 @@ def unsupported_shapes(cfg) -> str | None:
     elements apart, so that word is aligned to its size (a misaligned load faults on a GPU) only
     when the count divides head_dim, as it does for every head dim of the supported families."""
     hd, widths = cfg.head_dim, (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim)
-    if any(w % 32 for w in widths):
-        return f"the cuda kernels need widths that are multiples of 32 (hidden, intermediate, q: {widths})"
+    if any(w % QK for w in widths):
+        return f"the cuda kernels need widths that are multiples of {QK} (hidden, intermediate, q: {widths})"
+    if hd > MAX_HEAD_DIM:
+        return f"head_dim {hd}: the cuda attention kernels hold at most {MAX_HEAD_DIM}"
     per_lane = _cdiv(hd, 32)
-    if hd > MAX_HEAD_DIM or (per_lane in (2, 4, 8) and hd % per_lane):
-        return (f"head_dim {hd}: the cuda attention kernels need head_dim <= {MAX_HEAD_DIM}, a multiple of "
-                f"{per_lane} when it is in {32 * per_lane - 31}..{32 * per_lane}")
+    if per_lane in (2, 4, 8) and hd % per_lane:
+        return (f"head_dim {hd}: the cuda attention kernels need a multiple of {per_lane} for head dims "
+                f"{32 * per_lane - 31} to {32 * per_lane}")
     return None
 
 
