@@ -63,8 +63,10 @@ class EmuBuildError(RuntimeError):
 class EmuKernelError(RuntimeError):
     """A launch that could not finish: a block deadlocked (threads returned, or wait at another
     barrier, while others wait at __syncthreads or a warp shuffle), a shuffle or __syncwarp
-    had a mask other than the whole warp's, or a thread touched memory outside its stack, shared
-    memory and the launch's arrays, or through a misaligned pointer."""
+    had a mask other than the whole warp's, a block had more threads than the kernel's launch
+    bounds, or emu.h's memory checks refused an access: outside the thread's stack, shared memory
+    and the launch's arrays, through a misaligned pointer, or racing with another thread's or
+    block's."""
 
 
 class Param:
@@ -151,7 +153,7 @@ def _data_symbols(so: Path) -> list[tuple[int, int, str]]:
 
 
 def _data_of(so: Path, offset: int) -> str:
-    """The variable at the library's offset, as name[+byte]."""
+    """The variable at the library's offset, as 'name, byte N'."""
     for start, size, name in _data_symbols(so):
         if start <= offset < start + size:
             return f"{name}, byte {offset - start}"
@@ -166,7 +168,7 @@ class EmuKernel:
         self._fn.restype = ctypes.c_char_p  # null, or why the launch failed
 
     def _explain(self, error: str) -> str:
-        """emu.h's message with the parameter's declaration and the access's source line."""
+        """emu.h's message with each parameter's declaration, variable's name and code's source line."""
         error = re.sub(r"parameter (\d+)", lambda m: f"parameter {m[1]} `{self.params[int(m[1])].text}`", error)
         error = re.sub(r"\[data \+0x([0-9a-f]+)\]", lambda m: _data_of(self._so, int(m[1], 16)), error)
         return re.sub(r"\[pc \+0x([0-9a-f]+)\]", lambda m: "at " + _source_of(self._so, int(m[1], 16)), error)
