@@ -448,18 +448,21 @@ EMU_RUNTIME inline int find_image(dl_phdr_info* info, size_t, void*) {
     fail(S.cur);
 }
 
+// "what (x,y,z)" for the linear index i of a block (dims: gridDim) or a thread (blockDim).
+struct Named { char text[32]; };
+EMU_RUNTIME inline Named named(const char* what, unsigned i, dim3 dims) {
+    Named n;
+    snprintf(n.text, sizeof n.text, "%s (%u,%u,%u)", what, i % dims.x, i / dims.x % dims.y, i / (dims.x * dims.y));
+    return n;
+}
+
 [[noreturn]] EMU_RUNTIME __attribute__((noinline)) inline void race(const char* kind, uintptr_t a, unsigned me,
                                                                     unsigned pc, unsigned other, unsigned other_pc) {
-    auto thread = [](unsigned t, char* buf) {
-        if (t == MANY) return (void)snprintf(buf, 24, "several threads");
-        unsigned x = blockDim.x, y = blockDim.y;
-        snprintf(buf, 24, "thread (%u,%u,%u)", t % x, t / x % y, t / (x * y));
-    };
-    char first[24], second[24];
-    thread(other, first), thread(me, second);
+    Named first = other == MANY ? Named{"several threads"} : named("thread", other, blockDim);
+    Named second = named("thread", me, blockDim);
     snprintf(S.error, sizeof S.error, "shared-memory race (%s) in block (%u,%u,%u) on [data +0x%lx]: %s [pc +0x%x], "
              "then %s [pc +0x%x], with no barrier between", kind, blockIdx.x, blockIdx.y, blockIdx.z,
-             (unsigned long)(a - S.image_base), first, other_pc, second, pc);
+             (unsigned long)(a - S.image_base), first.text, other_pc, second.text, pc);
     fail(S.cur);
 }
 
@@ -523,13 +526,11 @@ EMU_RUNTIME inline Written* written_at(uintptr_t a, bool insert) {
 
 [[noreturn]] EMU_RUNTIME __attribute__((noinline)) inline void global_race(const char* kind, uintptr_t a,
                                                                            const Written& w, unsigned pc) {
-    unsigned gx = gridDim.x, gy = gridDim.y, x = blockDim.x, y = blockDim.y, me = S.cur->tid;
-    int len = snprintf(S.error, sizeof S.error, "global-memory race between blocks (%s): block (%u,%u,%u) thread "
-                       "(%u,%u,%u) [pc +0x%x] wrote a byte that block (%u,%u,%u) thread (%u,%u,%u) [pc +0x%x] "
-                       "then %s in the same launch, not ordered by a fence and atomics (the last-block pattern)",
-                       kind, w.block % gx, w.block / gx % gy, w.block / (gx * gy), w.thread % x, w.thread / x % y,
-                       w.thread / (x * y), w.pc, blockIdx.x, blockIdx.y, blockIdx.z, me % x, me / x % y,
-                       me / (x * y), pc, kind[0] == 'r' ? "reads" : "overwrites");
+    int len = snprintf(S.error, sizeof S.error, "global-memory race between blocks (%s): %s %s [pc +0x%x] wrote a "
+                       "byte that %s %s [pc +0x%x] then %s in the same launch, not ordered by a fence and atomics "
+                       "(the last-block pattern)", kind, named("block", w.block, gridDim).text,
+                       named("thread", w.thread, blockDim).text, w.pc, named("block", S.block_id, gridDim).text,
+                       named("thread", S.cur->tid, blockDim).text, pc, kind[0] == 'r' ? "reads" : "overwrites");
     for (unsigned i = 0; i < S.nparams; i++)
         if (a >= S.extents[2 * i] && a < S.extents[2 * i + 1]) {
             snprintf(S.error + len, sizeof S.error - len, "; byte %lu of parameter %u",
