@@ -1,44 +1,178 @@
 #!/usr/bin/env bash
-# The GPU check, on a machine with a CUDA device (pip install -e '.[test,cuda13]'): the GPU tests,
-# then the GPU benchmarks (scripts/gpu_bench.py), where a decode step's time goes
-# (scripts/gpu_profile.py) and the matvec tuning table (scripts/gpu_matvec_sweep.py). With
-# ../shared/gpu-peers packed into .gpu-peer/ (its pack.sh), llama.cpp CUDA is built and benched on
-# its random Llama-3-8B-shaped Q4_0 GGUF and nerva runs the same file, so the figures are ratios
-# measured in the same lease; without it, nerva runs a model of the same shapes from
-# scripts/synthetic_model.py. Results, each naming the device, go to docs/perf/ (or $RESULTS).
-#   bash scripts/gpu_check.sh [MODEL_DIR]
+# The GPU check, on a machine with a CUDA device (pip install -e '.[test,cuda13]'), in stages:
+#   tests     the GPU tests (pytest -m gpu)
+#   bench     scripts/gpu_bench.py: resident and paged decode against the HBM and PCIe limits. With
+#             ../shared/gpu-peers packed into .gpu-peer/ (its pack.sh) and no MODEL_DIR, llama.cpp
+#             CUDA is built (while the tests run) and benched on its random Llama-3-8B-shaped Q4_0
+#             GGUF, and nerva runs the same file, so the figures are ratios from the same lease
+#   profile   scripts/gpu_profile.py: where a resident decode step's time goes, kernel by kernel
+#   sweep     scripts/gpu_matvec_sweep.py: the matvec tuning table
+#   extra     what the bench does not time: W4A8 decode, run's sampling (temperature 0.8), decode
+#             at 7680 cached tokens against the attention split count before long contexts
+#             spread (9 a head), and a full wave of attention blocks at 512
+#   sanitize  compute-sanitizer memcheck, then racecheck, over the kernel tests (CuPy's memory
+#             pool off, so each array is an allocation of its own that memcheck bounds)
+# Stages that need a model and have neither MODEL_DIR nor the peer's use one of the same shapes
+# from scripts/synthetic_model.py. Results, each naming the device, go to docs/perf/ (or $RESULTS).
+#
+#   [STAGES="tests bench"] [RESULTS=DIR] [DEADLINE_S=540] [PACK=FILE.tgz] bash scripts/gpu_check.sh [MODEL_DIR]
+#
+# STAGES defaults to "tests bench profile sweep". DEADLINE_S bounds the whole run, so that a
+# command run under a time limit keeps what finished: each command gets the time left, and one
+# that would start with less than a minute left is skipped, saying so. PACK tars RESULTS into one
+# file at the end (a lease gives back few files). The last lines printed sum the results up.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${RESULTS:-docs/perf}
+stages=" ${STAGES:-tests bench profile sweep} "
+for s in $stages; do
+  case $s in
+    tests|bench|profile|sweep|extra|sanitize) ;;
+    *) echo "gpu_check: STAGES: unknown stage '$s' (tests bench profile sweep extra sanitize)" >&2; exit 2 ;;
+  esac
+done
+[[ ${DEADLINE_S:-0} =~ ^[0-9]+$ ]] || { echo "gpu_check: DEADLINE_S: '$DEADLINE_S' is not a number of seconds" >&2; exit 2; }
 mkdir -p "$out"
+export PYTHONUNBUFFERED=1  # a command cut short by DEADLINE_S keeps what it printed
 python3 -c "import sys; from nerva_cli.backends import cuda
 sys.exit(0 if cuda.cupy_or_none() else 'gpu_check: ' + cuda.why_no_cuda)" || exit 1
+
+has() { [[ $stages == *" $1 "* ]]; }
+failed=() cut=()
+# mark STATUS NAME: a step's outcome for the summary (124 and 137: stopped or skipped by DEADLINE_S)
+mark() {
+  case $1 in
+    0) ;;
+    124|137) cut+=("$2") ;;
+    *) failed+=("$2") ;;
+  esac
+}
+
+# bounded CMD...: CMD with what is left of DEADLINE_S (30 s kept for packing and the summary)
+bounded() {
+  [ -z "${DEADLINE_S:-}" ] && { "$@"; return; }
+  local left=$((DEADLINE_S - SECONDS - 30))
+  if [ "$left" -lt 60 ]; then
+    echo "gpu_check: skipped, ${left}s left of DEADLINE_S: $*"
+    return 124
+  fi
+  timeout -k 10 "$left" "$@"
+}
+
 model=${1:-}
-peer=()
-if [ -z "$model" ] && [ -d .gpu-peer ]; then
+if [ -z "$model" ] && has bench && [ -d .gpu-peer ]; then
   # the llama.cpp build (about 4.5 min on 16 cores) runs while the tests do; nerva's own ratios
   # use the ceilings gpu_bench.py measures later, on a quiet GPU
   RESULTS=$out bash .gpu-peer/ceilings_and_build.sh > "$out/peer_ceilings.log" 2>&1 &
   building=$!
 fi
-python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$out/gpu_tests.log"
-tests=${PIPESTATUS[0]}
+
+if has tests; then
+  bounded python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$out/gpu_tests.log"
+  mark "${PIPESTATUS[0]}" tests
+fi
+
+peer=()
 if [ -n "${building:-}" ]; then
   wait "$building"
-  if RESULTS=$out bash .gpu-peer/llamacpp_bench.sh > "$out/peer_llamacpp.log" 2>&1; then
+  if RESULTS=$out bounded bash .gpu-peer/llamacpp_bench.sh > "$out/peer_llamacpp.log" 2>&1; then
     peer=(--peer-json "$out/llama_bench_full.json")
   else
     echo "gpu_check: the llama.cpp bench failed (see $out/peer_llamacpp.log); nerva's figures come alone"
   fi
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}  # the gguf wheel the peer scripts installed
   model=${TMPDIR:-/tmp}/nerva-r8b
-  python3 -m nerva_cli convert /tmp/r8b.gguf --out "$model" --force || model=
+  bounded python3 -m nerva_cli convert /tmp/r8b.gguf --out "$model" --force || model=
 fi
-if [ -z "$model" ]; then
+
+# the model the stages after the tests run, made once if none was given
+ensure_model() {
+  [ -n "$model" ] && return 0
   model=${TMPDIR:-/tmp}/nerva-synthetic-llama3-8b
-  [ -f "$model/metadata.json" ] || python3 scripts/synthetic_model.py llama3-8b "$model" || exit 1
+  [ -f "$model/metadata.json" ] || bounded python3 scripts/synthetic_model.py llama3-8b "$model"
+}
+
+if has bench; then
+  ensure_model && bounded python3 scripts/gpu_bench.py "$model" --out "$out" "${peer[@]}"
+  mark $? bench
 fi
-python3 scripts/gpu_bench.py "$model" --out "$out" "${peer[@]}" || exit 1
-python3 scripts/gpu_profile.py "$model" --json "$out/gpu_profile.json" | tee "$out/gpu_profile.txt"
-python3 scripts/gpu_matvec_sweep.py | tee "$out/gpu_matvec_sweep.txt"
-exit "$tests"
+if has profile; then
+  ensure_model && bounded python3 scripts/gpu_profile.py "$model" --json "$out/gpu_profile.json" \
+    | tee "$out/gpu_profile.txt"
+  mark $? profile
+fi
+if has sweep; then
+  bounded python3 scripts/gpu_matvec_sweep.py | tee "$out/gpu_matvec_sweep.txt"
+  mark $? sweep
+fi
+# the paths the bench does not time, each in its own command so that one failing or cut off
+# leaves the others; rc keeps the worst outcome (a failure over a cut)
+step() {
+  bounded "$@"
+  local r=$?
+  if [ "$r" -ne 0 ] && { [ "$rc" -eq 0 ] || [ "$rc" -eq 124 ]; }; then rc=$r; fi
+}
+extra_runs() {
+  local rc=0
+  echo "== W4A8 decode (every layer; run's default mixed precision runs most layers so)"
+  step python3 -m nerva_cli bench "$model" --backend cuda --no-profile --precision w4a8 \
+    --prompt-tokens 512 --gen-tokens 128 --repeat 3
+  echo "== run's sampling: temperature 0.8, top-k 40, top-p 0.95"
+  step python3 scripts/gpu_profile.py "$model" --temperature 0.8
+  echo "== 7680 cached tokens: attention's default split count, then 9 a head"
+  step python3 scripts/gpu_profile.py "$model" --fill 7680 --ctx 8192
+  step python3 scripts/gpu_profile.py "$model" --fill 7680 --ctx 8192 --splits 9,9
+  echo "== 512 cached tokens in an 8192 context: default splits, then a full wave (20 a head)"
+  step python3 scripts/gpu_profile.py "$model" --fill 512 --ctx 8192
+  step python3 scripts/gpu_profile.py "$model" --fill 512 --ctx 8192 --splits 20,20
+  echo "== the whole step at 7680 cached tokens"
+  step python3 -m nerva_cli bench "$model" --backend cuda --no-profile --ctx 8192 \
+    --prompt-tokens 7680 --gen-tokens 128 --repeat 1
+  return $rc
+}
+if has extra; then
+  ensure_model && extra_runs 2>&1 | tee "$out/gpu_extra.txt"
+  mark $? extra
+fi
+if has sanitize; then
+  # import_cupy first (nerva's environment for CuPy), then the pool off
+  nopool='import sys, pytest; from nerva_cli.backends.cuda import import_cupy
+import_cupy().cuda.set_allocator(None); sys.exit(pytest.main(sys.argv[1:]))'
+  for tool in memcheck racecheck; do
+    log=$out/sanitize_$tool.log
+    bounded compute-sanitizer --tool "$tool" --print-limit 20 --error-exitcode 9 \
+      python3 -c "$nopool" -q -m gpu tests/test_cuda_kernels.py > "$log" 2>&1
+    mark $? "sanitize:$tool"
+    grep -m 10 -E "^=+ +(Invalid|Race|Error|Warning)" "$log"
+    tail -2 "$log"
+  done
+fi
+
+echo "== gpu_check summary (stages:$stages; ${SECONDS}s)"
+if has tests; then tail -1 "$out/gpu_tests.log"; fi
+python3 - "$out" <<'EOF'
+import json, sys
+from pathlib import Path
+
+for path in sorted(Path(sys.argv[1]).glob("gpu_*.json")):
+    try:
+        r = json.loads(path.read_text())
+    except ValueError:
+        continue
+    if "resident" in r:
+        res, pag = r["resident"], r["paged"]
+        print(f"{path.name}: resident {res.get('decode_tok_s')} tok/s = {res.get('fraction_of_limit')} of HBM "
+              f"(target 0.5); paged {pag.get('decode_tok_s')} tok/s = {pag.get('fraction_of_limit')} of PCIe "
+              f"(target 0.8); prefill {res.get('prefill_tok_s')} tok/s")
+        for k, v in r.get("llama_cpp", {}).items():
+            print(f"  vs llama.cpp {k}: {v['nerva_tok_s']} / {v['llama_cpp_tok_s']} = {v['nerva_over_llama_cpp']}")
+EOF
+if [ -n "${PACK:-}" ]; then
+  tar czf "$PACK" -C "$(dirname "$out")" "$(basename "$out")" && echo "packed $out into $PACK"
+fi
+[ ${#cut[@]} -eq 0 ] || echo "gpu_check: cut short or skipped by DEADLINE_S: ${cut[*]}"
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "gpu_check: failed: ${failed[*]}"
+  exit 1
+fi
+[ ${#cut[@]} -eq 0 ] || exit 124
