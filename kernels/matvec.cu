@@ -17,9 +17,15 @@
 #endif
 // At least 640 threads of a Q4_0 matvec resident per SM, which holds it to 96 registers a thread
 // at 128 a block: W4A16's GLU kernel took 100 and W4A8 (quantising x in the loop) 127, which the
-// register file's allocation unit (256 a warp) turns into 4 blocks an SM instead of 5; bounded,
-// neither spills. (The exact kernels need fewer: a bound would let ptxas spend up to 96 on them.)
+// register file's allocation unit (256 a warp) turns into 4 blocks an SM instead of 5. Bounded,
+// the GLU kernels and W4A16 do not spill; matvec_q4_w4a8 does (80 bytes, NVRTC 13.5, sm_75 to
+// sm_90: its 8 rows and row pointers, stored before the loop and reloaded every round, 14 LDL of
+// 611 instructions; 596 and no spill at 128 registers). Whether 5 blocks an SM with the reloads
+// beat 4 without is for a GPU to say: -D MV_MIN_BLOCKS=4 (scripts/gpu_matvec_sweep.py). (The
+// exact kernels need fewer registers: a bound would let ptxas spend up to 96 on them.)
+#ifndef MV_MIN_BLOCKS
 #define MV_MIN_BLOCKS (640 / MV_MAX_THREADS)
+#endif
 
 // W4A16 turns a code n into the float n - 8 without an int conversion. (float)((int)n - 8) made
 // the loop 1399 instructions per 8 rows of a block, 973 of them integer (I2FP, shift, mask,

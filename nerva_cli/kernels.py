@@ -81,26 +81,46 @@ def compile_cubin(path: Path, arch: str, major: int | None = None, defines: tupl
     """NVRTC-compiles one source to machine code for `arch` (e.g. sm_90), through ptxas, so
     register and shared-memory limits are checked too. A failure raises with NVRTC's log, which
     names the file and line. defines ("MV_ROWS=4", ...): tuning sweeps (scripts/gpu_matvec_sweep.py)."""
+    return _compile(path, arch, major, defines, verbose=False)[0]
+
+
+SPILLS = re.compile(r"Function properties for (\w+)\n.*?(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                    r"(\d+) bytes spill loads\n.*?Used (\d+) registers")
+
+
+def resources(path: Path, arch: str, defines: tuple[str, ...] = ()) -> dict[str, dict[str, int]]:
+    """What ptxas gave each kernel of one source for `arch`: {kernel: {registers, stack,
+    spill_stores, spill_loads}} (bytes a thread). A spill is local memory: on a decode kernel
+    bound by bytes in flight, reloads in its loop cost issue slots and latency (scripts/sass_mix.py
+    shows where they land)."""
+    log = _compile(path, arch, None, defines, verbose=True)[1]
+    return {m[0]: {"registers": int(m[4]), "stack": int(m[1]), "spill_stores": int(m[2]), "spill_loads": int(m[3])}
+            for m in SPILLS.findall(log)}
+
+
+def _compile(path: Path, arch: str, major: int | None, defines: tuple[str, ...], verbose: bool) -> tuple[bytes, str]:
+    """(cubin, NVRTC's log); verbose: ptxas reports each kernel's registers and spills in the log."""
     lib = _nvrtc(major)
     prog = ctypes.c_void_p()
     src = module_source(path).encode()
     check = _checker(lib, path)
     check(lib.nvrtcCreateProgram(ctypes.byref(prog), src, str(path).encode(), 0, None, None))
     try:
-        opts = [o.encode() for o in (*OPTIONS, f"--gpu-architecture={arch}", *(f"-D{d}" for d in defines))]
+        opts = [o.encode() for o in (*OPTIONS, f"--gpu-architecture={arch}", *(f"-D{d}" for d in defines),
+                                     *(("--ptxas-options=--verbose",) if verbose else ()))]
         arr = (ctypes.c_char_p * len(opts))(*opts)
         rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
-        if rc != 0:
-            size = ctypes.c_size_t()
-            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-            log = ctypes.create_string_buffer(size.value)
-            lib.nvrtcGetProgramLog(prog, log)
-            raise NervaError(f"{path}: NVRTC failed for {arch}:\n{log.value.decode(errors='replace').strip()}")
         size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        text = log.value.decode(errors="replace").strip()
+        if rc != 0:
+            raise NervaError(f"{path}: NVRTC failed for {arch}:\n{text}")
         check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)))
         cubin = ctypes.create_string_buffer(size.value)
         check(lib.nvrtcGetCUBIN(prog, cubin))
-        return cubin.raw
+        return cubin.raw, text
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 

@@ -9,7 +9,8 @@
 #   sweep     scripts/gpu_matvec_sweep.py: the matvec tuning table
 #   extra     what the bench does not time: W4A8 decode, run's sampling (temperature 0.8), decode
 #             at 7680 cached tokens against the attention split count before long contexts
-#             spread (9 a head), and a full wave of attention blocks at 512
+#             spread (9 a head), a full wave of attention blocks at 512, and the W4A8 matvec
+#             with and without its register spills
 #   sanitize  compute-sanitizer memcheck, then racecheck, over the kernel tests (CuPy's memory
 #             pool off, so each array is an allocation of its own that memcheck bounds)
 # Stages that need a model and have neither MODEL_DIR nor the peer's use one of the same shapes
@@ -125,6 +126,9 @@ extra_runs() {
   echo "== 512 cached tokens in an 8192 context: default splits, then a full wave (20 a head)"
   step python3 scripts/gpu_profile.py "$model" --fill 512 --ctx 8192
   step python3 scripts/gpu_profile.py "$model" --fill 512 --ctx 8192 --splits 20,20
+  echo "== matvec_q4_w4a8: 5 blocks an SM at 96 registers (14 spill reloads a round), then 4 at 128 (none)"
+  step python3 scripts/gpu_matvec_sweep.py --precision w4a8 --rows 8 --threads 128
+  step python3 scripts/gpu_matvec_sweep.py --precision w4a8 --rows 8 --threads 128 -D MV_MIN_BLOCKS=4
   echo "== the whole step at 7680 cached tokens"
   step python3 -m nerva_cli bench "$model" --backend cuda --no-profile --ctx 8192 \
     --prompt-tokens 7680 --gen-tokens 128 --repeat 1

@@ -6,6 +6,11 @@ copies of random weights (at least 512 MB) that no launch finds its matrix in L2
 step, and the launches are replayed from a graph, as in a real step.
 
     python3 scripts/gpu_matvec_sweep.py [--rows 4,8,16] [--threads 64,128,256] [--precision w4a16|w4a8]
+                                        [-D MV_MIN_BLOCKS=4]
+
+-D adds a macro to every compile: `--precision w4a8 --rows 8 --threads 128` with and without
+`-D MV_MIN_BLOCKS=4` is the A/B of matvec_q4_w4a8's spills (128 registers and 4 blocks an SM,
+no spill, against 96 and 5 with 14 reloads a round; scripts/sass_mix.py shows both).
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ def main() -> None:
     ap.add_argument("--rows", default="4,8,16")
     ap.add_argument("--threads", default="64,128,256")
     ap.add_argument("--precision", default="w4a16", choices=["w4a16", "w4a8"])
+    ap.add_argument("-D", dest="defines", action="append", default=[], help="a macro for NVRTC, e.g. MV_MIN_BLOCKS=4")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from nerva_cli import kernels
@@ -73,12 +79,12 @@ def main() -> None:
     fns = {}
     for rows_per_block in map(int, args.rows.split(",")):
         for cap in map(int, args.threads.split(",")):
-            cubin = Path(f"/tmp/matvec-rows{rows_per_block}-threads{cap}.cubin")
-            defines = (f"MV_ROWS={rows_per_block}", f"MV_MAX_THREADS={cap}")
+            defines = (f"MV_ROWS={rows_per_block}", f"MV_MAX_THREADS={cap}", *args.defines)
+            cubin = Path(f"/tmp/matvec-{'-'.join(defines)}.cubin")
             cubin.write_bytes(kernels.compile_cubin(kernels.sources()["matvec"], arch, major, defines))
             fns[rows_per_block, cap] = cp.RawModule(path=str(cubin)).get_function(name)
     results = sweep(dev, fns, SHAPES, args.precision)
-    print(f"{dev.name}, {name}: GB/s (us a launch) by MV_ROWS x MV_THREADS")
+    print(f"{dev.name}, {name}{''.join(' -D ' + d for d in args.defines)}: GB/s (us a launch) by MV_ROWS x MV_THREADS")
     configs = sorted({(r, t) for _, r, t in results})
     print(f"{'shape':<14}" + "".join(f"{f'{r}x{t}':>16}" for r, t in configs))
     for label in SHAPES:

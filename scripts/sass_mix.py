@@ -63,12 +63,17 @@ def main() -> None:
     ap.add_argument("-D", dest="defines", action="append", default=[], help="a macro for NVRTC, e.g. MV_ROWS=4")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from nerva_cli.kernels import compile_cubin
+    from nerva_cli.kernels import compile_cubin, resources
 
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compile_cubin(args.source, args.arch, defines=tuple(args.defines)))
         f.flush()
         sass = subprocess.run([nvdisasm(), f.name], check=True, capture_output=True, text=True).stdout
+    r = resources(args.source, args.arch, tuple(args.defines)).get(args.kernel)
+    if r:
+        print(f"{args.kernel} ({args.arch}): {r['registers']} registers, {r['stack']} bytes stack frame, "
+              f"{r['spill_stores']} bytes spill stores, {r['spill_loads']} bytes spill loads (a loop's LDL and STL "
+              "below are its spill traffic)")
     for i, ops in enumerate(loops(sass, args.kernel)):
         total, integer = sum(ops.values()), sum(n for op, n in ops.items() if op in INTEGER)
         mix = ", ".join(f"{op} {n}" for op, n in ops.most_common())
