@@ -1,8 +1,12 @@
 """Every CUDA source compiles with NVRTC, through ptxas, for every supported architecture, and
-every kernel it declares is in the machine code: no GPU needed (ARCHITECTURE 7)."""
+every kernel it declares is in the machine code; ptxas's register and spill report is read; the
+inline PTX's one truth table is what its C fallback computes: no GPU needed (ARCHITECTURE 7)."""
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 
 from nerva_cli import kernels
@@ -48,3 +52,26 @@ def test_resources_sees_local_memory(tmp_path):
                    '}\n')
     report = kernels.resources(src, "sm_80")
     assert report["plain"]["stack"] == 0 and report["local"]["stack"] >= 64 * 4, report
+
+
+def test_and_or_lop3_table_is_its_c_fallback():
+    """The one truth table in the kernels' inline PTX, which the CPU emulation never runs (it
+    takes and_or's C branch): lop3.b32's immediate, applied bit by bit as PTX defines it (bit
+    4a + 2b + c of the table for input bits a, b, c of its three operands), equals the fallback
+    (a & MASK) | c on random words and masks."""
+    src = (kernels.KERNEL_DIR / "common.cuh").read_text()
+    body = src[src.index("and_or("):]
+    asm = re.search(r'lop3\.b32 %0, %(\d), %(\d), %(\d), (0x[0-9A-Fa-f]+);"\s*:\s*"=r"\(r\)\s*:\s*(.+?)\);', body)
+    assert asm, "and_or's lop3 not found in common.cuh"
+    operands = [re.search(r"\((\w+)\)", o).group(1) for o in asm.group(5).split(",")]
+    order = [operands[int(asm.group(i)) - 1] for i in (1, 2, 3)]  # %1.. are the inputs, in order
+    table = int(asm.group(4), 16)
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 31))
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    for _ in range(64):
+        values = {"a": int(rng.integers(1 << 32)), "MASK": int(rng.integers(1 << 32)), "c": int(rng.integers(1 << 32))}
+        x, y, z = (values[name] for name in order)
+        lop3 = sum(((table >> (4 * (x >> i & 1) + 2 * (y >> i & 1) + (z >> i & 1))) & 1) << i for i in range(32))
+        assert lop3 == (values["a"] & values["MASK"]) | values["c"], (values, hex(table))
