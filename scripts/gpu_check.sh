@@ -89,8 +89,9 @@ fi
 # the model the stages after the tests run, made once if none was given
 ensure_model() {
   [ -n "$model" ] && return 0
-  model=${TMPDIR:-/tmp}/nerva-synthetic-llama3-8b
-  [ -f "$model/metadata.json" ] || bounded python3 scripts/synthetic_model.py llama3-8b "$model"
+  local synthetic=${TMPDIR:-/tmp}/nerva-synthetic-llama3-8b
+  [ -f "$synthetic/metadata.json" ] || bounded python3 scripts/synthetic_model.py llama3-8b "$synthetic" || return
+  model=$synthetic
 }
 
 if has bench; then
