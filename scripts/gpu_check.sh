@@ -24,6 +24,7 @@
 # file at the end (a lease gives back few files). The last lines printed sum the results up.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+started=$(date +%s)
 out=${RESULTS:-docs/perf}
 stages=" ${STAGES:-tests bench profile sweep} "
 for s in $stages; do
@@ -143,9 +144,11 @@ if has sanitize; then
   # import_cupy first (nerva's environment for CuPy), then the pool off
   nopool='import sys, pytest; from nerva_cli.backends.cuda import import_cupy
 import_cupy().cuda.set_allocator(None); sys.exit(pytest.main(sys.argv[1:]))'
-  for tool in memcheck racecheck; do
+  sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  [ -n "$sanitizer" ] || { echo "gpu_check: compute-sanitizer not found (PATH, /usr/local/cuda*/bin)"; failed+=(sanitize); }
+  for tool in ${sanitizer:+memcheck racecheck}; do
     log=$out/sanitize_$tool.log
-    bounded compute-sanitizer --tool "$tool" --print-limit 20 --error-exitcode 9 \
+    bounded "$sanitizer" --tool "$tool" --print-limit 20 --error-exitcode 9 \
       python3 -c "$nopool" -q -m gpu tests/test_cuda_kernels.py > "$log" 2>&1
     mark $? "sanitize:$tool"
     grep -m 10 -E "^=+ +(Invalid|Race|Error|Warning)" "$log"
@@ -155,11 +158,13 @@ fi
 
 echo "== gpu_check summary (stages:$stages; ${SECONDS}s)"
 if has tests; then tail -1 "$out/gpu_tests.log"; fi
-python3 - "$out" <<'EOF'
+python3 - "$out" "$started" <<'EOF'
 import json, sys
 from pathlib import Path
 
 for path in sorted(Path(sys.argv[1]).glob("gpu_*.json")):
+    if path.stat().st_mtime < float(sys.argv[2]):
+        continue  # an earlier run's (docs/perf holds committed ones)
     try:
         r = json.loads(path.read_text())
     except ValueError:
