@@ -1,5 +1,5 @@
 // Small per-element kernels: embedding rows, RoPE with the KV cache write, SiLU*mul, broadcast
-// adds, and prefill's dequantisation. Positions come from device memory (pos0), so a captured decode
+// adds, and prefill's f16 GEMM operands. Positions come from device memory (pos0), so a captured decode
 // graph replays without the host writing anything.
 #include "common.cuh"
 
@@ -69,22 +69,36 @@ extern "C" __global__ void add_rows(float* x, const float* b, int n, int T) {
     if (i < T * n) x[i] += b[i % n];
 }
 
-// Q4_0 planes -> f32 [rows, cols], one thread per code byte (two weights)
-extern "C" __global__ void dequantize_q4(const u8* qs, const u16* d, float* out, int rows, int cols) {
+// Prefill's GEMM operands are f16 (cuBLAS multiplies them on tensor cores, summing in f32): the
+// kernels below round each value once to the nearest f16 (at most 2^-11 relative, as TF32's
+// 10-bit mantissa rounded f32 operands before). A value past f16's range (65504) becomes inf, as
+// in llama.cpp's cuBLAS path: q, k, v, gate and up read normalised rows and o an average of V
+// rows; down's input, silu(gate) up, is the one without a bound.
+
+// Q4_0 planes -> f16 [rows, cols], one thread per code byte (two weights): d (q - 8), exact in
+// f32, rounded once (exact in f16 too when q - 8 is a power of two).
+extern "C" __global__ void dequantize_q4(const u8* qs, const u16* d, u16* out, int rows, int cols) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < (size_t)rows * (cols / 2)) {
         size_t row = i / (cols / 2);
         int k = i % (cols / 2), b = k / (QK / 2), j = k % (QK / 2);
         float scale = h2f(d[row * (cols / QK) + b]);
         u8 byte = qs[i];
-        float* o = out + row * cols + b * QK;
-        o[j] = scale * (float)((byte & 15) - 8);
-        o[j + 16] = scale * (float)((byte >> 4) - 8);
+        u16* o = out + row * cols + b * QK;
+        o[j] = f2h(scale * (float)((byte & 15) - 8));
+        o[j + 16] = f2h(scale * (float)((byte >> 4) - 8));
     }
 }
 
-// f16/bf16 bits -> f32
-extern "C" __global__ void widen_exact(const u16* w, int bf16, float* out, long long n) {
+// bf16 bits -> f16 (f16 weights are GEMM operands as stored). Exact from 2^-14 to 65504: a weight
+// below that loses low bits as an f16 subnormal, a deviation under 2^-25 absolute.
+extern "C" __global__ void bf16_to_half(const u16* w, u16* out, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = exact2f(w[i], bf16);
+    if (i < n) out[i] = f2h(bf2f(w[i]));
+}
+
+// f32 activations -> f16
+extern "C" __global__ void to_half(const float* x, u16* out, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = f2h(x[i]);
 }

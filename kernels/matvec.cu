@@ -375,14 +375,15 @@ __device__ __forceinline__ int quantize_lane(float v, float* d_out) {
     return (int)fminf(fmaxf(roundf(v * inv), -127.f), 127.f);
 }
 
-// Prefill's W4A8: rows of x quantised per 32-group and scaled back (a GEMM over them gives the
-// integer kernel's products). n = all elements, a multiple of 32.
-extern "C" __global__ void fake_quantize_q8(const float* x, float* out, long long n) {
+// Prefill's W4A8: rows of x quantised per 32-group and scaled back, in f16 (a GEMM over them
+// gives the integer kernel's products, up to the f16 rounding of q d: 2^-11 relative). n = all
+// elements, a multiple of 32.
+extern "C" __global__ void fake_quantize_q8(const float* x, u16* out, long long n) {
     long long g = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (g < n / QK) {
         float d;
         int q = quantize_lane(x[g * QK + lane], &d);
-        out[g * QK + lane] = (float)q * d;
+        out[g * QK + lane] = f2h((float)q * d);
     }
 }

@@ -32,7 +32,7 @@ from nerva_cli.pager import LayerFileReader, PagedWeights, PagerStats
 from nerva_cli.residency import Plan, plan
 from nerva_cli.store import StoredModel, tensors_in
 
-SCRATCH_BYTES = 64 << 20  # prefill's dequantised weight rows (f32), a slice of a matrix at a time
+SCRATCH_BYTES = 64 << 20  # prefill's dequantised weight rows (f16), a slice of a matrix at a time
 HOST_SLOTS = 2  # staging buffers between the disk reader and the copy stream
 
 
@@ -46,9 +46,9 @@ def arena_sizes(cfg, ctx: int, most_splits: int) -> tuple[int, int]:
     h, f, qd, kvd, T = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim, PREFILL_CHUNK
     decode = 4 * (2 * h + 2 * qd + 2 * kvd + f + cfg.vocab_size
                   + cfg.num_heads * (most_splits * (cfg.head_dim + 2) + 1) + 5 + RECENT)
-    prefill = 4 * T * (3 * h + 2 * qd + 2 * kvd + 3 * f)
+    prefill = 4 * T * (3 * h + 2 * qd + 2 * kvd + 3 * f) + 2 * T * max(h, qd, f)
     kv = cfg.num_layers * 2 * ctx * kvd * 2
-    return kv, kv + decode + prefill + min(SCRATCH_BYTES, 4 * _widest_matrix(cfg))
+    return kv, kv + decode + prefill + min(SCRATCH_BYTES, 2 * _widest_matrix(cfg))
 
 
 def _widest_matrix(cfg) -> int:
@@ -74,8 +74,9 @@ def gpu_residency_plan(model: StoredModel, ctx: int | None, vram_budget: int | N
     cfg, files = model.config, model.meta["files"]
     ctx = context_length(cfg, ctx)
     kv, arena = arena_sizes(cfg, ctx, attention_splits(cfg.num_heads, ctx, sms)[1])
-    # prefill's GEMM outputs and logits rows come from CuPy's pool as it runs: room is kept for them
-    temporaries = 4 * PREFILL_CHUNK * (cfg.vocab_size + 2 * max(cfg.hidden_size, cfg.intermediate_size))
+    # all-position logits rows and their normed input (perplexity), or q/k norms' copies, come
+    # from CuPy's pool as prefill runs: room is kept for them
+    temporaries = 4 * PREFILL_CHUNK * (cfg.vocab_size + max(cfg.hidden_size, cfg.q_dim))
     fixed = {"kv_cache": ("kv_cache", kv), "workspace": ("workspace", arena - kv),
              "prefill_temporaries": ("workspace", temporaries),
              "embed": ("embed", files["embed.bin"]["size"]), "norms": ("norms", files["final_norm.bin"]["size"])}
@@ -130,7 +131,8 @@ class DeviceArena:
         self.px, self.pxn, self.pqkv = f32(T, h), f32(T, h), f32(T, qd + 2 * kvd)
         self.pattn, self.pgate_up, self.pact = f32(T, qd), f32(T, 2 * f), f32(T, f)
         self.pout = f32(T, h)
-        self.scratch = f32(min(SCRATCH_BYTES, 4 * _widest_matrix(cfg)) // 4)
+        self.phalf = dev.zeros((T, max(h, qd, f)), np.float16)  # a GEMM's activations in f16
+        self.scratch = dev.zeros(min(SCRATCH_BYTES, 2 * _widest_matrix(cfg)) // 2, np.float16)
 
     @property
     def kv_bytes(self) -> int:
@@ -579,7 +581,7 @@ class CudaEngine(EngineBase):
     # -- prefill -------------------------------------------------------------------------------
     def prefill(self, tokens: list[int], all_logits: bool = False) -> np.ndarray:
         """The prompt in chunks of PREFILL_CHUNK: weights dequantised a slice of rows at a time,
-        cuBLAS GEMMs in f32 like the CPU plane. -> the last logits, or [T, vocab] for all."""
+        cuBLAS GEMMs on f16 operands, f32 sums. -> the last logits, or [T, vocab] for all."""
         if not tokens:
             raise NervaError("empty prompt")
         if self.n_past + len(tokens) > self.ctx:
@@ -625,20 +627,27 @@ class CudaEngine(EngineBase):
         self.n_past += T
         return x
 
-    def _dense(self, m: dict, x, out, precision: str) -> None:
-        """out [T, rows] = x [T, cols] @ W.T, W dequantised a slice of rows at a time. W4A8
-        multiplies by the activations' int8 round trip: the integer kernel's products."""
-        rows, cols = (m["qs"].shape[0], x.shape[1]) if "qs" in m else m["w"].shape
+    def _half(self, x, m: dict, precision: str):
+        """x [T, cols] f32 as the f16 operand of GEMMs with m (and the other matrices of its layer):
+        for W4A8 through the activations' int8 codes, so the GEMM gives the integer kernel's
+        products (up to the f16 rounding of each q d)."""
+        xh = self.a.phalf.reshape(-1)[: x.size].reshape(x.shape)  # contiguous: T rows of exactly cols
         if precision == "w4a8" and "qs" in m:
-            xq = self.dev.empty(x.shape, np.float32)
-            self.k.fake_quantize_q8(x, xq)
-            x = xq
+            self.k.fake_quantize_q8(x, xh)
+        else:
+            self.k.to_half(x, xh)
+        return xh
+
+    def _dense(self, m: dict, xh, out) -> None:
+        """out [T, rows] (rows may be a column slice) = xh [T, cols] f16 @ W.T, by cuBLAS on f16
+        operands with f32 sums: W as stored if f16, else dequantised to f16 a slice of rows at a
+        time (half the bytes of an f32 copy, and tensor cores at f16's rate)."""
+        rows, cols = (m["qs"].shape[0], xh.shape[1]) if "qs" in m else m["w"].shape
         step = max(1, self.a.scratch.size // cols)
         for r in range(0, rows, step):
             n = min(step, rows - r)
-            w = self.a.scratch[: n * cols].reshape(n, cols)
-            self.k.dequantize({k: v[r:r + n] for k, v in m.items()}, w)
-            out[:, r:r + n] = self.dev.matmul_t(x, w)
+            w = self.k.half_weights({k: v[r:r + n] for k, v in m.items()}, self.a.scratch)
+            self.dev.gemm_t(xh, w, out[:, r:r + n])
 
     def _prefill_layer(self, L: DeviceLayer, x, T: int) -> None:
         cfg, a, k, p, t = self.cfg, self.a, self.k, L.precision, L.t
@@ -646,8 +655,9 @@ class CudaEngine(EngineBase):
         xn, qkv = a.pxn[:T], a.pqkv[:T]
         flat = qkv.reshape(-1)  # rows `stride` apart; q, k and v start at offsets 0, qd, qd + kvd
         k.rmsnorm(x, t["attn_norm"], eps, xn)
+        xh = self._half(xn, L.mat("q"), p)
         for name, lo, hi in (("q", 0, qd), ("k", qd, qd + kvd), ("v", qd + kvd, stride)):
-            self._dense(L.mat(name), xn, qkv[:, lo:hi], p)
+            self._dense(L.mat(name), xh, qkv[:, lo:hi])
             if f"{name}_bias" in t:
                 qkv[:, lo:hi] += t[f"{name}_bias"]
         if "q_norm" in t:
@@ -660,15 +670,16 @@ class CudaEngine(EngineBase):
         attn = a.pattn[:T]
         k.attention_prefill(flat, stride, kc, vc, a.pos, attn, T, cfg.num_heads)
         out = a.pout[:T, : cfg.hidden_size]
-        self._dense(L.mat("o"), attn, out, p)
+        self._dense(L.mat("o"), self._half(attn, L.mat("o"), p), out)
         x += out
         k.rmsnorm(x, t["mlp_norm"], eps, xn)
         gu = a.pgate_up[:T]
-        self._dense(L.mat("gate"), xn, gu[:, :f], p)
-        self._dense(L.mat("up"), xn, gu[:, f:], p)
+        xh = self._half(xn, L.mat("gate"), p)
+        self._dense(L.mat("gate"), xh, gu[:, :f])
+        self._dense(L.mat("up"), xh, gu[:, f:])
         act = a.pact[:T]
         k.silu_mul(gu, act, f, T)
-        self._dense(L.mat("down"), act, out, p)
+        self._dense(L.mat("down"), self._half(act, L.mat("down"), p), out)
         x += out
 
     def _logits_rows(self, x) -> np.ndarray:
@@ -676,7 +687,7 @@ class CudaEngine(EngineBase):
         self.k.rmsnorm(x, self.final_norm, self.cfg.rms_eps, xn)
         p = "w4a8" if self.precision == "w4a8" else "w4a16"
         out = self.dev.empty((x.shape[0], self.cfg.vocab_size), np.float32)
-        self._dense(self.head_t, xn, out, p)
+        self._dense(self.head_t, self._half(xn, self.head_t, p), out)
         return self.dev.download(out)
 
     def count_hot_path_allocations(self, prompt: list[int], steps: int) -> int:

@@ -79,11 +79,6 @@ def asnumpy(a, stream=None):
     return np.array(a)
 
 
-def matmul(a, b, out=None):
-    r = np.matmul(np.asarray(a), np.asarray(b))
-    return r.view(ndarray) if out is None else np.copyto(out, r) or out
-
-
 def get_default_memory_pool():
     return _pool
 
@@ -108,7 +103,42 @@ runtime = types.SimpleNamespace(
                                    "totalGlobalMem": 1 << 35, "major": 9, "minor": 0},
     deviceGetPCIBusId=lambda i: "0000:00:00.0", hostRegister=lambda ptr, size, flags: None,
     hostUnregister=lambda ptr: None, memcpyAsync=_memcpy_async, memcpyHostToDevice=1, memcpyDeviceToHost=2,
-    memcpyDeviceToDevice=3, CUDARuntimeError=CUDARuntimeError)
+    memcpyDeviceToDevice=3, CUDARuntimeError=CUDARuntimeError, CUDA_R_32F=0, CUDA_R_16F=2)
+
+
+# cuBLAS's GEMM as its documentation defines cublasGemmEx, on the addresses CuPy passes (device
+# pointers here are host ones): C = alpha op(A) op(B) + beta C, every matrix column-major with its
+# leading dimension, op(A) m x k, op(B) k x n, C m x n; C is not read when beta is 0. Only what
+# nerva asks for: f16 or f32 operands, f32 C, CUBLAS_COMPUTE_32F. Constants as CuPy 14.2's
+# cupy_backends.cuda.libs.cublas and runtime have them.
+_CUDA_R = {0: np.float32, 2: np.float16}  # runtime.CUDA_R_32F, CUDA_R_16F
+_CUBLAS_HANDLE = 0x5EED
+
+
+def _column_major(ptr: int, dtype, rows: int, cols: int, ld: int) -> np.ndarray:
+    assert ld >= max(1, rows), f"leading dimension {ld} < {rows} rows"
+    item = np.dtype(dtype).itemsize
+    base = np.frombuffer((ctypes.c_char * (((cols - 1) * ld + rows) * item)).from_address(ptr), dtype=dtype)
+    return np.lib.stride_tricks.as_strided(base, shape=(rows, cols), strides=(item, ld * item))
+
+
+def _gemm_ex(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
+             computeType, algo):  # noqa: N803 (cuBLAS's names)
+    args = (handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
+            computeType, algo)
+    assert all(isinstance(v, int) for v in args), "CuPy's gemmEx takes ints and addresses"
+    assert handle == _CUBLAS_HANDLE and transa in (0, 1) and transb in (0, 1) and min(m, n, k) > 0
+    assert computeType == cublas.CUBLAS_COMPUTE_32F and Ctype == 0 and algo in (-1, 99)
+    a = _column_major(A, _CUDA_R[Atype], *((k, m) if transa else (m, k)), lda)
+    b = _column_major(B, _CUDA_R[Btype], *((n, k) if transb else (k, n)), ldb)
+    c = _column_major(C, np.float32, m, n, ldc)
+    al, be = ctypes.c_float.from_address(alpha).value, ctypes.c_float.from_address(beta).value
+    prod = (a.T if transa else a).astype(np.float32) @ (b.T if transb else b).astype(np.float32)
+    c[...] = al * prod + (be * c if be else 0)
+
+
+cublas = types.SimpleNamespace(gemmEx=_gemm_ex, CUBLAS_OP_N=0, CUBLAS_OP_T=1, CUBLAS_COMPUTE_32F=68,
+                               CUBLAS_GEMM_DEFAULT=-1, CUBLAS_GEMM_DEFAULT_TENSOR_OP=99)
 
 
 class Stream:
@@ -214,7 +244,8 @@ class Device:
 
 
 cuda = types.SimpleNamespace(
-    runtime=runtime, Stream=Stream, Event=Event, Graph=Graph, Device=Device, PinnedMemory=PinnedMemory,
+    runtime=runtime, cublas=cublas, get_cublas_handle=lambda: _CUBLAS_HANDLE,
+    Stream=Stream, Event=Event, Graph=Graph, Device=Device, PinnedMemory=PinnedMemory,
     PinnedMemoryPointer=PinnedMemoryPointer, set_allocator=set_allocator,
     get_elapsed_time=lambda start, end: (end.at - start.at) * 1000,
     memory=types.SimpleNamespace(OutOfMemoryError=type("OutOfMemoryError", (MemoryError,), {})))

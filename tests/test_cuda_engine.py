@@ -423,6 +423,16 @@ def test_cupy_device_code_against_a_stand_in_for_cupy(stored, monkeypatch):
         engine.reset()
         assert list(engine.stream(PROMPT, SamplingOptions(temperature=0.0), 7)) == want
         assert engine.count_hot_path_allocations(PROMPT, steps=4) == 0
+    rng = np.random.default_rng()
+    a, b, wide = (rng.standard_normal(s).astype(t) for s, t in (((3, 64), np.float16), ((9, 64), np.float16),
+                                                                ((3, 16), np.float32)))
+    out = dev.upload(wide)  # prefill's GEMM into a column slice, by cuBLAS's column-major rules
+    dev.gemm_t(dev.upload(a), dev.upload(b), out[:, 4:13])
+    want = wide.astype(np.float64)
+    want[:, 4:13] = a.astype(np.float64) @ b.astype(np.float64).T
+    np.testing.assert_allclose(dev.download(out), want, rtol=1e-5, atol=1e-5)  # 64 exact products summed in f32
+    with pytest.raises(ValueError, match="gemm_t: f16 a"):
+        dev.gemm_t(dev.upload(a.astype(np.float32)), dev.upload(b), out[:, 4:13])
     assert sorted(dev.bandwidths(1 << 20, rounds=1)) == ["d2h_pinned", "device_copy", "h2d_pinned"]
     pinned = dev.pinned(10_000)
     assert pinned.nbytes == 10_000 and pinned.ctypes.data % 4096 == 0

@@ -257,10 +257,10 @@ def test_activation_quantiser_is_bit_exact(k, rng, cols):
     out = up(k, np.zeros(cols, np.float32))
     k.matvec({"qs": up(k, qs), "d": up(k, d)}, up(k, x), out, "w4a8")
     np.testing.assert_array_equal(down(k, out), np.repeat(xd, 32) * xq.astype(np.float32))
-    fq, want_fq = up(k, np.zeros((1, cols), np.float32)), np.empty((1, cols), np.float32)
+    fq, want_fq = up(k, np.zeros((1, cols), np.float16)), np.empty((1, cols), np.float32)
     ref.fake_quantize_q8(x.reshape(1, -1), want_fq)
-    k.fake_quantize_q8(up(k, x.reshape(1, -1)), fq)
-    np.testing.assert_array_equal(down(k, fq), want_fq)
+    k.fake_quantize_q8(up(k, x.reshape(1, -1)), fq)  # prefill's GEMM operand: q d rounded to f16
+    np.testing.assert_array_equal(down(k, fq), want_fq.astype(np.float16))
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 32), (37, 64), (200, 576), (11, 4160)])
@@ -308,16 +308,49 @@ def test_matvec_exact(k, rng, kind, rows, cols):
     out = up(k, np.zeros(rows, np.float32))
     k.matvec({"w": up(k, w)}, up(k, x), out, "exact")
     assert_rows_close(down(k, out), wide @ x, np.abs(wide) @ np.abs(x), cols)
-    full = up(k, np.zeros((rows, cols), np.float32))
-    k.dequantize({"w": up(k, w)}, full)
-    np.testing.assert_array_equal(down(k, full), wide.astype(np.float32))
+    # prefill's f16 GEMM operand: f16 weights as stored (no copy), bf16 rounded to f16
+    wd, scratch = up(k, w), up(k, np.zeros(rows * cols + 7, np.float16))
+    half = k.half_weights({"w": wd}, scratch)
+    assert (half is wd) == (kind == "f16")
+    np.testing.assert_array_equal(down(k, half).view(np.float16), wide.astype(np.float16))
 
 
-def test_dequantize_q4(k, rng):
+def test_dequantize_q4_to_half(k, rng):
     qs, d = random_q4(rng, 33, 192)
-    out = up(k, np.zeros((33, 192), np.float32))
-    k.dequantize({"qs": up(k, qs), "d": up(k, d)}, out)
-    np.testing.assert_array_equal(down(k, out), dequantize_q4_0(qs, d))
+    scratch = up(k, np.zeros(40 * 192, np.float16))
+    out = k.half_weights({"qs": up(k, qs), "d": up(k, d)}, scratch)
+    assert out.shape == (33, 192) and out.dtype == np.float16
+    np.testing.assert_array_equal(down(k, out), dequantize_q4_0(qs, d).astype(np.float16))
+
+
+def test_to_half_rounds_to_nearest_even(k, rng):
+    """Every f32 -> f16 case: normal, subnormal, ties (an f32 half-way between two f16 values),
+    past the range (inf) and the extremes, held to NumPy's conversion (round to nearest even)."""
+    x = randn(rng, 3, 160) * np.float32(rng.uniform(0.5, 2))
+    x[0, :40] *= np.float32(2.0 ** -18)  # f16 subnormals
+    x[1, :8] = [65504, 65519, 65520, -7e4, 2.0 ** -25, 2.0 ** -26, 1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11]
+    out = up(k, np.zeros(x.shape, np.float16))
+    k.to_half(up(k, x), out)
+    with np.errstate(over="ignore"):  # the values past f16's range, on purpose
+        want = x.astype(np.float16)
+    np.testing.assert_array_equal(down(k, out), want)
+
+
+@pytest.mark.parametrize("T,n,k_dim", [(1, 40, 64), (7, 96, 576), (33, 130, 256)])
+def test_gemm_t_into_a_column_slice(k, rng, T, n, k_dim):
+    """Prefill's GEMM, out [T, n] = a @ b.T on f16 operands with f32 sums, written into columns
+    lo..lo + n of a wider f32 array with the other columns untouched. Tolerance: sums of k f32
+    products (each exact, being of two f16 values) in another order, as assert_rows_close; on
+    a GPU cuBLAS may split k, which that bound covers too."""
+    a, b = randn(rng, T, k_dim).astype(np.float16), randn(rng, n, k_dim).astype(np.float16)
+    wide = randn(rng, T, n + 11)
+    out = up(k, wide)
+    k.dev.gemm_t(up(k, a), up(k, b), out[:, 5:5 + n])
+    got = down(k, out)
+    want = a.astype(np.float64) @ b.astype(np.float64).T
+    assert_rows_close(got[:, 5:5 + n], want, np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64)).T, k_dim)
+    np.testing.assert_array_equal(got[:, :5], wide[:, :5])
+    np.testing.assert_array_equal(got[:, 5 + n:], wide[:, 5 + n:])
 
 
 # -- attention ---------------------------------------------------------------------------------

@@ -166,19 +166,31 @@ class Kernels:
         body = "q4_w4a8" if precision == "w4a8" else "q4_w4a16"
         self._go(f"{kind}_{body}", (blocks,), (mv_threads(cols // QK),), (*flat, x, I32(cols), *tail))
 
+    # -- prefill's GEMM operands, in f16 (CupyDevice.gemm_t) -------------------------------------
+    def to_half(self, x, out) -> None:
+        """out f16 = x f32, same shape, both contiguous."""
+        self._go("to_half", (_cdiv(x.size, THREADS),), (THREADS,), (x, out, np.int64(x.size)))
+
     def fake_quantize_q8(self, x, out) -> None:
+        """out f16 = x [.., a multiple of 32] through W4A8's activation codes and scales."""
         groups = x.size // QK
         self._go("fake_quantize_q8", (_cdiv(groups, GROUPS_PER_BLOCK),), (THREADS,), (x, out, np.int64(x.size)))
 
-    def dequantize(self, m: dict, out) -> None:
-        """A weight matrix as f32 (prefill's GEMM operand)."""
+    def half_weights(self, m: dict, scratch):
+        """A weight matrix (or a slice of its rows) as f16 [rows, cols]: f16 weights as stored,
+        bf16 and Q4_0 converted into scratch (f16, at least rows x cols). -> that array."""
+        if "w" in m and not is_bf16(m["w"]):
+            return m["w"]
         if "w" in m:
             w = m["w"]
-            self._go("widen_exact", (_cdiv(w.size, THREADS),), (THREADS,), (w, I32(is_bf16(w)), out, np.int64(w.size)))
-        else:
-            rows, half = m["qs"].shape
-            self._go("dequantize_q4", (_cdiv(rows * half, THREADS),), (THREADS,),
-                     (m["qs"], m["d"], out, I32(rows), I32(half * 2)))
+            out = scratch[: w.size].reshape(w.shape)
+            self._go("bf16_to_half", (_cdiv(w.size, THREADS),), (THREADS,), (w, out, np.int64(w.size)))
+            return out
+        rows, half = m["qs"].shape
+        out = scratch[: rows * half * 2].reshape(rows, half * 2)
+        self._go("dequantize_q4", (_cdiv(rows * half, THREADS),), (THREADS,),
+                 (m["qs"], m["d"], out, I32(rows), I32(half * 2)))
+        return out
 
     # -- attention -----------------------------------------------------------------------------
     def attention_decode(self, q, k, v, cos, sin, k_cache, v_cache, pos, part, done, out, heads: int,
@@ -239,10 +251,6 @@ def import_cupy():
     from nerva_cli.store import home
 
     os.environ.setdefault("CUPY_CACHE_DIR", str(home() / "cuda-cache"))
-    # prefill's f32 GEMMs on tensor cores (Ampere and later): inputs rounded to 10 mantissa bits,
-    # sums in f32. Without it an 8B prefill ran at FP32-core speed, 0.25 of llama.cpp's (whose
-    # quantised GEMMs round activations to 8 bits). CUPY_TF32=0 turns it off.
-    os.environ.setdefault("CUPY_TF32", "1")
     import cupy
 
     return cupy
@@ -283,6 +291,7 @@ class CupyDevice:
         self.total_bytes = int(props["totalGlobalMem"])
         self.compute = self.stream()
         self.copy = self.stream()
+        self._one, self._zero = np.ones(1, np.float32), np.zeros(1, np.float32)  # gemm_t's alpha, beta
 
     # modules: each source compiled by nerva's own NVRTC call (kernels.compile_cubin, the one CI
     # checks) to a cubin for this GPU, cached under $NERVA_HOME, loaded as it is. CuPy's own
@@ -363,9 +372,25 @@ class CupyDevice:
         self.cp.cuda.runtime.memcpyAsync(dst.ctypes.data, src.data.ptr, dst.nbytes,
                                          self.cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
 
-    def matmul_t(self, a, b, out=None):
-        """a @ b.T by cuBLAS, f32 in and out, on TF32 tensor cores unless CUPY_TF32=0 (import_cupy)."""
-        return self.cp.matmul(a, b.T, out=out)
+    def gemm_t(self, a, b, out) -> None:
+        """out [T, n] = a [T, k] @ b [n, k].T by cuBLAS (cublasGemmEx): f16 operands on tensor
+        cores, f32 sums written as f32 straight into out, whose rows may be a column slice of a
+        wider array (no temporary, no copy). Runs on the current stream, as CuPy sets it."""
+        cp = self.cp
+        cublas, rt = cp.cuda.cublas, cp.cuda.runtime
+        (T, k), n = a.shape, b.shape[0]
+        if (a.dtype != np.float16 or b.dtype != np.float16 or out.dtype != np.float32 or b.shape[1] != k
+                or out.shape != (T, n) or not a.flags.c_contiguous or not b.flags.c_contiguous
+                or out.strides[1] != 4 or out.strides[0] % 4):
+            raise ValueError(f"gemm_t: f16 a {a.shape} and b {b.shape} (contiguous) into f32 out {out.shape} "
+                             f"with unit column stride, got {a.dtype}, {b.dtype}, {out.dtype} strides {out.strides}")
+        # cuBLAS is column-major: out, row-major with row stride ldc, is column-major outT [n, T]
+        # (leading dimension ldc) = b a^T, with b's rows (row-major [n, k]) read as the columns of
+        # a [k, n] column-major matrix (op T) and a's likewise as [k, T] (op N).
+        cublas.gemmEx(cp.cuda.get_cublas_handle(), cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, T, k,
+                      self._one.ctypes.data, b.data.ptr, rt.CUDA_R_16F, k, a.data.ptr, rt.CUDA_R_16F, k,
+                      self._zero.ctypes.data, out.data.ptr, rt.CUDA_R_32F, out.strides[0] // 4,
+                      cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP)
 
     # streams, events, graphs
     def stream(self):
