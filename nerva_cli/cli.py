@@ -420,7 +420,8 @@ def topology(
 def bench(
     model: Annotated[str, typer.Argument(help="name[:variant] in the store, or a model directory.")],
     prompt_tokens: Annotated[int, typer.Option(help="Prompt length for the prefill figure.")] = 256,
-    gen_tokens: Annotated[int, typer.Option(help="Tokens to decode per run.")] = 128,
+    gen_tokens: Annotated[int, typer.Option(
+        help="Tokens to generate per run (the first comes from prefill: 1 times prefill alone).")] = 128,
     repeat: Annotated[int, typer.Option(help="Measured runs after the warm-up (the median is reported).")] = 3,
     ppl: Annotated[Optional[Path], typer.Option("--ppl", help="Also report perplexity over this text file.")] = None,
     ppl_ctx: Annotated[int, typer.Option(help="Window for --ppl, in tokens.")] = 512,

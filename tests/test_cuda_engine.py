@@ -240,6 +240,10 @@ def test_bench_json_on_the_cuda_backend(stored, cuda_device):
     assert r["h2d_bytes_per_token"] == pytest.approx(sum(model.meta["files"][layer_file(i)]["size"] for i in range(3)),
                                                      rel=0.01)
     assert r["hot_path_allocations"] == 0 and r["peak_vram_bytes"] > 0 and r["decode_tok_s"] > 0
+    # one token is prefill's alone (gpu_check.sh profiles prefill so): no decode figures, not zeros
+    r = run_bench(engine, TextTokenizer(model.path), BenchOptions(prompt_tokens=12, gen_tokens=1, repeat=1), 1)
+    assert r["prefill_tok_s"] > 0 and r["ttft_ms"] > 0
+    assert [r[k] for k in ("decode_tok_s", "decode_tok_s_best", "token_ms_p50", "token_ms_p99")] == [None] * 4
 
 
 def test_cli_backend_cuda_without_a_device_is_one_line(cli, stored):
