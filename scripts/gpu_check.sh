@@ -9,8 +9,8 @@
 #   sweep     scripts/gpu_matvec_sweep.py: the matvec tuning table
 #   extra     what the bench does not time: W4A8 decode, run's sampling (temperature 0.8), decode
 #             at 7680 cached tokens against the attention split count before long contexts
-#             spread (9 a head), a full wave of attention blocks at 512, and the W4A8 matvec
-#             with and without its register spills
+#             spread (9 a head), a full wave of attention blocks at 512, the W4A8 matvec with
+#             and without its register spills, and (where nsys is installed) prefill's kernels
 #   sanitize  compute-sanitizer memcheck, then racecheck, over the kernel tests (CuPy's memory
 #             pool off, so each array is an allocation of its own that memcheck bounds)
 # Stages that need a model and have neither MODEL_DIR nor the peer's use one of the same shapes
@@ -134,6 +134,16 @@ extra_runs() {
   echo "== the whole step at 7680 cached tokens"
   step python3 -m nerva_cli bench "$model" --backend cuda --no-profile --ctx 8192 \
     --prompt-tokens 7680 --gen-tokens 128 --repeat 1
+  echo "== where prefill's GPU time goes, kernel by kernel (cuBLAS's too): a 512-token prompt under nsys"
+  local nsys rep=${TMPDIR:-/tmp}/nerva-prefill
+  nsys=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems*/bin/nsys 2>/dev/null | head -1)
+  if [ -n "$nsys" ]; then
+    step "$nsys" profile --force-overwrite true --trace cuda --stats false -o "$rep" \
+      python3 -m nerva_cli bench "$model" --backend cuda --no-profile --prompt-tokens 512 --gen-tokens 1 --repeat 1
+    step "$nsys" stats --report cuda_gpu_kern_sum "$rep.nsys-rep"
+  else
+    echo "nsys not found (PATH, /usr/local/cuda*/bin, /opt/nvidia/nsight-systems*/bin): skipped"
+  fi
   return $rc
 }
 if has extra; then
