@@ -341,7 +341,9 @@ def test_gemm_t_into_a_column_slice(k, rng, T, n, k_dim):
     """Prefill's GEMM, out [T, n] = a @ b.T on f16 operands with f32 sums, written into columns
     lo..lo + n of a wider f32 array with the other columns untouched. Tolerance: sums of k f32
     products (each exact, being of two f16 values) in another order, as assert_rows_close; on
-    a GPU cuBLAS may split k, which that bound covers too."""
+    a GPU cuBLAS may split k, which that bound covers too. The GPU run is the check of how cuBLAS
+    reads gemm_t's arguments; the emulated run checks only the emulation's NumPy stand-in (the
+    argument mapping is checked in CI against fake_cupy's cuBLAS: test_cuda_engine.py)."""
     a, b = randn(rng, T, k_dim).astype(np.float16), randn(rng, n, k_dim).astype(np.float16)
     wide = randn(rng, T, n + 11)
     out = up(k, wide)

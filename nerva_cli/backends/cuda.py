@@ -179,10 +179,10 @@ class Kernels:
     def half_weights(self, m: dict, scratch):
         """A weight matrix (or a slice of its rows) as f16 [rows, cols]: f16 weights as stored,
         bf16 and Q4_0 converted into scratch (f16, at least rows x cols). -> that array."""
-        if "w" in m and not is_bf16(m["w"]):
-            return m["w"]
         if "w" in m:
             w = m["w"]
+            if not is_bf16(w):
+                return w
             out = scratch[: w.size].reshape(w.shape)
             self._go("bf16_to_half", (_cdiv(w.size, THREADS),), (THREADS,), (w, out, np.int64(w.size)))
             return out
