@@ -449,12 +449,18 @@ def test_head_dims_the_engine_refuses_are_those_attention_misaligns(rng):
         "head_dim 98: the cuda attention kernels need a multiple of 4 for head dims 97 to 128")
 
 
-@pytest.mark.parametrize("T,start", [(1, 0), (6, 0), (5, 11)])
-def test_attention_prefill_causal(k, rng, T, start):
-    heads, kvh, hd = 4, 2, 32
+# A block takes 32 (query, head) rows of one kv group and 32 positions' K and V at a time: the
+# cases cover one and several blocks, a block that ends past the prompt, groups of 1 to 7 heads
+# (a group that does not divide 32 splits a query's heads between blocks), several tiles with
+# a partial last one, and head dims of 1 to 8 elements a lane (70: 3, loaded one at a time).
+@pytest.mark.parametrize("T,start,heads,kvh,hd", [
+    (1, 0, 4, 2, 32), (6, 0, 4, 2, 32), (5, 11, 4, 2, 32),
+    (19, 0, 8, 2, 64), (10, 45, 7, 1, 70), (33, 3, 3, 3, 128), (9, 70, 6, 2, 256), (4, 0, 2, 1, 18)])
+def test_attention_prefill_causal(k, rng, T, start, heads, kvh, hd):
     stride = heads * hd + 2 * kvh * hd
     qrows = randn(rng, T, stride)
-    kc, vc = f16_cache(rng, 32, kvh, hd), f16_cache(rng, 32, kvh, hd)
+    ctx = start + T + 7  # rows past the prompt's, which no query may see
+    kc, vc = f16_cache(rng, ctx, kvh, hd), f16_cache(rng, ctx, kvh, hd)
     q = qrows[:, : heads * hd].reshape(T, heads, hd).copy()
     want = np.empty_like(q)
     ref.attention_prefill(q, kc[: start + T].astype(np.float32), vc[: start + T].astype(np.float32), start, want)

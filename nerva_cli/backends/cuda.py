@@ -59,6 +59,12 @@ def unsupported_shapes(cfg) -> str | None:
     return None
 
 
+def prefill_block_rows(hd: int) -> int:
+    """(query, head) rows a prefill attention block takes (attention.cu): 8 a warp up to 128-wide
+    heads, 2 above."""
+    return (ATT_THREADS // 32) * (8 if _cdiv(hd, 32) <= 4 else 2)
+
+
 def mv_threads(units: int) -> int:
     """Threads of a matvec block whose rows are `units` 16-byte loads long: a warp per 32 of
     them, up to MV_THREADS, so short rows (a 576-wide model's) leave no warp idle."""
@@ -210,9 +216,13 @@ class Kernels:
                   F32(1.0 / np.sqrt(hd)), I32(least)))
 
     def attention_prefill(self, q, q_stride: int, k_cache, v_cache, pos0, out, T: int, heads: int) -> None:
+        """Causal: query t [T rows q_stride floats apart, heads x hd first] at position pos0[0] + t
+        over the f16 caches [ctx, kv_heads, hd] -> out [T, heads, hd]; a block takes
+        prefill_block_rows(hd) (query, head) rows of one kv group."""
         kv_heads, hd = k_cache.shape[-2], k_cache.shape[-1]
-        self._go("attention_prefill", (T, heads), (ATT_THREADS,),
-                 (q, I32(q_stride), k_cache, v_cache, pos0, out, I32(heads), I32(kv_heads), I32(hd),
+        grid = (_cdiv(T * (heads // kv_heads), prefill_block_rows(hd)), kv_heads)
+        self._go("attention_prefill", grid, (ATT_THREADS,),
+                 (q, I32(q_stride), k_cache, v_cache, pos0, out, I32(T), I32(heads), I32(kv_heads), I32(hd),
                   F32(1.0 / np.sqrt(hd))))
 
     # -- graphs (the ledger counts replays with the launches) ------------------------------------
