@@ -7,10 +7,11 @@
 #             GGUF, and nerva runs the same file, so the figures are ratios from the same lease
 #   profile   scripts/gpu_profile.py: where a resident decode step's time goes, kernel by kernel
 #   sweep     scripts/gpu_matvec_sweep.py: the matvec tuning table
-#   extra     what the bench does not time: W4A8 decode, run's sampling (temperature 0.8), decode
-#             at 7680 cached tokens against the attention split count before long contexts
-#             spread (9 a head), a full wave of attention blocks at 512, the W4A8 matvec with
-#             and without its register spills, and (where nsys is installed) prefill's kernels
+#   extra     what the bench does not time: prefill attention against torch's SDPA (one launch),
+#             W4A8 decode, run's sampling (temperature 0.8), decode at 7680 cached tokens against
+#             the attention split count before long contexts spread (9 a head), a full wave of
+#             attention blocks at 512, the W4A8 matvec with and without its register spills, and
+#             (where nsys is installed) prefill's kernels
 #   sanitize  compute-sanitizer memcheck, then racecheck, over the kernel tests (CuPy's memory
 #             pool off, so each array is an allocation of its own that memcheck bounds)
 # Stages that need a model and have neither MODEL_DIR nor the peer's use one of the same shapes
@@ -117,6 +118,8 @@ step() {
 }
 extra_runs() {
   local rc=0
+  echo "== prefill attention, one launch, against torch's scaled_dot_product_attention on the same shapes"
+  step python3 scripts/gpu_attention_bench.py --json "$out/gpu_attention.json"
   echo "== W4A8 decode (every layer; run's default mixed precision runs most layers so)"
   step python3 -m nerva_cli bench "$model" --backend cuda --no-profile --precision w4a8 \
     --prompt-tokens 512 --gen-tokens 128 --repeat 3
@@ -186,6 +189,9 @@ for path in sorted(Path(sys.argv[1]).glob("gpu_*.json")):
               f"(target 0.8); prefill {res.get('prefill_tok_s')} tok/s")
         for k, v in r.get("llama_cpp", {}).items():
             print(f"  vs llama.cpp {k}: {v['nerva_tok_s']} / {v['llama_cpp_tok_s']} = {v['nerva_over_llama_cpp']}")
+    elif path.name == "gpu_attention.json":
+        for row in r["rows"]:
+            print(f"{path.name}: {row['shape']}: nerva {row['nerva_ms']} ms, torch sdpa {row['torch_sdpa_ms']} ms")
 EOF
 if [ -n "${PACK:-}" ]; then
   tar czf "$PACK" -C "$(dirname "$out")" "$(basename "$out")" && echo "packed $out into $PACK"

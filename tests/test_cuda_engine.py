@@ -488,3 +488,27 @@ def test_gpu_profile_script_launches_each_kernel_of_a_step(stored, cuda_device, 
     launches = {name: row["launches"] for name, row in kernels.items()}
     assert launches == {"embed_q4": 1, "rmsnorm": 1, "matvec_q4_w4a16": 3 * layers + 1, "glu_q4_w4a16": layers,
                         "attention_decode": layers, "sample": 1}
+
+
+def test_gpu_attention_bench_script_times_each_shape(cuda_device, monkeypatch, tmp_path):
+    """scripts/gpu_attention_bench.py, which gpu_check.sh's extra stage runs: its launches go
+    through the engine's own launch code, one JSON row a shape. The emulation times nothing and
+    CI's torch has no CUDA, so only the rows' shape and the peer's absence are checked here."""
+    import importlib.util
+
+    from nerva_cli.backends import cuda
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_attention_bench.py"
+    spec = importlib.util.spec_from_file_location("gpu_attention_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.SHAPES = {"gqa": (4, 2, 64, 40, 0), "gqa after 33": (4, 2, 64, 9, 33)}
+    monkeypatch.setattr(cuda, "CupyDevice", lambda: cuda_device)
+    out = tmp_path / "attention.json"
+    monkeypatch.setattr(sys, "argv", ["gpu_attention_bench.py", "--json", str(out)])
+    bench.main()
+    result = json.loads(out.read_text())
+    assert result["device"] == cuda_device.name
+    assert [(r["shape"], r["tokens"], r["cached_before"]) for r in result["rows"]] == [("gqa", 40, 0),
+                                                                                       ("gqa after 33", 9, 33)]
+    assert all(r["nerva_ms"] >= 0 for r in result["rows"])
