@@ -301,8 +301,8 @@ struct pf_layout {
 
 template <int NI, int R>
 __device__ __forceinline__ void prefill_rows(const float* q, int q_stride, const u16* kc, const u16* vc, int pos0,
-                                             float* out, int T, int heads, int kv_heads, int hd, float scale,
-                                             unsigned char* smem) {
+                                             float* out, float* part, int* done, int T, int heads, int kv_heads,
+                                             int hd, float scale, unsigned char* smem) {
     typedef pf_layout<NI, R> L;
     float* qs = (float*)(smem + L::q_at);
     float* ps = (float*)(smem + L::p_at);
@@ -313,6 +313,8 @@ __device__ __forceinline__ void prefill_rows(const float* q, int q_stride, const
     int first = blockIdx.x * ATT_WARPS * R, mine = first + warp * R;
     int last_t = (first + ATT_WARPS * R - 1) / group;
     int n = pos0 + (last_t < T ? last_t : T - 1) + 1;  // positions the block's last query sees
+    int splits = gridDim.z, tiles = (n + PF_TILE - 1) / PF_TILE, chunk = (tiles + splits - 1) / splits;
+    int from = (int)blockIdx.z * chunk * PF_TILE, to = from + chunk * PF_TILE < n ? from + chunk * PF_TILE : n;
     // the block's q rows, scaled; a row past the prompt is zeros, sees position 0 and is not stored
     for (int r = warp; r < ATT_WARPS * R; r += ATT_WARPS) {
         int t = (first + r) / group, h = kvh * group + (first + r) % group;
@@ -334,7 +336,7 @@ __device__ __forceinline__ void prefill_rows(const float* q, int q_stride, const
     const float* qw = qs + warp * R * L::q_row;
     float* pw = ps + warp * R * PF_TILE;
     int e0 = lane * NI;
-    for (int p0 = 0; p0 < n; p0 += PF_TILE) {
+    for (int p0 = from; p0 < to; p0 += PF_TILE) {
         __syncthreads();  // q is in place, and every warp is done with the last tile
 #pragma unroll
         for (int j = warp; j < PF_TILE; j += ATT_WARPS) {
@@ -363,8 +365,8 @@ __device__ __forceinline__ void prefill_rows(const float* q, int q_stride, const
 #pragma unroll
         for (int i = 0; i < R; i++) {
             float si = p0 + lane < lim[i] ? s[i] : NEG_INF;
-            float mi = fmaxf(m[i], warp_max(si));  // finite: every row sees position 0, in the first tile
-            float corr = expf(m[i] - mi), w = expf(si - mi);
+            float mi = fmaxf(m[i], warp_max(si));  // -inf while a split's row has seen no position
+            float corr = mi == NEG_INF ? 1.f : expf(m[i] - mi), w = mi == NEG_INF ? 0.f : expf(si - mi);
             m[i] = mi;
             l[i] = l[i] * corr + w;  // this lane's positions; summed over the warp at the end
 #pragma unroll
@@ -394,30 +396,63 @@ __device__ __forceinline__ void prefill_rows(const float* q, int q_stride, const
             }
         }
     }
+    // One split: the rows' outputs. Several: each row's partial [m, l, acc[hd]] at
+    // part[((block * rows + row) * splits + split) * (hd + 2)], and the block's last split to
+    // finish merges them (as attention_decode's last block does a head's).
+    int rows = ATT_WARPS * R, block = blockIdx.y * gridDim.x + blockIdx.x;
 #pragma unroll
     for (int i = 0; i < R; i++) {
         int t = (mine + i) / group, h = kvh * group + (mine + i) % group;
         float total = warp_sum(l[i]);
-        if (t < T)
+        if (splits == 1) {
+            if (t < T)
+#pragma unroll
+                for (int e = 0; e < NI; e++)
+                    if (e0 + e < hd) out[((size_t)t * heads + h) * hd + e0 + e] = acc[i][e] / total;
+        } else {
+            float* p = part + (((size_t)block * rows + warp * R + i) * splits + blockIdx.z) * (hd + 2);
+            if (lane == 0) {
+                p[0] = m[i];
+                p[1] = total;
+            }
 #pragma unroll
             for (int e = 0; e < NI; e++)
-                if (e0 + e < hd) out[((size_t)t * heads + h) * hd + e0 + e] = acc[i][e] / total;
+                if (e0 + e < hd) p[2 + e0 + e] = acc[i][e];
+        }
     }
+    if (splits == 1) return;
+    __threadfence();  // this block's partials are visible device-wide before it is counted
+    __syncthreads();
+    __shared__ int last;
+    if (threadIdx.x == 0) last = atomicAdd(done + block, 1) == splits - 1;
+    __syncthreads();
+    if (!last) return;
+    for (int r = 0; r < rows; r++) {
+        int t = (first + r) / group, h = kvh * group + (first + r) % group;
+        __syncthreads();  // the last row's merge is done with combine_splits' shared weights
+        if (t < T)
+            combine_splits(part + (size_t)(block * rows + r) * splits * (hd + 2), out + ((size_t)t * heads + h) * hd,
+                           splits, hd);
+    }
+    if (threadIdx.x == 0) done[block] = 0;  // for the next launch
 }
 
-// Prefill, causal: grid (ceil(T * group / rows), kv_heads), ATT_WARPS warps a block, where rows
-// is ATT_WARPS * 8 up to 128-wide heads and ATT_WARPS * 2 above (their accumulators would need
-// 64 registers a lane at 8 rows a warp; backends/cuda.py's prefill_block_rows). Query t (rows
-// q_stride floats apart) at position pos0[0] + t sees cache positions 0 .. pos0[0] + t. out
-// [T, heads, hd].
+// Prefill, causal: grid (ceil(T * group / rows), kv_heads, splits), ATT_WARPS warps a block,
+// where rows is ATT_WARPS * 8 up to 128-wide heads and ATT_WARPS * 2 above (their accumulators
+// would need 64 registers a lane at 8 rows a warp; backends/cuda.py's prefill_block_rows). Query
+// t (rows q_stride floats apart) at position pos0[0] + t sees cache positions 0 .. pos0[0] + t.
+// out [T, heads, hd]. splits (1 to 32) divide each block's positions between that many blocks,
+// so that a short prompt after a long context still fills the GPU; with more than one, part holds
+// their partials [row blocks x rows x splits x (hd + 2)] and done a count a row block, zero before
+// and after.
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
     attention_prefill(const float* q, int q_stride, const u16* k_cache, const u16* v_cache, const int* pos0, float* out,
-                      int T, int heads, int kv_heads, int hd, float scale) {
+                      float* part, int* done, int T, int heads, int kv_heads, int hd, float scale) {
     __shared__ uint4 smem[PF_SHARED_BYTES / 16];
 #define PREFILL_CASE(ni, r)                                                                                  \
     case ni:                                                                                                 \
-        prefill_rows<ni, r>(q, q_stride, k_cache, v_cache, pos0[0], out, T, heads, kv_heads, hd, scale,     \
-                            (unsigned char*)smem);                                                           \
+        prefill_rows<ni, r>(q, q_stride, k_cache, v_cache, pos0[0], out, part, done, T, heads, kv_heads, hd, \
+                            scale, (unsigned char*)smem);                                                    \
         break;
     switch ((hd + 31) / 32) {
         PREFILL_CASE(1, 8) PREFILL_CASE(2, 8) PREFILL_CASE(3, 8) PREFILL_CASE(4, 8)

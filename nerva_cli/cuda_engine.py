@@ -23,7 +23,8 @@ from time import perf_counter_ns
 import numpy as np
 
 from nerva_cli import rope
-from nerva_cli.backends.cuda import RECENT, Kernels, attention_splits, unsupported_shapes
+from nerva_cli.backends.cuda import (RECENT, Kernels, attention_splits, most_prefill_partials, prefill_splits,
+                                     unsupported_shapes)
 from nerva_cli.engine import EngineBase, context_length, default_precision
 from nerva_cli.errors import NervaError
 from nerva_cli.layout import layer_file
@@ -41,12 +42,13 @@ HOST_SLOTS = 2  # staging buffers between the disk reader and the copy stream
 # weight matrix once, so on the GPU, where that costs as much as the GEMMs, fewer passes pay.
 PREFILL_CHUNK = 512
 
-def arena_sizes(cfg, ctx: int, most_splits: int) -> tuple[int, int]:
+def arena_sizes(cfg, ctx: int, most_splits: int, sms: int) -> tuple[int, int]:
     """(kv_bytes, total bytes) of DeviceArena: decode buffers, f16 KV cache, prefill workspace."""
     h, f, qd, kvd, T = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim, PREFILL_CHUNK
     decode = 4 * (2 * h + 2 * qd + 2 * kvd + f + cfg.vocab_size
                   + cfg.num_heads * (most_splits * (cfg.head_dim + 2) + 1) + 5 + RECENT)
     prefill = 4 * T * (3 * h + 2 * qd + 2 * kvd + 3 * f) + 2 * T * max(h, qd, f)
+    prefill += 4 * sum(most_prefill_partials(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, sms, T))
     kv = cfg.num_layers * 2 * ctx * kvd * 2
     return kv, kv + decode + prefill + min(SCRATCH_BYTES, 2 * _widest_matrix(cfg))
 
@@ -73,7 +75,7 @@ def gpu_residency_plan(model: StoredModel, ctx: int | None, vram_budget: int | N
     """From sizes alone: nothing is allocated or read (topology --model shows the same plan)."""
     cfg, files = model.config, model.meta["files"]
     ctx = context_length(cfg, ctx)
-    kv, arena = arena_sizes(cfg, ctx, attention_splits(cfg.num_heads, ctx, sms)[1])
+    kv, arena = arena_sizes(cfg, ctx, attention_splits(cfg.num_heads, ctx, sms)[1], sms)
     # all-position logits rows and their normed input (perplexity), or q/k norms' copies, come
     # from CuPy's pool as prefill runs: room is kept for them
     temporaries = 4 * PREFILL_CHUNK * (cfg.vocab_size + max(cfg.hidden_size, cfg.q_dim))
@@ -132,6 +134,9 @@ class DeviceArena:
         self.pattn, self.pgate_up, self.pact = f32(T, qd), f32(T, 2 * f), f32(T, f)
         self.pout = f32(T, h)
         self.phalf = dev.zeros((T, max(h, qd, f)), np.float16)  # a GEMM's activations in f16
+        # attention_prefill's partials and counts, for a pass whose row blocks alone underfill the GPU
+        floats, counts = most_prefill_partials(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dev.sms, T)
+        self.ppart, self.pdone = f32(floats), dev.zeros(counts, np.int32)
         self.scratch = dev.zeros(min(SCRATCH_BYTES, 2 * _widest_matrix(cfg)) // 2, np.float16)
 
     @property
@@ -668,7 +673,8 @@ class CudaEngine(EngineBase):
         kc, vc = a.kv[L.index, 0], a.kv[L.index, 1]
         k.rope_kv_store(flat, flat[qd:], flat[qd + kvd:], stride, a.pos, self.cos, self.sin, T, cfg.num_heads, kc, vc)
         attn = a.pattn[:T]
-        k.attention_prefill(flat, stride, kc, vc, a.pos, attn, T, cfg.num_heads)
+        splits = prefill_splits(T, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.n_past + T, self.dev.sms)
+        k.attention_prefill(flat, stride, kc, vc, a.pos, attn, T, cfg.num_heads, splits, a.ppart, a.pdone)
         out = a.pout[:T, : cfg.hidden_size]
         self._dense(L.mat("o"), self._half(attn, L.mat("o"), p), out)
         x += out

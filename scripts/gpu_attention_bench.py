@@ -9,9 +9,9 @@ Without a CUDA torch only nerva's figures are printed.
     python3 scripts/gpu_attention_bench.py [--json FILE]
 
 Shapes: Llama-3-8B's heads (32, 8 kv, head dim 128) for a 512-token prompt, for the last 512
-tokens of a 4096-token one, and for a 32-token chat turn after 4064 tokens of history (the
-kernel does not split the context over blocks, so this one runs on 32 blocks, where an H100
-has 132 SMs); SmolLM2-135M's (9, 3 kv, 64) for a 512-token prompt.
+tokens of a 4096-token one, and for a 32-token chat turn after 4064 tokens of history (32
+blocks of rows, whose positions prefill_splits divides between 9 blocks each on an H100's 132
+SMs); SmolLM2-135M's (9, 3 kv, 64) for a 512-token prompt.
 """
 
 from __future__ import annotations
@@ -29,16 +29,22 @@ SHAPES = {"8b T512": (32, 8, 128, 512, 0), "8b T512 at 3584": (32, 8, 128, 512, 
           "8b T32 at 4064": (32, 8, 128, 32, 4064), "135m T512": (9, 3, 64, 512, 0)}
 
 
-def nerva_ms(dev, k, shape, rng) -> float:
+def nerva_ms(dev, k, shape, rng) -> tuple[float, int]:
+    """(ms a launch, splits), launched as the engine launches it."""
+    from nerva_cli.backends.cuda import prefill_partials, prefill_splits
+
     heads, kvh, hd, T, start = shape
     stride = (heads + 2 * kvh) * hd  # the q/k/v rows the engine passes, q first
     q = dev.upload(rng.standard_normal((T, stride)).astype(np.float32))
     kc, vc = (dev.upload(rng.standard_normal((start + T, kvh, hd)).astype(np.float16)) for _ in range(2))
     pos0 = dev.upload(np.array([start], np.int32))
     out = dev.zeros((T, heads, hd), np.float32)
-    run = lambda: k.attention_prefill(q, stride, kc, vc, pos0, out, T, heads)  # noqa: E731
+    splits = prefill_splits(T, heads, kvh, hd, start + T, dev.sms)
+    part = dev.zeros(prefill_partials(T, heads, kvh, hd, splits), np.float32)
+    done = dev.zeros(T * heads, np.int32)  # at least a count a row block
+    run = lambda: k.attention_prefill(q, stride, kc, vc, pos0, out, T, heads, splits, part, done)  # noqa: E731
     run()
-    return float(np.median(dev.times_ms(run, rounds=20)))
+    return float(np.median(dev.times_ms(run, rounds=20))), splits
 
 
 def torch_ms(shape) -> float | None:
@@ -79,12 +85,12 @@ def main() -> None:
     k, rng = cuda.Kernels(dev), np.random.default_rng()
     rows = []
     for label, shape in SHAPES.items():
-        ours, peer = nerva_ms(dev, k, shape, rng), torch_ms(shape)
+        (ours, splits), peer = nerva_ms(dev, k, shape, rng), torch_ms(shape)
         rows.append({"shape": label, "heads": shape[0], "kv_heads": shape[1], "head_dim": shape[2],
-                     "tokens": shape[3], "cached_before": shape[4], "nerva_ms": round(ours, 4),
+                     "tokens": shape[3], "cached_before": shape[4], "splits": splits, "nerva_ms": round(ours, 4),
                      "torch_sdpa_ms": None if peer is None else round(peer, 4),
                      "nerva_over_torch_time": None if peer is None else round(ours / peer, 2)})
-        print(f"{label:<18} nerva {ours:8.3f} ms   torch sdpa "
+        print(f"{label:<18} nerva {ours:8.3f} ms ({splits} split{'s' if splits > 1 else ''})   torch sdpa "
               + ("(no CUDA torch)" if peer is None else f"{peer:8.3f} ms   nerva/torch time {ours / peer:.2f}"))
     result = {"what": "prefill attention, one launch: nerva attention_prefill vs torch scaled_dot_product_attention",
               "device": dev.name, "rows": rows}

@@ -22,7 +22,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 from cuda_emu import EmuKernelError  # noqa: E402
 from cuda_emu.device import EmuDevice  # noqa: E402
 from nerva_cli.backends import ref  # noqa: E402
-from nerva_cli.backends.cuda import Kernels, attention_splits, unsupported_shapes  # noqa: E402
+from nerva_cli.backends.cuda import Kernels, attention_splits, prefill_partials, unsupported_shapes  # noqa: E402
 from nerva_cli.sampling import SamplingOptions  # noqa: E402
 from test_kernels import random_q4, randn, rel, rope_tables  # noqa: E402
 
@@ -122,12 +122,16 @@ class Fuzz:
         rows = randn(rng, T, stride)
         kc, vc = (randn(rng, start + T, kvh, hd).astype(np.float16) for _ in range(2))
         out = self.up(np.zeros((T, heads, hd), np.float32))
+        splits = int(rng.integers(1, 9))
+        part = self.up(np.zeros(prefill_partials(T, heads, kvh, hd, splits), np.float32))
+        done = self.up(np.zeros(T * heads, np.int32))
         self.k.attention_prefill(self.up(rows), stride, self.up(kc), self.up(vc),
-                                 self.up(np.array([start], np.int32)), out, T, heads)
+                                 self.up(np.array([start], np.int32)), out, T, heads, splits, part, done)
         q = rows[:, :heads * hd].reshape(T, heads, hd).copy()
         want = np.empty_like(q)
         ref.attention_prefill(q, kc.astype(np.float32), vc.astype(np.float32), start, want)
-        assert rel(self.down(out), want) < 1e-4, ("attention_prefill", heads, kvh, hd, T, start)
+        assert rel(self.down(out), want) < 1e-4, ("attention_prefill", heads, kvh, hd, T, start, splits)
+        assert (self.down(done) == 0).all(), ("attention_prefill count", heads, kvh, T, splits)
 
     def sample(self) -> None:
         rng = self.rng

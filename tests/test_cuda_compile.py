@@ -32,12 +32,15 @@ def test_compile_error_names_the_file_and_line(tmp_path):
 
 
 def test_resources_names_every_kernel_with_its_registers():
-    """ptxas's report, parsed: every kernel a source declares, with a register count in range."""
+    """ptxas's report, parsed: every kernel a source declares, with a register count in range,
+    and a stack frame wherever it spills (its spill bytes count store instructions, which may
+    reuse a slot: attention_prefill stores 48 bytes into a 32-byte frame on sm_90)."""
     for name, path in sorted(kernels.sources().items()):
         report = kernels.resources(path, "sm_90")
         assert set(report) == set(kernels.declared_kernels(path)), name
         for kernel, r in report.items():
-            assert 0 < r["registers"] <= 255 and r["stack"] >= r["spill_stores"] >= 0, (kernel, r)
+            assert 0 < r["registers"] <= 255 and r["spill_stores"] >= 0 and r["spill_loads"] >= 0, (kernel, r)
+            assert r["stack"] > 0 or r["spill_stores"] == r["spill_loads"] == 0, (kernel, r)
 
 
 def test_resources_sees_local_memory(tmp_path):

@@ -64,8 +64,43 @@ def max_rel(a, b) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-def fixed_bytes(model, ctx) -> int:
-    return sum(b.nbytes for b in gpu_residency_plan(model, ctx, None, None).vram.fixed)
+def fixed_bytes(model, ctx, sms: int = 4) -> int:
+    """The planner's fixed part on a GPU of `sms` SMs (prefill attention's partials depend on
+    it): 4 is the emulation's and tests/fake_cupy.py's."""
+    return sum(b.nbytes for b in gpu_residency_plan(model, ctx, None, None, sms=sms).vram.fixed)
+
+
+def test_a_short_prefill_after_a_long_one_splits_its_positions(stored, cuda_device, rng, monkeypatch):
+    """A chat turn after a long history: few row blocks, so attention_prefill divides each
+    block's positions between blocks and merges them. Against the same engine with one split a
+    row block: the merge changes only f32 rounding (1.5e-7 of the attention outputs on the
+    emulation), which can flip an f16 rounding of the next GEMM's input (2^-11 relative), as
+    chunk boundaries can: held to LOGIT_REL's 5e-3 as test_prefill_in_chunks_equals_one_chunk is
+    (measured 0 to 6.8e-4 on the emulation); a wrong merge would be off by far more. Against the
+    cpu plane: 2e-2, as after 290 tokens of history the f16 GEMM operands (LOGIT_REL's 5e-3 at
+    PROMPT's length) measured 2.2e-3 to 8.9e-3 over 18 draws."""
+    from nerva_cli import cuda_engine
+    from nerva_cli.backends.cuda import Kernels, prefill_splits
+
+    splits, launch = [], Kernels.attention_prefill
+    monkeypatch.setattr(Kernels, "attention_prefill", lambda self, *a: splits.append(a[8]) or launch(self, *a))
+    model = stored("llama", "f16")
+    cfg = model.config
+    history, turn = ([int(t) for t in rng.integers(0, cfg.vocab_size, n)] for n in (290, 6))
+    gpu, cpu = CudaEngine(model, ctx=320, device=cuda_device), Engine(model, backend="cpu", ctx=320)
+    for engine in (gpu, cpu):
+        engine.prefill(history)
+    shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    assert set(splits) == {prefill_splits(290, *shape, 290, cuda_device.sms)}
+    splits.clear()
+    got = gpu.prefill(turn, all_logits=True).copy()
+    # 6 queries after 290: one row block a kv head, 2 splits of at least 4 tiles each
+    assert set(splits) == {prefill_splits(6, *shape, 296, cuda_device.sms)} == {2}
+    monkeypatch.setattr(cuda_engine, "prefill_splits", lambda *a: 1)
+    one = CudaEngine(model, ctx=320, device=cuda_device)
+    one.prefill(history)
+    assert max_rel(got, one.prefill(turn, all_logits=True)) < LOGIT_REL["exact"]
+    assert max_rel(got, cpu.prefill(turn, all_logits=True)) < 2e-2
 
 
 @pytest.mark.parametrize("family,variant,precision", [
@@ -122,7 +157,7 @@ def test_paged_tiers_decode_the_resident_tokens(stored, cuda_device):
     model = stored("llama", "q4_0")
     resident, _ = greedy_run(CudaEngine(model, device=cuda_device, ctx=96), 12)
     layer = model.meta["files"][layer_file(0)]["size"]
-    vram = fixed_bytes(model, 96) + 2 * layer  # the fixed part and two slots: nothing resident
+    vram = fixed_bytes(model, 96, cuda_device.sms) + 2 * layer  # the fixed part and two slots: nothing resident
     warm = CudaEngine(model, device=cuda_device, ctx=96, vram_budget=vram)
     assert warm.plan.resident_layers == [] and warm.gpu_plan.warm == [0, 1, 2] and warm.gpu_plan.cold == []
     assert greedy_run(warm, 12)[0] == resident
@@ -150,7 +185,7 @@ def test_mixed_residency_decodes_the_resident_tokens(tmp_path, cuda_device):
     model = pull(str(make_tiny_model(tmp_path / "hf", "llama", layers=5)), variant="q4_0", out=tmp_path / "q4")
     resident, resident_logits = greedy_run(CudaEngine(model, device=cuda_device, ctx=96), 12)
     layer = model.meta["files"][layer_file(0)]["size"]
-    mixed = CudaEngine(model, device=cuda_device, ctx=96, vram_budget=fixed_bytes(model, 96) + 4 * layer)
+    mixed = CudaEngine(model, device=cuda_device, ctx=96, vram_budget=fixed_bytes(model, 96, cuda_device.sms) + 4 * layer)
     assert len(mixed.layers) == 2 and len(mixed.paged) == 3
     assert mixed._input_normed == {i for i in mixed.active[1:] if i in mixed.layers}
     assert {i for i in mixed.active[1:] if i not in mixed._input_normed}  # and some that normalise themselves
@@ -192,7 +227,7 @@ def test_seeded_sampling_repeats(stored, cuda_device):
 @pytest.mark.parametrize("paged", [False, True])
 def test_no_hot_path_allocations(stored, cuda_device, paged):
     model = stored("llama", "q4_0")
-    vram = fixed_bytes(model, 96) + 2 * model.meta["files"][layer_file(0)]["size"] if paged else None
+    vram = fixed_bytes(model, 96, cuda_device.sms) + 2 * model.meta["files"][layer_file(0)]["size"] if paged else None
     engine = CudaEngine(model, device=cuda_device, ctx=96, vram_budget=vram)
     assert engine.count_hot_path_allocations(PROMPT, steps=8) == 0
 
@@ -200,7 +235,7 @@ def test_no_hot_path_allocations(stored, cuda_device, paged):
 def test_budget_errors_name_the_budget(stored, cuda_device):
     model = stored("llama", "q4_0")
     with pytest.raises(NervaError, match=r"VRAM budget \(--vram-budget\).*smallest budget that works"):
-        CudaEngine(model, device=cuda_device, ctx=96, vram_budget=fixed_bytes(model, 96))
+        CudaEngine(model, device=cuda_device, ctx=96, vram_budget=fixed_bytes(model, 96, cuda_device.sms))
 
 
 def test_out_of_memory_is_one_line_with_a_budget(stored, monkeypatch):
@@ -232,7 +267,7 @@ def test_bench_json_on_the_cuda_backend(stored, cuda_device):
     from nerva_cli.tokenizer import TextTokenizer
 
     model = stored("llama", "q4_0")
-    vram = fixed_bytes(model, 64) + 2 * model.meta["files"][layer_file(0)]["size"]
+    vram = fixed_bytes(model, 64, cuda_device.sms) + 2 * model.meta["files"][layer_file(0)]["size"]
     engine = CudaEngine(model, device=cuda_device, ctx=64, vram_budget=vram)
     r = run_bench(engine, TextTokenizer(model.path), BenchOptions(prompt_tokens=12, gen_tokens=6, repeat=1), 1)
     assert r["backend"] == "cuda" and r["device"] == cuda_device.name
@@ -268,7 +303,7 @@ def test_ledger_on_the_cuda_backend(stored, cuda_device):
 
     model = stored("llama", "q4_0")
     layer = model.meta["files"][layer_file(0)]["size"]
-    engine = CudaEngine(model, device=cuda_device, ctx=96, vram_budget=fixed_bytes(model, 96) + 2 * layer)
+    engine = CudaEngine(model, device=cuda_device, ctx=96, vram_budget=fixed_bytes(model, 96, cuda_device.sms) + 2 * layer)
     book = Ledger(engine)
     out, _ = generate(engine, PROMPT, Sampler(SamplingOptions(temperature=0.0), model.config.vocab_size), 6,
                       ledger=book)
@@ -294,7 +329,7 @@ def test_arena_sizes_are_what_the_arena_allocates(stored):
         cfg = stored(family, "q4_0").config
         dev = EmuDevice()
         arena = DeviceArena(dev, cfg, 80, 3)
-        assert arena_sizes(cfg, 80, 3) == (arena.kv_bytes, dev.allocated)
+        assert arena_sizes(cfg, 80, 3, dev.sms) == (arena.kv_bytes, dev.allocated)
 
 
 @pytest.fixture
@@ -497,12 +532,13 @@ def test_gpu_attention_bench_script_times_each_shape(cuda_device, monkeypatch, t
     import importlib.util
 
     from nerva_cli.backends import cuda
+    from nerva_cli.backends.cuda import prefill_splits
 
     path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_attention_bench.py"
     spec = importlib.util.spec_from_file_location("gpu_attention_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    bench.SHAPES = {"gqa": (4, 2, 64, 40, 0), "gqa after 33": (4, 2, 64, 9, 33)}
+    bench.SHAPES = {"gqa": (4, 2, 64, 40, 0), "gqa after 300": (4, 2, 64, 9, 300)}
     monkeypatch.setattr(cuda, "CupyDevice", lambda: cuda_device)
     out = tmp_path / "attention.json"
     monkeypatch.setattr(sys, "argv", ["gpu_attention_bench.py", "--json", str(out)])
@@ -510,5 +546,9 @@ def test_gpu_attention_bench_script_times_each_shape(cuda_device, monkeypatch, t
     result = json.loads(out.read_text())
     assert result["device"] == cuda_device.name
     assert [(r["shape"], r["tokens"], r["cached_before"]) for r in result["rows"]] == [("gqa", 40, 0),
-                                                                                       ("gqa after 33", 9, 33)]
+                                                                                       ("gqa after 300", 9, 300)]
+    # the engine's splits: 1 for 40 queries of 40 positions (2 tiles), 2 for 9 after 300 (10)
+    engine_splits = [prefill_splits(T, heads, kvh, hd, start + T, cuda_device.sms)
+                     for heads, kvh, hd, T, start in bench.SHAPES.values()]
+    assert [r["splits"] for r in result["rows"]] == engine_splits == [1, 2]
     assert all(r["nerva_ms"] >= 0 for r in result["rows"])

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from nerva_cli.backends import ref
-from nerva_cli.backends.cuda import RECENT, Kernels
+from nerva_cli.backends.cuda import RECENT, Kernels, most_prefill_partials, prefill_partials, prefill_splits
 from nerva_cli.quant import dequantize_q4_0
 from nerva_cli.sampling import Sampler, SamplingOptions
 from test_kernels import EPS, act_q8, random_q4, randn, rel, rope_tables, sum_tol
@@ -452,11 +452,14 @@ def test_head_dims_the_engine_refuses_are_those_attention_misaligns(rng):
 # A block takes 32 (query, head) rows of one kv group and 32 positions' K and V at a time: the
 # cases cover one and several blocks, a block that ends past the prompt, groups of 1 to 7 heads
 # (a group that does not divide 32 splits a query's heads between blocks), several tiles with
-# a partial last one, and head dims of 1 to 8 elements a lane (70: 3, loaded one at a time).
-@pytest.mark.parametrize("T,start,heads,kvh,hd", [
-    (1, 0, 4, 2, 32), (6, 0, 4, 2, 32), (5, 11, 4, 2, 32),
-    (19, 0, 8, 2, 64), (10, 45, 7, 1, 70), (33, 3, 3, 3, 128), (9, 70, 6, 2, 256), (4, 0, 2, 1, 18)])
-def test_attention_prefill_causal(k, rng, T, start, heads, kvh, hd):
+# a partial last one, head dims of 1 to 8 elements a lane (70: 3, loaded one at a time), and
+# positions split between blocks: evenly, unevenly, and more splits than tiles (empty splits,
+# and splits whose rows see no position).
+@pytest.mark.parametrize("T,start,heads,kvh,hd,splits", [
+    (1, 0, 4, 2, 32, 1), (6, 0, 4, 2, 32, 1), (5, 11, 4, 2, 32, 2),
+    (19, 0, 8, 2, 64, 1), (10, 45, 7, 1, 70, 3), (33, 3, 3, 3, 128, 1), (9, 70, 6, 2, 256, 2), (4, 0, 2, 1, 18, 1),
+    (7, 200, 4, 2, 64, 5), (3, 20, 4, 1, 32, 4), (40, 90, 4, 2, 128, 3)])
+def test_attention_prefill_causal(k, rng, T, start, heads, kvh, hd, splits):
     stride = heads * hd + 2 * kvh * hd
     qrows = randn(rng, T, stride)
     ctx = start + T + 7  # rows past the prompt's, which no query may see
@@ -465,8 +468,24 @@ def test_attention_prefill_causal(k, rng, T, start, heads, kvh, hd):
     want = np.empty_like(q)
     ref.attention_prefill(q, kc[: start + T].astype(np.float32), vc[: start + T].astype(np.float32), start, want)
     out = up(k, np.zeros((T, heads, hd), np.float32))
-    k.attention_prefill(up(k, qrows), stride, up(k, kc), up(k, vc), up(k, np.array([start], np.int32)), out, T, heads)
+    part = up(k, randn(rng, prefill_partials(T, heads, kvh, hd, splits)))  # every partial is written first
+    done = up(k, np.zeros(64, np.int32))
+    k.attention_prefill(up(k, qrows), stride, up(k, kc), up(k, vc), up(k, np.array([start], np.int32)), out, T, heads,
+                        splits, part, done)
     assert rel(down(k, out), want) < 64 * EPS
+    assert (down(k, done) == 0).all()  # ready for the next launch
+
+
+def test_prefill_splits_fill_the_gpu_only_when_row_blocks_do_not():
+    # Llama-3-8B's heads on an H100: a 512-token pass is 512 row blocks; a 32-token turn is 32,
+    # split 9 ways after 4064 tokens, and not after 100 (4 tiles a split at least)
+    assert prefill_splits(512, 32, 8, 128, 512, 132) == 1
+    assert prefill_splits(32, 32, 8, 128, 4096, 132) == 9
+    assert prefill_splits(32, 32, 8, 128, 132, 132) == 1
+    floats, counts = most_prefill_partials(32, 8, 128, 132, 512)
+    for T in (1, 7, 32, 200, 512):
+        splits = prefill_splits(T, 32, 8, 128, 1 << 20, 132)
+        assert splits == 1 or prefill_partials(T, 32, 8, 128, splits) <= floats
 
 
 # -- sampling ----------------------------------------------------------------------------------

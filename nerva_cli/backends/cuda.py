@@ -26,6 +26,8 @@ GROUPS_PER_BLOCK = THREADS // 32  # prefill's activation quantiser: one warp per
 ATT_THREADS = 128  # attention: 4 warps (ATT_WARPS in attention.cu)
 ATT_BLOCKS_PER_SM = 5  # attention.cu's launch bounds
 ATT_LONG_CHUNK = 256  # ATT_LONG_CHUNK in attention.cu
+PF_MAX_SPLITS = 32  # prefill attention: blocks dividing a row block's positions (combine_splits merges a warp's worth)
+PF_MIN_SPLIT_TILES = 4  # prefill attention: fewest 32-position tiles a split takes
 SAMPLE_THREADS = 1024
 NORM_VEC = 4  # float4s a norm thread holds (norm.cu)
 MAX_HEAD_DIM = 256  # MAX_HEAD_DIM in common.cuh
@@ -63,6 +65,33 @@ def prefill_block_rows(hd: int) -> int:
     """(query, head) rows a prefill attention block takes (attention.cu): 8 a warp up to 128-wide
     heads, 2 above."""
     return (ATT_THREADS // 32) * (8 if _cdiv(hd, 32) <= 4 else 2)
+
+
+def prefill_splits(T: int, heads: int, kv_heads: int, hd: int, n: int, sms: int) -> int:
+    """Blocks that divide each prefill attention block's positions, for T queries of which the
+    last sees n positions: enough to fill the GPU twice over when the row blocks alone do not (a
+    32-token turn after 4064 tokens of an 8B model is 32 row blocks on an H100's 132 SMs), none
+    with fewer than PF_MIN_SPLIT_TILES tiles of 32 positions."""
+    blocks = _cdiv(T * (heads // kv_heads), prefill_block_rows(hd)) * kv_heads
+    return max(1, min(PF_MAX_SPLITS, _cdiv(2 * sms, blocks), _cdiv(n, 32) // PF_MIN_SPLIT_TILES))
+
+
+def prefill_partials(T: int, heads: int, kv_heads: int, hd: int, splits: int) -> int:
+    """Floats of attention_prefill's partials with `splits` splits: [m, l, acc[hd]] a row a split."""
+    blocks = _cdiv(T * (heads // kv_heads), prefill_block_rows(hd)) * kv_heads
+    return blocks * prefill_block_rows(hd) * splits * (hd + 2)
+
+
+def most_prefill_partials(heads: int, kv_heads: int, hd: int, sms: int, chunk: int) -> tuple[int, int]:
+    """(floats of partials, counts) enough for any pass of up to `chunk` tokens at its
+    prefill_splits (taken without their cap by context length: an upper bound)."""
+    floats = counts = 0
+    for T in range(1, chunk + 1):
+        blocks = _cdiv(T * (heads // kv_heads), prefill_block_rows(hd)) * kv_heads
+        splits = min(PF_MAX_SPLITS, _cdiv(2 * sms, blocks))
+        if splits > 1:
+            floats, counts = max(floats, prefill_partials(T, heads, kv_heads, hd, splits)), max(counts, blocks)
+    return floats, counts
 
 
 def mv_threads(units: int) -> int:
@@ -215,15 +244,25 @@ class Kernels:
                  (q, k, v, cos, sin, k_cache, v_cache, pos, part, done, out, I32(heads), I32(kv_heads), I32(hd),
                   F32(1.0 / np.sqrt(hd)), I32(least)))
 
-    def attention_prefill(self, q, q_stride: int, k_cache, v_cache, pos0, out, T: int, heads: int) -> None:
+    def attention_prefill(self, q, q_stride: int, k_cache, v_cache, pos0, out, T: int, heads: int, splits: int = 1,
+                          part=None, done=None) -> None:
         """Causal: query t [T rows q_stride floats apart, heads x hd first] at position pos0[0] + t
         over the f16 caches [ctx, kv_heads, hd] -> out [T, heads, hd]; a block takes
-        prefill_block_rows(hd) (query, head) rows of one kv group."""
+        prefill_block_rows(hd) (query, head) rows of one kv group, and `splits` blocks divide its
+        positions (prefill_splits). More than one needs part, room for prefill_partials floats,
+        and done, int32 [row blocks x kv_heads], zero (and zero again after)."""
         kv_heads, hd = k_cache.shape[-2], k_cache.shape[-1]
-        grid = (_cdiv(T * (heads // kv_heads), prefill_block_rows(hd)), kv_heads)
+        grid = (_cdiv(T * (heads // kv_heads), prefill_block_rows(hd)), kv_heads, splits)
+        if not 1 <= splits <= PF_MAX_SPLITS:
+            raise ValueError(f"attention_prefill: splits must be 1..{PF_MAX_SPLITS} (a warp merges them), got {splits}")
+        if splits > 1 and (part is None or done is None or part.size < prefill_partials(T, heads, kv_heads, hd, splits)
+                           or done.size < grid[0] * grid[1]):
+            raise ValueError(f"attention_prefill: {splits} splits need part of "
+                             f"{prefill_partials(T, heads, kv_heads, hd, splits)} floats and done of "
+                             f"{grid[0] * grid[1]} counts")
         self._go("attention_prefill", grid, (ATT_THREADS,),
-                 (q, I32(q_stride), k_cache, v_cache, pos0, out, I32(T), I32(heads), I32(kv_heads), I32(hd),
-                  F32(1.0 / np.sqrt(hd))))
+                 (q, I32(q_stride), k_cache, v_cache, pos0, out, part if splits > 1 else out,
+                  done if splits > 1 else pos0, I32(T), I32(heads), I32(kv_heads), I32(hd), F32(1.0 / np.sqrt(hd))))
 
     # -- graphs (the ledger counts replays with the launches) ------------------------------------
     def replay(self, graph, stream) -> None:
