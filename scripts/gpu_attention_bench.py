@@ -31,7 +31,7 @@ SHAPES = {"8b T512": (32, 8, 128, 512, 0), "8b T512 at 3584": (32, 8, 128, 512, 
 
 def nerva_ms(dev, k, shape, rng) -> tuple[float, int]:
     """(ms a launch, splits), launched as the engine launches it."""
-    from nerva_cli.backends.cuda import prefill_partials, prefill_splits
+    from nerva_cli.backends.cuda import prefill_partials, prefill_row_blocks, prefill_splits
 
     heads, kvh, hd, T, start = shape
     stride = (heads + 2 * kvh) * hd  # the q/k/v rows the engine passes, q first
@@ -41,7 +41,7 @@ def nerva_ms(dev, k, shape, rng) -> tuple[float, int]:
     out = dev.zeros((T, heads, hd), np.float32)
     splits = prefill_splits(T, heads, kvh, hd, start + T, dev.sms)
     part = dev.zeros(prefill_partials(T, heads, kvh, hd, splits), np.float32)
-    done = dev.zeros(T * heads, np.int32)  # at least a count a row block
+    done = dev.zeros(prefill_row_blocks(T, heads, kvh, hd), np.int32)
     run = lambda: k.attention_prefill(q, stride, kc, vc, pos0, out, T, heads, splits, part, done)  # noqa: E731
     run()
     return float(np.median(dev.times_ms(run, rounds=20))), splits

@@ -67,19 +67,23 @@ def prefill_block_rows(hd: int) -> int:
     return (ATT_THREADS // 32) * (8 if _cdiv(hd, 32) <= 4 else 2)
 
 
+def prefill_row_blocks(T: int, heads: int, kv_heads: int, hd: int) -> int:
+    """Prefill attention's blocks of rows for T queries, all kv heads (its grid's x times y)."""
+    return _cdiv(T * (heads // kv_heads), prefill_block_rows(hd)) * kv_heads
+
+
 def prefill_splits(T: int, heads: int, kv_heads: int, hd: int, n: int, sms: int) -> int:
     """Blocks that divide each prefill attention block's positions, for T queries of which the
     last sees n positions: enough to fill the GPU twice over when the row blocks alone do not (a
     32-token turn after 4064 tokens of an 8B model is 32 row blocks on an H100's 132 SMs), none
     with fewer than PF_MIN_SPLIT_TILES tiles of 32 positions."""
-    blocks = _cdiv(T * (heads // kv_heads), prefill_block_rows(hd)) * kv_heads
+    blocks = prefill_row_blocks(T, heads, kv_heads, hd)
     return max(1, min(PF_MAX_SPLITS, _cdiv(2 * sms, blocks), _cdiv(n, 32) // PF_MIN_SPLIT_TILES))
 
 
 def prefill_partials(T: int, heads: int, kv_heads: int, hd: int, splits: int) -> int:
     """Floats of attention_prefill's partials with `splits` splits: [m, l, acc[hd]] a row a split."""
-    blocks = _cdiv(T * (heads // kv_heads), prefill_block_rows(hd)) * kv_heads
-    return blocks * prefill_block_rows(hd) * splits * (hd + 2)
+    return prefill_row_blocks(T, heads, kv_heads, hd) * prefill_block_rows(hd) * splits * (hd + 2)
 
 
 def most_prefill_partials(heads: int, kv_heads: int, hd: int, sms: int, chunk: int) -> tuple[int, int]:
@@ -87,7 +91,7 @@ def most_prefill_partials(heads: int, kv_heads: int, hd: int, sms: int, chunk: i
     prefill_splits (taken without their cap by context length: an upper bound)."""
     floats = counts = 0
     for T in range(1, chunk + 1):
-        blocks = _cdiv(T * (heads // kv_heads), prefill_block_rows(hd)) * kv_heads
+        blocks = prefill_row_blocks(T, heads, kv_heads, hd)
         splits = min(PF_MAX_SPLITS, _cdiv(2 * sms, blocks))
         if splits > 1:
             floats, counts = max(floats, prefill_partials(T, heads, kv_heads, hd, splits)), max(counts, blocks)
@@ -252,14 +256,13 @@ class Kernels:
         positions (prefill_splits). More than one needs part, room for prefill_partials floats,
         and done, int32 [row blocks x kv_heads], zero (and zero again after)."""
         kv_heads, hd = k_cache.shape[-2], k_cache.shape[-1]
-        grid = (_cdiv(T * (heads // kv_heads), prefill_block_rows(hd)), kv_heads, splits)
+        blocks, floats = prefill_row_blocks(T, heads, kv_heads, hd), prefill_partials(T, heads, kv_heads, hd, splits)
         if not 1 <= splits <= PF_MAX_SPLITS:
             raise ValueError(f"attention_prefill: splits must be 1..{PF_MAX_SPLITS} (a warp merges them), got {splits}")
-        if splits > 1 and (part is None or done is None or part.size < prefill_partials(T, heads, kv_heads, hd, splits)
-                           or done.size < grid[0] * grid[1]):
-            raise ValueError(f"attention_prefill: {splits} splits need part of "
-                             f"{prefill_partials(T, heads, kv_heads, hd, splits)} floats and done of "
-                             f"{grid[0] * grid[1]} counts")
+        if splits > 1 and (part is None or done is None or part.size < floats or done.size < blocks):
+            raise ValueError(f"attention_prefill: {splits} splits need part of {floats} floats and done of "
+                             f"{blocks} counts")
+        grid = (blocks // kv_heads, kv_heads, splits)
         self._go("attention_prefill", grid, (ATT_THREADS,),
                  (q, I32(q_stride), k_cache, v_cache, pos0, out, part if splits > 1 else out,
                   done if splits > 1 else pos0, I32(T), I32(heads), I32(kv_heads), I32(hd), F32(1.0 / np.sqrt(hd))))
