@@ -5,7 +5,8 @@
 #             ../shared/gpu-peers packed into .gpu-peer/ (its pack.sh) and no MODEL_DIR, llama.cpp
 #             CUDA is built (while the tests run) and benched on its random Llama-3-8B-shaped Q4_0
 #             GGUF, and nerva runs the same file, so the figures are ratios from the same lease
-#   profile   scripts/gpu_profile.py: where a resident decode step's time goes, kernel by kernel
+#   profile   scripts/gpu_profile.py: where a resident decode step's time goes, kernel by kernel,
+#             then a 512-token prefill pass's (cuBLAS's GEMMs among its ops)
 #   sweep     scripts/gpu_matvec_sweep.py: the matvec tuning table
 #   extra     what the bench does not time: prefill attention against torch's SDPA (one launch),
 #             W4A8 decode, run's sampling (temperature 0.8), decode at 7680 cached tokens against
@@ -104,6 +105,9 @@ if has profile; then
   ensure_model && bounded python3 scripts/gpu_profile.py "$model" --json "$out/gpu_profile.json" \
     | tee "$out/gpu_profile.txt"
   mark $? profile
+  ensure_model && bounded python3 scripts/gpu_profile.py "$model" --fill 0 --prefill 512 --json "$out/gpu_profile_prefill.json" \
+    | tee "$out/gpu_profile_prefill.txt"
+  mark $? profile:prefill
 fi
 if has sweep; then
   bounded python3 scripts/gpu_matvec_sweep.py | tee "$out/gpu_matvec_sweep.txt"
@@ -189,6 +193,10 @@ for path in sorted(Path(sys.argv[1]).glob("gpu_*.json")):
               f"(target 0.8); prefill {res.get('prefill_tok_s')} tok/s")
         for k, v in r.get("llama_cpp", {}).items():
             print(f"  vs llama.cpp {k}: {v['nerva_tok_s']} / {v['llama_cpp_tok_s']} = {v['nerva_over_llama_cpp']}")
+    elif path.name == "gpu_profile_prefill.json":
+        top = sorted(r["ops"].items(), key=lambda kv: -kv[1]["ms"])[:4]
+        print(f"{path.name}: a {r['prefill_tokens']}-token pass {r['pass_ms']:.2f} ms on the GPU (ops {r['ops_ms']:.2f}, "
+              f"host queued it in {r['host_queue_ms']:.2f}); " + ", ".join(f"{k} {v['ms']:.2f}" for k, v in top))
     elif path.name == "gpu_attention.json":
         for row in r["rows"]:
             print(f"{path.name}: {row['shape']}: nerva {row['nerva_ms']} ms, torch sdpa {row['torch_sdpa_ms']} ms")

@@ -525,6 +525,42 @@ def test_gpu_profile_script_launches_each_kernel_of_a_step(stored, cuda_device, 
                         "attention_decode": layers, "sample": 1}
 
 
+def test_gpu_profile_script_times_each_op_of_a_prefill_pass(stored, cuda_device, monkeypatch, tmp_path):
+    """gpu_profile.py --prefill: every kernel launch and cuBLAS call of one pass is recorded and
+    timed alone, and the pass leaves the engine where it was (the KV cache's fill). The emulation
+    times nothing, so the counts, the GEMMs' flops and the conversions' bytes are checked."""
+    model = stored("llama", "q4_0")
+    cfg = model.config
+    engines = []
+    init = CudaEngine.__init__
+
+    def emulated(self, *a, **kw):
+        init(self, *a, **{**kw, "device": cuda_device})
+        engines.append(self)
+
+    monkeypatch.setattr(CudaEngine, "__init__", emulated)
+    out = tmp_path / "prefill.json"
+    T, fill = 12, 5
+    monkeypatch.setattr(sys, "argv", ["gpu_profile.py", str(model.path), "--fill", str(fill), "--prefill", str(T),
+                                      "--repeat", "2", "--json", str(out)])
+    runpy.run_path(str(Path(__file__).resolve().parent.parent / "scripts" / "gpu_profile.py"), run_name="__main__")
+    profile = json.loads(out.read_text())
+    assert (profile["prefill_tokens"], profile["fill"]) == (T, fill)
+    assert engines[0].n_past == fill
+    ops, layers = profile["ops"], cfg.num_layers
+    # a layer: two norms, the f16 inputs of q/k/v, o, gate/up and down, seven matrices dequantised
+    # and multiplied (the tiny model's fit scratch whole), RoPE with the KV write, attention, SiLU
+    assert {name: row["launches"] for name, row in ops.items()} == {
+        "embed_q4": 1, "rmsnorm": 2 * layers, "to_half": 4 * layers, "dequantize_q4": 7 * layers,
+        "gemm_t (cuBLAS)": 7 * layers, "rope_kv_store": layers, "attention_prefill": layers, "silu_mul": layers}
+    h, f, qd, kvd = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim
+    weights = h * (qd + 2 * kvd) + qd * h + 2 * h * f + f * h
+    assert ops["gemm_t (cuBLAS)"]["flops"] == layers * 2 * T * weights
+    # q4_0: 16 bytes of codes and a 2-byte scale a 32-weight block, dequantised to 2 bytes a weight
+    assert ops["dequantize_q4"]["bytes"] == layers * weights * (18 / 32 + 2)
+    assert ops["to_half"]["bytes"] == layers * T * (h + qd + h + f) * (4 + 2)
+
+
 def test_gpu_attention_bench_script_times_each_shape(cuda_device, monkeypatch, tmp_path):
     """scripts/gpu_attention_bench.py, which gpu_check.sh's extra stage runs: its launches go
     through the engine's own launch code, one JSON row a shape. The emulation times nothing and
