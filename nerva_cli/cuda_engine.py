@@ -47,7 +47,7 @@ def arena_sizes(cfg, ctx: int, most_splits: int, sms: int) -> tuple[int, int]:
     h, f, qd, kvd, T = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim, PREFILL_CHUNK
     decode = 4 * (2 * h + 2 * qd + 2 * kvd + f + cfg.vocab_size
                   + cfg.num_heads * (most_splits * (cfg.head_dim + 2) + 1) + 5 + RECENT)
-    prefill = 4 * T * (3 * h + 2 * qd + 2 * kvd + 3 * f) + 2 * T * max(h, qd, f)
+    prefill = 4 * T * (2 * h + 2 * qd + 2 * kvd + 3 * f) + 2 * T * max(h, qd, f)
     prefill += 4 * sum(most_prefill_partials(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, sms, T))
     kv = cfg.num_layers * 2 * ctx * kvd * 2
     return kv, kv + decode + prefill + min(SCRATCH_BYTES, 2 * _widest_matrix(cfg))
@@ -132,7 +132,6 @@ class DeviceArena:
         # prefill, one chunk of up to T tokens
         self.px, self.pxn, self.pqkv = f32(T, h), f32(T, h), f32(T, qd + 2 * kvd)
         self.pattn, self.pgate_up, self.pact = f32(T, qd), f32(T, 2 * f), f32(T, f)
-        self.pout = f32(T, h)
         self.phalf = dev.zeros((T, max(h, qd, f)), np.float16)  # a GEMM's activations in f16
         # attention_prefill's partials and counts, for a pass whose row blocks alone underfill the GPU
         floats, counts = most_prefill_partials(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dev.sms, T)
@@ -643,16 +642,16 @@ class CudaEngine(EngineBase):
             self.k.to_half(x, xh)
         return xh
 
-    def _dense(self, m: dict, xh, out) -> None:
-        """out [T, rows] (rows may be a column slice) = xh [T, cols] f16 @ W.T, by cuBLAS on f16
-        operands with f32 sums: W as stored if f16, else dequantised to f16 a slice of rows at a
-        time (half the bytes of an f32 copy, and tensor cores at f16's rate)."""
+    def _dense(self, m: dict, xh, out, add: bool = False) -> None:
+        """out [T, rows] (rows may be a column slice) = xh [T, cols] f16 @ W.T (add: out += that),
+        by cuBLAS on f16 operands with f32 sums: W as stored if f16, else dequantised to f16 a
+        slice of rows at a time (half the bytes of an f32 copy, and tensor cores at f16's rate)."""
         rows, cols = (m["qs"].shape[0], xh.shape[1]) if "qs" in m else m["w"].shape
         step = max(1, self.a.scratch.size // cols)
         for r in range(0, rows, step):
             n = min(step, rows - r)
             w = self.k.half_weights({k: v[r:r + n] for k, v in m.items()}, self.a.scratch)
-            self.dev.gemm_t(xh, w, out[:, r:r + n])
+            self.dev.gemm_t(xh, w, out[:, r:r + n], add)
 
     def _prefill_layer(self, L: DeviceLayer, x, T: int) -> None:
         cfg, a, k, p, t = self.cfg, self.a, self.k, L.precision, L.t
@@ -675,9 +674,7 @@ class CudaEngine(EngineBase):
         attn = a.pattn[:T]
         splits = prefill_splits(T, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.n_past + T, self.dev.sms)
         k.attention_prefill(flat, stride, kc, vc, a.pos, attn, T, cfg.num_heads, splits, a.ppart, a.pdone)
-        out = a.pout[:T, : cfg.hidden_size]
-        self._dense(L.mat("o"), self._half(attn, L.mat("o"), p), out)
-        x += out
+        self._dense(L.mat("o"), self._half(attn, L.mat("o"), p), x, add=True)  # the residual add in the GEMM
         k.rmsnorm(x, t["mlp_norm"], eps, xn)
         gu = a.pgate_up[:T]
         xh = self._half(xn, L.mat("gate"), p)
@@ -685,8 +682,7 @@ class CudaEngine(EngineBase):
         self._dense(L.mat("up"), xh, gu[:, f:])
         act = a.pact[:T]
         k.silu_mul(gu, act, f, T)
-        self._dense(L.mat("down"), self._half(act, L.mat("down"), p), out)
-        x += out
+        self._dense(L.mat("down"), self._half(act, L.mat("down"), p), x, add=True)
 
     def _logits_rows(self, x) -> np.ndarray:
         xn = self.dev.empty(x.shape, np.float32)

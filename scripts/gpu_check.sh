@@ -11,8 +11,8 @@
 #   extra     what the bench does not time: prefill attention against torch's SDPA (one launch),
 #             W4A8 decode, run's sampling (temperature 0.8), decode at 7680 cached tokens against
 #             the attention split count before long contexts spread (9 a head), a full wave of
-#             attention blocks at 512, the W4A8 matvec with and without its register spills, and
-#             (where nsys is installed) prefill's kernels
+#             attention blocks at 512, the W4A8 matvec with and without its register spills,
+#             prefill with weight slices L2 holds, and (where nsys is installed) prefill's kernels
 #   sanitize  compute-sanitizer memcheck, then racecheck, over the kernel tests (CuPy's memory
 #             pool off, so each array is an allocation of its own that memcheck bounds)
 # Stages that need a model and have neither MODEL_DIR nor the peer's use one of the same shapes
@@ -138,6 +138,9 @@ extra_runs() {
   echo "== matvec_q4_w4a8: 5 blocks an SM at 96 registers (14 spill reloads a round), then 4 at 128 (none)"
   step python3 scripts/gpu_matvec_sweep.py --precision w4a8 --rows 8 --threads 128
   step python3 scripts/gpu_matvec_sweep.py --precision w4a8 --rows 8 --threads 128 -D MV_MIN_BLOCKS=4
+  echo "== a 512-token prefill pass with dequantised slices of 16 and 24 MB (the engine's 64 overflow L2)"
+  step python3 scripts/gpu_profile.py "$model" --fill 0 --prefill 512 --slice-mb 16
+  step python3 scripts/gpu_profile.py "$model" --fill 0 --prefill 512 --slice-mb 24
   echo "== the whole step at 7680 cached tokens"
   step python3 -m nerva_cli bench "$model" --backend cuda --no-profile --ctx 8192 \
     --prompt-tokens 7680 --gen-tokens 128 --repeat 1

@@ -18,7 +18,7 @@ the GPU ran it (events around it: what the ops leave out is CuPy's own elementwi
 residual adds, and the GPU waiting on the host) and against the host's time to queue it.
 
     python3 scripts/gpu_profile.py MODEL_DIR [--fill 512] [--repeat 20] [--temperature 0.8] [--json OUT]
-                                   [--ctx 8192] [--splits LEAST,MOST] [--prefill T]
+                                   [--ctx 8192] [--splits LEAST,MOST] [--prefill T [--slice-mb MB]]
 
 --splits times decode attention with another number of blocks a head than attention_splits
 picks (MOST at most what the engine's --ctx allocates): an A/B in one lease, e.g. at --fill
@@ -69,6 +69,9 @@ def main() -> None:
     ap.add_argument("--splits", help="LEAST,MOST decode attention blocks a head, in place of attention_splits'")
     ap.add_argument("--prefill", type=int, metavar="T",
                     help="profile a prefill pass of T prompt tokens (at most the engine's chunk) instead")
+    ap.add_argument("--slice-mb", type=int, metavar="MB",
+                    help="with --prefill: dequantise at most MB of f16 weights at a time (the engine's: its "
+                         "scratch, 64), e.g. slices that L2 holds for the GEMM that reads them")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -86,6 +89,11 @@ def main() -> None:
             sys.exit(f"gpu_profile.py: --splits {args.splits}: need 1 <= LEAST <= MOST <= {engine.splits[1]} "
                      "(a larger --ctx allocates more)")
         engine.splits = (least, most)
+    if args.slice_mb is not None:
+        if not 0 < args.slice_mb << 19 <= engine.a.scratch.size:
+            sys.exit(f"gpu_profile.py: --slice-mb {args.slice_mb}: 1 to {engine.a.scratch.size >> 19} "
+                     "(the engine's scratch)")
+        engine.a.scratch = engine.a.scratch[: args.slice_mb << 19]  # f16: 2^19 of them a MB
     rng = np.random.default_rng()
     if args.fill:
         engine.prefill([int(t) for t in rng.integers(0, engine.cfg.vocab_size, args.fill)])
@@ -152,10 +160,11 @@ def profile_prefill(engine, model, args, rng) -> dict:
         ops.append((name, lambda: dev.launch(engine.k.fn[name], grid, block, a), launch_bytes(name, a), 0))
         go(name, grid, block, a)
 
-    def record_gemm(a, b, out):
+    def record_gemm(a, b, out, accumulate=False):
         (rows, k), n = a.shape, b.shape[0]
-        ops.append(("gemm_t (cuBLAS)", lambda: gemm(a, b, out), a.nbytes + b.nbytes + out.size * 4, 2 * rows * k * n))
-        gemm(a, b, out)
+        nbytes = a.nbytes + b.nbytes + out.size * 4 * (1 + accumulate)
+        ops.append(("gemm_t (cuBLAS)", lambda: gemm(a, b, out, accumulate), nbytes, 2 * rows * k * n))
+        gemm(a, b, out, accumulate)
 
     def one_pass():
         engine.n_past = args.fill
@@ -189,7 +198,8 @@ def profile_prefill(engine, model, args, rng) -> dict:
     total = sum(r["ms"] for r in per.values())
     rows = sorted(per.items(), key=lambda kv: -kv[1]["ms"])
     print(f"{dev.name}: {model.name}:{model.variant} ({engine.cfg.num_layers} layers), a {T}-token prefill pass "
-          f"after {args.fill} cached tokens, precision {engine.precision}")
+          f"after {args.fill} cached tokens, precision {engine.precision}, "
+          f"dequantised slices of at most {engine.a.scratch.nbytes / 2**20:.0f} MB")
     print_rows(rows, total, "us/pass")
     uncaptured = sum(r["uncaptured"] for r in per.values())
     if uncaptured:
@@ -198,7 +208,8 @@ def profile_prefill(engine, model, args, rng) -> dict:
     print(f"sum of ops {total:.2f} ms; the pass on the GPU {pass_ms:.2f} ms{rate}; "
           f"the host queued it in {queue_ms:.2f} ms")
     return {"device": dev.name, "model": f"{model.name}:{model.variant}", "fill": args.fill, "prefill_tokens": T,
-            "pass_ms": pass_ms, "host_queue_ms": queue_ms, "ops_ms": total, "ops": dict(rows)}
+            "slice_bytes": int(engine.a.scratch.nbytes), "pass_ms": pass_ms, "host_queue_ms": queue_ms,
+            "ops_ms": total, "ops": dict(rows)}
 
 
 def launch_bytes(name: str, a) -> int:

@@ -470,6 +470,9 @@ def test_cupy_device_code_against_a_stand_in_for_cupy(stored, monkeypatch):
     want = wide.astype(np.float64)
     want[:, 4:13] = a.astype(np.float64) @ b.astype(np.float64).T
     np.testing.assert_allclose(dev.download(out), want, rtol=1e-5, atol=1e-5)  # 64 exact products summed in f32
+    dev.gemm_t(dev.upload(a), dev.upload(b), out[:, 4:13], accumulate=True)  # beta 1: adds to what is there
+    want[:, 4:13] *= 2
+    np.testing.assert_allclose(dev.download(out), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="gemm_t: f16 a"):
         dev.gemm_t(dev.upload(a.astype(np.float32)), dev.upload(b), out[:, 4:13])
     assert sorted(dev.bandwidths(1 << 20, rounds=1)) == ["d2h_pinned", "device_copy", "h2d_pinned"]
@@ -559,6 +562,10 @@ def test_gpu_profile_script_times_each_op_of_a_prefill_pass(stored, cuda_device,
     # q4_0: 16 bytes of codes and a 2-byte scale a 32-weight block, dequantised to 2 bytes a weight
     assert ops["dequantize_q4"]["bytes"] == layers * weights * (18 / 32 + 2)
     assert ops["to_half"]["bytes"] == layers * T * (h + qd + h + f) * (4 + 2)
+    assert profile["slice_bytes"] == engines[0].a.scratch.nbytes < 1 << 20
+    monkeypatch.setattr(sys, "argv", ["gpu_profile.py", str(model.path), "--prefill", str(T), "--slice-mb", "1"])
+    with pytest.raises(SystemExit, match="--slice-mb 1: 1 to 0 "):  # the tiny model's scratch is under 1 MB
+        runpy.run_path(str(Path(__file__).resolve().parent.parent / "scripts" / "gpu_profile.py"), run_name="__main__")
 
 
 def test_gpu_attention_bench_script_times_each_shape(cuda_device, monkeypatch, tmp_path):

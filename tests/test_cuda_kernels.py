@@ -336,21 +336,27 @@ def test_to_half_rounds_to_nearest_even(k, rng):
     np.testing.assert_array_equal(down(k, out), want)
 
 
+@pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("T,n,k_dim", [(1, 40, 64), (7, 96, 576), (33, 130, 256)])
-def test_gemm_t_into_a_column_slice(k, rng, T, n, k_dim):
-    """Prefill's GEMM, out [T, n] = a @ b.T on f16 operands with f32 sums, written into columns
-    lo..lo + n of a wider f32 array with the other columns untouched. Tolerance: sums of k f32
-    products (each exact, being of two f16 values) in another order, as assert_rows_close; on
-    a GPU cuBLAS may split k, which that bound covers too. The GPU run is the check of how cuBLAS
-    reads gemm_t's arguments; the emulated run checks only the emulation's NumPy stand-in (the
-    argument mapping is checked in CI against fake_cupy's cuBLAS: test_cuda_engine.py)."""
+def test_gemm_t_into_a_column_slice(k, rng, T, n, k_dim, accumulate):
+    """Prefill's GEMM, out [T, n] = a @ b.T on f16 operands with f32 sums (accumulate: out += that,
+    prefill's residual adds), written into columns lo..lo + n of a wider f32 array with the other
+    columns untouched. Tolerance: sums of k f32 products (each exact, being of two f16 values),
+    and the old value, in another order, as assert_rows_close; on a GPU cuBLAS may split k, which
+    that bound covers too. The GPU run is the check of how cuBLAS reads gemm_t's arguments; the
+    emulated run checks only the emulation's NumPy stand-in (the argument mapping is checked in CI
+    against fake_cupy's cuBLAS: test_cuda_engine.py)."""
     a, b = randn(rng, T, k_dim).astype(np.float16), randn(rng, n, k_dim).astype(np.float16)
     wide = randn(rng, T, n + 11)
     out = up(k, wide)
-    k.dev.gemm_t(up(k, a), up(k, b), out[:, 5:5 + n])
+    k.dev.gemm_t(up(k, a), up(k, b), out[:, 5:5 + n], accumulate)
     got = down(k, out)
     want = a.astype(np.float64) @ b.astype(np.float64).T
-    assert_rows_close(got[:, 5:5 + n], want, np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64)).T, k_dim)
+    magnitude = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64)).T
+    if accumulate:
+        want += wide[:, 5:5 + n]
+        magnitude += np.abs(wide[:, 5:5 + n])
+    assert_rows_close(got[:, 5:5 + n], want, magnitude, k_dim + accumulate)
     np.testing.assert_array_equal(got[:, :5], wide[:, :5])
     np.testing.assert_array_equal(got[:, 5 + n:], wide[:, 5 + n:])
 

@@ -424,10 +424,12 @@ class CupyDevice:
         self.cp.cuda.runtime.memcpyAsync(dst.ctypes.data, src.data.ptr, dst.nbytes,
                                          self.cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
 
-    def gemm_t(self, a, b, out) -> None:
-        """out [T, n] = a [T, k] @ b [n, k].T by cuBLAS (cublasGemmEx): f16 operands on tensor
-        cores, f32 sums written as f32 straight into out, whose rows may be a column slice of a
-        wider array (no temporary, no copy). Runs on the current stream, as CuPy sets it."""
+    def gemm_t(self, a, b, out, accumulate: bool = False) -> None:
+        """out [T, n] = a [T, k] @ b [n, k].T (accumulate: out += that) by cuBLAS (cublasGemmEx):
+        f16 operands on tensor cores, f32 sums written as f32 straight into out, whose rows may be
+        a column slice of a wider array (no temporary, no copy; with accumulate, cuBLAS's beta
+        adds out's old values, so a residual add needs no pass of its own). Runs on the current
+        stream, as CuPy sets it."""
         cp = self.cp
         cublas, rt = cp.cuda.cublas, cp.cuda.runtime
         (T, k), n = a.shape, b.shape[0]
@@ -441,7 +443,8 @@ class CupyDevice:
         # a [k, n] column-major matrix (op T) and a's likewise as [k, T] (op N).
         cublas.gemmEx(cp.cuda.get_cublas_handle(), cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, n, T, k,
                       self._one.ctypes.data, b.data.ptr, rt.CUDA_R_16F, k, a.data.ptr, rt.CUDA_R_16F, k,
-                      self._zero.ctypes.data, out.data.ptr, rt.CUDA_R_32F, out.strides[0] // 4,
+                      (self._one if accumulate else self._zero).ctypes.data, out.data.ptr, rt.CUDA_R_32F,
+                      out.strides[0] // 4,
                       cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP)
 
     # streams, events, graphs

@@ -118,9 +118,10 @@ class EmuDevice:
     def copy_to_host_async(self, dst, src, stream) -> None:
         dst[...] = src.view(dst.dtype).reshape(dst.shape)
 
-    def gemm_t(self, a, b, out) -> None:
+    def gemm_t(self, a, b, out, accumulate: bool = False) -> None:
         """As cuBLAS on f16 operands with f32 sums: each product of two f16 values is exact in f32."""
-        out[...] = np.matmul(a.astype(np.float32), b.astype(np.float32).T)
+        prod = np.matmul(a.astype(np.float32), b.astype(np.float32).T)
+        out[...] = out + prod if accumulate else prod
 
     def stream(self):
         return EmuStream()
