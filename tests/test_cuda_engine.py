@@ -595,3 +595,24 @@ def test_gpu_attention_bench_script_times_each_shape(cuda_device, monkeypatch, t
                      for heads, kvh, hd, T, start in bench.SHAPES.values()]
     assert [r["splits"] for r in result["rows"]] == engine_splits == [1, 2]
     assert all(r["nerva_ms"] >= 0 for r in result["rows"])
+
+
+@pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
+def test_gpu_matvec_sweep_script_launches_through_the_engine(cuda_device, precision):
+    """scripts/gpu_matvec_sweep.py's sweep, which gpu_check.sh's sweep and extra stages run and
+    which once broke unseen when the matvec's arguments changed: its launches go through
+    Kernels.matvec with MV_ROWS and MV_THREADS set to each pair, restored after. On the emulation
+    (the kernels as compiled here, 8 rows by up to 128 threads) only that it runs is checked."""
+    import importlib.util
+
+    from nerva_cli.backends import cuda
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_matvec_sweep.py"
+    spec = importlib.util.spec_from_file_location("gpu_matvec_sweep", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    name = "matvec_q4_w4a8" if precision == "w4a8" else "matvec_q4_w4a16"
+    saved = cuda.MV_ROWS, cuda.MV_THREADS
+    results = sweep.sweep(cuda_device, {(8, 128): cuda_device.functions()[name]}, {"small": (40, 256)}, precision)
+    assert list(results) == [("small", 8, 128)] and all(ms >= 0 for ms, _ in results.values())
+    assert (cuda.MV_ROWS, cuda.MV_THREADS) == saved
