@@ -27,6 +27,12 @@ inline float h2f(u16 h) { _Float16 v; __builtin_memcpy(&v, &h, 2); return (float
 inline u16 f2h(float f) { _Float16 v = (_Float16)f; u16 h; __builtin_memcpy(&h, &v, 2); return h; }
 #endif
 
+// A Q4_0 code n at bits 4s..4s+3 of a word ORed into the bits of 2^23 (MAGIC, with and_or below)
+// reads as the float 2^23 + n 16^s; q4_code with bias 2^23 + 8 16^s gives (n - 8) 16^s exactly,
+// with no integer conversion (matvec.cu says why that matters).
+#define MAGIC 0x4B000000u  // 2^23
+__device__ __forceinline__ float q4_code(unsigned bits, float bias) { return __uint_as_float(bits) - bias; }
+
 // (a & MASK) | c in one LOP3 with MASK as its immediate: written in C, ptxas makes c the
 // immediate instead and rebuilds MASK in a register for every use (one MOV per LOP3).
 template <unsigned MASK>

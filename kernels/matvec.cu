@@ -36,8 +36,7 @@
 // and one FADD a weight and a shift per 8, 906 instructions, 327 of them integer (938 with
 // norm_tail below in the kernel). The x it meets was divided by 16^s (a power of two: exact), so
 // each product is (n - 8) x rounded once, as before.
-#define MAGIC 0x4B000000u  // 2^23
-__device__ __forceinline__ float q4_code(unsigned bits, float bias) { return __uint_as_float(bits) - bias; }
+// (MAGIC and q4_code are in common.cuh: prefill's dequantize_q4 decodes codes the same way.)
 
 // sum_j (q_j - 8) x_j over one block of 32 weights, x[k] holding elements 4k..4k+3 divided by
 // 16^s for their nibble: 1, 16^2, 1, 16^2 for the low nibbles (k < 4); 16, 16^3, 16, 16^3 after.

@@ -215,7 +215,7 @@ def profile_prefill(engine, model, args, rng) -> dict:
 def launch_bytes(name: str, a) -> int:
     """Bytes a prefill kernel reads and writes where they are its arrays' whole size: the weight
     conversions (their source and the f16 copy) and the activations' (f32 in, f16 out)."""
-    if name == "dequantize_q4":  # (qs, d, out, rows, cols)
+    if name == "dequantize_q4":  # (qs, d, out, blocks)
         return int(a[0].nbytes + a[1].nbytes + a[2].nbytes)
     if name in ("bf16_to_half", "to_half", "fake_quantize_q8"):  # (src, out, n)
         return int(a[0].nbytes + a[1].nbytes)

@@ -316,11 +316,19 @@ def test_matvec_exact(k, rng, kind, rows, cols):
 
 
 def test_dequantize_q4_to_half(k, rng):
-    qs, d = random_q4(rng, 33, 192)
+    """Bit for bit: d (q - 8) is exact in f32 and rounded once to f16, as NumPy rounds it. Scales
+    at f16's extremes too (the smallest subnormal, and the largest, whose products leave f16's
+    range), and a slice of rows from inside the matrix, as prefill dequantises one."""
+    qs, d = random_q4(rng, 40, 192)
+    d[3, :3] = [np.float16(2.0 ** -24), np.float16(-65504), np.float16(6.1e-5)]
     scratch = up(k, np.zeros(40 * 192, np.float16))
-    out = k.half_weights({"qs": up(k, qs), "d": up(k, d)}, scratch)
+    qd, dd = up(k, qs), up(k, d)
+    out = k.half_weights({"qs": qd[2:35], "d": dd[2:35]}, scratch)
     assert out.shape == (33, 192) and out.dtype == np.float16
-    np.testing.assert_array_equal(down(k, out), dequantize_q4_0(qs, d).astype(np.float16))
+    with np.errstate(over="ignore"):  # -65504 (q - 8) past f16's range, on purpose: -inf or inf
+        want = dequantize_q4_0(qs[2:35], d[2:35]).astype(np.float16)
+    np.testing.assert_array_equal(down(k, out), want)
+    assert np.isinf(want).any() and (want[1, :32] != 0).any()
 
 
 def test_to_half_rounds_to_nearest_even(k, rng):

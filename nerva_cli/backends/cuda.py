@@ -227,8 +227,8 @@ class Kernels:
             return out
         rows, half = m["qs"].shape
         out = scratch[: rows * half * 2].reshape(rows, half * 2)
-        self._go("dequantize_q4", (_cdiv(rows * half, THREADS),), (THREADS,),
-                 (m["qs"], m["d"], out, I32(rows), I32(half * 2)))
+        blocks = rows * half * 2 // QK  # a thread each
+        self._go("dequantize_q4", (_cdiv(blocks, THREADS),), (THREADS,), (m["qs"], m["d"], out, I32(blocks)))
         return out
 
     # -- attention -----------------------------------------------------------------------------
