@@ -14,8 +14,8 @@ A prefill pass is not a graph: the host queues it op by op. Its ops (kernel laun
 gemm_t's cuBLAS calls) are recorded during one pass after --fill cached tokens and each is
 timed alone the same way (a GEMM that cuBLAS will not let a graph capture is timed as REPEAT
 calls queued from the host, and marked so). The table's sum is held against the whole pass as
-the GPU ran it (events around it: what the ops leave out is CuPy's own elementwise work, the
-residual adds, and the GPU waiting on the host) and against the host's time to queue it.
+the GPU ran it (events around it: what the ops leave out is CuPy's own elementwise work, such
+as Qwen2's q/k/v biases, and the GPU waiting on the host) and against the host's time to queue it.
 
     python3 scripts/gpu_profile.py MODEL_DIR [--fill 512] [--repeat 20] [--temperature 0.8] [--json OUT]
                                    [--ctx 8192] [--splits LEAST,MOST] [--prefill T [--slice-mb MB]]
