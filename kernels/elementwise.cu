@@ -85,6 +85,7 @@ extern "C" __global__ void add_rows(float* x, const float* b, int n, int T) {
 // arithmetic (a 64-bit division by the row's length among it): at 7.5 billion weights a pass
 // (8B shapes), about 1.1e10 warp instructions, 12 ms of an H100's issue slots at 1.75 GHz
 // against 6.4 ms to move the 19 GB it reads and writes at 3 TB/s. Now 1e9: memory-bound.
+
 // Two weights as a half2 word: codes a and b (ORed into MAGIC), each with its place's bias and scale.
 __device__ __forceinline__ unsigned q4_pair(unsigned a, float bias_a, float scale_a, unsigned b, float bias_b,
                                             float scale_b) {
