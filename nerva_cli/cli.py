@@ -17,7 +17,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-Quant = Annotated[str, typer.Option("--quant", "-q", help="Variant to write: q4_0, f16 or bf16.")]
+Quant = Annotated[str, typer.Option("--quant", "-q", help="Variant to write: auto (a Q4_0 or Q4_1 GGUF keeps its format bit for bit, anything else becomes q4_0), q4_0, q4_1, f16 or bf16.")]
 Force = Annotated[bool, typer.Option("--force", help="Replace an existing model of the same name and variant.")]
 Json = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 
@@ -43,7 +43,7 @@ def _pull(spec: str, quant: str, name: Optional[str], out: Optional[Path], force
 def pull(
     source: Annotated[str, typer.Argument(help="HF repo id, local HF directory, .gguf file, or alias (smollm2-135m).")],
     name: Annotated[Optional[str], typer.Option(help="Store name (default: from the source).")] = None,
-    quant: Quant = "q4_0",
+    quant: Quant = "auto",
     revision: Annotated[Optional[str], typer.Option(help="HF branch, tag or commit.")] = None,
     force: Force = False,
 ):
@@ -54,7 +54,7 @@ def pull(
 @app.command(epilog="Example: nerva convert ./SmolLM2-135M-Instruct --quant f16 --out /tmp/smol-f16")
 def convert(
     source: Annotated[str, typer.Argument(help="Local HF safetensors directory or .gguf file.")],
-    quant: Quant = "q4_0",
+    quant: Quant = "auto",
     out: Annotated[Optional[Path], typer.Option(help="Write the model directory here instead of the store.")] = None,
     name: Annotated[Optional[str], typer.Option(help="Store name (default: from the source).")] = None,
     force: Force = False,
@@ -144,7 +144,7 @@ def rm(models: Annotated[list[str], typer.Argument(help="name or name:variant; a
 
 Threads = Annotated[Optional[int], typer.Option("--threads", "-t", help="CPU threads (default: the physical cores).")]
 Precision = Annotated[Optional[str], typer.Option(
-    help="q4_0 models: mixed (default: W4A16 on layers whose MCAP score >= --tau, W4A8 on the rest), "
+    help="q4_0 and q4_1 models: mixed (default: W4A16 on layers whose MCAP score >= --tau, W4A8 on the rest), "
          "or w4a16 / w4a8 on every layer; f16/bf16 run exact.")]
 Tau = Annotated[float, typer.Option("--tau", help="Mixed precision: normalised MCAP score (0..1) from which a layer runs W4A16.")]
 NoProfile = Annotated[bool, typer.Option("--no-profile", help="Do not profile or read a profile: W4A16 on every layer.")]
@@ -181,7 +181,7 @@ def _find_or_pull(model_ref: str):
         if not is_source_spec(model_ref):
             raise
         output.info(f"{model_ref} is not in the store yet: pulling it")
-        return _pull(model_ref, "q4_0", None, None, False, report=output.info)
+        return _pull(model_ref, "auto", None, None, False, report=output.info)
 
 
 def _layer_plan(model, precision, tau: float, use_profile: bool, mode: str, active_fraction: float,
@@ -200,6 +200,23 @@ def _profiling_backend(backend: str) -> str:
     return "cpu" if backend in ("auto", "cuda") else backend
 
 
+def _backend_for(model, requested: str, backend: str) -> str:
+    """The resolved backend, unless the model is a variant the cuda plane has no kernels for
+    (q4_1): then auto falls back to cpu with a note, and an explicit --backend cuda is refused."""
+    if backend != "cuda":
+        return backend
+    from nerva_cli import output
+    from nerva_cli.cuda_engine import CUDA_VARIANTS
+
+    if model.variant in CUDA_VARIANTS:
+        return backend
+    why = f"{model.name}:{model.variant}: the cuda backend runs {', '.join(CUDA_VARIANTS)} models"
+    if requested == "cuda":
+        raise NervaError(f"{why}; use --backend cpu, or pull a q4_0 variant (nerva pull SOURCE --quant q4_0)")
+    output.note(f"{why}, so this one runs on the cpu backend")
+    return "cpu"
+
+
 def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau: float = 0.7,
                  use_profile: bool = True, mode: str = "full", active_fraction: float = 1.0,
                  ram_budget: Optional[str] = None, vram_budget: Optional[str] = None, policy: str = "ring"):
@@ -212,10 +229,11 @@ def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau
     mcap.check_tau(tau)
     mcap.check_fraction(active_fraction)
     budget = parse_budget(ram_budget, "ram-budget")
-    backend = backends.resolve(backend)
+    requested, backend = backend, backends.resolve(backend)
+    model = _find_or_pull(model_ref)
+    backend = _backend_for(model, requested, backend)
     if vram_budget is not None and backend != "cuda":
         output.note(f"--vram-budget {vram_budget} is ignored: the {backend} backend holds everything in RAM")
-    model = _find_or_pull(model_ref)
     plan = _layer_plan(model, precision, tau, use_profile, mode, active_fraction, _profiling_backend(backend))
     from nerva_cli.tokenizer import TextTokenizer
 
@@ -384,7 +402,7 @@ def topology(
     info = topo.collect(probe)
     if model is not None:
         stored = _find_or_pull(model)
-        backend = backends.resolve(backend)
+        backend = _backend_for(stored, backend, backends.resolve(backend))
         layers = _layer_plan(stored, precision, tau, not no_profile, mode, active_fraction,
                              _profiling_backend(backend))
         importance = getattr(layers, "importance", None)

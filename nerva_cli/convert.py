@@ -15,7 +15,7 @@ import numpy as np
 from nerva_cli import __version__
 from nerva_cli.errors import BadInput
 from nerva_cli.layout import global_files, layer_file, layer_shapes, quantised
-from nerva_cli.quant import quantize_q4_0
+from nerva_cli.quant import Q4_KINDS, quantize_q4
 from nerva_cli.sources import Source, SourceTensor
 from nerva_cli.store import ALIGN, FORMAT, VARIANTS, LayerFileWriter
 
@@ -31,23 +31,28 @@ def to_bf16(w: np.ndarray) -> np.ndarray:
     return ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
 
 
-def _q4_0_planes(t: SourceTensor) -> tuple[np.ndarray, np.ndarray]:
-    if t.read_q4_0 is not None:
-        return t.read_q4_0()
+def _q4_planes(t: SourceTensor, kind: str) -> tuple:
+    if t.read_q4 is not None and t.stored_dtype == kind:
+        return t.read_q4()
     w = t.read_f32()
     rows = max(1, ROWS_PER_CHUNK_ELEMS // w.shape[1])
     qs = np.empty((w.shape[0], w.shape[1] // 2), dtype=np.uint8)
     d = np.empty((w.shape[0], w.shape[1] // 32), dtype=np.float16)
+    m = np.empty_like(d) if kind == "q4_1" else None
     for r in range(0, w.shape[0], rows):
-        qs[r:r + rows], d[r:r + rows] = quantize_q4_0(w[r:r + rows])
-    return qs, d
+        qs[r:r + rows], d[r:r + rows], m_rows = quantize_q4(w[r:r + rows], kind)
+        if m is not None:
+            m[r:r + rows] = m_rows
+    return qs, d, m
 
 
 def _write_tensor(writer: LayerFileWriter, name: str, t: SourceTensor, variant: str) -> None:
-    if variant == "q4_0" and quantised(name):
-        qs, d = _q4_0_planes(t)
+    if variant in Q4_KINDS and quantised(name):
+        qs, d, m = _q4_planes(t, variant)
         writer.add(f"{name}.qs", qs, "u8")
         writer.add(f"{name}.d", d, "f16")
+        if m is not None:
+            writer.add(f"{name}.m", m, "f16")
     elif variant == "f16" and quantised(name):
         writer.add(name, t.read_f32().astype(np.float16), "f16")
     elif variant == "bf16" and quantised(name):
@@ -58,14 +63,21 @@ def _write_tensor(writer: LayerFileWriter, name: str, t: SourceTensor, variant: 
 
 def conversion_notes(source: Source, variant: str) -> list[str]:
     kinds = sorted({source.tensors(n).stored_dtype for n in ("embed", "layers.0.q")})
-    lossy = [k for k in kinds if k not in EXACT_SOURCE_TYPES and not (variant == "q4_0" and k == "q4_0")]
-    if lossy and variant == "q4_0":
+    lossy = [k for k in kinds if k not in EXACT_SOURCE_TYPES and k != variant]
+    if lossy and variant in Q4_KINDS:
         return [f"source tensors are {'/'.join(k.upper() for k in lossy)}: dequantised and requantised "
-                "to Q4_0, which is lossy"]
+                f"to {variant.upper()}, which is lossy"]
     if lossy:
         return [f"source tensors are {'/'.join(k.upper() for k in lossy)}: dequantised to {variant} "
                 "(exact from here on, but the source was already quantised)"]
     return []
+
+
+def default_variant(source: Source) -> str:
+    """`--quant auto`: a GGUF whose layers are Q4_0 or Q4_1 keeps that format (bit for bit),
+    anything else becomes Q4_0."""
+    kind = source.tensors("layers.0.q").stored_dtype
+    return kind if kind in Q4_KINDS else "q4_0"
 
 
 def convert(source: Source, variant: str, target: Path, force: bool = False,
@@ -76,8 +88,8 @@ def convert(source: Source, variant: str, target: Path, force: bool = False,
     if (target.exists() or target.is_symlink()) and not force:
         raise BadInput(f"{target}: already exists (use --force to replace it)")
     if cfg.hidden_size % 32 or cfg.intermediate_size % 32 or cfg.q_dim % 32:
-        if variant == "q4_0":
-            raise BadInput(f"{source.origin['id']}: Q4_0 needs matrix widths that are multiples of 32")
+        if variant in Q4_KINDS:
+            raise BadInput(f"{source.origin['id']}: {variant.upper()} needs matrix widths that are multiples of 32")
     plan = list(global_files(cfg).items()) + [
         (layer_file(i), {f"layers.{i}.{n}": s for n, s in layer_shapes(cfg).items()})
         for i in range(cfg.num_layers)]

@@ -33,6 +33,7 @@ from nerva_cli.pager import LayerFileReader, PagedWeights, PagerStats
 from nerva_cli.residency import Plan, plan
 from nerva_cli.store import StoredModel, tensors_in
 
+CUDA_VARIANTS = ("q4_0", "f16", "bf16")  # kernels/*.cu have no Q4_1 path (its offsets) yet
 SCRATCH_BYTES = 64 << 20  # prefill's dequantised weight rows (f16), a slice of a matrix at a time
 HOST_SLOTS = 2  # staging buffers between the disk reader and the copy stream
 
@@ -213,6 +214,8 @@ class CudaEngine(EngineBase):
         cfg = self.cfg
         if problem := unsupported_shapes(cfg):
             raise NervaError(f"{model.path}: {problem}")
+        if model.variant not in CUDA_VARIANTS:
+            raise NervaError(f"{model.name}:{model.variant}: the cuda backend runs {', '.join(CUDA_VARIANTS)} models")
         self.precision = default_precision(model, precision)
         if layer_precisions is not None:
             if self.precision == "exact" or len(layer_precisions) != cfg.num_layers:

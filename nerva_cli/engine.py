@@ -26,24 +26,33 @@ PREFILL_CHUNK = 256
 
 @dataclass
 class Linear:
-    """One weight matrix: Q4_0 planes (qs, d) or an f32 matrix (exact variants)."""
+    """One weight matrix: Q4_0 planes (qs, d), Q4_1 planes (qs, d, m) or an f32 matrix (exact
+    variants)."""
 
     rows: int
     cols: int
     qs: np.ndarray | None = None
     d: np.ndarray | None = None
     w: np.ndarray | None = None
+    m: np.ndarray | None = None  # Q4_1's block offsets
 
     @classmethod
     def from_stored(cls, tensors: dict, name: str) -> "Linear":
         if f"{name}.qs" in tensors:
-            qs, d = tensors[f"{name}.qs"], tensors[f"{name}.d"]
-            return cls(qs.shape[0], qs.shape[1] * 2, qs=qs, d=d)
+            qs = tensors[f"{name}.qs"]
+            return cls(qs.shape[0], qs.shape[1] * 2, qs=qs, d=tensors[f"{name}.d"], m=tensors.get(f"{name}.m"))
         return cls(*tensors[name].shape, w=as_f32(tensors[name]))
 
     @property
     def nbytes(self) -> int:
-        return self.w.nbytes if self.w is not None else self.qs.nbytes + self.d.nbytes
+        if self.w is not None:
+            return self.w.nbytes
+        return self.qs.nbytes + self.d.nbytes + (0 if self.m is None else self.m.nbytes)
+
+    def rows_slice(self, start: int, stop: int) -> "Linear":
+        """Rows start..stop of a quantised matrix, as views."""
+        return Linear(min(stop, self.rows) - start, self.cols, qs=self.qs[start:stop], d=self.d[start:stop],
+                      m=None if self.m is None else self.m[start:stop])
 
     @classmethod
     def owned(cls, t: dict, names: tuple[str, ...]) -> "Linear":
@@ -52,7 +61,8 @@ class Linear:
         Exact variants widen straight into the stacked f32 array: no per-matrix copy between."""
         if f"{names[0]}.qs" in t:
             qs = np.concatenate([t[f"{n}.qs"] for n in names])
-            return cls(qs.shape[0], qs.shape[1] * 2, qs=qs, d=np.concatenate([t[f"{n}.d"] for n in names]))
+            m = np.concatenate([t[f"{n}.m"] for n in names]) if f"{names[0]}.m" in t else None
+            return cls(qs.shape[0], qs.shape[1] * 2, qs=qs, d=np.concatenate([t[f"{n}.d"] for n in names]), m=m)
         w = np.empty((sum(t[n].shape[0] for n in names), t[names[0]].shape[1]), dtype=np.float32)
         row = 0
         for n in names:
@@ -100,13 +110,13 @@ class Layer:
 
     @classmethod
     def viewing(cls, t: dict, precision: str):
-        """A Layer over a staging slot's tensors, unfused and without copies of the q4_0 planes
+        """A Layer over a staging slot's tensors, unfused and without copies of the Q4 planes
         (fusing would copy per read). -> (layer, refresh): refresh() re-derives, in place, the
         arrays kept beside the views (f32 matrices of exact variants, the fused bias)."""
         mats, widen = {}, []
         for m in MATRICES:
             if f"{m}.qs" in t:
-                mats[m] = Linear(t[f"{m}.qs"].shape[0], t[f"{m}.qs"].shape[1] * 2, qs=t[f"{m}.qs"], d=t[f"{m}.d"])
+                mats[m] = Linear.from_stored(t, m)
             else:
                 mats[m] = Linear(*t[m].shape, w=np.empty(t[m].shape, dtype=np.float32))
                 widen.append((t[m], mats[m].w))
@@ -227,12 +237,12 @@ def default_precision(model: StoredModel, precision: str | None) -> str:
     if model.variant in ("f16", "bf16"):
         if precision not in (None, "exact"):
             raise NervaError(f"{model.name}:{model.variant} is an exact variant; --precision {precision} "
-                             "needs a q4_0 variant (nerva pull SOURCE --quant q4_0)")
+                             "needs a q4_0 or q4_1 variant (nerva pull SOURCE --quant q4_0)")
         return "exact"
     if precision in (None, "mixed"):
         return "w4a16"  # per-layer mixed dispatch needs an MCAP profile; until then W4A16
     if precision not in ("w4a16", "w4a8"):
-        raise NervaError(f"--precision {precision}: q4_0 models run at w4a16 or w4a8")
+        raise NervaError(f"--precision {precision}: {model.variant} models run at w4a16 or w4a8")
     return precision
 
 
@@ -263,7 +273,7 @@ class Engine(EngineBase):
                  ctx: int | None = None, layer_precisions: list[str] | None = None,
                  active_layers: list[int] | None = None, ram_budget: int | None = None,
                  policy: str = "ring", importance: dict[int, float] | None = None):
-        """layer_precisions: per-layer w4a16/w4a8 (MCAP's mixed dispatch) for a q4_0 model;
+        """layer_precisions: per-layer w4a16/w4a8 (MCAP's mixed dispatch) for a q4_0 or q4_1 model;
         active_layers: the layers that run (hot-only mode), the others pass the residual on."""
         from nerva_cli.backends import get_backend
 
@@ -284,7 +294,7 @@ class Engine(EngineBase):
         if layer_precisions is not None:
             if self.precision == "exact" or len(layer_precisions) != cfg.num_layers or \
                     not set(layer_precisions) <= {"w4a16", "w4a8"}:
-                raise NervaError("per-layer precisions need a q4_0 model and one of w4a16/w4a8 per layer")
+                raise NervaError("per-layer precisions need a q4_0 or q4_1 model and one of w4a16/w4a8 per layer")
             self.precision = "mixed"
         per_layer = layer_precisions or [self.precision] * cfg.num_layers
         self.active = sorted(set(range(cfg.num_layers) if active_layers is None else active_layers))
@@ -314,9 +324,9 @@ class Engine(EngineBase):
         if lin.w is not None:
             self.k.matvec_f32(lin.w, x, out)
         elif precision == "w4a8":
-            self.k.matvec_q4_w4a8(lin.qs, lin.d, *self.a.act_q8[lin.cols], out)
+            self.k.matvec_q4_w4a8(lin.qs, lin.d, lin.m, *self.a.act_q8[lin.cols], out)
         else:
-            self.k.matvec_q4_w4a16(lin.qs, lin.d, x, out)
+            self.k.matvec_q4_w4a16(lin.qs, lin.d, lin.m, x, out)
 
     def _embed_row(self, token: int, out: np.ndarray) -> None:
         if not 0 <= token < self.cfg.vocab_size:
@@ -324,7 +334,7 @@ class Engine(EngineBase):
         if self.embed.w is not None:
             self.k.embed_f32(self.embed.w, token, out)
         else:
-            self.k.embed_q4(self.embed.qs, self.embed.d, token, out)
+            self.k.embed_q4(self.embed.qs, self.embed.d, self.embed.m, token, out)
 
     # -- decode ------------------------------------------------------------------------------
     def decode(self, token: int) -> np.ndarray:
@@ -429,7 +439,7 @@ class Engine(EngineBase):
 
     def _dequant(self, lin: Linear) -> np.ndarray:
         out = self._scratch[: lin.rows * lin.cols].reshape(lin.rows, lin.cols)
-        self.k.dequantize_q4(lin.qs, lin.d, out)
+        self.k.dequantize_q4(lin.qs, lin.d, lin.m, out)
         return out
 
     @property
@@ -509,7 +519,7 @@ class Engine(EngineBase):
         out = np.empty((x.shape[0], head.rows), dtype=np.float32)
         step = max(1, self._scratch.size // head.cols)
         for r in range(0, head.rows, step):
-            sl = Linear(min(step, head.rows - r), head.cols, qs=head.qs[r:r + step], d=head.d[r:r + step])
+            sl = head.rows_slice(r, r + step)
             out[:, r:r + sl.rows] = xn @ self._dequant(sl).T
         return out
 

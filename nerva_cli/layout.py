@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from nerva_cli.config import ModelConfig
 
-MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # quantised in the q4_0 variant
+MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # quantised in the q4_0 and q4_1 variants
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -287,7 +287,7 @@ def plan_layers(model: StoredModel, precision: str | None, tau: float, use_profi
     if mode not in ("full", "hot-only"):
         raise BadInput(f"--mode {mode}: choose full or hot-only")
     if precision not in (None, "mixed", "w4a16", "w4a8", "exact"):
-        raise BadInput(f"--precision {precision}: choose mixed, w4a16 or w4a8 (q4_0 models)")
+        raise BadInput(f"--precision {precision}: choose mixed, w4a16 or w4a8 (q4_0 and q4_1 models)")
     exact = model.variant in ("f16", "bf16")
     mixed = precision in (None, "mixed") and not exact
     hot = mode == "hot-only"

@@ -4,17 +4,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nerva_cli.convert import Progress, conversion_notes, convert
-from nerva_cli.store import StoredModel, load_metadata, models_root, parse_ref
+from nerva_cli.convert import Progress, conversion_notes, convert, default_variant
+from nerva_cli.errors import BadInput
+from nerva_cli.store import VARIANTS, StoredModel, load_metadata, models_root, parse_ref
 
 
-def pull(spec: str, variant: str = "q4_0", name: str | None = None, out: Path | None = None,
+def pull(spec: str, variant: str = "auto", name: str | None = None, out: Path | None = None,
          force: bool = False, revision: str | None = None, progress: Progress | None = None,
          notes: list[str] | None = None) -> StoredModel:
     from nerva_cli.sources.resolve import open_source
 
+    if variant != "auto" and variant not in VARIANTS:  # before a download, not after
+        raise BadInput(f"--quant {variant}: choose auto, {', '.join(VARIANTS)}")
     source = open_source(spec, revision=revision)
     try:
+        if variant == "auto":
+            variant = default_variant(source)
         if out is not None:
             target = Path(out).expanduser()
         else:

@@ -1,10 +1,13 @@
-"""Q4_0 in nerva's two-plane layout (ARCHITECTURE section 6).
+"""Q4_0 and Q4_1 in nerva's plane layout (ARCHITECTURE section 6).
 
 A GGUF Q4_0 block is 18 bytes: an f16 scale `d` then 16 bytes of codes, byte j holding element j
-(low nibble) and element j + 16 (high nibble). nerva keeps the same codes but splits the blocks
-into two planes per matrix, `qs` uint8 [out, in/2] and `d` f16 [out, in/32], so a kernel streams
-codes without stepping over scales. Quantising goes through the `gguf` package's implementation
-of llama.cpp's reference quantiser, which is what makes a GGUF Q4_0 import bit-exact.
+(low nibble) and element j + 16 (high nibble); the weight is d (q - 8). A Q4_1 block (20 bytes)
+adds an f16 offset `m` after `d`, and its weight is d q + m. nerva keeps the same codes but
+splits the blocks into planes per matrix, `qs` uint8 [out, in/2], `d` f16 [out, in/32] and for
+Q4_1 `m` f16 [out, in/32], so a kernel streams codes without stepping over scales. Q4_1 is there
+so that a Q4_1 GGUF (the bundled SmolLM2 is one) runs as it was made: requantised to Q4_0 its
+perplexity rose by a third. Quantising goes through the `gguf` package's implementation of
+llama.cpp's reference quantisers; a GGUF import of either type copies the planes bit for bit.
 """
 
 from __future__ import annotations
@@ -12,47 +15,58 @@ from __future__ import annotations
 import numpy as np
 
 QK = 32  # weights per block
-BLOCK_BYTES = 2 + QK // 2
+Q4_KINDS = ("q4_0", "q4_1")
+BLOCK_BYTES = {"q4_0": 2 + QK // 2, "q4_1": 4 + QK // 2}
+
+Planes = tuple  # (qs, d, m): m is None for Q4_0
 
 
-def split_blocks(raw: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
-    """GGUF Q4_0 bytes [rows, cols/32*18] -> (qs uint8 [rows, cols/2], d f16 [rows, cols/32])."""
-    rows = raw.shape[0]
-    blocks = np.ascontiguousarray(raw).reshape(rows, cols // QK, BLOCK_BYTES)
+def split_blocks(raw: np.ndarray, cols: int, kind: str = "q4_0") -> Planes:
+    """GGUF Q4_0/Q4_1 bytes [rows, cols/32*block] -> (qs uint8 [rows, cols/2], d f16 [rows, cols/32],
+    m f16 [rows, cols/32] for Q4_1 else None)."""
+    rows, scales = raw.shape[0], BLOCK_BYTES[kind] - QK // 2  # bytes of d (and m) a block
+    blocks = np.ascontiguousarray(raw).reshape(rows, cols // QK, BLOCK_BYTES[kind])
     d = blocks[:, :, :2].copy().view(np.float16).reshape(rows, cols // QK)
-    qs = np.ascontiguousarray(blocks[:, :, 2:]).reshape(rows, cols // 2)
-    return qs, d
+    m = blocks[:, :, 2:4].copy().view(np.float16).reshape(rows, cols // QK) if kind == "q4_1" else None
+    qs = np.ascontiguousarray(blocks[:, :, scales:]).reshape(rows, cols // 2)
+    return qs, d, m
 
 
-def join_blocks(qs: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """Inverse of split_blocks: the GGUF Q4_0 byte layout [rows, cols/32*18]."""
+def join_blocks(qs: np.ndarray, d: np.ndarray, m: np.ndarray | None = None) -> np.ndarray:
+    """Inverse of split_blocks: the GGUF Q4_0 (m None) or Q4_1 byte layout [rows, cols/32*block]."""
     rows, nb = d.shape
-    out = np.empty((rows, nb, BLOCK_BYTES), dtype=np.uint8)
-    out[:, :, :2] = np.ascontiguousarray(d, dtype=np.float16).view(np.uint8).reshape(rows, nb, 2)
-    out[:, :, 2:] = qs.reshape(rows, nb, QK // 2)
-    return out.reshape(rows, nb * BLOCK_BYTES)
+    planes = [d] if m is None else [d, m]
+    out = np.empty((rows, nb, 2 * len(planes) + QK // 2), dtype=np.uint8)
+    for i, p in enumerate(planes):
+        out[:, :, 2 * i:2 * i + 2] = np.ascontiguousarray(p, dtype=np.float16).view(np.uint8).reshape(rows, nb, 2)
+    out[:, :, 2 * len(planes):] = qs.reshape(rows, nb, QK // 2)
+    return out.reshape(rows, -1)
 
 
-def quantize_q4_0(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """f32 [rows, cols] -> (qs, d) with llama.cpp's reference Q4_0 rounding."""
+def quantize_q4(w: np.ndarray, kind: str = "q4_0") -> Planes:
+    """f32 [rows, cols] -> (qs, d, m) with llama.cpp's reference Q4_0 or Q4_1 rounding."""
     from gguf import GGMLQuantizationType, quants
 
     w = np.ascontiguousarray(w, dtype=np.float32)
     if w.ndim != 2 or w.shape[1] % QK:
-        raise ValueError(f"Q4_0 needs a matrix whose row length is a multiple of {QK}, got {w.shape}")
-    raw = quants.quantize(w, GGMLQuantizationType.Q4_0)
-    return split_blocks(raw, w.shape[1])
+        raise ValueError(f"{kind.upper()} needs a matrix whose row length is a multiple of {QK}, got {w.shape}")
+    raw = quants.quantize(w, GGMLQuantizationType[kind.upper()])
+    return split_blocks(raw, w.shape[1], kind)
 
 
-def dequantize_q4_0(qs: np.ndarray, d: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """(qs, d) -> f32 [rows, cols]: w = d * (q - 8)."""
+def dequantize_q4(qs: np.ndarray, d: np.ndarray, m: np.ndarray | None = None,
+                  out: np.ndarray | None = None) -> np.ndarray:
+    """(qs, d[, m]) -> f32 [rows, cols]: w = d (q - 8) for Q4_0, d q + m for Q4_1."""
     rows, half = qs.shape
     blocks = qs.reshape(rows, half // (QK // 2), QK // 2)
     codes = np.empty((rows, blocks.shape[1], QK), dtype=np.float32)
     codes[:, :, : QK // 2] = blocks & 0x0F
     codes[:, :, QK // 2 :] = blocks >> 4
-    codes -= 8.0
+    if m is None:
+        codes -= 8.0
     codes *= d.astype(np.float32)[:, :, None]
+    if m is not None:
+        codes += m.astype(np.float32)[:, :, None]
     w = codes.reshape(rows, half * 2)
     if out is not None:
         out[...] = w

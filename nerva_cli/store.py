@@ -16,8 +16,10 @@ from nerva_cli.errors import BadInput, NervaError, read_json
 
 FORMAT = "nerva/1"
 ALIGN = 4096
-VARIANTS = ("q4_0", "f16", "bf16")
-DEFAULT_VARIANT = "q4_0"
+VARIANTS = ("q4_0", "q4_1", "f16", "bf16")
+# A bare name picks the first variant the store has in this order: q4_1 exists only where it was
+# asked for or where the source was Q4_1, and then it is the one closer to the source.
+PICK_ORDER = ("q4_1", "q4_0", "f16", "bf16")
 DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16, "u8": np.uint8}
 
 
@@ -171,7 +173,7 @@ def find_model(ref: str) -> StoredModel:
     name, variant = parse_ref(ref)
     if variant is None:
         have = variants_of(name)
-        variant = DEFAULT_VARIANT if DEFAULT_VARIANT in have else (have[0] if have else DEFAULT_VARIANT)
+        variant = next((v for v in PICK_ORDER if v in have), "q4_0")
     model_dir = models_root() / name / variant
     if not (model_dir / "metadata.json").exists():
         have = variants_of(name)

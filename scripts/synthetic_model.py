@@ -60,9 +60,9 @@ def source(shape: str, seed: int = 0):
             rows, cols = shape
             qs = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
             d = (rng.uniform(0.5, 1.5, (rows, cols // 32)) * 0.02 / np.sqrt(cols / 1024)).astype(np.float16)
-            return qs, d
+            return qs, d, None
 
-        return SourceTensor(shape, lambda: None, read_q4_0=planes, stored_dtype="q4_0")
+        return SourceTensor(shape, lambda: None, read_q4=planes, stored_dtype="q4_0")
 
     return Source(config=cfg, origin={"kind": "synthetic", "id": shape}, fingerprint=f"synthetic-{shape}-{seed}",
                   tensors=tensor, tokenizer_files=tokenizer_files(), default_name=f"synthetic-{shape}")

@@ -149,13 +149,14 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_store(tmp_path_factory):
-    """NERVA_HOME-independent directory holding SmolLM2 converted to f16 and q4_0, once."""
+    """NERVA_HOME-independent directory holding SmolLM2 converted to f16, q4_0 and q4_1 (what
+    `pull smollm2-135m` makes: its layers are Q4_1), once."""
     from nerva_cli.pull import pull
 
     root = tmp_path_factory.mktemp("smollm2")
     gguf = smollm2_gguf()
     models = {}
-    for variant in ("f16", "q4_0"):
+    for variant in ("f16", "q4_0", "q4_1"):
         models[variant] = pull(str(gguf), variant=variant, out=root / variant)
     return models
 

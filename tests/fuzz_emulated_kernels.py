@@ -45,7 +45,7 @@ class Fuzz:
             return {"w": self.up(randn(self.rng, rows, cols).astype(np.float16))}
         if precision == "bf16":  # the top halves of f32s, as store.py keeps bf16
             return {"w": self.up((randn(self.rng, rows, cols).view(np.uint32) >> 16).astype(np.uint16))}
-        qs, d = random_q4(self.rng, rows, cols)
+        qs, d, _ = random_q4(self.rng, rows, cols)
         return {"qs": self.up(qs), "d": self.up(d)}
 
     def matvecs(self) -> None:

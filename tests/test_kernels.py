@@ -39,21 +39,30 @@ def randn(rng, *shape):
     return rng.standard_normal(shape, dtype=np.float32)
 
 
-def random_q4(rng, rows, cols):
-    """Uniform random codes and signed scales of realistic size (llama.cpp's d can be negative)."""
+KINDS = ("q4_0", "q4_1")
+
+
+def random_q4(rng, rows, cols, kind="q4_0"):
+    """Uniform random codes and signed scales of realistic size (llama.cpp's Q4_0 d can be
+    negative) -> (qs, d, m); for Q4_1 offsets m around a block minimum (-8 d, with spread),
+    else m None."""
     qs = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
     d = (rng.uniform(0.002, 0.05, (rows, cols // 32)) * rng.choice([-1, 1], (rows, cols // 32)))
-    return qs, d.astype(np.float16)
+    m = (d * rng.uniform(-10, 2, d.shape)).astype(np.float16) if kind == "q4_1" else None
+    return qs, d.astype(np.float16), m
 
 
-def dequant_f64(qs, d):
-    """Q4_0 decoded element by element from the layout's definition, independent of quant.py."""
+def dequant_f64(qs, d, m=None):
+    """Q4_0 (d (q - 8)) or Q4_1 (d q + m) decoded element by element from the layout's
+    definition, independent of quant.py."""
     cols = qs.shape[1] * 2
     k = np.arange(cols)
     b, j = k // 32, k % 32
     byte = qs[:, b * 16 + j % 16].astype(np.int64)
     code = np.where(j < 16, byte & 15, byte >> 4)
-    return (code - 8) * d.astype(np.float64)[:, b]
+    if m is None:
+        return (code - 8) * d.astype(np.float64)[:, b]
+    return code * d.astype(np.float64)[:, b] + m.astype(np.float64)[:, b]
 
 
 def act_q8(backend, x):
@@ -202,51 +211,64 @@ def test_quantize_act_q8_ties_and_zero_group():
         assert xd[1] == 0 and not xq[32:].any() and xs[1] == 0
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("cols", COLS)
-def test_matvec_q4_w4a16(rng, rows, cols):
-    qs, d = random_q4(rng, rows, cols)
+def test_matvec_q4_w4a16(rng, rows, cols, kind):
+    qs, d, m = random_q4(rng, rows, cols, kind)
     x = randn(rng, cols)
     want, got = np.empty(rows, np.float32), np.empty(rows, np.float32)
-    ref.matvec_q4_w4a16(qs, d, x, want)
-    cpu.matvec_q4_w4a16(qs, d, x, got)
-    w64 = dequant_f64(qs, d)
+    ref.matvec_q4_w4a16(qs, d, m, x, want)
+    cpu.matvec_q4_w4a16(qs, d, m, x, got)
+    w64 = dequant_f64(qs, d, m)
     magnitude = np.abs(w64) @ np.abs(x)
+    if m is not None:  # the kernel sums d q x and m x apart: their magnitudes, not the weight's
+        magnitude = np.abs(w64 - np.repeat(m.astype(np.float64), 32, axis=1)) @ np.abs(x) + \
+            np.abs(np.repeat(m.astype(np.float64), 32, axis=1)) @ np.abs(x)
     assert_dots_close(got, want, magnitude, cols)
     assert_dots_close(want, w64 @ x, magnitude, cols)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("cols", COLS)
-def test_matvec_q4_w4a8(rng, rows, cols):
-    qs, d = random_q4(rng, rows, cols)
+def test_matvec_q4_w4a8(rng, rows, cols, kind):
+    qs, d, m = random_q4(rng, rows, cols, kind)
     xq, xd, xs = act_q8(ref, randn(rng, cols))
     want, got = np.empty(rows, np.float32), np.empty(rows, np.float32)
-    ref.matvec_q4_w4a8(qs, d, xq, xd, xs, want)
-    cpu.matvec_q4_w4a8(qs, d, xq, xd, xs, got)
-    # Block terms d_w d_x isum are the same up to one rounding (an FMA may skip it); only
-    # their f32 sum over nb blocks differs in order: per row at most 2 (nb + 2) eps sum|terms|.
+    ref.matvec_q4_w4a8(qs, d, m, xq, xd, xs, want)
+    cpu.matvec_q4_w4a8(qs, d, m, xq, xd, xs, got)
+    # Block terms d_w d_x isum (+ m d_x xs for Q4_1) are the same up to a rounding or two (an
+    # FMA may skip one); only their f32 sum over nb blocks differs in order: per row at most
+    # 2 (nb + 2) eps times the sum of the terms' magnitudes (of both parts, for Q4_1).
     nb = cols // 32
-    terms = np.einsum("rbj,bj->rb", dequant_f64(qs, d).reshape(rows, nb, 32), xq.reshape(nb, 32)) * xd
-    bound = 2 * (nb + 2) * EPS * np.abs(terms).sum(1)
+    terms = np.einsum("rbj,bj->rb", dequant_f64(qs, d, m).reshape(rows, nb, 32), xq.reshape(nb, 32)) * xd
+    size = np.abs(terms)
+    if m is not None:
+        offset = m.astype(np.float64) * xd * xs
+        size = np.abs(terms - offset) + np.abs(offset)
+    bound = 2 * (nb + 2) * EPS * size.sum(1)
     assert np.all(np.abs(got - want) <= bound)
     assert np.all(np.abs(want - terms.sum(1)) <= bound)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows", (1, 5, 37, 1536))
 @pytest.mark.parametrize("cols", (32, 576, 1536))
-def test_matvec_q4_w4a8_integer_dot_exact(rng, rows, cols):
-    # With unit scales each block term is the integer sum_j q_w q_x - 8 xs and every partial
-    # sum stays below 2^24, so any order is exact: this pins the integer part bit for bit.
+def test_matvec_q4_w4a8_integer_dot_exact(rng, rows, cols, kind):
+    # With unit scales (and Q4_1 offsets of 1) each block term is the integer
+    # sum_j q_w q_x - 8 xs (+ xs) and every partial sum stays below 2^24, so any order is
+    # exact: this pins the integer part bit for bit.
     qs = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
     d = np.ones((rows, cols // 32), np.float16)
+    m = d.copy() if kind == "q4_1" else None
     xq = rng.integers(-127, 128, cols, dtype=np.int8)
     xd = np.ones(cols // 32, np.float32)
     xs = xq.reshape(-1, 32).sum(1, dtype=np.int32)
     want, got = np.empty(rows, np.float32), np.empty(rows, np.float32)
-    ref.matvec_q4_w4a8(qs, d, xq, xd, xs, want)
-    cpu.matvec_q4_w4a8(qs, d, xq, xd, xs, got)
-    exact = ref.unpack_q4_codes(qs).reshape(rows, cols).astype(np.int64) - 8
+    ref.matvec_q4_w4a8(qs, d, m, xq, xd, xs, want)
+    cpu.matvec_q4_w4a8(qs, d, m, xq, xd, xs, got)
+    exact = ref.unpack_q4_codes(qs).reshape(rows, cols).astype(np.int64) + (1 if m is not None else -8)
     assert np.array_equal(want, exact @ xq.astype(np.int64))
     assert np.array_equal(got, want)
 
@@ -256,7 +278,7 @@ def test_matvecs_do_not_depend_on_thread_count(rng):
 
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("needs 2 threads")
-    qs, d = random_q4(rng, 37, 576)
+    qs, d, m = random_q4(rng, 37, 576, "q4_1")
     x = randn(rng, 576)
     xq, xd, xs = act_q8(cpu, x)
     outs = []
@@ -265,16 +287,20 @@ def test_matvecs_do_not_depend_on_thread_count(rng):
         for n in (1, 2):
             cpu.set_threads(n)
             a, b = np.empty(37, np.float32), np.empty(37, np.float32)
-            cpu.matvec_q4_w4a16(qs, d, x, a)
-            cpu.matvec_q4_w4a8(qs, d, xq, xd, xs, b)
-            outs.append((a, b))
+            c, e = np.empty(37, np.float32), np.empty(37, np.float32)
+            cpu.matvec_q4_w4a16(qs, d, None, x, a)
+            cpu.matvec_q4_w4a8(qs, d, None, xq, xd, xs, b)
+            cpu.matvec_q4_w4a16(qs, d, m, x, c)
+            cpu.matvec_q4_w4a8(qs, d, m, xq, xd, xs, e)
+            outs.append((a, b, c, e))
     finally:
         cpu.set_threads(before)
     assert all(np.array_equal(p, q) for p, q in zip(*outs))  # each row's sum order is fixed
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows,cols", [(3, 64), (37, 576)])
-def test_matvec_f32_dequantize_embed(rng, rows, cols):
+def test_matvec_f32_dequantize_embed(rng, rows, cols, kind):
     w, x = randn(rng, rows, cols), randn(rng, cols)
     want, got = np.empty(rows, np.float32), np.empty(rows, np.float32)
     ref.matvec_f32(w, x, want)
@@ -282,14 +308,18 @@ def test_matvec_f32_dequantize_embed(rng, rows, cols):
     magnitude = np.abs(w.astype(np.float64)) @ np.abs(x)
     assert_dots_close(got, want, magnitude, cols)
     assert_dots_close(want, w.astype(np.float64) @ x, magnitude, cols)
-    qs, d = random_q4(rng, rows, cols)
+    qs, d, m = random_q4(rng, rows, cols, kind)
     want, got = np.empty((rows, cols), np.float32), np.empty((rows, cols), np.float32)
-    ref.dequantize_q4(qs, d, want)
-    cpu.dequantize_q4(qs, d, got)
-    assert np.array_equal(got, want) and np.array_equal(want, dequant_f64(qs, d))  # one product
+    ref.dequantize_q4(qs, d, m, want)
+    cpu.dequantize_q4(qs, d, m, got)
+    assert np.array_equal(got, want)
+    if m is None:
+        assert np.array_equal(want, dequant_f64(qs, d))  # one product, exact
+    else:  # d q rounded once, then + m rounded once (no FMA: the ref is NumPy's two steps)
+        assert np.all(np.abs(want - dequant_f64(qs, d, m)) <= 2 * EPS * (np.abs(want) + np.abs(m.repeat(32, 1))))
     for backend in (ref, cpu):
         row = np.empty(cols, np.float32)
-        backend.embed_q4(qs, d, rows - 1, row)
+        backend.embed_q4(qs, d, m, rows - 1, row)
         assert np.array_equal(row, want[rows - 1])
         backend.embed_f32(w, 1, row)
         assert np.array_equal(row, w[1])
@@ -365,8 +395,8 @@ def test_decode_kernels_do_not_allocate(rng):
 
     heads, kv, hd, n = 9, 3, 64, 576
     x, w, res, out = randn(rng, n), randn(rng, n), randn(rng, n), np.empty(n, np.float32)
-    qs, d = random_q4(rng, 37, n)
-    d16 = d.view(np.uint16)  # what the Python wrappers of the Q4 kernels pass on
+    qs, d, m = random_q4(rng, 37, n, "q4_1")
+    d16, m16 = d.view(np.uint16), m.view(np.uint16)  # what the Python wrappers of the Q4 kernels pass on
     xq, xd, xs = act_q8(cpu, x)
     mv = np.empty(37, np.float32)
     q = randn(rng, 1, heads, hd)
@@ -379,11 +409,14 @@ def test_decode_kernels_do_not_allocate(rng):
         (cpu.add_rmsnorm, (x, res, w, 1e-5, out)),
         (cpu.rope, (q, pos, cos, sin)),
         (cpu.quantize_act_q8, (x, xq, xd, xs)),
-        (cpu._w4a16, (qs, d16, x, mv)),
-        (cpu._w4a8, (qs, d16, xq, xd, xs, mv)),
+        (cpu._w4a16, (qs, d16, None, x, mv)),
+        (cpu._w4a8, (qs, d16, None, xq, xd, xs, mv)),
+        (cpu._w4a16, (qs, d16, m16, x, mv)),
+        (cpu._w4a8, (qs, d16, m16, xq, xd, xs, mv)),
         (cpu.silu_mul, (x, w, out)),
         (cpu.attention_decode, (q[0], kc, vc, 9, att)),
-        (cpu._embed_q4, (qs, d16, 5, out)),
+        (cpu._embed_q4, (qs, d16, None, 5, out)),
+        (cpu._embed_q4, (qs, d16, m16, 5, out)),
     ]
     was_on = _nrt_python.memsys_stats_enabled()
     _nrt_python.memsys_enable_stats()

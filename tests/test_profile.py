@@ -160,7 +160,7 @@ def test_prompts_file_and_shipped_profile_lookup(tiny_models, tmp_path, cli, ner
 
 
 def test_shipped_smollm2_profile_matches_the_bundled_conversion(smollm2_store):
-    found = mcap.find_profile(smollm2_store["q4_0"])
+    found = mcap.find_profile(smollm2_store["q4_1"])  # the variant `pull smollm2-135m` makes
     assert found is not None and found.origin == "shipped"
     assert len(found.profile["scores"]) == 30
 
@@ -219,7 +219,7 @@ def test_smollm2_mixed_perplexity_within_1_percent_of_w4a16(smollm2_store, tmp_p
     text = ppl_text(tmp_path)
     ppl = {}
     for precision in ("mixed", "w4a16"):
-        got, _ = bench(cli, smollm2_store["q4_0"].path, "--ppl", text, "--precision", precision)
+        got, _ = bench(cli, smollm2_store["q4_1"].path, "--ppl", text, "--precision", precision)
         ppl[precision] = got["perplexity"]
         if precision == "mixed":
             assert got["w4a16_layers"] >= 1 and got["w4a8_layers"] >= 1, got

@@ -109,7 +109,7 @@ def test_paged_decode_equals_resident_at_30_percent(variant, policy, deep_tiny, 
 
 
 def test_paged_smollm2_equals_resident_and_reads_exactly_the_paged_bytes(smollm2_store, cli):
-    model = smollm2_store["q4_0"]
+    model = smollm2_store["q4_1"]
     prompt = list(range(1000, 1016))
     full = Engine(model, ctx=128)
     want = greedy(full, prompt, 64)

@@ -1,5 +1,5 @@
-"""The bundled SmolLM2-135M: f16 against transformers loading the same GGUF, and the q4_0
-precisions against f16 by perplexity over a real English text."""
+"""The bundled SmolLM2-135M: f16 against transformers loading the same GGUF, and the q4_1 and
+q4_0 variants against f16 by perplexity over a real English text."""
 
 from __future__ import annotations
 
@@ -57,12 +57,13 @@ def ppl_text(tmp_path, min_tokens=4000):
     return path
 
 
-def test_q4_0_perplexity_w4a8_within_2_percent_of_w4a16(smollm2_store, tmp_path, cli):
+def test_q4_perplexity_w4a8_within_2_percent_of_w4a16(smollm2_store, tmp_path, cli):
     text = ppl_text(tmp_path)
     results = {}
     for name, model, precision in (("f16", smollm2_store["f16"], None),
-                                   ("w4a16", smollm2_store["q4_0"], "w4a16"),
-                                   ("w4a8", smollm2_store["q4_0"], "w4a8")):
+                                   ("w4a16", smollm2_store["q4_1"], "w4a16"),
+                                   ("w4a8", smollm2_store["q4_1"], "w4a8"),
+                                   ("q4_0", smollm2_store["q4_0"], "w4a16")):
         args = ["bench", model.path, "--ppl", text, "--gen-tokens", "4", "--prompt-tokens", "16",
                 "--repeat", "1"]
         if precision:
@@ -76,8 +77,11 @@ def test_q4_0_perplexity_w4a8_within_2_percent_of_w4a16(smollm2_store, tmp_path,
     ppl = {k: v["perplexity"] for k, v in results.items()}
     print("perplexity", ppl)
     assert abs(ppl["w4a8"] / ppl["w4a16"] - 1) < 0.02, ppl
-    # Q4_0 from the Q4_1 source costs some perplexity, not a collapse
-    assert ppl["f16"] < ppl["w4a16"] < 1.5 * ppl["f16"], ppl
+    # q4_1 keeps the layers' Q4_1 weights as they are; only the Q8_0 embeddings are requantised
+    # (measured: 24.97 f16, 26.28 q4_1, 33.86 q4_0 on this text), so q4_1 sits close to f16 and
+    # requantising every matrix to Q4_0 costs far more: why `pull` keeps a Q4_1 GGUF's format
+    assert ppl["f16"] < ppl["w4a16"] < 1.1 * ppl["f16"], ppl
+    assert ppl["w4a16"] < 0.9 * ppl["q4_0"] < 1.5 * ppl["f16"], ppl
     assert 1 < ppl["f16"] < 100, ppl
 
 
@@ -85,7 +89,7 @@ def test_run_prompt_streams_the_greedy_answer(smollm2_store, cli):
     """`run -p` prints exactly the greedy continuation of the chat-templated prompt."""
     from nerva_cli.tokenizer import TextTokenizer
 
-    model = smollm2_store["q4_0"]
+    model = smollm2_store["q4_1"]
     code, out, err = cli("run", model.path, "-p", "What is 2+2?", "--temperature", "0", "--max-tokens", "24",
                          "--precision", "w4a16")
     assert code == 0, err

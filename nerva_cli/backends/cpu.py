@@ -126,10 +126,13 @@ def silu_mul(gate, up, out):
         o1[i] = g / (F32(1) + np.exp(-g)) * u1[i]
 
 
-# -- Q4_0 matvecs ---------------------------------------------------------------------------
+# -- Q4_0 / Q4_1 matvecs --------------------------------------------------------------------
+#
+# m is None for Q4_0 (w = d (q - 8)) and the Q4_1 offsets (w = d q + m) otherwise; numba compiles
+# each case on its own and drops the other branch, so Q4_0 pays nothing for Q4_1.
 
 @njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
-def _w4a16(qs, d, x, out):
+def _w4a16(qs, d, m, x, out):
     # Four rows share every activation load, and two blocks share one horizontal reduction
     # (their scales are applied inside the sum): ~1.2x over one block at a time. An odd last
     # block pairs with itself at scale 0.
@@ -155,19 +158,31 @@ def _w4a16(qs, d, x, out):
                 s1 += d1b * _nib_dot(qs[r1, qb + j], xlb, xhb) + d1c * _nib_dot(qs[r1, qc + j], xlc, xhc)
                 s2 += d2b * _nib_dot(qs[r2, qb + j], xlb, xhb) + d2c * _nib_dot(qs[r2, qc + j], xlc, xhc)
                 s3 += d3b * _nib_dot(qs[r3, qb + j], xlb, xhb) + d3c * _nib_dot(qs[r3, qc + j], xlc, xhc)
-            # Deferred bias: sum_j d (q_j - 8) x_j = d sum_j q_j x_j - 8 d sum_j x_j.
-            a0 += s0 - F32(8) * (d0b * sxb + d0c * sxc)
-            a1 += s1 - F32(8) * (d1b * sxb + d1c * sxc)
-            a2 += s2 - F32(8) * (d2b * sxb + d2c * sxc)
-            a3 += s3 - F32(8) * (d3b * sxb + d3c * sxc)
+            # Deferred bias: sum_j d (q_j - 8) x_j = d sum_j q_j x_j - 8 d sum_j x_j, and
+            # sum_j (d q_j + m) x_j = d sum_j q_j x_j + m sum_j x_j.
+            if m is None:
+                a0 += s0 - F32(8) * (d0b * sxb + d0c * sxc)
+                a1 += s1 - F32(8) * (d1b * sxb + d1c * sxc)
+                a2 += s2 - F32(8) * (d2b * sxb + d2c * sxc)
+                a3 += s3 - F32(8) * (d3b * sxb + d3c * sxc)
+            else:
+                a0 += s0 + _half_to_f32(m[r0, b]) * sxb + z * _half_to_f32(m[r0, c]) * sxc
+                a1 += s1 + _half_to_f32(m[r1, b]) * sxb + z * _half_to_f32(m[r1, c]) * sxc
+                a2 += s2 + _half_to_f32(m[r2, b]) * sxb + z * _half_to_f32(m[r2, c]) * sxc
+                a3 += s3 + _half_to_f32(m[r3, b]) * sxb + z * _half_to_f32(m[r3, c]) * sxc
         out[r3] = a3
         out[r2] = a2
         out[r1] = a1
         out[r0] = a0
 
 
-def matvec_q4_w4a16(qs, d, x, out):
-    _w4a16(qs, d.view(np.uint16), x, out)
+def _bits(a):
+    """An f16 plane as the uint16 view the kernels decode (numba has no float16); None stays."""
+    return None if a is None else a.view(np.uint16)
+
+
+def matvec_q4_w4a16(qs, d, m, x, out):
+    _w4a16(qs, d.view(np.uint16), _bits(m), x, out)
 
 
 @njit(cache=True, nogil=True)
@@ -213,7 +228,7 @@ def fake_quantize_q8(x, out):
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
-def _w4a8(qs, d, xq, xd, xs, out):
+def _w4a8(qs, d, m, xq, xd, xs, out):
     # The block's integer dot runs in float32: every partial sum is an integer below
     # 32 * 15 * 127 < 2^24, so float32 holds it exactly in any order, and float32 vectorises
     # where numba's int64 scalar code does not.
@@ -230,24 +245,33 @@ def _w4a8(qs, d, xq, xd, xs, out):
                 t1 += _nib_dot(qs[r1, qb + j], xl, xh)
                 t2 += _nib_dot(qs[r2, qb + j], xl, xh)
                 t3 += _nib_dot(qs[r3, qb + j], xl, xh)
-            # Deferred bias: the -8 of every weight code enters once, through the code sum xs.
-            dx, c = xd[b], F32(8 * xs[b])
-            a0 += (_half_to_f32(d[r0, b]) * dx) * (t0 - c)
-            a1 += (_half_to_f32(d[r1, b]) * dx) * (t1 - c)
-            a2 += (_half_to_f32(d[r2, b]) * dx) * (t2 - c)
-            a3 += (_half_to_f32(d[r3, b]) * dx) * (t3 - c)
+            # Deferred bias: the -8 of every Q4_0 code, or the offset m of a Q4_1 block, enters
+            # once, through the code sum xs.
+            dx = xd[b]
+            if m is None:
+                c = F32(8 * xs[b])
+                a0 += (_half_to_f32(d[r0, b]) * dx) * (t0 - c)
+                a1 += (_half_to_f32(d[r1, b]) * dx) * (t1 - c)
+                a2 += (_half_to_f32(d[r2, b]) * dx) * (t2 - c)
+                a3 += (_half_to_f32(d[r3, b]) * dx) * (t3 - c)
+            else:
+                sx = dx * F32(xs[b])
+                a0 += (_half_to_f32(d[r0, b]) * dx) * t0 + _half_to_f32(m[r0, b]) * sx
+                a1 += (_half_to_f32(d[r1, b]) * dx) * t1 + _half_to_f32(m[r1, b]) * sx
+                a2 += (_half_to_f32(d[r2, b]) * dx) * t2 + _half_to_f32(m[r2, b]) * sx
+                a3 += (_half_to_f32(d[r3, b]) * dx) * t3 + _half_to_f32(m[r3, b]) * sx
         out[r3] = a3
         out[r2] = a2
         out[r1] = a1
         out[r0] = a0
 
 
-def matvec_q4_w4a8(qs, d, xq, xd, xs, out):
-    _w4a8(qs, d.view(np.uint16), xq, xd, xs, out)
+def matvec_q4_w4a8(qs, d, m, xq, xd, xs, out):
+    _w4a8(qs, d.view(np.uint16), _bits(m), xq, xd, xs, out)
 
 
 @njit(cache=True, nogil=True)
-def _dequantize_q4(qs, d, out):
+def _dequantize_q4(qs, d, m, out):
     # Serial on purpose: prefill calls this between BLAS GEMMs, and OpenBLAS's worker threads
     # spin-wait on the other core for a while after each GEMM. A parallel version measured
     # 0.26 ms alone but 5.7 ms between GEMMs (1536x576, 2 cores); this one ~0.5 ms in both.
@@ -255,28 +279,34 @@ def _dequantize_q4(qs, d, out):
     for r in range(rows):
         for b in range(nb):
             s = _half_to_f32(d[r, b])
-            for j in range(16):
-                v = qs[r, 16 * b + j]
-                out[r, 32 * b + j] = s * F32((v & 15) - 8)
-                out[r, 32 * b + 16 + j] = s * F32((v >> 4) - 8)
+            if m is None:
+                for j in range(16):
+                    v = qs[r, 16 * b + j]
+                    out[r, 32 * b + j] = s * F32((v & 15) - 8)
+                    out[r, 32 * b + 16 + j] = s * F32((v >> 4) - 8)
+            else:
+                o = _half_to_f32(m[r, b])
+                for j in range(16):
+                    v = qs[r, 16 * b + j]
+                    out[r, 32 * b + j] = s * F32(v & 15) + o
+                    out[r, 32 * b + 16 + j] = s * F32(v >> 4) + o
 
 
-def dequantize_q4(qs, d, out):
-    _dequantize_q4(qs, d.view(np.uint16), out)
+def dequantize_q4(qs, d, m, out):
+    _dequantize_q4(qs, d.view(np.uint16), _bits(m), out)
 
 
 @njit(cache=True, nogil=True)
-def _embed_q4(qs, d, token, out):
-    for b in range(d.shape[1]):
-        s = _half_to_f32(d[token, b])
-        for j in range(16):
-            v = qs[token, 16 * b + j]
-            out[32 * b + j] = s * F32((v & 15) - 8)
-            out[32 * b + 16 + j] = s * F32((v >> 4) - 8)
+def _embed_q4(qs, d, m, token, out):
+    row = out.reshape(1, -1)
+    if m is None:
+        _dequantize_q4(qs[token:token + 1], d[token:token + 1], None, row)
+    else:
+        _dequantize_q4(qs[token:token + 1], d[token:token + 1], m[token:token + 1], row)
 
 
-def embed_q4(qs, d, token, out):
-    _embed_q4(qs, d.view(np.uint16), token, out)
+def embed_q4(qs, d, m, token, out):
+    _embed_q4(qs, d.view(np.uint16), _bits(m), token, out)
 
 
 def embed_f32(table, token, out):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..quant import QK, dequantize_q4_0
+from ..quant import QK
+from ..quant import dequantize_q4 as dequantize_planes
 
 F32 = np.float32
 
@@ -45,9 +46,9 @@ def rope(x, pos, cos, sin):
     x[..., half:] = x2 * c + x1 * s
 
 
-def matvec_q4_w4a16(qs, d, x, out):
-    """out = dequant(qs, d) @ x with f32 accumulation."""
-    out[...] = dequantize_q4_0(qs, d) @ x
+def matvec_q4_w4a16(qs, d, m, x, out):
+    """out = dequant(qs, d, m) @ x with f32 accumulation (m None: Q4_0, else Q4_1's offsets)."""
+    out[...] = dequantize_planes(qs, d, m) @ x
 
 
 def round_half_away(v):
@@ -87,16 +88,21 @@ def unpack_q4_codes(qs):
     return np.concatenate([b & 0x0F, b >> 4], axis=2).astype(np.int32)
 
 
-def matvec_q4_w4a8(qs, d, xq, xd, xs, out):
-    """Per block: d_w * d_x * (sum_j q_w[j] q_x[j] - 8 * sum_j q_x[j]), summed over blocks.
+def matvec_q4_w4a8(qs, d, m, xq, xd, xs, out):
+    """Per block: d_w * d_x * (sum_j q_w[j] q_x[j] - 8 * sum_j q_x[j]), summed over blocks; for
+    Q4_1, d_w * d_x * sum_j q_w[j] q_x[j] + m_w * d_x * sum_j q_x[j].
 
-    The weight is d_w * (q_w - 8); the -8 of every code is applied once per block through the
-    activation code sum xs (the deferred bias correction), so the inner product is over the raw
-    0..15 codes. Integer part in int32 (exact), the combine in f32.
+    The Q4_0 weight is d_w * (q_w - 8), the Q4_1 one d_w * q_w + m_w; the -8 of every code, or the
+    block's offset, is applied once per block through the activation code sum xs (the deferred
+    bias correction), so the inner product is over the raw 0..15 codes. Integer part in int32
+    (exact), the combine in f32.
     """
     codes = unpack_q4_codes(qs)
-    isum = np.einsum("rbj,bj->rb", codes, xq.reshape(-1, QK).astype(np.int32)) - 8 * xs
-    terms = (d.astype(F32) * xd) * isum.astype(F32)
+    isum = np.einsum("rbj,bj->rb", codes, xq.reshape(-1, QK).astype(np.int32))
+    if m is None:
+        terms = (d.astype(F32) * xd) * (isum - 8 * xs).astype(F32)
+    else:
+        terms = (d.astype(F32) * xd) * isum.astype(F32) + m.astype(F32) * (xd * xs.astype(F32))
     out[...] = terms.sum(axis=1, dtype=F32)
 
 
@@ -141,14 +147,16 @@ def attention_prefill(q, k, v, start, out):
         out[:, h] = (p / p.sum(axis=1, keepdims=True)) @ v[:, h // group]
 
 
-def dequantize_q4(qs, d, out):
-    """out f32 [rows, cols] = d * (q - 8) (prefill dequantises, then runs a GEMM)."""
-    dequantize_q4_0(qs, d, out=out)
+def dequantize_q4(qs, d, m, out):
+    """out f32 [rows, cols] = d * (q - 8), or d * q + m for Q4_1 (prefill dequantises, then runs
+    a GEMM)."""
+    dequantize_planes(qs, d, m, out=out)
 
 
-def embed_q4(qs, d, token, out):
-    """out = row `token` of a Q4_0 table."""
-    dequantize_q4_0(qs[token : token + 1], d[token : token + 1], out=out.reshape(1, -1))
+def embed_q4(qs, d, m, token, out):
+    """out = row `token` of a Q4_0 or Q4_1 table."""
+    rows = slice(token, token + 1)
+    dequantize_planes(qs[rows], d[rows], None if m is None else m[rows], out=out.reshape(1, -1))
 
 
 def embed_f32(table, token, out):
