@@ -72,18 +72,23 @@ def test_convert_bf16_matches_torch_rounding(tiny_models, cli):
     np.testing.assert_array_equal(q, want.view(torch.int16).numpy().view(np.uint16))
 
 
+def converted_layer_0(tiny_models, cli, variant: str, *quant: str):
+    """The tiny qwen2 model converted (with the --quant args given) -> (layer 0 as stored, its
+    q/gate/down source matrices by name)."""
+    src = tiny_models("qwen2")
+    assert cli("convert", src, "--name", "tiny", *quant)[0] == 0
+    model = find_model("tiny")  # the default variant; a bare name picks q4_1 where the store has it
+    assert model.variant == variant
+    check_layout(model)
+    ref = hf_tensors(src)
+    return model.read_file("layer_000.bin"), {n: ref[f"model.layers.0.{HF_NAMES[n]}"] for n in ("q", "gate", "down")}
+
+
 def test_convert_q4_0_matches_llama_cpp_reference_quantiser(tiny_models, cli):
     from gguf import GGMLQuantizationType, quants
 
-    src = tiny_models("qwen2")
-    assert cli("convert", src, "--name", "tiny")[0] == 0
-    model = find_model("tiny")  # default variant is q4_0
-    assert model.variant == "q4_0"
-    check_layout(model)
-    stored = model.read_file("layer_000.bin")
-    ref = hf_tensors(src)
-    for name in ("q", "gate", "down"):
-        w = ref[f"model.layers.0.{HF_NAMES[name]}"]
+    stored, source = converted_layer_0(tiny_models, cli, "q4_0")
+    for name, w in source.items():
         want = quants.quantize(w, GGMLQuantizationType.Q4_0)
         np.testing.assert_array_equal(join_blocks(stored[f"{name}.qs"], stored[f"{name}.d"]), want)
         # and the codes mean what they should: within each 32-block, |w - dequant| is at most half
@@ -99,15 +104,8 @@ def test_convert_q4_0_matches_llama_cpp_reference_quantiser(tiny_models, cli):
 def test_convert_q4_1_matches_llama_cpp_reference_quantiser(tiny_models, cli):
     from gguf import GGMLQuantizationType, quants
 
-    src = tiny_models("qwen2")
-    assert cli("convert", src, "--name", "tiny", "--quant", "q4_1")[0] == 0
-    model = find_model("tiny")  # a bare name picks q4_1 where the store has it
-    assert model.variant == "q4_1"
-    check_layout(model)
-    stored = model.read_file("layer_000.bin")
-    ref = hf_tensors(src)
-    for name in ("q", "gate", "down"):
-        w = ref[f"model.layers.0.{HF_NAMES[name]}"]
+    stored, source = converted_layer_0(tiny_models, cli, "q4_1", "--quant", "q4_1")
+    for name, w in source.items():
         want = quants.quantize(w, GGMLQuantizationType.Q4_1)
         planes = stored[f"{name}.qs"], stored[f"{name}.d"], stored[f"{name}.m"]
         np.testing.assert_array_equal(join_blocks(*planes), want)
