@@ -273,6 +273,43 @@ def test_matvec_q4_w4a8_integer_dot_exact(rng, rows, cols, kind):
     assert np.array_equal(got, want)
 
 
+def _serial_w4a8():
+    """A fresh, uncached serial driver of the W4A8 row-group intrinsic: it lowers the IR as the
+    module's settings stand when it is first called."""
+    from numba import njit
+
+    @njit
+    def matvec(qs, d, m, xq, xd, xs, out):
+        rows = d.shape[0]
+        for g in range((rows + 3) // 4):
+            r0, r1, r2, r3 = cpu._row_group(g, rows)
+            out[r0], out[r1], out[r2], out[r3] = cpu._w4a8_rows(qs, d, m, xq, xd, xs, r0, r1, r2, r3)
+    return matvec
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_matvec_q4_w4a8_portable_lowering(rng, monkeypatch, kind):
+    # Without AVX2 the int8 block dot is plain widening IR, which LLVM lowers on any target. It is
+    # compiled here on purpose (this machine kind has AVX2) and must give the host kernel's
+    # results bit for bit: the integer dots are exact either way and the float combine is the
+    # same IR.
+    rows, cols = 37, 576
+    qs, d, m = random_q4(rng, rows, cols, kind)
+    xq, xd, xs = act_q8(ref, randn(rng, cols))
+    args = (qs, d.view(np.uint16), None if m is None else m.view(np.uint16), xq, xd, xs)
+    host, got, want = np.empty(rows, np.float32), np.empty(rows, np.float32), np.empty(rows, np.float32)
+    cpu.matvec_q4_w4a8(qs, d, m, xq, xd, xs, host)
+    native = _serial_w4a8()
+    native(*args, want)
+    monkeypatch.setattr(cpu, "_AVX2", False)
+    portable = _serial_w4a8()
+    portable(*args, got)
+    assert "vpmaddubsw" not in next(iter(portable.inspect_asm().values()))
+    if cpu._host_has_avx2():
+        assert "vpmaddubsw" in next(iter(native.inspect_asm().values()))
+    assert np.array_equal(got, want) and np.array_equal(want, host)  # host vs ref: the tests above
+
+
 def test_matvecs_do_not_depend_on_thread_count(rng):
     import numba
 
