@@ -161,7 +161,7 @@ def test_rope(rng, T, heads, head_dim):
 @pytest.mark.parametrize("shape", [(37,), (1536,), (5, 576)])
 def test_silu_mul(rng, shape):
     gate, up = 4 * randn(rng, *shape), randn(rng, *shape)
-    gate.flat[0] = -100.0  # exp(100) overflows float32: silu must give -0, not NaN
+    gate.flat[0] = -100.0  # exp(100) overflows float32: silu must give (nearly) -0, not NaN
     want, got = np.empty_like(gate), np.empty_like(gate)
     ref.silu_mul(gate, up, want)
     cpu.silu_mul(gate, up, got)

@@ -109,12 +109,6 @@ def rope(x, pos, cos, sin):
                 x3[t, h, i + half] = x2 * c + x1 * s
 
 
-@njit(cache=True, nogil=True, fastmath=_FAST)
-def silu_mul(gate, up, out):
-    g1, u1, o1 = gate.reshape(-1), up.reshape(-1), out.reshape(-1)
-    for i in range(g1.shape[0]):
-        g = g1[i]
-        o1[i] = g / (F32(1) + np.exp(-g)) * u1[i]
 
 
 # -- Q4_0 / Q4_1 matvecs --------------------------------------------------------------------
@@ -498,6 +492,19 @@ def _exp_nonpositive(x):
     p = ((((((F32(1 / 5040) * r + F32(1 / 720)) * r + F32(1 / 120)) * r + F32(1 / 24)) * r
             + F32(1 / 6)) * r + F32(0.5)) * r + F32(1)) * r + F32(1)
     return p * _pow2(n)
+
+
+@njit(cache=True, nogil=True, fastmath=_FAST, error_model="numpy")
+def silu_mul(gate, up, out):
+    # silu(g) = g sigmoid(g), the sigmoid from e = exp(-|g|) <= 1: 1 / (1 + e) for g >= 0 and
+    # e / (1 + e) below, so the one exp takes a non-positive argument and the loop vectorises
+    # (_exp_nonpositive; libm's exp kept it scalar, and so did numba's zero-divisor check, which
+    # error_model="numpy" drops: 1 + e >= 1). 1536 elements: 7.1 -> 1.4 us.
+    g1, u1, o1 = gate.reshape(-1), up.reshape(-1), out.reshape(-1)
+    for i in range(g1.shape[0]):
+        g = g1[i]
+        e = _exp_nonpositive(-abs(g))
+        o1[i] = g * ((F32(1) if g >= 0 else e) / (F32(1) + e)) * u1[i]
 
 
 _ATT_CHUNK = 64
