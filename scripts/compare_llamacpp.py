@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""nerva (cpu; q4_1 and q4_0; W4A16 and W4A8) against llama.cpp (llama-cpp-python) on the bundled
-SmolLM2 GGUF, same threads, same run: decode tok/s over 128 tokens and prefill tok/s over ~250
-tokens. The GGUF's layers are Q4_1, so nerva's q4_1 variant (what `pull` makes) runs the same
-weights as llama.cpp; q4_0 is requantised from them (fewer bytes, a third more perplexity).
+"""nerva (cpu; q4_1 and q4_0; mixed precision, the default, then W4A16 and W4A8 on every layer)
+against llama.cpp (llama-cpp-python) on the bundled SmolLM2 GGUF, same threads, same run: decode
+tok/s over 128 tokens and prefill tok/s over ~250 tokens. The GGUF's layers are Q4_1, so nerva's
+q4_1 variant (what `pull` makes) runs the same weights as llama.cpp; q4_0 is requantised from
+them (fewer bytes, a third more perplexity).
 
     pip install llama-cpp-python   # builds llama.cpp from source, ~10 min on 2 cores
     python3 scripts/compare_llamacpp.py [--out docs/perf/cpu_vs_llamacpp.json]
@@ -92,7 +93,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "nerva_cli", "pull", "smollm2-135m", "--quant", quant],
                        capture_output=True)
     text = PROMPT_SEED_TEXT * (args.prompt_tokens // 40 + 2)
-    configs = [(v, p) for v in VARIANTS for p in ("w4a16", "w4a8")]
+    configs = [(v, p) for v in VARIANTS for p in ("mixed", "w4a16", "w4a8")]
     rows = []
     for threads in args.threads:
         samples: dict = {"llama.cpp": [], **{c: [] for c in configs}}
