@@ -377,7 +377,8 @@ ATT_TOL = 4e-6
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
-@pytest.mark.parametrize("n_ctx", [1, 7, 130, 256, 299])  # the cpu kernel takes 64 positions a chunk, 4 a step
+# n_ctx: the cpu kernel takes 64 positions a chunk and 4 a step, so 130, 256 and 299 reach its tails
+@pytest.mark.parametrize("n_ctx", [1, 7, 130, 256, 299])
 def test_attention_decode(rng, heads, kv_heads, head_dim, n_ctx):
     max_ctx = 300
     q = randn(rng, heads, head_dim)
