@@ -232,6 +232,10 @@ class _Operands:
     def cols(self, i):
         return self.builder.extract_value(self.arrays[i].shape, 1)
 
+    def weight_rows(self, rows):
+        """The given rows of operands 0, 1, 2 (qs, d, m): three lists, the last None for Q4_0."""
+        return [None if self.arrays[i] is None else [self.row(i, r) for r in rows] for i in range(3)]
+
 
 def _half_at(builder, row, b):
     return builder.fpext(_load(builder, row, builder.mul(b, ir.Constant(_I64, 2)), ir.HalfType()), _F32)
@@ -259,12 +263,9 @@ def _w4a16_rows(typingctx, qs, d, m, x, r0, r1, r2, r3):
 
     def codegen(context, builder, sig, args):
         a = _Operands(context, builder, sig.args[:4], args[:4])
-        rows = args[4:]
-        q_rows = [a.row(0, r) for r in rows]
-        d_rows = [a.row(1, r) for r in rows]
-        m_rows = [a.row(2, r) for r in rows] if q4_1 else None
+        q_rows, d_rows, m_rows = a.weight_rows(args[4:])
         x = a.data(3)
-        acc = [cgutils.alloca_once_value(builder, _splat(_F32, 8, 0.0)) for _ in rows]
+        acc = [cgutils.alloca_once_value(builder, _splat(_F32, 8, 0.0)) for _ in q_rows]
         with cgutils.for_range(builder, a.cols(1)) as loop:
             b = loop.index
             xs = [_f32_at(builder, x, builder.mul(b, ir.Constant(_I64, 32)), 8, 8 * k) for k in range(4)]
@@ -319,10 +320,7 @@ def _w4a8_rows(typingctx, qs, d, m, xq, xd, xs, r0, r1, r2, r3):
 
     def codegen(context, builder, sig, args):
         a = _Operands(context, builder, sig.args[:6], args[:6])
-        rows = args[6:]
-        q_rows = [a.row(0, r) for r in rows]
-        d_rows = [a.row(1, r) for r in rows]
-        m_rows = [a.row(2, r) for r in rows] if q4_1 else None
+        q_rows, d_rows, m_rows = a.weight_rows(args[6:])
         xq, xd, xs = a.data(3), a.data(4), a.data(5)
         acc = cgutils.alloca_once_value(builder, _splat(_F32, 4, 0.0))
         with cgutils.for_range(builder, a.cols(1)) as loop:
