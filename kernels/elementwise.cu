@@ -3,8 +3,12 @@
 // graph replays without the host writing anything.
 #include "common.cuh"
 
-// Row t of out [T, cols] = row token[t] of a Q4_0 table; grid (column blocks, T).
-extern "C" __global__ void embed_q4(const u8* qs, const u16* d, const int* token, float* out, int cols) {
+// Row t of out [T, cols] = row token[t] of a Q4_0 table (d (q - 8)), or of a Q4_1 one (d q + m:
+// OFFSETS, m its offsets); grid (column blocks, T). d q is exact in f32, so the sum rounds once,
+// as ref's does.
+template <bool OFFSETS>
+__device__ __forceinline__ void embed_row(const u8* qs, const u16* d, const u16* m, const int* token, float* out,
+                                          int cols) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     out += (size_t)blockIdx.y * cols;
     if (c < cols) {
@@ -12,8 +16,16 @@ extern "C" __global__ void embed_q4(const u8* qs, const u16* d, const int* token
         int b = c / QK, j = c % QK;
         u8 byte = qs[row * (cols / 2) + b * (QK / 2) + (j & 15)];
         int code = j < 16 ? (byte & 15) : (byte >> 4);
-        out[c] = h2f(d[row * (cols / QK) + b]) * (float)(code - 8);
+        float scale = h2f(d[row * (cols / QK) + b]);
+        out[c] = OFFSETS ? scale * (float)code + h2f(m[row * (cols / QK) + b]) : scale * (float)(code - 8);
     }
+}
+extern "C" __global__ void embed_q4(const u8* qs, const u16* d, const int* token, float* out, int cols) {
+    embed_row<false>(qs, d, nullptr, token, out, cols);
+}
+extern "C" __global__ void embed_q4_1(const u8* qs, const u16* d, const u16* m, const int* token, float* out,
+                                      int cols) {
+    embed_row<true>(qs, d, m, token, out, cols);
 }
 
 extern "C" __global__ void embed_exact(const u16* table, int bf16, const int* token, float* out, int cols) {
@@ -78,35 +90,53 @@ extern "C" __global__ void add_rows(float* x, const float* b, int n, int T) {
 // Q4_0 planes -> f16, a thread a 32-weight block: qs (16 bytes a block), d (one scale a block)
 // and out (32 halves a block) are a whole number of blocks, consecutive, so block b's codes,
 // scale and output sit at b with no row arithmetic. Each weight is d (q - 8): exact in f32 (an
-// f16 scale times a 4-bit integer), rounded once to f16. Codes become floats as in the matvecs
-// (q4_code: one LOP3 and one FADD), scaled by d / 16^s for the nibble's place (a power of two,
-// so still exact), and pairs pack into half2 words: 152 instructions for 32 weights (sm_90, by
-// nvdisasm). A thread a code byte, as before, ran 94 for 2 weights, most of them index
-// arithmetic (a 64-bit division by the row's length among it): at 7.5 billion weights a pass
-// (8B shapes), about 1.1e10 warp instructions, 12 ms of an H100's issue slots at 1.75 GHz
-// against 6.4 ms to move the 19 GB it reads and writes at 3 TB/s. Now 1e9: memory-bound.
+// f16 scale times a 4-bit integer), rounded once to f16. Q4_1 (dequantize_q4_1, OFFSETS) adds
+// the block's offset m in f32 (d q exact, so one rounding, ref's) before the f16 rounding. Codes
+// become floats as in the matvecs (q4_code: one LOP3 and one FADD), scaled by d / 16^s for the
+// nibble's place (a power of two, so still exact), and pairs pack into half2 words: 152
+// instructions for 32 weights (sm_90, by nvdisasm). A thread a code byte, as before, ran 94 for
+// 2 weights, most of them index arithmetic (a 64-bit division by the row's length among it): at
+// 7.5 billion weights a pass (8B shapes), about 1.1e10 warp instructions, 12 ms of an H100's
+// issue slots at 1.75 GHz against 6.4 ms to move the 19 GB it reads and writes at 3 TB/s. Now
+// 1e9: memory-bound.
 
-// Two weights as a half2 word: codes a and b (ORed into MAGIC), each with its place's bias and scale.
-__device__ __forceinline__ unsigned q4_pair(unsigned a, float bias_a, float scale_a, unsigned b, float bias_b,
-                                            float scale_b) {
-    return (unsigned)f2h(q4_code(a, bias_a) * scale_a) | ((unsigned)f2h(q4_code(b, bias_b) * scale_b) << 16);
+// One weight as f16 from its code (ORed into MAGIC) at place s: Q4_0's bias 2^23 + 8 16^s leaves
+// (q - 8) 16^s; Q4_1 subtracts 2^23 alone, leaving q 16^s. Times d / 16^s (exact), plus Q4_1's
+// offset, one rounding.
+template <bool OFFSETS>
+__device__ __forceinline__ u16 q4_half(unsigned code, float q4_0_bias, float scale, float offset) {
+    return f2h(OFFSETS ? fmaf(q4_code(code, 8388608.f), scale, offset) : q4_code(code, q4_0_bias) * scale);
 }
 
-extern "C" __global__ void dequantize_q4(const u8* qs, const u16* d, u16* out, int blocks) {
+// Two weights as a half2 word: codes a and b, each with its place's bias and scale.
+template <bool OFFSETS>
+__device__ __forceinline__ unsigned q4_pair(unsigned a, float bias_a, float scale_a, unsigned b, float bias_b,
+                                            float scale_b, float offset) {
+    return (unsigned)q4_half<OFFSETS>(a, bias_a, scale_a, offset)
+           | ((unsigned)q4_half<OFFSETS>(b, bias_b, scale_b, offset) << 16);
+}
+
+template <bool OFFSETS>
+__device__ __forceinline__ void dequantize_block(const u8* qs, const u16* d, const u16* m, u16* out, int blocks) {
     int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= blocks) return;
     uint4 c = ((const uint4*)qs)[b];
     float s = h2f(d[b]), s16 = s * 0.0625f, s256 = s * 0.00390625f, s4096 = s * 0.000244140625f;
+    float off = OFFSETS ? h2f(m[b]) : 0.f;
     unsigned words[4] = {c.x, c.y, c.z, c.w}, lo[8], hi[8];  // halves 0..15, then 16..31, in pairs
 #pragma unroll
     for (int k = 0; k < 4; k++) {
         // bytes 4k, 4k + 1 in w's low half and 4k + 2, 4k + 3 in u's: weights 4k.. in their low
         // nibbles (bits 0..3 and 8..11), 16 + 4k.. in their high ones (bits 4..7 and 12..15)
         unsigned w = words[k], u = w >> 16;
-        lo[2 * k] = q4_pair(and_or<0xFu>(w, MAGIC), 8388616.f, s, and_or<0xF00u>(w, MAGIC), 8390656.f, s256);
-        lo[2 * k + 1] = q4_pair(and_or<0xFu>(u, MAGIC), 8388616.f, s, and_or<0xF00u>(u, MAGIC), 8390656.f, s256);
-        hi[2 * k] = q4_pair(and_or<0xF0u>(w, MAGIC), 8388736.f, s16, and_or<0xF000u>(w, MAGIC), 8421376.f, s4096);
-        hi[2 * k + 1] = q4_pair(and_or<0xF0u>(u, MAGIC), 8388736.f, s16, and_or<0xF000u>(u, MAGIC), 8421376.f, s4096);
+        lo[2 * k] = q4_pair<OFFSETS>(and_or<0xFu>(w, MAGIC), 8388616.f, s, and_or<0xF00u>(w, MAGIC), 8390656.f,
+                                     s256, off);
+        lo[2 * k + 1] = q4_pair<OFFSETS>(and_or<0xFu>(u, MAGIC), 8388616.f, s, and_or<0xF00u>(u, MAGIC), 8390656.f,
+                                         s256, off);
+        hi[2 * k] = q4_pair<OFFSETS>(and_or<0xF0u>(w, MAGIC), 8388736.f, s16, and_or<0xF000u>(w, MAGIC), 8421376.f,
+                                     s4096, off);
+        hi[2 * k + 1] = q4_pair<OFFSETS>(and_or<0xF0u>(u, MAGIC), 8388736.f, s16, and_or<0xF000u>(u, MAGIC),
+                                         8421376.f, s4096, off);
     }
     uint4* o = (uint4*)(out + (size_t)b * QK);
     for (int i = 0; i < 2; i++) {
@@ -115,6 +145,12 @@ extern "C" __global__ void dequantize_q4(const u8* qs, const u16* d, u16* out, i
         o[i] = l;
         o[2 + i] = h;
     }
+}
+extern "C" __global__ void dequantize_q4(const u8* qs, const u16* d, u16* out, int blocks) {
+    dequantize_block<false>(qs, d, nullptr, out, blocks);
+}
+extern "C" __global__ void dequantize_q4_1(const u8* qs, const u16* d, const u16* m, u16* out, int blocks) {
+    dequantize_block<true>(qs, d, m, out, blocks);
 }
 
 // bf16 bits -> f16 (f16 weights are GEMM operands as stored). Exact from 2^-14 to 65504: a weight

@@ -6,7 +6,8 @@
 // time this kernel read 507 GB/s of an 8B model's matrices, of about 3000). Rows past the end are
 // read as the last row and not stored, so the loads need no predicates. Q4_0 in nerva's two
 // planes: qs [rows, cols/2] (byte j of a block holds element j in its low nibble and j + 16 in
-// its high one), d f16 [rows, cols/32].
+// its high one), d f16 [rows, cols/32]; Q4_1 adds a third, its offsets m f16 [rows, cols/32]
+// (weight d q + m), through the *_q4_1_* entry points.
 #include "common.cuh"
 
 #ifndef MV_ROWS
@@ -22,7 +23,10 @@
 // sm_90: its 8 rows and row pointers, stored before the loop and reloaded every round, 14 LDL of
 // 611 instructions; 596 and no spill at 128 registers). Whether 5 blocks an SM with the reloads
 // beat 4 without is for a GPU to say: -D MV_MIN_BLOCKS=4 (scripts/gpu_matvec_sweep.py). (The
-// exact kernels need fewer registers: a bound would let ptxas spend up to 96 on them.)
+// exact kernels need fewer registers: a bound would let ptxas spend up to 96 on them.) Q4_1's
+// offsets take 8 more loads a round and their pointers: bounded, matvec_q4_1_w4a8 spills 112
+// bytes (136 on sm_75), glu_q4_1_w4a8 20 to 24, matvec_q4_1_w4a16 24 on sm_90 only (NVRTC 13.5;
+// untimed on a GPU so far).
 #ifndef MV_MIN_BLOCKS
 #define MV_MIN_BLOCKS (640 / MV_MAX_THREADS)
 #endif
@@ -74,16 +78,16 @@ __device__ __forceinline__ float q4_block_dot(uint4 c, const float4 (&x)[8]) {
 // and the silu_mul launch goes. Rows past the end are read as the last row and not stored.
 struct Slots {
     const void* w[2];
-    const u16* d[2];
+    const u16 *d[2], *m[2];  // m: Q4_1's offsets (null for Q4_0 and exact weights)
     float* out;
     int row0, rows;
 };
 
 template <bool GLU>
-__device__ __forceinline__ Slots block_slots(MATRICES) {
+__device__ __forceinline__ Slots block_slots(MATRICES, const u16* m0, const u16* m1, const u16* m2) {
     Slots s;
     if (GLU) {
-        s.w[0] = w0, s.d[0] = d0, s.w[1] = w1, s.d[1] = d1;
+        s.w[0] = w0, s.d[0] = d0, s.m[0] = m0, s.w[1] = w1, s.d[1] = d1, s.m[1] = m1;
         s.out = out0, s.row0 = blockIdx.x * HALF, s.rows = rows0;
         return s;
     }
@@ -91,6 +95,7 @@ __device__ __forceinline__ Slots block_slots(MATRICES) {
     int i = b < n0 ? 0 : b < n0 + n1 ? 1 : 2;
     s.w[0] = s.w[1] = PICK(i, w0, w1, w2);
     s.d[0] = s.d[1] = PICK(i, d0, d1, d2);
+    s.m[0] = s.m[1] = PICK(i, m0, m1, m2);
     s.out = PICK(i, out0, out1, out2);
     s.row0 = (b - (i > 0 ? n0 : 0) - (i > 1 ? n1 : 0)) * MV_ROWS;
     s.rows = PICK(i, rows0, rows1, rows2);
@@ -106,15 +111,17 @@ __device__ __forceinline__ size_t slot_row(const Slots& s, int r) {
     return (size_t)(row < s.rows ? row : s.rows - 1);
 }
 
-// Block b (32 weights: 16 code bytes and a scale) of each slot's row, every load issued before
-// any is used.
-template <bool GLU>
-__device__ __forceinline__ void load_q4_block(const Slots& s, int cols, int b, uint4 (&c)[MV_ROWS], u16 (&h)[MV_ROWS]) {
+// Block b (32 weights: 16 code bytes, a scale and for Q4_1 an offset) of each slot's row, every
+// load issued before any is used.
+template <bool GLU, bool OFFSETS>
+__device__ __forceinline__ void load_q4_block(const Slots& s, int cols, int b, uint4 (&c)[MV_ROWS], u16 (&h)[MV_ROWS],
+                                              u16 (&o)[MV_ROWS]) {
 #pragma unroll
     for (int r = 0; r < MV_ROWS; r++) {
         size_t row = slot_row<GLU>(s, r);
         c[r] = ((const uint4*)((const u8*)s.w[slot_matrix<GLU>(r)] + row * (cols / 2)))[b];
         h[r] = s.d[slot_matrix<GLU>(r)][row * (cols / QK) + b];
+        if (OFFSETS) o[r] = s.m[slot_matrix<GLU>(r)][row * (cols / QK) + b];
     }
 }
 
@@ -207,24 +214,36 @@ __device__ __forceinline__ void store_slots(float (&acc)[MV_ROWS], const Slots& 
 
 #define ALL_MATRICES w0, d0, out0, rows0, w1, d1, out1, rows1, w2, d2, out2, rows2
 
-template <bool GLU>
-__device__ __forceinline__ void q4_w4a16(MATRICES, const float* __restrict__ x, int cols, int mode) {
-    Slots s = block_slots<GLU>(ALL_MATRICES);
+// W4A16. A Q4_1 block (OFFSETS) is sum_j (d q_j + m) x_j = d sum_j (q_j - 8) x_j + (m + 8 d) sx,
+// sx the block's sum of x: the same code dot as Q4_0's, and one more product a row, with sx
+// shared by the block's rows. Taking the dot about 8 keeps its terms as small as Q4_0's, and
+// m + 8 d, the weight of code 8, is near 0 where the weights are centred (m, their minimum, near
+// -7.5 d), so the added term is small too: f32 rounding stays where Q4_0's is.
+template <bool GLU, bool OFFSETS>
+__device__ __forceinline__ void q4_w4a16(MATRICES, const u16* m0, const u16* m1, const u16* m2,
+                                         const float* __restrict__ x, int cols, int mode) {
+    Slots s = block_slots<GLU>(ALL_MATRICES, m0, m1, m2);
     int nb = cols / QK;
     float acc[MV_ROWS] = {};
     for (int b = threadIdx.x; b < nb; b += blockDim.x) {
         uint4 c[MV_ROWS];
-        u16 h[MV_ROWS];
-        load_q4_block<GLU>(s, cols, b, c, h);
+        u16 h[MV_ROWS], o[MV_ROWS];
+        load_q4_block<GLU, OFFSETS>(s, cols, b, c, h, o);
         float4 xb[8];
+        float sx = 0.f;
 #pragma unroll
         for (int k = 0; k < 8; k++) {  // x / 16^s for the nibble each element meets (q4_block_dot)
             float even = k < 4 ? 1.f : 1.f / 16.f, odd = even / 256.f;  // elements 16.. are high nibbles
             xb[k] = ((const float4*)(x + b * QK))[k];
+            if (OFFSETS) sx += (xb[k].x + xb[k].y) + (xb[k].z + xb[k].w);
             xb[k].x *= even, xb[k].y *= odd, xb[k].z *= even, xb[k].w *= odd;
         }
 #pragma unroll
-        for (int r = 0; r < MV_ROWS; r++) acc[r] += h2f(h[r]) * q4_block_dot(c[r], xb);
+        for (int r = 0; r < MV_ROWS; r++) {
+            float d = h2f(h[r]);
+            acc[r] += d * q4_block_dot(c[r], xb);
+            if (OFFSETS) acc[r] += fmaf(8.f, d, h2f(o[r])) * sx;
+        }
     }
     store_slots<GLU>(acc, s, mode);
 }
@@ -261,16 +280,18 @@ __device__ __forceinline__ void quantize_group(const float4 (&x)[8], int4& lo, i
 
 // W4A8: per block d_w * d_x * (sum q_w q_x - 8 sum q_x). The -8 of every weight code is applied
 // once per block through the activation code sum (deferred bias correction), so dp4a runs on the
-// raw 0..15 codes, which fit a signed byte. The integer part is exact.
-template <bool GLU>
-__device__ __forceinline__ void q4_w4a8(MATRICES, const float* __restrict__ x, int cols, int mode) {
-    Slots s = block_slots<GLU>(ALL_MATRICES);
+// raw 0..15 codes, which fit a signed byte. The integer part is exact. Q4_1 (OFFSETS): d_w d_x
+// sum q_w q_x + m_w (d_x sum q_x), ref's two products, the offset applied through the same sum.
+template <bool GLU, bool OFFSETS>
+__device__ __forceinline__ void q4_w4a8(MATRICES, const u16* m0, const u16* m1, const u16* m2,
+                                        const float* __restrict__ x, int cols, int mode) {
+    Slots s = block_slots<GLU>(ALL_MATRICES, m0, m1, m2);
     int nb = cols / QK;
     float acc[MV_ROWS] = {};
     for (int b = threadIdx.x; b < nb; b += blockDim.x) {
         uint4 c[MV_ROWS];
-        u16 h[MV_ROWS];
-        load_q4_block<GLU>(s, cols, b, c, h);
+        u16 h[MV_ROWS], o[MV_ROWS];
+        load_q4_block<GLU, OFFSETS>(s, cols, b, c, h, o);
         float4 xb[8];
 #pragma unroll
         for (int k = 0; k < 8; k++) xb[k] = ((const float4*)(x + b * QK))[k];
@@ -278,7 +299,8 @@ __device__ __forceinline__ void q4_w4a8(MATRICES, const float* __restrict__ x, i
         float dx;
         int xsum;
         quantize_group(xb, x0, x1, dx, xsum);
-        int bias = 8 * xsum;
+        int bias = OFFSETS ? 0 : 8 * xsum;
+        float xoff = dx * (float)xsum;  // Q4_1's offsets meet d_x sum q_x
 #pragma unroll
         for (int r = 0; r < MV_ROWS; r++) {
             int dot = 0;
@@ -291,6 +313,7 @@ __device__ __forceinline__ void q4_w4a8(MATRICES, const float* __restrict__ x, i
             dot = __dp4a((int)((c[r].z >> 4) & 0x0F0F0F0Fu), x1.z, dot);
             dot = __dp4a((int)((c[r].w >> 4) & 0x0F0F0F0Fu), x1.w, dot);
             acc[r] += (h2f(h[r]) * dx) * (float)(dot - bias);
+            if (OFFSETS) acc[r] += h2f(o[r]) * xoff;
         }
     }
     store_slots<GLU>(acc, s, mode);
@@ -299,7 +322,7 @@ __device__ __forceinline__ void q4_w4a8(MATRICES, const float* __restrict__ x, i
 // Exact variants: f16/bf16 weights as stored, 8 per 16-byte load; cols must be a multiple of 8.
 template <bool GLU>
 __device__ __forceinline__ void exact(MATRICES, int bf16, const float* __restrict__ x, int cols, int mode) {
-    Slots s = block_slots<GLU>(ALL_MATRICES);
+    Slots s = block_slots<GLU>(ALL_MATRICES, nullptr, nullptr, nullptr);
     float acc[MV_ROWS] = {};
     for (int c = threadIdx.x; c < cols / 8; c += blockDim.x) {
         uint4 p[MV_ROWS];
@@ -318,13 +341,14 @@ __device__ __forceinline__ void exact(MATRICES, int bf16, const float* __restric
 }
 
 // Each body has two entry points with the same parameters: matvec_* (plain) and glu_* (the
-// epilogue unused). Their parameters are spelled out, not MATRICES: tests/cuda_emu reads them.
+// epilogue unused); Q4_1's (*_q4_1_*) take its offset planes m0..m2 last. Their parameters are
+// spelled out, not MATRICES: tests/cuda_emu and kernels.declared_kernels read them.
 extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) matvec_q4_w4a16(
     const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
     const void* w2, const u16* d2, float* out2, int rows2,
     const float* __restrict__ x, int cols, int epilogue,
     const float* norm_w, float* norm_out, float eps, int* done) {
-    q4_w4a16<false>(ALL_MATRICES, x, cols, epilogue);
+    q4_w4a16<false, false>(ALL_MATRICES, nullptr, nullptr, nullptr, x, cols, epilogue);
     if (epilogue == ADD_NORM) norm_tail(out0, rows0, norm_w, eps, norm_out, done);  // one matrix
 }
 extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) glu_q4_w4a16(
@@ -332,14 +356,31 @@ extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) glu_
     const void* w2, const u16* d2, float* out2, int rows2,
     const float* __restrict__ x, int cols, int epilogue,
     const float* norm_w, float* norm_out, float eps, int* done) {
-    q4_w4a16<true>(ALL_MATRICES, x, cols, STORE);
+    q4_w4a16<true, false>(ALL_MATRICES, nullptr, nullptr, nullptr, x, cols, STORE);
+}
+extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) matvec_q4_1_w4a16(
+    const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
+    const void* w2, const u16* d2, float* out2, int rows2,
+    const float* __restrict__ x, int cols, int epilogue,
+    const float* norm_w, float* norm_out, float eps, int* done,
+    const u16* m0, const u16* m1, const u16* m2) {
+    q4_w4a16<false, true>(ALL_MATRICES, m0, m1, m2, x, cols, epilogue);
+    if (epilogue == ADD_NORM) norm_tail(out0, rows0, norm_w, eps, norm_out, done);  // one matrix
+}
+extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) glu_q4_1_w4a16(
+    const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
+    const void* w2, const u16* d2, float* out2, int rows2,
+    const float* __restrict__ x, int cols, int epilogue,
+    const float* norm_w, float* norm_out, float eps, int* done,
+    const u16* m0, const u16* m1, const u16* m2) {
+    q4_w4a16<true, true>(ALL_MATRICES, m0, m1, m2, x, cols, STORE);
 }
 extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) matvec_q4_w4a8(
     const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
     const void* w2, const u16* d2, float* out2, int rows2,
     const float* __restrict__ x, int cols, int epilogue,
     const float* norm_w, float* norm_out, float eps, int* done) {
-    q4_w4a8<false>(ALL_MATRICES, x, cols, epilogue);
+    q4_w4a8<false, false>(ALL_MATRICES, nullptr, nullptr, nullptr, x, cols, epilogue);
     if (epilogue == ADD_NORM) norm_tail(out0, rows0, norm_w, eps, norm_out, done);  // one matrix
 }
 extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) glu_q4_w4a8(
@@ -347,7 +388,24 @@ extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) glu_
     const void* w2, const u16* d2, float* out2, int rows2,
     const float* __restrict__ x, int cols, int epilogue,
     const float* norm_w, float* norm_out, float eps, int* done) {
-    q4_w4a8<true>(ALL_MATRICES, x, cols, STORE);
+    q4_w4a8<true, false>(ALL_MATRICES, nullptr, nullptr, nullptr, x, cols, STORE);
+}
+extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) matvec_q4_1_w4a8(
+    const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
+    const void* w2, const u16* d2, float* out2, int rows2,
+    const float* __restrict__ x, int cols, int epilogue,
+    const float* norm_w, float* norm_out, float eps, int* done,
+    const u16* m0, const u16* m1, const u16* m2) {
+    q4_w4a8<false, true>(ALL_MATRICES, m0, m1, m2, x, cols, epilogue);
+    if (epilogue == ADD_NORM) norm_tail(out0, rows0, norm_w, eps, norm_out, done);  // one matrix
+}
+extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) glu_q4_1_w4a8(
+    const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
+    const void* w2, const u16* d2, float* out2, int rows2,
+    const float* __restrict__ x, int cols, int epilogue,
+    const float* norm_w, float* norm_out, float eps, int* done,
+    const u16* m0, const u16* m1, const u16* m2) {
+    q4_w4a8<true, true>(ALL_MATRICES, m0, m1, m2, x, cols, STORE);
 }
 extern "C" __global__ void matvec_exact(
     const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,

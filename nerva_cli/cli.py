@@ -200,23 +200,6 @@ def _profiling_backend(backend: str) -> str:
     return "cpu" if backend in ("auto", "cuda") else backend
 
 
-def _backend_for(model, requested: str, backend: str) -> str:
-    """The resolved backend, unless the model is a variant the cuda plane has no kernels for
-    (q4_1): then auto falls back to cpu with a note, and an explicit --backend cuda is refused."""
-    if backend != "cuda":
-        return backend
-    from nerva_cli import output
-    from nerva_cli.cuda_engine import CUDA_VARIANTS
-
-    if model.variant in CUDA_VARIANTS:
-        return backend
-    why = f"{model.name}:{model.variant}: the cuda backend runs {', '.join(CUDA_VARIANTS)} models"
-    if requested == "cuda":
-        raise NervaError(f"{why}; use --backend cpu, or pull a q4_0 variant (nerva pull SOURCE --quant q4_0)")
-    output.note(f"{why}, so this one runs on the cpu backend")
-    return "cpu"
-
-
 def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau: float = 0.7,
                  use_profile: bool = True, mode: str = "full", active_fraction: float = 1.0,
                  ram_budget: Optional[str] = None, vram_budget: Optional[str] = None, policy: str = "ring"):
@@ -229,9 +212,8 @@ def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau
     mcap.check_tau(tau)
     mcap.check_fraction(active_fraction)
     budget = parse_budget(ram_budget, "ram-budget")
-    requested, backend = backend, backends.resolve(backend)
+    backend = backends.resolve(backend)
     model = _find_or_pull(model_ref)
-    backend = _backend_for(model, requested, backend)
     if vram_budget is not None and backend != "cuda":
         output.note(f"--vram-budget {vram_budget} is ignored: the {backend} backend holds everything in RAM")
     plan = _layer_plan(model, precision, tau, use_profile, mode, active_fraction, _profiling_backend(backend))
@@ -402,7 +384,7 @@ def topology(
     info = topo.collect(probe)
     if model is not None:
         stored = _find_or_pull(model)
-        backend = _backend_for(stored, backend, backends.resolve(backend))
+        backend = backends.resolve(backend)
         layers = _layer_plan(stored, precision, tau, not no_profile, mode, active_fraction,
                              _profiling_backend(backend))
         importance = getattr(layers, "importance", None)

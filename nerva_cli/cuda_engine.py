@@ -33,7 +33,6 @@ from nerva_cli.pager import LayerFileReader, PagedWeights, PagerStats
 from nerva_cli.residency import Plan, plan
 from nerva_cli.store import StoredModel, tensors_in
 
-CUDA_VARIANTS = ("q4_0", "f16", "bf16")  # kernels/*.cu have no Q4_1 path (its offsets) yet
 SCRATCH_BYTES = 64 << 20  # prefill's dequantised weight rows (f16), a slice of a matrix at a time
 HOST_SLOTS = 2  # staging buffers between the disk reader and the copy stream
 
@@ -153,7 +152,15 @@ class DeviceLayer:
     precision: str
 
     def mat(self, name: str) -> dict:
-        return {"qs": self.t[f"{name}.qs"], "d": self.t[f"{name}.d"]} if f"{name}.qs" in self.t else {"w": self.t[name]}
+        return matrix(self.t, name)
+
+
+def matrix(t: dict, name: str) -> dict:
+    """Matrix `name` of tensors t as the kernels take it: {"qs", "d"} (Q4_0), {"qs", "d", "m"}
+    (Q4_1, its offsets) or {"w"} (exact)."""
+    if f"{name}.qs" not in t:
+        return {"w": t[name]}
+    return {"qs": t[f"{name}.qs"], "d": t[f"{name}.d"], **({"m": t[f"{name}.m"]} if f"{name}.m" in t else {})}
 
 
 class GpuWeights:
@@ -214,12 +221,10 @@ class CudaEngine(EngineBase):
         cfg = self.cfg
         if problem := unsupported_shapes(cfg):
             raise NervaError(f"{model.path}: {problem}")
-        if model.variant not in CUDA_VARIANTS:
-            raise NervaError(f"{model.name}:{model.variant}: the cuda backend runs {', '.join(CUDA_VARIANTS)} models")
         self.precision = default_precision(model, precision)
         if layer_precisions is not None:
             if self.precision == "exact" or len(layer_precisions) != cfg.num_layers:
-                raise NervaError("per-layer precisions need a q4_0 model and one of w4a16/w4a8 per layer")
+                raise NervaError("per-layer precisions need a q4_0 or q4_1 model and one of w4a16/w4a8 per layer")
             self.precision = "mixed"
         per_layer = layer_precisions or [self.precision] * cfg.num_layers
         self.active = sorted(set(range(cfg.num_layers) if active_layers is None else active_layers))
@@ -268,12 +273,9 @@ class CudaEngine(EngineBase):
         for fname in ("embed.bin", "final_norm.bin", "lm_head.bin"):
             if fname in model.meta["files"]:
                 g.update(self._upload_file(fname))
-        self.embed_t = {"qs": g["embed.qs"], "d": g["embed.d"]} if "embed.qs" in g else {"w": g["embed"]}
+        self.embed_t = matrix(g, "embed")
         self.final_norm = g["final_norm"]
-        if "lm_head.qs" in g:
-            self.head_t = {"qs": g["lm_head.qs"], "d": g["lm_head.d"]}
-        else:
-            self.head_t = {"w": g["lm_head"]} if "lm_head" in g else self.embed_t
+        self.head_t = matrix(g, "lm_head") if "lm_head.qs" in g or "lm_head" in g else self.embed_t
         cos, sin = rope.tables(cfg, self.ctx)
         self.cos, self.sin = dev.upload(cos), dev.upload(sin)
         self.a = DeviceArena(dev, cfg, self.ctx, self.splits[1])

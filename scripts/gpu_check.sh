@@ -12,7 +12,8 @@
 #             W4A8 decode, run's sampling (temperature 0.8), decode at 7680 cached tokens against
 #             the attention split count before long contexts spread (9 a head), a full wave of
 #             attention blocks at 512, the W4A8 matvec with and without its register spills,
-#             prefill with weight slices L2 holds, and (where nsys is installed) prefill's kernels
+#             prefill with weight slices L2 holds, (where nsys is installed) prefill's kernels, and
+#             q4_1 (what pull makes of the bundled SmolLM2) against q4_0 on SmolLM2's shapes
 #   sanitize  compute-sanitizer memcheck, then racecheck, over the kernel tests (CuPy's memory
 #             pool off, so each array is an allocation of its own that memcheck bounds)
 # Stages that need a model and have neither MODEL_DIR nor the peer's use one of the same shapes
@@ -154,6 +155,16 @@ extra_runs() {
   else
     echo "nsys not found (PATH, /usr/local/cuda*/bin, /opt/nvidia/nsight-systems*/bin): skipped"
   fi
+  echo "== q4_0 then q4_1 (its offsets: 11% more bytes, one more product a block), SmolLM2-135M's shapes, resident"
+  local quant precision small
+  for quant in q4_0 q4_1; do
+    small=${TMPDIR:-/tmp}/nerva-synthetic-smollm2-$quant
+    [ -f "$small/metadata.json" ] || step python3 scripts/synthetic_model.py smollm2-135m "$small" --quant "$quant"
+    for precision in w4a16 w4a8; do
+      step python3 -m nerva_cli bench "$small" --backend cuda --no-profile --precision "$precision" \
+        --prompt-tokens 256 --gen-tokens 128 --repeat 3
+    done
+  done
   return $rc
 }
 if has extra; then

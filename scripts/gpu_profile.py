@@ -217,6 +217,8 @@ def launch_bytes(name: str, a) -> int:
     conversions (their source and the f16 copy) and the activations' (f32 in, f16 out)."""
     if name == "dequantize_q4":  # (qs, d, out, blocks)
         return int(a[0].nbytes + a[1].nbytes + a[2].nbytes)
+    if name == "dequantize_q4_1":  # (qs, d, m, out, blocks)
+        return int(a[0].nbytes + a[1].nbytes + a[2].nbytes + a[3].nbytes)
     if name in ("bf16_to_half", "to_half", "fake_quantize_q8"):  # (src, out, n)
         return int(a[0].nbytes + a[1].nbytes)
     return 0

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""A random-weight Q4_0 model in nerva's store format, with the shapes of a real one: decode
+"""A random-weight Q4_0 (or Q4_1) model in nerva's store format, with the shapes of a real one: decode
 speed depends on shapes and bytes, not on weight values, so this is what the GPU benchmarks run
 where a real 8B checkpoint cannot be downloaded. Written by nerva's own converter (aligned layer
 files, sha256, metadata.json); the tokenizer is a small BPE trained here.
 
     python3 scripts/synthetic_model.py llama3-8b OUT_DIR     (4.5 GB)
-    python3 scripts/synthetic_model.py smollm2-135m OUT_DIR
+    python3 scripts/synthetic_model.py smollm2-135m OUT_DIR [--quant q4_1]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def tokenizer_files() -> dict[str, str]:
     return {"tokenizer.json": tok.to_str(), "tokenizer_config.json": json.dumps(config)}
 
 
-def source(shape: str, seed: int = 0):
+def source(shape: str, seed: int = 0, kind: str = "q4_0"):
     from nerva_cli.config import ModelConfig
     from nerva_cli.sources import Source, SourceTensor
 
@@ -60,9 +60,11 @@ def source(shape: str, seed: int = 0):
             rows, cols = shape
             qs = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
             d = (rng.uniform(0.5, 1.5, (rows, cols // 32)) * 0.02 / np.sqrt(cols / 1024)).astype(np.float16)
-            return qs, d, None
+            # Q4_1's offset, the block's minimum: about -7.5 d for weights centred on 0
+            m = (-d.astype(np.float32) * rng.uniform(7, 8, d.shape)).astype(np.float16) if kind == "q4_1" else None
+            return qs, d, m
 
-        return SourceTensor(shape, lambda: None, read_q4=planes, stored_dtype="q4_0")
+        return SourceTensor(shape, lambda: None, read_q4=planes, stored_dtype=kind)
 
     return Source(config=cfg, origin={"kind": "synthetic", "id": shape}, fingerprint=f"synthetic-{shape}-{seed}",
                   tensors=tensor, tokenizer_files=tokenizer_files(), default_name=f"synthetic-{shape}")
@@ -71,7 +73,8 @@ def source(shape: str, seed: int = 0):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("shape", choices=sorted(SHAPES))
-    ap.add_argument("out", type=Path, help="model directory to write (the store's <name>/q4_0 layout)")
+    ap.add_argument("out", type=Path, help="model directory to write (the store's <name>/<variant> layout)")
+    ap.add_argument("--quant", choices=("q4_0", "q4_1"), default="q4_0")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from nerva_cli.convert import convert
@@ -79,7 +82,7 @@ def main() -> None:
     def progress(what, done, total):
         print(f"\r{args.shape}: {done}/{total} {what}   ", end="", file=sys.stderr, flush=True)
 
-    convert(source(args.shape), "q4_0", args.out, force=True, progress=progress)
+    convert(source(args.shape, kind=args.quant), args.quant, args.out, force=True, progress=progress)
     print(file=sys.stderr)
     print(args.out)
 

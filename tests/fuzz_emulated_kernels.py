@@ -40,41 +40,45 @@ class Fuzz:
     def down(self, a):
         return self.dev.download(a)
 
-    def matrix(self, precision: str, rows: int, cols: int) -> dict:
+    def matrix(self, precision: str, rows: int, cols: int, kind: str = "q4_0") -> dict:
         if precision == "f16":
             return {"w": self.up(randn(self.rng, rows, cols).astype(np.float16))}
         if precision == "bf16":  # the top halves of f32s, as store.py keeps bf16
             return {"w": self.up((randn(self.rng, rows, cols).view(np.uint32) >> 16).astype(np.uint16))}
-        qs, d, _ = random_q4(self.rng, rows, cols)
-        return {"qs": self.up(qs), "d": self.up(d)}
+        qs, d, m = random_q4(self.rng, rows, cols, kind)
+        return {"qs": self.up(qs), "d": self.up(d), **({} if m is None else {"m": self.up(m)})}
 
     def matvecs(self) -> None:
-        """One matvec (plain, adding, or adding then normalising), several in a launch, or a GLU."""
+        """One matvec (plain, adding, or adding then normalising), several in a launch, or a GLU;
+        Q4 weights as Q4_0 or Q4_1, one format a launch."""
         rng, k = self.rng, self.k
         stored = rng.choice(PRECISIONS)
+        kind = str(rng.choice(["q4_0", "q4_1"]))
         precision = "f16" if stored == "bf16" else stored  # the launch's name for exact weights
         cols = 32 * int(rng.integers(1, 160))
+
+        def matrix(rows: int) -> dict:
+            return self.matrix(stored, rows, cols, kind)
+
         x = self.up(randn(rng, cols))
         shape = rng.choice(["one", "several", "norm", "glu"])
         if shape == "one":
             rows = int(rng.integers(1, 3000))
-            k.matvec(self.matrix(stored, rows, cols), x, self.up(randn(rng, rows)), precision,
-                     add=bool(rng.integers(2)))
+            k.matvec(matrix(rows), x, self.up(randn(rng, rows)), precision, add=bool(rng.integers(2)))
         elif shape == "several":
             rows = [int(rng.integers(1, 700)) for _ in range(int(rng.integers(1, 4)))]
-            k.matvecs([self.matrix(stored, r, cols) for r in rows], x, [self.up(randn(rng, r)) for r in rows],
-                      precision, bool(rng.integers(2)))
+            k.matvecs([matrix(r) for r in rows], x, [self.up(randn(rng, r)) for r in rows], precision,
+                      bool(rng.integers(2)))
         elif shape == "norm":
             rows = 4 * int(rng.integers(1, 1500))
             out, done = self.up(randn(rng, rows)), self.up(np.zeros(1, np.int32))
             for _ in range(2):  # the block count must be back at 0 for the second launch
-                k.matvec(self.matrix(stored, rows, cols), x, out, precision, add=True,
+                k.matvec(matrix(rows), x, out, precision, add=True,
                          norm=(self.up(randn(rng, rows)), self.up(np.zeros(rows, np.float32)), 1e-5, done))
             assert self.down(done)[0] == 0, ("norm count", rows)
         else:
             rows = int(rng.integers(1, 1500))
-            k.glu(self.matrix(stored, rows, cols), self.matrix(stored, rows, cols), x,
-                  self.up(np.zeros(rows, np.float32)), precision)
+            k.glu(matrix(rows), matrix(rows), x, self.up(np.zeros(rows, np.float32)), precision)
 
     def rmsnorm(self) -> None:
         n, rows = 4 * int(self.rng.integers(1, 4096)), int(self.rng.integers(1, 5))

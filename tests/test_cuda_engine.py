@@ -8,10 +8,11 @@ Reference: the cpu plane (itself held to HF transformers by test_engine.py). Log
 over, measured at 0.5e-3 to 3.1e-3 on these models over 64 steps. So greedy tokens are equal
 except where the cpu's two best logits are closer than that: free-running, the first such near
 tie (llama f16, step 41: a gap of 4e-5 against a difference of 1.3e-2) sends the two runs apart,
-so the 64-step check feeds both engines the cpu's tokens and allows another argmax only there. Where layers run W4A8
-every activation is re-quantised to int8, and a value an f16 rounding away can land one code
-step (1/127 of its group's largest) off, so there the logits are held to 10% (4.8% measured on
-qwen2): the tokens are the check.
+so the token checks feed both engines the cpu's tokens and allow another argmax only there
+(near_ties_following_the_cpu). Where layers run W4A8 every activation is re-quantised to int8,
+and a value an f16 rounding away can land one code step (1/127 of its group's largest) off, so
+there the logits are held to 10% (4.8% measured on qwen2 q4_0, 4.6% on qwen2 q4_1) and near
+ties come more often (2 of 21 steps on qwen2 q4_1, none on q4_0): there the tokens are the check.
 """
 
 from __future__ import annotations
@@ -64,6 +65,27 @@ def max_rel(a, b) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
+def near_ties_following_the_cpu(gpu, cpu, steps: int, logit_rel: float) -> int:
+    """Both engines prefill PROMPT and decode `steps` tokens, each fed the cpu's greedy choice:
+    every step's logits within logit_rel, and the gpu's argmax the cpu's except at near ties
+    (the cpu's two best logits closer than twice the largest logit difference); -> how many of
+    those there were."""
+    gpu.reset()
+    cpu.reset()
+    want, got = cpu.prefill(PROMPT).copy(), gpu.prefill(PROMPT).copy()
+    near_ties = 0
+    for step in range(steps + 1):
+        assert max_rel(got, want) < logit_rel, step
+        if int(np.argmax(got)) != int(np.argmax(want)):
+            top2 = np.sort(want)[-2:]
+            assert top2[1] - top2[0] < 2 * np.abs(got - want).max(), step
+            near_ties += 1
+        if step < steps:
+            token = int(np.argmax(want))
+            want, got = cpu.decode(token).copy(), gpu.decode(token).copy()
+    return near_ties
+
+
 def fixed_bytes(model, ctx, sms: int = 4) -> int:
     """The planner's fixed part on a GPU of `sms` SMs (prefill attention's partials depend on
     it): 4 is the emulation's and tests/fake_cupy.py's."""
@@ -105,17 +127,16 @@ def test_a_short_prefill_after_a_long_one_splits_its_positions(stored, cuda_devi
 
 @pytest.mark.parametrize("family,variant,precision", [
     ("llama", "f16", None), ("qwen3", "f16", None), ("llama-untied", "q4_0", "w4a16"),
-    ("qwen2", "q4_0", "w4a8"), ("llama3-scaled", "q4_0", "mixed")])
+    ("qwen2", "q4_0", "w4a8"), ("llama3-scaled", "q4_0", "mixed"),
+    ("llama-untied", "q4_1", "w4a16"), ("qwen2", "q4_1", "w4a8"), ("llama", "q4_1", "mixed")])
 def test_greedy_tokens_equal_the_cpu_plane(stored, cuda_device, family, variant, precision):
     model = stored(family, variant)
     per_layer = ["w4a8", "w4a16", "w4a8"] if precision == "mixed" else None
     kw = dict(precision=None if precision == "mixed" else precision, ctx=96, layer_precisions=per_layer)
     gpu = CudaEngine(model, device=cuda_device, **kw)
     cpu = Engine(model, backend="cpu", **kw)
-    got, got_logits = greedy_run(gpu, 20)
-    want, want_logits = greedy_run(cpu, 20)
-    assert got == want
-    assert max_rel(got_logits, want_logits) < LOGIT_REL[gpu.precision]
+    w4a8 = precision in ("w4a8", "mixed")  # mixed runs W4A8 on two of the three layers
+    assert near_ties_following_the_cpu(gpu, cpu, 20, LOGIT_REL[gpu.precision]) <= (4 if w4a8 else 2)
     assert gpu.precision_counts == cpu.precision_counts
 
 
@@ -123,17 +144,7 @@ def test_greedy_tokens_equal_the_cpu_plane(stored, cuda_device, family, variant,
 def test_64_steps_of_exact_variants_agree_on_the_same_tokens(stored, cuda_device, family):
     model = stored(family, "f16")
     cpu, gpu = Engine(model, backend="cpu", ctx=96), CudaEngine(model, device=cuda_device, ctx=96)
-    want, gpu_logits = cpu.prefill(PROMPT).copy(), gpu.prefill(PROMPT).copy()
-    near_ties = 0
-    for _ in range(64):
-        assert max_rel(gpu_logits, want) < LOGIT_REL["exact"]
-        top2 = np.sort(want)[-2:]
-        if int(np.argmax(gpu_logits)) != int(np.argmax(want)):
-            assert top2[1] - top2[0] < 2 * np.abs(gpu_logits - want).max()
-            near_ties += 1
-        token = int(np.argmax(want))
-        want, gpu_logits = cpu.decode(token).copy(), gpu.decode(token).copy()
-    assert near_ties <= 2
+    assert near_ties_following_the_cpu(gpu, cpu, 64, LOGIT_REL["exact"]) <= 2
 
 
 def test_prefill_in_chunks_equals_one_chunk(stored, cuda_device, monkeypatch, rng):
@@ -151,10 +162,11 @@ def test_prefill_in_chunks_equals_one_chunk(stored, cuda_device, monkeypatch, rn
     assert max_rel(chunked, whole) < LOGIT_REL["exact"]
 
 
-def test_paged_tiers_decode_the_resident_tokens(stored, cuda_device):
+@pytest.mark.parametrize("variant", ["q4_0", "q4_1"])
+def test_paged_tiers_decode_the_resident_tokens(stored, cuda_device, variant):
     """All layers through 2 VRAM slots: from pinned RAM (warm), then from disk (cold: RAM for the
-    2 staging buffers only)."""
-    model = stored("llama", "q4_0")
+    2 staging buffers only). A slot's views take a Q4_1 layer's offsets with its other planes."""
+    model = stored("llama", variant)
     resident, _ = greedy_run(CudaEngine(model, device=cuda_device, ctx=96), 12)
     layer = model.meta["files"][layer_file(0)]["size"]
     vram = fixed_bytes(model, 96, cuda_device.sms) + 2 * layer  # the fixed part and two slots: nothing resident
@@ -416,11 +428,9 @@ def test_cli_run_bench_and_ledger_on_the_cuda_backend(cli, stored, monkeypatch):
     assert r["gpudirect_storage"]["used"] is False
 
 
-def test_q4_1_models_run_on_the_cpu_plane_where_auto_would_pick_cuda(cli, stored, monkeypatch):
-    """kernels/*.cu have no Q4_1 path: --backend auto falls back to cpu with a note (the tokens
-    are the cpu plane's), --backend cuda is refused in one line, and so is CudaEngine itself."""
-    import json
-
+def test_q4_1_models_run_on_the_cuda_plane_where_auto_picks_it(cli, stored, monkeypatch):
+    """The default model is a q4_1 variant: with a GPU, --backend auto runs it there (the cuda
+    kernels have Q4_1 entry points), not on the cpu with a note, and --backend cuda is not refused."""
     from cuda_emu.device import EmuDevice
 
     from nerva_cli.backends import cuda
@@ -428,14 +438,11 @@ def test_q4_1_models_run_on_the_cpu_plane_where_auto_would_pick_cuda(cli, stored
     monkeypatch.setattr(cuda, "cupy_or_none", lambda: object())
     monkeypatch.setattr(cuda, "CupyDevice", EmuDevice)
     model = stored("llama", "q4_1")
-    with pytest.raises(NervaError, match="q4_1: the cuda backend runs q4_0, f16, bf16 models"):
-        CudaEngine(model, device=EmuDevice())
     args = ("bench", str(model.path), "--prompt-tokens", "8", "--gen-tokens", "4", "--repeat", "1", "--no-profile")
-    code, out, err = cli(*args)
-    assert code == 0, err
-    assert "runs on the cpu backend" in err and json.loads(out)["backend"] == "cpu"
-    code, out, err = cli(*args, "--backend", "cuda")
-    assert code == 1 and len(err.strip().splitlines()) == 1 and "--backend cpu" in err, err
+    for backend in ("auto", "cuda"):
+        code, out, err = cli(*args, "--backend", backend)
+        assert code == 0, err
+        assert json.loads(out)["backend"] == "cuda" and "cpu backend" not in err
 
 
 @pytest.mark.parametrize("eager_copies", [False, True], ids=["lazy", "eager-copies"])
@@ -550,11 +557,13 @@ def test_gpu_profile_script_launches_each_kernel_of_a_step(stored, cuda_device, 
                         "attention_decode": layers, "sample": 1}
 
 
-def test_gpu_profile_script_times_each_op_of_a_prefill_pass(stored, cuda_device, monkeypatch, tmp_path):
+@pytest.mark.parametrize("variant", ["q4_0", "q4_1"])
+def test_gpu_profile_script_times_each_op_of_a_prefill_pass(stored, cuda_device, monkeypatch, tmp_path, variant):
     """gpu_profile.py --prefill: every kernel launch and cuBLAS call of one pass is recorded and
     timed alone, and the pass leaves the engine where it was (the KV cache's fill). The emulation
     times nothing, so the counts, the GEMMs' flops and the conversions' bytes are checked."""
-    model = stored("llama", "q4_0")
+    model = stored("llama", variant)
+    q4 = "q4" if variant == "q4_0" else variant  # the kernels' stem
     cfg = model.config
     engines = []
     init = CudaEngine.__init__
@@ -576,13 +585,14 @@ def test_gpu_profile_script_times_each_op_of_a_prefill_pass(stored, cuda_device,
     # a layer: two norms, the f16 inputs of q/k/v, o, gate/up and down, seven matrices dequantised
     # and multiplied (the tiny model's fit scratch whole), RoPE with the KV write, attention, SiLU
     assert {name: row["launches"] for name, row in ops.items()} == {
-        "embed_q4": 1, "rmsnorm": 2 * layers, "to_half": 4 * layers, "dequantize_q4": 7 * layers,
+        f"embed_{q4}": 1, "rmsnorm": 2 * layers, "to_half": 4 * layers, f"dequantize_{q4}": 7 * layers,
         "gemm_t (cuBLAS)": 7 * layers, "rope_kv_store": layers, "attention_prefill": layers, "silu_mul": layers}
     h, f, qd, kvd = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim
     weights = h * (qd + 2 * kvd) + qd * h + 2 * h * f + f * h
     assert ops["gemm_t (cuBLAS)"]["flops"] == layers * 2 * T * weights
-    # q4_0: 16 bytes of codes and a 2-byte scale a 32-weight block, dequantised to 2 bytes a weight
-    assert ops["dequantize_q4"]["bytes"] == layers * weights * (18 / 32 + 2)
+    # 16 bytes of codes, a 2-byte scale (and for q4_1 a 2-byte offset) a 32-weight block, to 2 bytes a weight
+    block = 18 if variant == "q4_0" else 20
+    assert ops[f"dequantize_{q4}"]["bytes"] == layers * weights * (block / 32 + 2)
     assert ops["to_half"]["bytes"] == layers * T * (h + qd + h + f) * (4 + 2)
     assert profile["slice_bytes"] == engines[0].a.scratch.nbytes < 1 << 20
     monkeypatch.setattr(sys, "argv", ["gpu_profile.py", str(model.path), "--prefill", str(T), "--slice-mb", "1"])

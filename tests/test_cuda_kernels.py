@@ -18,7 +18,11 @@ from nerva_cli.backends import ref
 from nerva_cli.backends.cuda import RECENT, Kernels, most_prefill_partials, prefill_partials, prefill_splits
 from nerva_cli.quant import dequantize_q4
 from nerva_cli.sampling import Sampler, SamplingOptions
-from test_kernels import EPS, act_q8, random_q4, randn, rel, rope_tables, sum_tol
+from test_kernels import EPS, act_q8, dequant_f64, random_q4, randn, rel, rope_tables, sum_tol
+
+KINDS = ("q4_0", "q4_1")
+# (precision, weight format) pairs of the matvec launches: both Q4 formats at both precisions
+MATVEC_CASES = [("w4a16", "q4_0"), ("w4a16", "q4_1"), ("w4a8", "q4_0"), ("w4a8", "q4_1"), ("f16", "f16")]
 
 
 @pytest.fixture
@@ -36,6 +40,31 @@ def down(k, a):
 
 def assert_rows_close(got, want, magnitude, terms):
     assert np.all(np.abs(got.astype(np.float64) - want) <= sum_tol(terms) * magnitude + 1e-30)
+
+
+def q4_matrix(k, rng, rows, cols, kind):
+    """A random Q4_0 or Q4_1 matrix -> (its planes on the device, as Kernels takes them), qs, d, m."""
+    qs, d, m = random_q4(rng, rows, cols, kind)
+    return {"qs": up(k, qs), "d": up(k, d), **({} if m is None else {"m": up(k, m)})}, qs, d, m
+
+
+def w4a16_want(qs, d, m, x):
+    """(W x in float64, the magnitude the kernel's f32 sums are held to): sum_j |w_j x_j| for Q4_0;
+    for Q4_1 the two terms matvec.cu sums apart, d (q - 8) x_j and (m + 8 d) x_j, each in size."""
+    w = dequant_f64(qs, d, m)
+    if m is None:
+        return w @ x, np.abs(w) @ np.abs(x)
+    mid = np.repeat(m.astype(np.float64) + 8 * d.astype(np.float64), 32, axis=1)
+    return w @ x, (np.abs(w - mid) + np.abs(mid)) @ np.abs(x)
+
+
+def w4a8_want(qs, d, m, act):
+    """(ref's W4A8 product, the size its per-block f32 terms are held to: a code product of 127 x
+    15 at d_w d_x, plus for Q4_1 a code sum of 127 at m d_x)."""
+    want = np.empty(qs.shape[0], np.float32)
+    ref.matvec_q4_w4a8(qs, d, m, *act, want)
+    scale = np.abs(d.astype(np.float64)) * 15 + (0 if m is None else np.abs(m.astype(np.float64)))
+    return want, (scale * act[1] * 127).sum(axis=1) + np.abs(want)
 
 
 # -- norms and elementwise ---------------------------------------------------------------------
@@ -58,13 +87,14 @@ def test_rmsnorm_in_place(k, rng):
     assert rel(down(k, xd), want) < 8 * EPS
 
 
-@pytest.mark.parametrize("kind", ["q4_0", "f16", "bf16"])
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "f16", "bf16"])
 def test_embed_rows(k, rng, kind):
+    """Bit for bit: a Q4_1 row is d q + m, d q exact in f32 and one rounding after, as ref's."""
     vocab, cols = 50, 96
     tokens = rng.integers(0, vocab, 7).astype(np.int32)
-    if kind == "q4_0":
-        qs, d, _ = random_q4(rng, vocab, cols)
-        table, want = {"qs": up(k, qs), "d": up(k, d)}, dequantize_q4(qs, d)[tokens]
+    if kind in KINDS:
+        table, qs, d, m = q4_matrix(k, rng, vocab, cols, kind)
+        want = dequantize_q4(qs, d, m)[tokens]
     elif kind == "f16":
         w = randn(rng, vocab, cols).astype(np.float16)
         table, want = {"w": up(k, w)}, w.astype(np.float32)[tokens]
@@ -120,19 +150,19 @@ def test_silu_mul_and_add_rows(k, rng):
 
 # -- matvecs -----------------------------------------------------------------------------------
 # 4160 columns: 130 blocks a row, more than a matvec block has threads (two rounds, the second partial)
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows,cols", [(1, 32), (37, 64), (200, 576), (9, 1536), (5, 4160)])
-def test_matvec_w4a16(k, rng, rows, cols):
-    qs, d, _ = random_q4(rng, rows, cols)
+def test_matvec_w4a16(k, rng, rows, cols, kind):
+    mat, qs, d, m = q4_matrix(k, rng, rows, cols, kind)
     x = randn(rng, cols)
-    w = dequantize_q4(qs, d).astype(np.float64)
     out = up(k, np.zeros(rows, np.float32))
-    k.matvec({"qs": up(k, qs), "d": up(k, d)}, up(k, x), out, "w4a16")
-    assert_rows_close(down(k, out), w @ x, np.abs(w) @ np.abs(x), cols)
+    k.matvec(mat, up(k, x), out, "w4a16")
+    assert_rows_close(down(k, out), *w4a16_want(qs, d, m, x), cols)
 
 
 @pytest.mark.parametrize("add", [False, True])
-@pytest.mark.parametrize("precision", ["w4a16", "w4a8", "f16"])
-def test_matvecs_share_a_launch(k, rng, precision, add):
+@pytest.mark.parametrize("precision,kind", MATVEC_CASES)
+def test_matvecs_share_a_launch(k, rng, precision, kind, add):
     """q, k and v (or gate and up) in one launch: each output is its own matrix's product, and
     no block writes into another's output (each starts poisoned with NaN). With add, each output
     starts as a random residual and ends as residual + product (one more f32 rounding)."""
@@ -145,15 +175,9 @@ def test_matvecs_share_a_launch(k, rng, precision, add):
             mats.append({"w": up(k, w)})
             wants.append((w.astype(np.float64) @ x, np.abs(w.astype(np.float64)) @ np.abs(x)))
         else:
-            qs, d, _ = random_q4(rng, rows, cols)
-            mats.append({"qs": up(k, qs), "d": up(k, d)})
-            w = dequantize_q4(qs, d).astype(np.float64)
-            if precision == "w4a8":
-                want = np.empty(rows, np.float32)
-                ref.matvec_q4_w4a8(qs, d, None, *act, want)
-                wants.append((want, (np.abs(d.astype(np.float64)) * act[1] * 127 * 15).sum(axis=1) + np.abs(want)))
-            else:
-                wants.append((w @ x, np.abs(w) @ np.abs(x)))
+            mat, qs, d, m = q4_matrix(k, rng, rows, cols, kind)
+            mats.append(mat)
+            wants.append(w4a8_want(qs, d, m, act) if precision == "w4a8" else w4a16_want(qs, d, m, x))
         res = randn(rng, rows) if add else np.full(rows, np.nan, np.float32)
         outs.append(up(k, res))
         if add:
@@ -163,9 +187,9 @@ def test_matvecs_share_a_launch(k, rng, precision, add):
         assert_rows_close(down(k, out), want, scale, cols // 32 if precision == "w4a8" else cols)
 
 
-@pytest.mark.parametrize("precision", ["w4a16", "w4a8", "f16"])
+@pytest.mark.parametrize("precision,kind", MATVEC_CASES)
 @pytest.mark.parametrize("rows", [36, 200, 1100])  # 36, 1100: a partial last block; 1100: 3 rounds of the tail
-def test_matvec_add_then_norm(k, rng, precision, rows):
+def test_matvec_add_then_norm(k, rng, precision, kind, rows):
     """A residual add whose launch's last block then normalises the whole sum (the o and down
     products): x = r + W x to the dot tolerance, xn = rmsnorm(x) * w of the x it wrote within
     8 eps as the rmsnorm test holds it, and the block count back at 0 for the next launch (a
@@ -180,15 +204,11 @@ def test_matvec_add_then_norm(k, rng, precision, rows):
             m, wide = {"w": up(k, wt)}, wt.astype(np.float64)
             want, scale, terms = wide @ x, np.abs(wide) @ np.abs(x), cols
         else:
-            qs, d, _ = random_q4(rng, rows, cols)
-            m = {"qs": up(k, qs), "d": up(k, d)}
+            m, qs, d, offsets = q4_matrix(k, rng, rows, cols, kind)
             if precision == "w4a8":
-                want = np.empty(rows, np.float32)
-                ref.matvec_q4_w4a8(qs, d, None, *act, want)
-                scale, terms = (np.abs(d.astype(np.float64)) * act[1] * 127 * 15).sum(axis=1) + np.abs(want), cols // 32
+                (want, scale), terms = w4a8_want(qs, d, offsets, act), cols // 32
             else:
-                wide = dequantize_q4(qs, d).astype(np.float64)
-                want, scale, terms = wide @ x, np.abs(wide) @ np.abs(x), cols
+                (want, scale), terms = w4a16_want(qs, d, offsets, x), cols
         out, xn = up(k, res), up(k, np.full(rows, np.nan, np.float32))
         k.matvec(m, up(k, x), out, precision, add=True, norm=(up(k, w), xn, 0.25, done))
         got = down(k, out)
@@ -199,9 +219,9 @@ def test_matvec_add_then_norm(k, rng, precision, rows):
         np.testing.assert_array_equal(down(k, done), 0)
 
 
-@pytest.mark.parametrize("precision", ["w4a16", "w4a8", "f16"])
+@pytest.mark.parametrize("precision,kind", MATVEC_CASES)
 @pytest.mark.parametrize("rows,cols", [(1, 64), (37, 576), (6, 4160)])
-def test_glu_is_silu_of_gate_times_up(k, rng, precision, rows, cols):
+def test_glu_is_silu_of_gate_times_up(k, rng, precision, kind, rows, cols):
     """One launch for silu(gate x) * up x, rows of both in each block (a row count that is no
     multiple of a block's 4 gate rows leaves a partial block). Held to the unfused launches
     (matvecs, then silu_mul) within a few ulps, and to ref's products through silu's error
@@ -217,16 +237,14 @@ def test_glu_is_silu_of_gate_times_up(k, rng, precision, rows, cols):
             wide = w.astype(np.float64)
             wants.append((wide @ x, sum_tol(cols) * (np.abs(wide) @ np.abs(x))))
         else:
-            qs, d, _ = random_q4(rng, rows, cols)
-            mats.append({"qs": up(k, qs), "d": up(k, d)})
+            mat, qs, d, m = q4_matrix(k, rng, rows, cols, kind)
+            mats.append(mat)
             if precision == "w4a8":
-                want = np.empty(rows, np.float32)
-                ref.matvec_q4_w4a8(qs, d, None, *act, want)
-                scale = (np.abs(d.astype(np.float64)) * act[1] * 127 * 15).sum(axis=1) + np.abs(want)
+                want, scale = w4a8_want(qs, d, m, act)
                 wants.append((want.astype(np.float64), sum_tol(cols // 32) * scale))
             else:
-                wide = dequantize_q4(qs, d).astype(np.float64)
-                wants.append((wide @ x, sum_tol(cols) * (np.abs(wide) @ np.abs(x))))
+                want, magnitude = w4a16_want(qs, d, m, x)
+                wants.append((want, sum_tol(cols) * magnitude))
     out = up(k, np.full(rows, np.nan, np.float32))
     k.glu(mats[0], mats[1], up(k, x), out, precision)
     got = down(k, out).astype(np.float64)
@@ -263,34 +281,38 @@ def test_activation_quantiser_is_bit_exact(k, rng, cols):
     np.testing.assert_array_equal(down(k, fq), want_fq.astype(np.float16))
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows,cols", [(1, 32), (37, 64), (200, 576), (11, 4160)])
-def test_matvec_w4a8(k, rng, rows, cols):
-    qs, d, _ = random_q4(rng, rows, cols)
+def test_matvec_w4a8(k, rng, rows, cols, kind):
+    mat, qs, d, m = q4_matrix(k, rng, rows, cols, kind)
     x = randn(rng, cols)
-    act = act_q8(ref, x)
-    want = np.empty(rows, np.float32)
-    ref.matvec_q4_w4a8(qs, d, None, *act, want)
+    want, scale = w4a8_want(qs, d, m, act_q8(ref, x))
     out = up(k, np.zeros(rows, np.float32))
-    k.matvec({"qs": up(k, qs), "d": up(k, d)}, up(k, x), out, "w4a8")
-    terms = (np.abs(d.astype(np.float64)) * act[1]) * 127 * 15  # |per-block term| bound
-    assert_rows_close(down(k, out), want, terms.sum(axis=1) + np.abs(want), cols // 32)
+    k.matvec(mat, up(k, x), out, "w4a8")
+    assert_rows_close(down(k, out), want, scale, cols // 32)
 
 
-def test_matvec_w4a8_integer_sums_are_exact(k, rng):
-    """Unit scales: the result is the integer sum itself, which f32 holds exactly here. x is
-    integers in -127..127 with a 127 in every group, so its codes are x itself at scale 1."""
+@pytest.mark.parametrize("kind", KINDS)
+def test_matvec_w4a8_integer_sums_are_exact(k, rng, kind):
+    """Unit scales (and Q4_1 offsets of 1): the result is the integer sum itself, which f32 holds
+    exactly here. x is integers in -127..127 with a 127 in every group, so its codes are x itself
+    at scale 1."""
     rows, cols = 24, 256
     qs = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
     d = np.ones((rows, cols // 32), np.float16)
+    m = d.copy() if kind == "q4_1" else None
     xq = rng.integers(-127, 128, cols, dtype=np.int8)
     xq[::32] = 127
     xd = np.ones(cols // 32, np.float32)
     xs = xq.reshape(-1, 32).sum(axis=1, dtype=np.int32)
     assert [np.array_equal(a, b) for a, b in zip(act_q8(ref, xq.astype(np.float32)), (xq, xd, xs))] == [True] * 3
     want = np.empty(rows, np.float32)
-    ref.matvec_q4_w4a8(qs, d, None, xq, xd, xs, want)
+    ref.matvec_q4_w4a8(qs, d, m, xq, xd, xs, want)
+    exact = ref.unpack_q4_codes(qs).reshape(rows, cols).astype(np.int64) + (1 if m is not None else -8)
+    np.testing.assert_array_equal(want, exact @ xq.astype(np.int64))
     out = up(k, np.zeros(rows, np.float32))
-    k.matvec({"qs": up(k, qs), "d": up(k, d)}, up(k, xq.astype(np.float32)), out, "w4a8")
+    planes = {"qs": up(k, qs), "d": up(k, d), **({} if m is None else {"m": up(k, m)})}
+    k.matvec(planes, up(k, xq.astype(np.float32)), out, "w4a8")
     np.testing.assert_array_equal(down(k, out), want)
 
 
@@ -315,18 +337,20 @@ def test_matvec_exact(k, rng, kind, rows, cols):
     np.testing.assert_array_equal(down(k, half).view(np.float16), wide.astype(np.float16))
 
 
-def test_dequantize_q4_to_half(k, rng):
-    """Bit for bit: d (q - 8) is exact in f32 and rounded once to f16, as NumPy rounds it. Scales
-    at f16's extremes too (the smallest subnormal, and the largest, whose products leave f16's
-    range), and a slice of rows from inside the matrix, as prefill dequantises one."""
-    qs, d, _ = random_q4(rng, 40, 192)
+@pytest.mark.parametrize("kind", KINDS)
+def test_dequantize_q4_to_half(k, rng, kind):
+    """Bit for bit: d (q - 8) is exact in f32 and rounded once to f16, as NumPy rounds it; Q4_1's
+    d q + m is rounded once in f32 (d q exact), then to f16, as ref then NumPy do. Scales at f16's
+    extremes too (the smallest subnormal, and the largest, whose products leave f16's range), and
+    a slice of rows from inside the matrix, as prefill dequantises one."""
+    mat, qs, d, m = q4_matrix(k, rng, 40, 192, kind)
     d[3, :3] = [np.float16(2.0 ** -24), np.float16(-65504), np.float16(6.1e-5)]
+    mat["d"] = up(k, d)
     scratch = up(k, np.zeros(40 * 192, np.float16))
-    qd, dd = up(k, qs), up(k, d)
-    out = k.half_weights({"qs": qd[2:35], "d": dd[2:35]}, scratch)
+    out = k.half_weights({name: plane[2:35] for name, plane in mat.items()}, scratch)
     assert out.shape == (33, 192) and out.dtype == np.float16
     with np.errstate(over="ignore"):  # -65504 (q - 8) past f16's range, on purpose: -inf or inf
-        want = dequantize_q4(qs[2:35], d[2:35]).astype(np.float16)
+        want = dequantize_q4(qs[2:35], d[2:35], None if m is None else m[2:35]).astype(np.float16)
     np.testing.assert_array_equal(down(k, out), want)
     assert np.isinf(want).any() and (want[1, :32] != 0).any()
 

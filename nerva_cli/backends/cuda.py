@@ -39,8 +39,13 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _weights(m: dict):
-    """A matrix's weight array: Q4_0 codes or exact f16/bf16 values."""
+    """A matrix's weight array: Q4_0/Q4_1 codes or exact f16/bf16 values."""
     return m["w"] if "w" in m else m["qs"]
+
+
+def _q4_kernel(m: dict) -> str:
+    """The stem of a Q4 matrix's kernels: q4 (Q4_0: {"qs", "d"}) or q4_1 (with offsets "m")."""
+    return "q4_1" if "m" in m else "q4"
 
 
 def unsupported_shapes(cfg) -> str | None:
@@ -135,10 +140,12 @@ class Kernels:
         self._go("rmsnorm", (x.size // n,), (norm_threads(n),), (x, w, F32(eps), out, I32(n)))
 
     def embed(self, table: dict, tokens, out) -> None:
-        """out [T, cols] = rows tokens [T] (device int32) of table: {"qs", "d"} (Q4_0) or {"w"}."""
+        """out [T, cols] = rows tokens [T] (device int32) of table: {"qs", "d"} (Q4_0), {"qs", "d",
+        "m"} (Q4_1) or {"w"}."""
         cols, grid = out.shape[-1], (_cdiv(out.shape[-1], THREADS), tokens.shape[0])
         if "qs" in table:
-            self._go("embed_q4", grid, (THREADS,), (table["qs"], table["d"], tokens, out, I32(cols)))
+            planes = (table["qs"], table["d"], *((table["m"],) if "m" in table else ()))
+            self._go(f"embed_{_q4_kernel(table)}", grid, (THREADS,), (*planes, tokens, out, I32(cols)))
         else:
             w = table["w"]
             self._go("embed_exact", grid, (THREADS,), (w, I32(is_bf16(w)), tokens, out, I32(cols)))
@@ -161,9 +168,9 @@ class Kernels:
     # -- matvecs -------------------------------------------------------------------------------
     def matvec(self, m: dict, x, out, precision: str, add: bool = False, norm=None) -> None:
         """out = W x, or out += W x with add (the residual add, fused into the store). m: {"qs",
-        "d"} or {"w"}; x f32 at every precision (w4a8 quantises it in the kernel). norm = (w, xn,
-        eps, done), with add: then xn = rmsnorm(out) * w, by the launch's last block (matvec.cu's
-        ADD_NORM; done: an int32 counter, zero before and after)."""
+        "d"} (Q4_0), {"qs", "d", "m"} (Q4_1) or {"w"}; x f32 at every precision (w4a8 quantises it
+        in the kernel). norm = (w, xn, eps, done), with add: then xn = rmsnorm(out) * w, by the
+        launch's last block (matvec.cu's ADD_NORM; done: an int32 counter, zero before and after)."""
         self.matvecs([m], x, [out], precision, add, norm)
 
     def matvecs(self, ms: list[dict], x, outs: list, precision: str, add: bool = False, norm=None) -> None:
@@ -189,6 +196,8 @@ class Kernels:
         exact = "w" in ms[0]
         if len({_weights(m).shape[1] for m in ms}) != 1:
             raise ValueError("matvecs: the matrices of one launch must have the same width")
+        if len({"w" if "w" in m else _q4_kernel(m) for m in ms}) != 1:
+            raise ValueError("matvecs: the matrices of one launch must be of one format")
         mats = [(_weights(m), _weights(m) if exact else m["d"], out, I32(_weights(m).shape[0]))  # exact: no scales
                 for m, out in zip(ms, outs)]
         mats += [(*mats[0][:3], I32(0))] * (3 - len(mats))  # absent: 0 rows
@@ -202,8 +211,9 @@ class Kernels:
                      (*flat, I32(is_bf16(w)), x, I32(cols), *tail))
             return
         cols = w.shape[1] * 2
-        body = "q4_w4a8" if precision == "w4a8" else "q4_w4a16"
-        self._go(f"{kind}_{body}", (blocks,), (mv_threads(cols // QK),), (*flat, x, I32(cols), *tail))
+        body = f"{_q4_kernel(ms[0])}_{'w4a8' if precision == 'w4a8' else 'w4a16'}"
+        offsets = [m["m"] for m in ms] + [ms[0]["m"]] * (3 - len(ms)) if "m" in ms[0] else []  # Q4_1's, last
+        self._go(f"{kind}_{body}", (blocks,), (mv_threads(cols // QK),), (*flat, x, I32(cols), *tail, *offsets))
 
     # -- prefill's GEMM operands, in f16 (CupyDevice.gemm_t) -------------------------------------
     def to_half(self, x, out) -> None:
@@ -217,7 +227,7 @@ class Kernels:
 
     def half_weights(self, m: dict, scratch):
         """A weight matrix (or a slice of its rows) as f16 [rows, cols]: f16 weights as stored,
-        bf16 and Q4_0 converted into scratch (f16, at least rows x cols). -> that array."""
+        bf16, Q4_0 and Q4_1 converted into scratch (f16, at least rows x cols). -> that array."""
         if "w" in m:
             w = m["w"]
             if not is_bf16(w):
@@ -228,7 +238,8 @@ class Kernels:
         rows, half = m["qs"].shape
         out = scratch[: rows * half * 2].reshape(rows, half * 2)
         blocks = rows * half * 2 // QK  # a thread each
-        self._go("dequantize_q4", (_cdiv(blocks, THREADS),), (THREADS,), (m["qs"], m["d"], out, I32(blocks)))
+        planes = (m["qs"], m["d"], *((m["m"],) if "m" in m else ()))
+        self._go(f"dequantize_{_q4_kernel(m)}", (_cdiv(blocks, THREADS),), (THREADS,), (*planes, out, I32(blocks)))
         return out
 
     # -- attention -----------------------------------------------------------------------------
