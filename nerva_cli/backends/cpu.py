@@ -236,6 +236,28 @@ class _Operands:
         """The given rows of operands 0, 1, 2 (qs, d, m): three lists, the last None for Q4_0."""
         return [None if self.arrays[i] is None else [self.row(i, r) for r in rows] for i in range(3)]
 
+    def prefetch_codes_ahead(self, q_rows, b):
+        """Asks the cache for block b of the code rows PREFETCH_ROWS further on (the rows a thread
+        takes next: its row groups are consecutive). Past the matrix's end it asks for nothing
+        harmful: a prefetch never faults."""
+        builder = self.builder
+        ahead = builder.mul(builder.extract_value(self.arrays[0].strides, 0), ir.Constant(_I64, PREFETCH_ROWS))
+        at = builder.add(ahead, builder.mul(b, ir.Constant(_I64, 16)))
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8")
+        for row in q_rows:  # read, keep in all cache levels, data
+            builder.call(fn, [builder.gep(row, [at]), ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+
+
+# Rows ahead of the current four whose codes a Q4 matvec prefetches. A thread walks its rows four
+# at a time, each a few hundred bytes (SmolLM2's: 288 and 768), and the hardware prefetcher does
+# not ramp up over such short, interleaved streams. Measured on SmolLM2 q4_1's decode matrices,
+# 55 MB (more than L2 holds), on a 2-core Intel Xeon with a 480 MB L3, without -> with, the same
+# run: W4A8 6.2-12.5 -> 15.3 GB/s on one thread, 21.4-24.6 -> 27.8 on two; W4A16 5.6 -> 9.4 and
+# 15.5 -> 18.2. One row group ahead gave W4A8 14.6, three to six no more than two; prefetching the
+# scale and offset planes too changed nothing.
+PREFETCH_ROWS = 8
+
 
 def _half_at(builder, row, b):
     return builder.fpext(_load(builder, row, builder.mul(b, ir.Constant(_I64, 2)), ir.HalfType()), _F32)
@@ -268,6 +290,7 @@ def _w4a16_rows(typingctx, qs, d, m, x, r0, r1, r2, r3):
         acc = [cgutils.alloca_once_value(builder, _splat(_F32, 8, 0.0)) for _ in q_rows]
         with cgutils.for_range(builder, a.cols(1)) as loop:
             b = loop.index
+            a.prefetch_codes_ahead(q_rows, b)
             xs = [_f32_at(builder, x, builder.mul(b, ir.Constant(_I64, 32)), 8, 8 * k) for k in range(4)]
             x_sum = builder.fadd(builder.fadd(xs[0], xs[1]), builder.fadd(xs[2], xs[3]))
             start = _splat(_F32, 8, 0.0) if q4_1 else builder.fmul(x_sum, _splat(_F32, 8, -8.0))
@@ -328,6 +351,7 @@ def _w4a8_rows(typingctx, qs, d, m, xq, xd, xs, r0, r1, r2, r3):
             x = _load(builder, xq, builder.mul(b, ir.Constant(_I64, 32)), _vec(_I8, 32))
             dx = _broadcast(builder, _f32_at(builder, xd, b), 4)
             code_sum = _load(builder, xs, builder.mul(b, ir.Constant(_I64, 4)), _I32)
+            a.prefetch_codes_ahead(q_rows, b)
             dots = _block_sums(builder, [_dot_u4_s8(builder, _codes(builder, q, b), x) for q in q_rows])
             if not q4_1:
                 dots = builder.sub(dots, _broadcast(builder, builder.mul(code_sum, ir.Constant(_I32, 8)), 4))
