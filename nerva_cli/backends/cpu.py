@@ -385,46 +385,58 @@ def matvec_q4_w4a16(qs, d, m, x, out):
     _w4a16(qs, d.view(np.uint16), _bits(m), x, out)
 
 
-@njit(cache=True, nogil=True)
+# The activation quantiser's arithmetic, shared by decode (codes) and prefill (codes times scale).
+# No fast-math but no-NaN/no-inf: every step stays a correctly rounded IEEE op, so the codes equal
+# ref's, and the flags let LLVM vectorise the max and the branch-free rounding (1.3 -> 0.9 us a
+# 576-wide call, 2.9 -> 1.7 at 1536, numba's dispatch included).
+_Q8_MATH = {"nnan", "ninf"}
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_Q8_MATH)
+def _q8_scale(g):
+    """A 32-group's scale d = max |g| / 127 and its inverse (0 for an all-zero group)."""
+    amax = F32(0)
+    for j in range(32):
+        a = abs(g[j])
+        amax = a if a > amax else amax
+    d = amax / F32(127)
+    return d, (F32(1) / d if d > 0 else F32(0))
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_Q8_MATH)
+def _q8_code(v, inv):
+    """round-half-away(v * inv) (C's roundf, as llama.cpp's quantisers), clamped to -127..127."""
+    s = v * inv
+    t = np.trunc(s)
+    t += np.copysign(F32(1), s) if abs(s - t) >= F32(0.5) else F32(0)
+    return min(max(t, F32(-127)), F32(127))
+
+
+@njit(cache=True, nogil=True, fastmath=_Q8_MATH)
 def quantize_act_q8(x, xq, xd, xs):
-    # No fast-math: every step is a correctly rounded IEEE op, so the codes equal ref's.
     for b in range(xd.shape[0]):
-        amax = F32(0)
-        for j in range(32):
-            amax = max(amax, abs(x[32 * b + j]))
-        d = amax / F32(127)
-        inv = F32(1) / d if d > 0 else F32(0)
+        g = x[32 * b: 32 * b + 32]
+        d, inv = _q8_scale(g)
         total = 0
         for j in range(32):
-            v = x[32 * b + j] * inv
-            t = np.trunc(v)
-            if abs(v - t) >= F32(0.5):  # round half away from zero, like C's roundf
-                t += np.sign(v)
-            q = int(min(max(t, F32(-127)), F32(127)))
+            q = np.int32(_q8_code(g[j], inv))
             xq[32 * b + j] = q
             total += q
         xd[b] = d
         xs[b] = total
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=_Q8_MATH)
 def fake_quantize_q8(x, out):
     # Prefill's W4A8: rows quantised per 32-group as quantize_act_q8 does, then scaled back, so
     # a GEMM over them gives decode's integer products. Serial: it runs between BLAS GEMMs (see
     # _dequantize_q4).
     for r in range(x.shape[0]):
         for b in range(x.shape[1] // 32):
-            amax = F32(0)
+            g = x[r, 32 * b: 32 * b + 32]
+            d, inv = _q8_scale(g)
             for j in range(32):
-                amax = max(amax, abs(x[r, 32 * b + j]))
-            d = amax / F32(127)
-            inv = F32(1) / d if d > 0 else F32(0)
-            for j in range(32):
-                v = x[r, 32 * b + j] * inv
-                t = np.trunc(v)
-                if abs(v - t) >= F32(0.5):
-                    t += np.sign(v)
-                out[r, 32 * b + j] = min(max(t, F32(-127)), F32(127)) * d
+                out[r, 32 * b + j] = _q8_code(g[j], inv) * d
 
 
 @njit(cache=True, nogil=True, parallel=True)
