@@ -8,6 +8,12 @@ them (fewer bytes, a third more perplexity).
     pip install llama-cpp-python   # builds llama.cpp from source, ~10 min on 2 cores
     python3 scripts/compare_llamacpp.py [--out docs/perf/cpu_vs_llamacpp.json]
 
+Where the CPU reports AMX but the kernel does not let a process use it (a VM can), llama.cpp's
+native build faults at its first matmul (ldtilecfg, a general protection fault): build it for
+the CPU's vector extensions without AMX instead, e.g. CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON
+-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX_VNNI=ON". The
+JSON records llama.cpp's own list of the features it was built with.
+
 Each engine runs in its own process, one after the other, repeated and interleaved so drift on
 a shared machine hits both; the ratios are what to read, not the absolute figures.
 """
@@ -122,7 +128,8 @@ def main() -> None:
                 "embeddings in llama.cpp; nerva's q4_1 keeps the layers' Q4_1 bytes and requantises the "
                 "embeddings, its q4_0 requantises everything)",
         "machine": {"cpu": cpu_name(), "logical_cpus": os.cpu_count()},
-        "llama_cpp_python": lc.__version__, "prompt_tokens": args.prompt_tokens,
+        "llama_cpp_python": lc.__version__, "llama_cpp_features": lc.llama_print_system_info().decode().strip(),
+        "prompt_tokens": args.prompt_tokens,
         "gen_tokens": args.gen_tokens, "rounds": args.rounds,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows,
     }
