@@ -12,8 +12,9 @@
 #             W4A8 decode, run's sampling (temperature 0.8), decode at 7680 cached tokens against
 #             the attention split count before long contexts spread (9 a head), a full wave of
 #             attention blocks at 512, the W4A8 matvec with and without its register spills,
-#             prefill with weight slices L2 holds, (where nsys is installed) prefill's kernels, and
-#             q4_1 (what pull makes of the bundled SmolLM2) against q4_0 on SmolLM2's shapes
+#             prefill with weight slices L2 holds, (where nsys is installed) prefill's kernels, the
+#             Q4_1 matvecs' sweep, and q4_1 (what pull makes of the bundled SmolLM2) against q4_0
+#             on SmolLM2's shapes
 #   sanitize  compute-sanitizer memcheck, then racecheck, over the kernel tests (CuPy's memory
 #             pool off, so each array is an allocation of its own that memcheck bounds)
 # Stages that need a model and have neither MODEL_DIR nor the peer's use one of the same shapes
@@ -155,6 +156,9 @@ extra_runs() {
   else
     echo "nsys not found (PATH, /usr/local/cuda*/bin, /opt/nvidia/nsight-systems*/bin): skipped"
   fi
+  echo "== the Q4_1 matvecs over the 8B and 135M shapes (its offset plane: more spills at the same bound)"
+  step python3 scripts/gpu_matvec_sweep.py --kind q4_1 --precision w4a16 --rows 8 --threads 128
+  step python3 scripts/gpu_matvec_sweep.py --kind q4_1 --precision w4a8 --rows 8 --threads 128
   echo "== q4_0 then q4_1 (its offsets: 11% more bytes, one more product a block), SmolLM2-135M's shapes, resident"
   local quant precision small
   for quant in q4_0 q4_1; do

@@ -6,11 +6,13 @@ copies of random weights (at least 512 MB) that no launch finds its matrix in L2
 step, and the launches are replayed from a graph, as in a real step.
 
     python3 scripts/gpu_matvec_sweep.py [--rows 4,8,16] [--threads 64,128,256] [--precision w4a16|w4a8]
-                                        [-D MV_MIN_BLOCKS=4]
+                                        [--kind q4_0|q4_1] [-D MV_MIN_BLOCKS=4]
 
 -D adds a macro to every compile: `--precision w4a8 --rows 8 --threads 128` with and without
 `-D MV_MIN_BLOCKS=4` is the A/B of matvec_q4_w4a8's spills (128 registers and 4 blocks an SM,
-no spill, against 96 and 5 with 14 reloads a round; scripts/sass_mix.py shows both).
+no spill, against 96 and 5 with 14 reloads a round; scripts/sass_mix.py shows both). `--kind q4_1`
+times the Q4_1 kernels (an offset plane more, spilling more at the same bound: matvec.cu says how
+much).
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ SHAPES = {"8b qo": (4096, 4096), "8b kv": (1024, 4096), "8b gate/up": (14336, 40
           "8b lm_head": (128256, 4096), "135m q": (576, 576), "135m gate": (1536, 576), "135m down": (576, 1536)}
 
 
-def sweep(dev, fns: dict, shapes: dict, precision: str) -> dict:
+def kernel_name(precision: str, kind: str) -> str:
+    return f"matvec_{'q4_1' if kind == 'q4_1' else 'q4'}_{'w4a8' if precision == 'w4a8' else 'w4a16'}"
+
+
+def sweep(dev, fns: dict, shapes: dict, precision: str, kind: str = "q4_0") -> dict:
     """{(shape label, rows a block, most threads): (ms a launch, GB/s)}. fns: (rows a block, most
     threads) -> the matvec kernel compiled with that MV_ROWS and MV_MAX_THREADS (its launch
     bounds depend on it). Launches go through Kernels.matvec, the engine's own launch code, with
@@ -34,16 +40,18 @@ def sweep(dev, fns: dict, shapes: dict, precision: str) -> dict:
     from nerva_cli.backends import cuda
 
     k, rng, results = cuda.Kernels(dev), np.random.default_rng(), {}
-    name = "matvec_q4_w4a8" if precision == "w4a8" else "matvec_q4_w4a16"
+    name = kernel_name(precision, kind)
     saved = cuda.MV_ROWS, cuda.MV_THREADS
     try:
         for label, (rows, cols) in shapes.items():
             qs = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
-            d = rng.standard_normal((rows, cols // 32)).astype(np.float16)
-            nbytes = qs.nbytes + d.nbytes
+            planes = {"qs": qs, "d": rng.standard_normal((rows, cols // 32)).astype(np.float16)}
+            if kind == "q4_1":
+                planes["m"] = rng.standard_normal((rows, cols // 32)).astype(np.float16)
+            nbytes = sum(a.nbytes for a in planes.values())
             # copies at other addresses (the values do not matter): no launch finds its matrix in L2
             copies = max(1, min(64, (512 << 20) // nbytes))
-            mats = [{"qs": dev.upload(qs), "d": dev.upload(d)} for _ in range(copies)]
+            mats = [{key: dev.upload(a) for key, a in planes.items()} for _ in range(copies)]
             x = dev.upload(rng.standard_normal(cols).astype(np.float32))
             out = dev.zeros(rows, np.float32)
             for (rows_per_block, cap), fn in fns.items():
@@ -65,6 +73,7 @@ def main() -> None:
     ap.add_argument("--rows", default="4,8,16")
     ap.add_argument("--threads", default="64,128,256")
     ap.add_argument("--precision", default="w4a16", choices=["w4a16", "w4a8"])
+    ap.add_argument("--kind", default="q4_0", choices=["q4_0", "q4_1"], help="the weights' Q4 format")
     ap.add_argument("-D", dest="defines", action="append", default=[], help="a macro for NVRTC, e.g. MV_MIN_BLOCKS=4")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -75,7 +84,7 @@ def main() -> None:
     cp = dev.cp
     arch = f"sm_{cp.cuda.Device().compute_capability}"
     major = cp.cuda.runtime.runtimeGetVersion() // 1000
-    name = "matvec_q4_w4a8" if args.precision == "w4a8" else "matvec_q4_w4a16"
+    name = kernel_name(args.precision, args.kind)
     fns = {}
     for rows_per_block in map(int, args.rows.split(",")):
         for cap in map(int, args.threads.split(",")):
@@ -83,7 +92,7 @@ def main() -> None:
             cubin = Path(f"/tmp/matvec-{'-'.join(defines)}.cubin")
             cubin.write_bytes(kernels.compile_cubin(kernels.sources()["matvec"], arch, major, defines))
             fns[rows_per_block, cap] = cp.RawModule(path=str(cubin)).get_function(name)
-    results = sweep(dev, fns, SHAPES, args.precision)
+    results = sweep(dev, fns, SHAPES, args.precision, args.kind)
     print(f"{dev.name}, {name}{''.join(' -D ' + d for d in args.defines)}: GB/s (us a launch) by MV_ROWS x MV_THREADS")
     configs = sorted({(r, t) for _, r, t in results})
     print(f"{'shape':<14}" + "".join(f"{f'{r}x{t}':>16}" for r, t in configs))

@@ -629,8 +629,9 @@ def test_gpu_attention_bench_script_times_each_shape(cuda_device, monkeypatch, t
     assert all(r["nerva_ms"] >= 0 for r in result["rows"])
 
 
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1"])
 @pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
-def test_gpu_matvec_sweep_script_launches_through_the_engine(cuda_device, precision):
+def test_gpu_matvec_sweep_script_launches_through_the_engine(cuda_device, precision, kind):
     """scripts/gpu_matvec_sweep.py's sweep, which gpu_check.sh's sweep and extra stages run and
     which once broke unseen when the matvec's arguments changed: its launches go through
     Kernels.matvec with MV_ROWS and MV_THREADS set to each pair, restored after. On the emulation
@@ -643,8 +644,10 @@ def test_gpu_matvec_sweep_script_launches_through_the_engine(cuda_device, precis
     spec = importlib.util.spec_from_file_location("gpu_matvec_sweep", path)
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
-    name = "matvec_q4_w4a8" if precision == "w4a8" else "matvec_q4_w4a16"
+    name = sweep.kernel_name(precision, kind)
+    assert name == f"matvec_{'q4' if kind == 'q4_0' else kind}_{precision}"
     saved = cuda.MV_ROWS, cuda.MV_THREADS
-    results = sweep.sweep(cuda_device, {(8, 128): cuda_device.functions()[name]}, {"small": (40, 256)}, precision)
+    results = sweep.sweep(cuda_device, {(8, 128): cuda_device.functions()[name]}, {"small": (40, 256)}, precision,
+                          kind)
     assert list(results) == [("small", 8, 128)] and all(ms >= 0 for ms, _ in results.values())
     assert (cuda.MV_ROWS, cuda.MV_THREADS) == saved
