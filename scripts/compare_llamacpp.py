@@ -8,9 +8,10 @@ them (fewer bytes, a third more perplexity).
     pip install llama-cpp-python   # builds llama.cpp from source, ~10 min on 2 cores
     python3 scripts/compare_llamacpp.py [--out docs/perf/cpu_vs_llamacpp.json]
 
-Where the CPU reports AMX but the kernel does not let a process use it (a VM can), llama.cpp's
-native build faults at its first matmul (ldtilecfg, a general protection fault): build it for
-the CPU's vector extensions without AMX instead, e.g. CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON
+On a 2-core Intel Xeon VM with AMX (2026-11-24), llama.cpp's native build faulted at its first
+matmul, in its AMX path (ldtilecfg, a general protection fault), although the kernel granted the
+process AMX (arch_prctl ARCH_GET_XCOMP_PERM listed the tile state): build it for the CPU's
+vector extensions without AMX there, e.g. CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON
 -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX_VNNI=ON". The
 JSON records llama.cpp's own list of the features it was built with.
 
