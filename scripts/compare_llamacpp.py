@@ -35,20 +35,23 @@ import json, sys, time
 import numpy as np
 from llama_cpp import Llama
 path, threads, n_prompt, n_gen, text = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=1024, n_batch=512,
-            verbose=False)
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_prompt + n_gen + 64,
+            n_batch=512, verbose=False)
 prompt = llm.tokenize(text.encode(), add_bos=False)[:n_prompt]
+def last_logits():
+    # Llama.scores is only filled with logits_all; the context holds the last token's row
+    return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
 def once():
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(prompt)
     t1 = time.perf_counter()
-    tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    tok = int(np.argmax(last_logits()))
     steps = []
     for _ in range(n_gen):
         t = time.perf_counter()
         llm.eval([tok])
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = int(np.argmax(last_logits()))
         steps.append(time.perf_counter() - t)
     return len(prompt) / (t1 - t0), len(steps) / sum(steps)
 once()  # warm-up
