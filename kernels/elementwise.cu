@@ -28,6 +28,16 @@ extern "C" __global__ void embed_q4_1(const u8* qs, const u16* d, const u16* m, 
     embed_row<true>(qs, d, m, token, out, cols);
 }
 
+// Row t of out [T, cols] = row token[t] of a Q8_0 table (d q, exact in f32).
+extern "C" __global__ void embed_q8_0(const signed char* q8, const u16* d, const int* token, float* out, int cols) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    out += (size_t)blockIdx.y * cols;
+    if (c < cols) {
+        size_t row = (size_t)token[blockIdx.y];
+        out[c] = h2f(d[row * (cols / QK) + c / QK]) * (float)q8[row * cols + c];
+    }
+}
+
 extern "C" __global__ void embed_exact(const u16* table, int bf16, const int* token, float* out, int cols) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     out += (size_t)blockIdx.y * cols;
@@ -151,6 +161,31 @@ extern "C" __global__ void dequantize_q4(const u8* qs, const u16* d, u16* out, i
 }
 extern "C" __global__ void dequantize_q4_1(const u8* qs, const u16* d, const u16* m, u16* out, int blocks) {
     dequantize_block<true>(qs, d, m, out, blocks);
+}
+
+// Q8_0 -> f16 for prefill's GEMMs (the lm_head): a thread a block of 32, d q (exact in f32)
+// rounded once to f16, 16 bytes of codes in and four 16-byte stores out.
+extern "C" __global__ void dequantize_q8_0(const signed char* q8, const u16* d, u16* out, int blocks) {
+    int b = blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= blocks) return;
+    float s = h2f(d[b]);
+    const uint4* codes = (const uint4*)(q8 + (size_t)b * QK);
+    uint4* o = (uint4*)(out + (size_t)b * QK);
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        uint4 c = codes[i];
+        unsigned words[4] = {c.x, c.y, c.z, c.w}, halves[8];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            unsigned w = words[k];
+            halves[2 * k] = (unsigned)f2h(s * (float)(signed char)(w & 0xffu))
+                          | (unsigned)f2h(s * (float)(signed char)((w >> 8) & 0xffu)) << 16;
+            halves[2 * k + 1] = (unsigned)f2h(s * (float)(signed char)((w >> 16) & 0xffu))
+                              | (unsigned)f2h(s * (float)(signed char)(w >> 24)) << 16;
+        }
+        o[2 * i] = uint4{halves[0], halves[1], halves[2], halves[3]};
+        o[2 * i + 1] = uint4{halves[4], halves[5], halves[6], halves[7]};
+    }
 }
 
 // bf16 bits -> f16 (f16 weights are GEMM operands as stored). Exact from 2^-14 to 65504: a weight

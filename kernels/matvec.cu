@@ -423,6 +423,85 @@ extern "C" __global__ void glu_exact(
     exact<true>(ALL_MATRICES, bf16, x, cols, STORE);
 }
 
+// Q8_0 (the Q4 variants' token table, read here as the lm_head): codes int8 [rows, cols], one f16
+// scale per 32 (weight d q); plain launches only. A thread takes a block's 32 code bytes of each
+// of its rows in two 16-byte loads, all issued first, as the Q4 kernels do. W8A16: sum q x with
+// each code converted to float; W8A8 (A8): x quantised per group as W4A8 does, then dp4a on
+// signed codes with no bias to correct, d_w d_x times the exact integer dot. x is quantised before
+// the codes are loaded: with the loads first, ptxas kept x's 32 floats live beside the 64 code
+// registers and, bounded, spilled 224 bytes (sm_90); now 8 on sm_75 and sm_90, none elsewhere
+// (NVRTC 13.5). (Checked on the CPU emulation; not yet timed on a GPU.)
+template <bool A8>
+__device__ __forceinline__ void q8_0(MATRICES, const float* __restrict__ x, int cols, int mode) {
+    Slots s = block_slots<false>(ALL_MATRICES, nullptr, nullptr, nullptr);
+    int nb = cols / QK;
+    float acc[MV_ROWS] = {};
+    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+        float4 xb[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) xb[k] = ((const float4*)(x + b * QK))[k];
+        int4 x0, x1;  // W8A8: codes of elements 0..15, 16..31
+        float dx;
+        int xsum;
+        if (A8) quantize_group(xb, x0, x1, dx, xsum);
+        uint4 c[MV_ROWS][2];
+        u16 h[MV_ROWS];
+#pragma unroll
+        for (int r = 0; r < MV_ROWS; r++) {
+            size_t row = slot_row<false>(s, r);
+            const uint4* codes = (const uint4*)((const u8*)s.w[0] + row * cols) + 2 * b;
+            c[r][0] = codes[0];
+            c[r][1] = codes[1];
+            h[r] = s.d[0][row * (cols / QK) + b];
+        }
+#pragma unroll
+        for (int r = 0; r < MV_ROWS; r++) {
+            if (A8) {
+                int dot = 0;
+                dot = __dp4a((int)c[r][0].x, x0.x, dot);
+                dot = __dp4a((int)c[r][0].y, x0.y, dot);
+                dot = __dp4a((int)c[r][0].z, x0.z, dot);
+                dot = __dp4a((int)c[r][0].w, x0.w, dot);
+                dot = __dp4a((int)c[r][1].x, x1.x, dot);
+                dot = __dp4a((int)c[r][1].y, x1.y, dot);
+                dot = __dp4a((int)c[r][1].z, x1.z, dot);
+                dot = __dp4a((int)c[r][1].w, x1.w, dot);
+                acc[r] += (h2f(h[r]) * dx) * (float)dot;
+            } else {
+                unsigned words[8] = {c[r][0].x, c[r][0].y, c[r][0].z, c[r][0].w,
+                                     c[r][1].x, c[r][1].y, c[r][1].z, c[r][1].w};  // word k: elements 4k..4k+3
+                float t = 0.f;
+#pragma unroll
+                for (int k = 0; k < 8; k++) {
+                    t = fmaf((float)(signed char)(words[k] & 0xffu), xb[k].x, t);
+                    t = fmaf((float)(signed char)((words[k] >> 8) & 0xffu), xb[k].y, t);
+                    t = fmaf((float)(signed char)((words[k] >> 16) & 0xffu), xb[k].z, t);
+                    t = fmaf((float)(signed char)(words[k] >> 24), xb[k].w, t);
+                }
+                acc[r] += h2f(h[r]) * t;
+            }
+        }
+    }
+    store_slots<false>(acc, s, mode);
+}
+
+extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) matvec_q8_0_w8a16(
+    const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
+    const void* w2, const u16* d2, float* out2, int rows2,
+    const float* __restrict__ x, int cols, int epilogue,
+    const float* norm_w, float* norm_out, float eps, int* done) {
+    q8_0<false>(ALL_MATRICES, x, cols, epilogue);
+    if (epilogue == ADD_NORM) norm_tail(out0, rows0, norm_w, eps, norm_out, done);  // one matrix
+}
+extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) matvec_q8_0_w8a8(
+    const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
+    const void* w2, const u16* d2, float* out2, int rows2,
+    const float* __restrict__ x, int cols, int epilogue,
+    const float* norm_w, float* norm_out, float eps, int* done) {
+    q8_0<true>(ALL_MATRICES, x, cols, epilogue);
+    if (epilogue == ADD_NORM) norm_tail(out0, rows0, norm_w, eps, norm_out, done);  // one matrix
+}
+
 // One 32-group per warp: scale d = max|x| / 127, codes round-half-away(x / d) in -127..127,
 // exactly as the NumPy reference does (IEEE division; no fast math).
 __device__ __forceinline__ int quantize_lane(float v, float* d_out) {

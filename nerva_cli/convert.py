@@ -14,8 +14,8 @@ import numpy as np
 
 from nerva_cli import __version__
 from nerva_cli.errors import BadInput
-from nerva_cli.layout import global_files, layer_file, layer_shapes, quantised
-from nerva_cli.quant import Q4_KINDS, quantize_q4
+from nerva_cli.layout import TABLES, global_files, layer_file, layer_shapes, quantised
+from nerva_cli.quant import Q4_KINDS, TABLE_KIND, quantize_blocks
 from nerva_cli.sources import Source, SourceTensor
 from nerva_cli.store import ALIGN, FORMAT, VARIANTS, LayerFileWriter
 
@@ -31,24 +31,31 @@ def to_bf16(w: np.ndarray) -> np.ndarray:
     return ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
 
 
-def _q4_planes(t: SourceTensor, kind: str) -> tuple:
-    if t.read_q4 is not None and t.stored_dtype == kind:
-        return t.read_q4()
+def _planes(t: SourceTensor, kind: str) -> tuple:
+    """(codes, d, m) of t in block format kind (Q4_0, Q4_1, Q8_0): the source's planes as they are
+    when it holds that format, else quantised in slices of rows."""
+    if t.read_planes is not None and t.stored_dtype == kind:
+        return t.read_planes()
     w = t.read_f32()
     rows = max(1, ROWS_PER_CHUNK_ELEMS // w.shape[1])
-    qs = np.empty((w.shape[0], w.shape[1] // 2), dtype=np.uint8)
+    q8 = kind == TABLE_KIND
+    qs = np.empty((w.shape[0], w.shape[1] if q8 else w.shape[1] // 2), dtype=np.int8 if q8 else np.uint8)
     d = np.empty((w.shape[0], w.shape[1] // 32), dtype=np.float16)
     m = np.empty_like(d) if kind == "q4_1" else None
     for r in range(0, w.shape[0], rows):
-        qs[r:r + rows], d[r:r + rows], m_rows = quantize_q4(w[r:r + rows], kind)
+        qs[r:r + rows], d[r:r + rows], m_rows = quantize_blocks(w[r:r + rows], kind)
         if m is not None:
             m[r:r + rows] = m_rows
     return qs, d, m
 
 
 def _write_tensor(writer: LayerFileWriter, name: str, t: SourceTensor, variant: str) -> None:
-    if variant in Q4_KINDS and quantised(name):
-        qs, d, m = _q4_planes(t, variant)
+    if variant in Q4_KINDS and name in TABLES:
+        q8, d, _ = _planes(t, TABLE_KIND)
+        writer.add(f"{name}.q8", q8, "i8")
+        writer.add(f"{name}.d", d, "f16")
+    elif variant in Q4_KINDS and quantised(name):
+        qs, d, m = _planes(t, variant)
         writer.add(f"{name}.qs", qs, "u8")
         writer.add(f"{name}.d", d, "f16")
         if m is not None:
@@ -62,11 +69,13 @@ def _write_tensor(writer: LayerFileWriter, name: str, t: SourceTensor, variant: 
 
 
 def conversion_notes(source: Source, variant: str) -> list[str]:
-    kinds = sorted({source.tensors(n).stored_dtype for n in ("embed", "layers.0.q")})
-    lossy = [k for k in kinds if k not in EXACT_SOURCE_TYPES and k != variant]
+    table = TABLE_KIND if variant in Q4_KINDS else variant
+    lossy = sorted({k for k, want in ((source.tensors("embed").stored_dtype, table),
+                                      (source.tensors("layers.0.q").stored_dtype, variant))
+                    if k not in EXACT_SOURCE_TYPES and k != want})
     if lossy and variant in Q4_KINDS:
         return [f"source tensors are {'/'.join(k.upper() for k in lossy)}: dequantised and requantised "
-                f"to {variant.upper()}, which is lossy"]
+                f"to {variant.upper()} (the token table to {TABLE_KIND.upper()}), which is lossy"]
     if lossy:
         return [f"source tensors are {'/'.join(k.upper() for k in lossy)}: dequantised to {variant} "
                 "(exact from here on, but the source was already quantised)"]

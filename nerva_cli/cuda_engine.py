@@ -157,7 +157,9 @@ class DeviceLayer:
 
 def matrix(t: dict, name: str) -> dict:
     """Matrix `name` of tensors t as the kernels take it: {"qs", "d"} (Q4_0), {"qs", "d", "m"}
-    (Q4_1, its offsets) or {"w"} (exact)."""
+    (Q4_1, its offsets), {"q8", "d"} (Q8_0, a token table) or {"w"} (exact)."""
+    if f"{name}.q8" in t:
+        return {"q8": t[f"{name}.q8"], "d": t[f"{name}.d"]}
     if f"{name}.qs" not in t:
         return {"w": t[name]}
     return {"qs": t[f"{name}.qs"], "d": t[f"{name}.d"], **({"m": t[f"{name}.m"]} if f"{name}.m" in t else {})}
@@ -275,7 +277,7 @@ class CudaEngine(EngineBase):
                 g.update(self._upload_file(fname))
         self.embed_t = matrix(g, "embed")
         self.final_norm = g["final_norm"]
-        self.head_t = matrix(g, "lm_head") if "lm_head.qs" in g or "lm_head" in g else self.embed_t
+        self.head_t = matrix(g, "lm_head") if any(n.startswith("lm_head") for n in g) else self.embed_t
         cos, sin = rope.tables(cfg, self.ctx)
         self.cos, self.sin = dev.upload(cos), dev.upload(sin)
         self.a = DeviceArena(dev, cfg, self.ctx, self.splits[1])
@@ -366,7 +368,7 @@ class CudaEngine(EngineBase):
         a = self.a
         if not self.active:  # else the last layer's down matvec did the final norm
             self.k.rmsnorm(a.x, self.final_norm, self.cfg.rms_eps, a.xn)
-        p = "w4a8" if self.precision == "w4a8" and "qs" in self.head_t else "w4a16"
+        p = "w4a8" if self.precision == "w4a8" and "w" not in self.head_t else "w4a16"
         self.k.matvec(self.head_t, a.xn, a.logits, p)
 
     def _record_sample_first(self) -> None:
@@ -617,7 +619,7 @@ class CudaEngine(EngineBase):
                     outs.append(self._logits_rows(x))
             if not all_logits:
                 self.k.rmsnorm(x[len(chunk) - 1], self.final_norm, self.cfg.rms_eps, self.a.xn)
-                p = "w4a8" if self.precision == "w4a8" and "qs" in self.head_t else "w4a16"
+                p = "w4a8" if self.precision == "w4a8" and "w" not in self.head_t else "w4a16"
                 self.k.matvec(self.head_t, self.a.xn, self.a.logits, p)
                 self.dev.copy_to_host_async(self.logits_host, self.a.logits, self.dev.compute)
             self._write_state(0)  # state[0]: the next position; the token comes from sampling
@@ -641,7 +643,7 @@ class CudaEngine(EngineBase):
         for W4A8 through the activations' int8 codes, so the GEMM gives the integer kernel's
         products (up to the f16 rounding of each q d)."""
         xh = self.a.phalf.reshape(-1)[: x.size].reshape(x.shape)  # contiguous: T rows of exactly cols
-        if precision == "w4a8" and "qs" in m:
+        if precision == "w4a8" and "w" not in m:
             self.k.fake_quantize_q8(x, xh)
         else:
             self.k.to_half(x, xh)
@@ -651,7 +653,7 @@ class CudaEngine(EngineBase):
         """out [T, rows] (rows may be a column slice) = xh [T, cols] f16 @ W.T (add: out += that),
         by cuBLAS on f16 operands with f32 sums: W as stored if f16, else dequantised to f16 a
         slice of rows at a time (half the bytes of an f32 copy, and tensor cores at f16's rate)."""
-        rows, cols = (m["qs"].shape[0], xh.shape[1]) if "qs" in m else m["w"].shape
+        rows, cols = (m["w"].shape if "w" in m else (m["d"].shape[0], xh.shape[1]))
         step = max(1, self.a.scratch.size // cols)
         for r in range(0, rows, step):
             n = min(step, rows - r)

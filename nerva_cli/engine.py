@@ -26,8 +26,8 @@ PREFILL_CHUNK = 256
 
 @dataclass
 class Linear:
-    """One weight matrix: Q4_0 planes (qs, d), Q4_1 planes (qs, d, m) or an f32 matrix (exact
-    variants)."""
+    """One weight matrix: Q4_0 planes (qs, d), Q4_1 planes (qs, d, m), Q8_0 planes (q8, d: the Q4
+    variants' token table) or an f32 matrix (exact variants)."""
 
     rows: int
     cols: int
@@ -35,24 +35,27 @@ class Linear:
     d: np.ndarray | None = None
     w: np.ndarray | None = None
     m: np.ndarray | None = None  # Q4_1's block offsets
+    q8: np.ndarray | None = None  # Q8_0's int8 codes
 
     @classmethod
     def from_stored(cls, tensors: dict, name: str) -> "Linear":
         if f"{name}.qs" in tensors:
             qs = tensors[f"{name}.qs"]
             return cls(qs.shape[0], qs.shape[1] * 2, qs=qs, d=tensors[f"{name}.d"], m=tensors.get(f"{name}.m"))
+        if f"{name}.q8" in tensors:
+            q8 = tensors[f"{name}.q8"]
+            return cls(*q8.shape, q8=q8, d=tensors[f"{name}.d"])
         return cls(*tensors[name].shape, w=as_f32(tensors[name]))
 
     @property
     def nbytes(self) -> int:
-        if self.w is not None:
-            return self.w.nbytes
-        return self.qs.nbytes + self.d.nbytes + (0 if self.m is None else self.m.nbytes)
+        return sum(a.nbytes for a in (self.w, self.qs, self.q8, self.d, self.m) if a is not None)
 
     def rows_slice(self, start: int, stop: int) -> "Linear":
         """Rows start..stop of a quantised matrix, as views."""
-        return Linear(min(stop, self.rows) - start, self.cols, qs=self.qs[start:stop], d=self.d[start:stop],
-                      m=None if self.m is None else self.m[start:stop])
+        cut = lambda a: None if a is None else a[start:stop]  # noqa: E731
+        return Linear(min(stop, self.rows) - start, self.cols, qs=cut(self.qs), d=cut(self.d), m=cut(self.m),
+                      q8=cut(self.q8))
 
     @classmethod
     def owned(cls, t: dict, names: tuple[str, ...]) -> "Linear":
@@ -290,7 +293,7 @@ class Engine(EngineBase):
                 g.update(model.read_file(fname))
         self.embed = Linear.from_stored(g, "embed")
         self.final_norm = as_f32(g["final_norm"])
-        self.lm_head = Linear.from_stored(g, "lm_head") if "lm_head" in g or "lm_head.qs" in g else self.embed
+        self.lm_head = Linear.from_stored(g, "lm_head") if any(n.startswith("lm_head") for n in g) else self.embed
         if layer_precisions is not None:
             if self.precision == "exact" or len(layer_precisions) != cfg.num_layers or \
                     not set(layer_precisions) <= {"w4a16", "w4a8"}:
@@ -323,6 +326,12 @@ class Engine(EngineBase):
         """x must already be quantised into the arena when precision is w4a8."""
         if lin.w is not None:
             self.k.matvec_f32(lin.w, x, out)
+        elif lin.q8 is not None:
+            if precision == "w4a8":
+                xq, xd, _ = self.a.act_q8[lin.cols]  # no code sums: signed codes have no bias to correct
+                self.k.matvec_q8_w8a8(lin.q8, lin.d, xq, xd, out)
+            else:
+                self.k.matvec_q8_w8a16(lin.q8, lin.d, x, out)
         elif precision == "w4a8":
             self.k.matvec_q4_w4a8(lin.qs, lin.d, lin.m, *self.a.act_q8[lin.cols], out)
         else:
@@ -333,6 +342,8 @@ class Engine(EngineBase):
             raise NervaError(f"token id {token} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
         if self.embed.w is not None:
             self.k.embed_f32(self.embed.w, token, out)
+        elif self.embed.q8 is not None:
+            self.k.embed_q8(self.embed.q8, self.embed.d, token, out)
         else:
             self.k.embed_q4(self.embed.qs, self.embed.d, self.embed.m, token, out)
 
@@ -439,7 +450,10 @@ class Engine(EngineBase):
 
     def _dequant(self, lin: Linear) -> np.ndarray:
         out = self._scratch[: lin.rows * lin.cols].reshape(lin.rows, lin.cols)
-        self.k.dequantize_q4(lin.qs, lin.d, lin.m, out)
+        if lin.q8 is not None:
+            self.k.dequantize_q8(lin.q8, lin.d, out)
+        else:
+            self.k.dequantize_q4(lin.qs, lin.d, lin.m, out)
         return out
 
     @property

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from nerva_cli.config import ModelConfig
 
-MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # quantised in the q4_0 and q4_1 variants
+MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # Q4_0 or Q4_1 in the q4_0 and q4_1 variants
+TABLES = ("embed", "lm_head")  # Q8_0 in those variants (quant.TABLE_KIND)
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -32,4 +33,4 @@ def layer_file(i: int) -> str:
 
 
 def quantised(name: str) -> bool:
-    return name in MATRICES or name in ("embed", "lm_head")
+    return name in MATRICES or name in TABLES

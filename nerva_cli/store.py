@@ -20,7 +20,7 @@ VARIANTS = ("q4_0", "q4_1", "f16", "bf16")
 # A bare name picks the first variant the store has in this order: q4_1 exists only where it was
 # asked for or where the source was Q4_1, and then it is the one closer to the source.
 PICK_ORDER = ("q4_1", "q4_0", "f16", "bf16")
-DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16, "u8": np.uint8}
+DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16, "u8": np.uint8, "i8": np.int8}
 
 
 def home() -> Path:

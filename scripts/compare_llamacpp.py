@@ -17,6 +17,11 @@ JSON records llama.cpp's own list of the features it was built with.
 
 Each engine runs in its own process, one after the other, repeated and interleaved so drift on
 a shared machine hits both; the ratios are what to read, not the absolute figures.
+
+With --ppl FILE both also score FILE's text, as `nerva bench --ppl` does: nerva's token ids, in
+non-overlapping windows of --ppl-ctx tokens whose first token is context only, exp(mean NLL).
+llama.cpp gets the same ids (so a tokenizer difference cannot move its figure), all logits of a
+window from one batch.
 """
 
 from __future__ import annotations
@@ -75,6 +80,56 @@ def nerva(model: str, threads: int, precision: str, n_prompt: int, n_gen: int) -
     return json.loads(out.stdout)
 
 
+LLAMA_CPP_PPL = r"""
+import json, sys
+import numpy as np
+from llama_cpp import Llama
+path, threads, window, ids_file = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+ids = json.loads(open(ids_file).read())
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=window, n_batch=window,
+            n_ubatch=window, logits_all=True, verbose=False)
+nll, count = 0.0, 0
+for start in range(0, len(ids) - 1, window):
+    chunk = ids[start:start + window]
+    if len(chunk) < 2:
+        break
+    llm.reset()
+    llm.eval(chunk)
+    logits = np.array(llm.scores[:len(chunk)], dtype=np.float64)
+    logits -= logits.max(axis=1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    targets = np.asarray(chunk[1:])
+    nll -= logp[np.arange(len(targets)), targets].sum()
+    count += len(targets)
+print(json.dumps({"perplexity": float(np.exp(nll / count)), "ppl_tokens": count}))
+"""
+
+
+def llama_cpp_perplexity(gguf: Path, threads: int, window: int, ids: list[int]) -> dict:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(ids, f)
+        f.flush()
+        out = subprocess.run([sys.executable, "-c", LLAMA_CPP_PPL, str(gguf), str(threads), str(window), f.name],
+                             capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(f"llama.cpp perplexity failed: {out.stderr.strip()[-500:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def nerva_perplexity(model: str, threads: int, precision: str, ppl: Path, window: int) -> dict:
+    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads))
+    out = subprocess.run([sys.executable, "-m", "nerva_cli", "bench", model, "--threads", str(threads),
+                          "--precision", precision, "--ppl", str(ppl), "--ppl-ctx", str(window),
+                          "--prompt-tokens", "16", "--gen-tokens", "4", "--repeat", "1"],
+                         capture_output=True, text=True, env=env)
+    if out.returncode:
+        sys.exit(f"nerva bench --ppl failed: {out.stderr.strip().splitlines()[-1]}")
+    r = json.loads(out.stdout)
+    return {"perplexity": r["perplexity"], "ppl_tokens": r["ppl_tokens"]}
+
+
 def llama_cpp(gguf: Path, threads: int, n_prompt: int, n_gen: int, text: str) -> dict:
     out = subprocess.run([sys.executable, "-c", LLAMA_CPP, str(gguf), str(threads), str(n_prompt),
                           str(n_gen), text], capture_output=True, text=True)
@@ -94,6 +149,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=250)
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds per configuration")
+    ap.add_argument("--ppl", type=Path, help="also score this text file's perplexity with both engines")
+    ap.add_argument("--ppl-ctx", type=int, default=512, help="perplexity window, in tokens")
     args = ap.parse_args()
 
     import llama_cpp as lc  # fail early, with pip's message, if it is missing
@@ -128,18 +185,45 @@ def main() -> None:
             })
             print(json.dumps(rows[-1]), flush=True)
     result = {
-        "what": "nerva cpu vs llama.cpp on the bundled SmolLM2-135M-Instruct GGUF (Q4_1 layers, Q8_0 "
-                "embeddings in llama.cpp; nerva's q4_1 keeps the layers' Q4_1 bytes and requantises the "
-                "embeddings, its q4_0 requantises everything)",
+        "what": "nerva cpu vs llama.cpp on the bundled SmolLM2-135M-Instruct GGUF (Q4_1 layers, a Q8_0 "
+                "token table that is also the lm_head; nerva's q4_1 keeps both as they are, its q4_0 "
+                "requantises the layers)",
         "machine": {"cpu": cpu_name(), "logical_cpus": os.cpu_count()},
         "llama_cpp_python": lc.__version__, "llama_cpp_features": lc.llama_print_system_info().decode().strip(),
         "prompt_tokens": args.prompt_tokens,
         "gen_tokens": args.gen_tokens, "rounds": args.rounds,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows,
     }
+    if args.ppl is not None:
+        result["perplexity"] = perplexities(args, gguf, configs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
+
+
+def perplexities(args, gguf: Path, configs: list) -> dict:
+    """Both engines' perplexity over args.ppl on nerva's token ids, at the first thread count; nerva's
+    f16 variant too, which holds the GGUF's weights rounded to f16 and no activation rounding (so
+    it separates nerva's arithmetic from what a format or W4A8 changes)."""
+    from nerva_cli.store import find_model
+    from nerva_cli.tokenizer import TextTokenizer
+
+    threads = args.threads[0]
+    ids = TextTokenizer(find_model("smollm2-135m:q4_1").path).encode(args.ppl.read_text(errors="replace"),
+                                                                      add_special=False)
+    peer = llama_cpp_perplexity(gguf, threads, args.ppl_ctx, ids)
+    result = {"file": args.ppl.name, "window": args.ppl_ctx, "tokens": peer["ppl_tokens"],
+              "llamacpp": round(peer["perplexity"], 4), "nerva": {}}
+    subprocess.run([sys.executable, "-m", "nerva_cli", "pull", "smollm2-135m", "--quant", "f16"], capture_output=True)
+    for variant, precision in [*configs, ("f16", "exact")]:
+        ours = nerva_perplexity(f"smollm2-135m:{variant}", threads, precision, args.ppl, args.ppl_ctx)
+        if ours["ppl_tokens"] != peer["ppl_tokens"]:
+            sys.exit(f"perplexity: nerva scored {ours['ppl_tokens']} tokens, llama.cpp {peer['ppl_tokens']}")
+        result["nerva"][f"{variant} {precision}"] = {"perplexity": ours["perplexity"],
+                                                    "over_llamacpp": round(ours["perplexity"] / peer["perplexity"], 4)}
+        print(json.dumps({"perplexity": f"{variant} {precision}", **result["nerva"][f"{variant} {precision}"],
+                          "llamacpp": result["llamacpp"]}), flush=True)
+    return result
 
 
 if __name__ == "__main__":

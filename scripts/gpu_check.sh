@@ -13,8 +13,8 @@
 #             the attention split count before long contexts spread (9 a head), a full wave of
 #             attention blocks at 512, the W4A8 matvec with and without its register spills,
 #             prefill with weight slices L2 holds, (where nsys is installed) prefill's kernels, the
-#             Q4_1 matvecs' sweep, and q4_1 (what pull makes of the bundled SmolLM2) against q4_0
-#             on SmolLM2's shapes
+#             Q4_1 and Q8_0 matvecs' sweeps, and q4_1 (what pull makes of the bundled SmolLM2)
+#             against q4_0 on SmolLM2's shapes
 #   sanitize  compute-sanitizer memcheck, then racecheck, over the kernel tests (CuPy's memory
 #             pool off, so each array is an allocation of its own that memcheck bounds)
 # Stages that need a model and have neither MODEL_DIR nor the peer's use one of the same shapes
@@ -159,6 +159,9 @@ extra_runs() {
   echo "== the Q4_1 matvecs over the 8B and 135M shapes (its offset plane: more spills at the same bound)"
   step python3 scripts/gpu_matvec_sweep.py --kind q4_1 --precision w4a16 --rows 8 --threads 128
   step python3 scripts/gpu_matvec_sweep.py --kind q4_1 --precision w4a8 --rows 8 --threads 128
+  echo "== the Q8_0 matvecs (the Q4 variants' token table as lm_head), same shapes; read the lm_head rows"
+  step python3 scripts/gpu_matvec_sweep.py --kind q8_0 --precision w4a16 --rows 8 --threads 128
+  step python3 scripts/gpu_matvec_sweep.py --kind q8_0 --precision w4a8 --rows 8 --threads 128
   echo "== q4_0 then q4_1 (its offsets: 11% more bytes, one more product a block), SmolLM2-135M's shapes, resident"
   local quant precision small
   for quant in q4_0 q4_1; do

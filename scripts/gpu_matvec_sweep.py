@@ -6,13 +6,14 @@ copies of random weights (at least 512 MB) that no launch finds its matrix in L2
 step, and the launches are replayed from a graph, as in a real step.
 
     python3 scripts/gpu_matvec_sweep.py [--rows 4,8,16] [--threads 64,128,256] [--precision w4a16|w4a8]
-                                        [--kind q4_0|q4_1] [-D MV_MIN_BLOCKS=4]
+                                        [--kind q4_0|q4_1|q8_0] [-D MV_MIN_BLOCKS=4]
 
 -D adds a macro to every compile: `--precision w4a8 --rows 8 --threads 128` with and without
 `-D MV_MIN_BLOCKS=4` is the A/B of matvec_q4_w4a8's spills (128 registers and 4 blocks an SM,
 no spill, against 96 and 5 with 14 reloads a round; scripts/sass_mix.py shows both). `--kind q4_1`
 times the Q4_1 kernels (an offset plane more, spilling more at the same bound: matvec.cu says how
-much).
+much); `--kind q8_0` the token table's (the Q4 variants' lm_head: W8A16, or W8A8 with `--precision
+w4a8`), whose shapes that matter are the lm_heads.
 """
 
 from __future__ import annotations
@@ -25,10 +26,13 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {"8b qo": (4096, 4096), "8b kv": (1024, 4096), "8b gate/up": (14336, 4096), "8b down": (4096, 14336),
-          "8b lm_head": (128256, 4096), "135m q": (576, 576), "135m gate": (1536, 576), "135m down": (576, 1536)}
+          "8b lm_head": (128256, 4096), "135m q": (576, 576), "135m gate": (1536, 576), "135m down": (576, 1536),
+          "135m lm_head": (49152, 576)}
 
 
 def kernel_name(precision: str, kind: str) -> str:
+    if kind == "q8_0":
+        return f"matvec_q8_0_{'w8a8' if precision == 'w4a8' else 'w8a16'}"
     return f"matvec_{'q4_1' if kind == 'q4_1' else 'q4'}_{'w4a8' if precision == 'w4a8' else 'w4a16'}"
 
 
@@ -44,8 +48,11 @@ def sweep(dev, fns: dict, shapes: dict, precision: str, kind: str = "q4_0") -> d
     saved = cuda.MV_ROWS, cuda.MV_THREADS
     try:
         for label, (rows, cols) in shapes.items():
-            qs = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
-            planes = {"qs": qs, "d": rng.standard_normal((rows, cols // 32)).astype(np.float16)}
+            if kind == "q8_0":
+                planes = {"q8": rng.integers(-127, 128, (rows, cols), dtype=np.int8)}
+            else:
+                planes = {"qs": rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)}
+            planes["d"] = rng.standard_normal((rows, cols // 32)).astype(np.float16)
             if kind == "q4_1":
                 planes["m"] = rng.standard_normal((rows, cols // 32)).astype(np.float16)
             nbytes = sum(a.nbytes for a in planes.values())
@@ -73,7 +80,7 @@ def main() -> None:
     ap.add_argument("--rows", default="4,8,16")
     ap.add_argument("--threads", default="64,128,256")
     ap.add_argument("--precision", default="w4a16", choices=["w4a16", "w4a8"])
-    ap.add_argument("--kind", default="q4_0", choices=["q4_0", "q4_1"], help="the weights' Q4 format")
+    ap.add_argument("--kind", default="q4_0", choices=["q4_0", "q4_1", "q8_0"], help="the weights' format")
     ap.add_argument("-D", dest="defines", action="append", default=[], help="a macro for NVRTC, e.g. MV_MIN_BLOCKS=4")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))

@@ -56,15 +56,23 @@ def source(shape: str, seed: int = 0, kind: str = "q4_0"):
         if len(shape) == 1:  # norms near 1
             return SourceTensor(shape, lambda: (1 + 0.05 * rng.standard_normal(shape)).astype(np.float32))
 
+        rows, cols = shape
+        if base in ("embed", "lm_head"):  # the Q4 variants' token table is Q8_0 (quant.TABLE_KIND)
+            def table():
+                q8 = rng.integers(-127, 128, (rows, cols), dtype=np.int8)
+                d = (rng.uniform(0.5, 1.5, (rows, cols // 32)) * 0.02 / 16 / np.sqrt(cols / 1024)).astype(np.float16)
+                return q8, d, None
+
+            return SourceTensor(shape, lambda: None, read_planes=table, stored_dtype="q8_0")
+
         def planes():
-            rows, cols = shape
             qs = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
             d = (rng.uniform(0.5, 1.5, (rows, cols // 32)) * 0.02 / np.sqrt(cols / 1024)).astype(np.float16)
             # Q4_1's offset, the block's minimum: about -7.5 d for weights centred on 0
             m = (-d.astype(np.float32) * rng.uniform(7, 8, d.shape)).astype(np.float16) if kind == "q4_1" else None
             return qs, d, m
 
-        return SourceTensor(shape, lambda: None, read_q4=planes, stored_dtype=kind)
+        return SourceTensor(shape, lambda: None, read_planes=planes, stored_dtype=kind)
 
     return Source(config=cfg, origin={"kind": "synthetic", "id": shape}, fingerprint=f"synthetic-{shape}-{seed}",
                   tensors=tensor, tokenizer_files=tokenizer_files(), default_name=f"synthetic-{shape}")

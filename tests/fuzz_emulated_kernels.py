@@ -24,7 +24,7 @@ from cuda_emu.device import EmuDevice  # noqa: E402
 from nerva_cli.backends import ref  # noqa: E402
 from nerva_cli.backends.cuda import Kernels, attention_splits, prefill_partials, unsupported_shapes  # noqa: E402
 from nerva_cli.sampling import SamplingOptions  # noqa: E402
-from test_kernels import random_q4, randn, rel, rope_tables  # noqa: E402
+from test_kernels import random_q4, random_q8, randn, rel, rope_tables  # noqa: E402
 
 PRECISIONS = ("w4a16", "w4a8", "f16", "bf16")
 
@@ -45,15 +45,18 @@ class Fuzz:
             return {"w": self.up(randn(self.rng, rows, cols).astype(np.float16))}
         if precision == "bf16":  # the top halves of f32s, as store.py keeps bf16
             return {"w": self.up((randn(self.rng, rows, cols).view(np.uint32) >> 16).astype(np.uint16))}
+        if kind == "q8_0":
+            q8, d = random_q8(self.rng, rows, cols)
+            return {"q8": self.up(q8), "d": self.up(d)}
         qs, d, m = random_q4(self.rng, rows, cols, kind)
         return {"qs": self.up(qs), "d": self.up(d), **({} if m is None else {"m": self.up(m)})}
 
     def matvecs(self) -> None:
         """One matvec (plain, adding, or adding then normalising), several in a launch, or a GLU;
-        Q4 weights as Q4_0 or Q4_1, one format a launch."""
+        quantised weights as Q4_0, Q4_1 or Q8_0 (no GLU: a token table's), one format a launch."""
         rng, k = self.rng, self.k
         stored = rng.choice(PRECISIONS)
-        kind = str(rng.choice(["q4_0", "q4_1"]))
+        kind = str(rng.choice(["q4_0", "q4_1", "q8_0"]))
         precision = "f16" if stored == "bf16" else stored  # the launch's name for exact weights
         cols = 32 * int(rng.integers(1, 160))
 
@@ -61,7 +64,7 @@ class Fuzz:
             return self.matrix(stored, rows, cols, kind)
 
         x = self.up(randn(rng, cols))
-        shape = rng.choice(["one", "several", "norm", "glu"])
+        shape = rng.choice(["one", "several", "norm"] + ([] if kind == "q8_0" else ["glu"]))
         if shape == "one":
             rows = int(rng.integers(1, 3000))
             k.matvec(matrix(rows), x, self.up(randn(rng, rows)), precision, add=bool(rng.integers(2)))

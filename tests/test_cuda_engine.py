@@ -3,9 +3,11 @@ graphs are recordings replayed with the arguments captured, so a step that neede
 change an argument between tokens would fail here too), on a GPU too where one answers.
 
 Reference: the cpu plane (itself held to HF transformers by test_engine.py). Logits agree to
-5e-3 in relative max-norm, not to float32 eps, because the GPU keeps the KV cache in f16
-(ARCHITECTURE 6): one rounding of 2^-11 relative per cached value, which attention averages
-over, measured at 0.5e-3 to 3.1e-3 on these models over 64 steps. So greedy tokens are equal
+5e-3 in relative max-norm (1e-2 for W4A16), not to float32 eps, because the GPU keeps the KV cache
+in f16 (ARCHITECTURE 6): one rounding of 2^-11 relative per cached value, which attention averages
+over, measured at 0.5e-3 to 3.1e-3 on these models over 64 steps, and 6.0e-3 at one step of
+llama-untied q4_0's 21 (median 1.3e-3), where the final norm's output differed by 6.9e-3 and the
+Q8_0 lm_head added 2e-7 to what the cpu's made of the GPU's own hidden state. So greedy tokens are equal
 except where the cpu's two best logits are closer than that: free-running, the first such near
 tie (llama f16, step 41: a gap of 4e-5 against a difference of 1.3e-2) sends the two runs apart,
 so the token checks feed both engines the cpu's tokens and allow another argmax only there
@@ -32,7 +34,7 @@ from nerva_cli.layout import layer_file
 from nerva_cli.sampling import SamplingOptions
 
 PROMPT = [0, 5, 17, 33, 2, 99, 250, 7, 64]
-LOGIT_REL = {"exact": 5e-3, "w4a16": 5e-3, "w4a8": 0.1, "mixed": 0.1}
+LOGIT_REL = {"exact": 5e-3, "w4a16": 1e-2, "w4a8": 0.1, "mixed": 0.1}
 
 
 @pytest.fixture(scope="module")
@@ -553,8 +555,8 @@ def test_gpu_profile_script_launches_each_kernel_of_a_step(stored, cuda_device, 
     kernels = profile["kernels"]
     layers = model.config.num_layers
     launches = {name: row["launches"] for name, row in kernels.items()}
-    assert launches == {"embed_q4": 1, "rmsnorm": 1, "matvec_q4_w4a16": 3 * layers + 1, "glu_q4_w4a16": layers,
-                        "attention_decode": layers, "sample": 1}
+    assert launches == {"embed_q8_0": 1, "rmsnorm": 1, "matvec_q4_w4a16": 3 * layers, "glu_q4_w4a16": layers,
+                        "matvec_q8_0_w8a16": 1, "attention_decode": layers, "sample": 1}  # Q8_0: the token table
 
 
 @pytest.mark.parametrize("variant", ["q4_0", "q4_1"])
@@ -585,7 +587,7 @@ def test_gpu_profile_script_times_each_op_of_a_prefill_pass(stored, cuda_device,
     # a layer: two norms, the f16 inputs of q/k/v, o, gate/up and down, seven matrices dequantised
     # and multiplied (the tiny model's fit scratch whole), RoPE with the KV write, attention, SiLU
     assert {name: row["launches"] for name, row in ops.items()} == {
-        f"embed_{q4}": 1, "rmsnorm": 2 * layers, "to_half": 4 * layers, f"dequantize_{q4}": 7 * layers,
+        "embed_q8_0": 1, "rmsnorm": 2 * layers, "to_half": 4 * layers, f"dequantize_{q4}": 7 * layers,
         "gemm_t (cuBLAS)": 7 * layers, "rope_kv_store": layers, "attention_prefill": layers, "silu_mul": layers}
     h, f, qd, kvd = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim
     weights = h * (qd + 2 * kvd) + qd * h + 2 * h * f + f * h
@@ -629,7 +631,7 @@ def test_gpu_attention_bench_script_times_each_shape(cuda_device, monkeypatch, t
     assert all(r["nerva_ms"] >= 0 for r in result["rows"])
 
 
-@pytest.mark.parametrize("kind", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0"])
 @pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
 def test_gpu_matvec_sweep_script_launches_through_the_engine(cuda_device, precision, kind):
     """scripts/gpu_matvec_sweep.py's sweep, which gpu_check.sh's sweep and extra stages run and
@@ -645,7 +647,8 @@ def test_gpu_matvec_sweep_script_launches_through_the_engine(cuda_device, precis
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
     name = sweep.kernel_name(precision, kind)
-    assert name == f"matvec_{'q4' if kind == 'q4_0' else kind}_{precision}"
+    stem = {"q4_0": "q4", "q4_1": "q4_1", "q8_0": "q8_0"}[kind]
+    assert name == f"matvec_{stem}_{precision.replace('w4', 'w8') if kind == 'q8_0' else precision}"
     saved = cuda.MV_ROWS, cuda.MV_THREADS
     results = sweep.sweep(cuda_device, {(8, 128): cuda_device.functions()[name]}, {"small": (40, 256)}, precision,
                           kind)

@@ -16,9 +16,9 @@ import pytest
 
 from nerva_cli.backends import ref
 from nerva_cli.backends.cuda import RECENT, Kernels, most_prefill_partials, prefill_partials, prefill_splits
-from nerva_cli.quant import dequantize_q4
+from nerva_cli.quant import dequantize_q4, dequantize_q8
 from nerva_cli.sampling import Sampler, SamplingOptions
-from test_kernels import EPS, act_q8, dequant_f64, random_q4, randn, rel, rope_tables, sum_tol
+from test_kernels import EPS, act_q8, dequant_f64, dequant_q8_f64, random_q4, random_q8, randn, rel, rope_tables, sum_tol
 
 KINDS = ("q4_0", "q4_1")
 # (precision, weight format) pairs of the matvec launches: both Q4 formats at both precisions
@@ -87,7 +87,7 @@ def test_rmsnorm_in_place(k, rng):
     assert rel(down(k, xd), want) < 8 * EPS
 
 
-@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "f16", "bf16"])
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0", "f16", "bf16"])
 def test_embed_rows(k, rng, kind):
     """Bit for bit: a Q4_1 row is d q + m, d q exact in f32 and one rounding after, as ref's."""
     vocab, cols = 50, 96
@@ -95,6 +95,9 @@ def test_embed_rows(k, rng, kind):
     if kind in KINDS:
         table, qs, d, m = q4_matrix(k, rng, vocab, cols, kind)
         want = dequantize_q4(qs, d, m)[tokens]
+    elif kind == "q8_0":
+        q8, d = random_q8(rng, vocab, cols)
+        table, want = {"q8": up(k, q8), "d": up(k, d)}, dequantize_q8(q8, d)[tokens]
     elif kind == "f16":
         w = randn(rng, vocab, cols).astype(np.float16)
         table, want = {"w": up(k, w)}, w.astype(np.float32)[tokens]
@@ -314,6 +317,50 @@ def test_matvec_w4a8_integer_sums_are_exact(k, rng, kind):
     planes = {"qs": up(k, qs), "d": up(k, d), **({} if m is None else {"m": up(k, m)})}
     k.matvec(planes, up(k, xq.astype(np.float32)), out, "w4a8")
     np.testing.assert_array_equal(down(k, out), want)
+
+
+# Q8_0: the Q4 variants' token table as lm_head (SmolLM2's 49152 x 576) and an untied lm_head
+@pytest.mark.parametrize("rows,cols", [(1, 32), (37, 64), (200, 576), (5, 4160)])
+def test_matvec_q8_0(k, rng, rows, cols):
+    q8, d = random_q8(rng, rows, cols)
+    mat = {"q8": up(k, q8), "d": up(k, d)}
+    x = randn(rng, cols)
+    out = up(k, np.zeros(rows, np.float32))
+    k.matvec(mat, up(k, x), out, "w4a16")
+    w = dequant_q8_f64(q8, d)
+    assert_rows_close(down(k, out), w @ x, np.abs(w) @ np.abs(x), cols)
+    # W8A8: ref's product, per-block terms held as W4A8's are (a code product of 128 x 127)
+    xq, xd, xs = act_q8(ref, x)
+    want = np.empty(rows, np.float32)
+    ref.matvec_q8_w8a8(q8, d, xq, xd, want)
+    k.matvec(mat, up(k, x), out, "w4a8")
+    assert_rows_close(down(k, out), want, (np.abs(d.astype(np.float64)) * 128 * xd * 127).sum(axis=1)
+                      + np.abs(want), cols // 32)
+
+
+def test_matvec_q8_0_w8a8_integer_sums_are_exact(k, rng):
+    """Unit scales and x of integers with a 127 in every group (its codes are x itself): the
+    result is the integer dot of signed codes, -128 among them, which f32 holds exactly here."""
+    rows, cols = 24, 256
+    q8 = rng.integers(-128, 128, (rows, cols), dtype=np.int8)
+    q8[:, 5] = -128
+    xq = rng.integers(-127, 128, cols, dtype=np.int8)
+    xq[::32] = 127
+    out = up(k, np.zeros(rows, np.float32))
+    k.matvec({"q8": up(k, q8), "d": up(k, np.ones((rows, cols // 32), np.float16))},
+             up(k, xq.astype(np.float32)), out, "w4a8")
+    np.testing.assert_array_equal(down(k, out), q8.astype(np.int64) @ xq.astype(np.int64))
+
+
+def test_dequantize_q8_0_to_half(k, rng):
+    """Bit for bit: d q is exact in f32 and rounded once to f16, as NumPy rounds it; a slice of
+    rows from inside the matrix, as prefill's lm_head is dequantised."""
+    q8, d = random_q8(rng, 40, 192)
+    mat = {"q8": up(k, q8), "d": up(k, d)}
+    scratch = up(k, np.zeros(40 * 192, np.float16))
+    out = k.half_weights({name: plane[2:35] for name, plane in mat.items()}, scratch)
+    assert out.shape == (33, 192) and out.dtype == np.float16
+    np.testing.assert_array_equal(down(k, out), dequantize_q8(q8[2:35], d[2:35]).astype(np.float16))
 
 
 @pytest.mark.parametrize("kind", ["f16", "bf16"])

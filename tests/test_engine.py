@@ -64,9 +64,9 @@ HF_MATRICES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn
 
 @pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
 def test_q4_1_logits_equal_transformers_on_its_weights(precision, tiny_models, tmp_path):
-    """A q4_1 model against transformers running the same weights: every matrix (embeddings
-    and lm_head too) decoded from the stored planes by the gguf package's own Q4_1 dequantiser
-    (d q + m, f32), not nerva's. W4A16 sums d q x and m x apart: the same f32 noise as the f16
+    """A q4_1 model against transformers running the same weights: every matrix decoded from the
+    stored planes by the gguf package's own dequantisers (Q4_1 d q + m for the layers, Q8_0 d q
+    for the embeddings and lm_head; f32), not nerva's. W4A16 sums d q x and m x apart: the same f32 noise as the f16
     test, so its tolerance, and the same greedy tokens. W4A8 rounds activations to int8, so it
     is held to the few-percent band test_q4_0_w4a8_differs_from_w4a16_but_little measures."""
     from gguf import GGMLQuantizationType, quants
@@ -78,8 +78,12 @@ def test_q4_1_logits_equal_transformers_on_its_weights(precision, tiny_models, t
     hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
 
     def weights(tensors, name):
-        raw = join_blocks(tensors[f"{name}.qs"], tensors[f"{name}.d"], tensors[f"{name}.m"])
-        return torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q4_1).astype(np.float32))
+        if f"{name}.q8" in tensors:
+            raw, kind = join_blocks(tensors[f"{name}.q8"], tensors[f"{name}.d"]), GGMLQuantizationType.Q8_0
+        else:
+            raw, kind = join_blocks(tensors[f"{name}.qs"], tensors[f"{name}.d"], tensors[f"{name}.m"]), \
+                GGMLQuantizationType.Q4_1
+        return torch.from_numpy(quants.dequantize(raw, kind).astype(np.float32))
 
     params = dict(hf.named_parameters())
     with torch.no_grad():

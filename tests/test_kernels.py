@@ -273,6 +273,109 @@ def test_matvec_q4_w4a8_integer_dot_exact(rng, rows, cols, kind):
     assert np.array_equal(got, want)
 
 
+def random_q8(rng, rows, cols):
+    """Q8_0 planes: codes over the whole int8 range (-128 too, which llama.cpp's quantiser does not
+    write but a file may hold) and signed scales of a token table's size."""
+    q8 = rng.integers(-128, 128, (rows, cols), dtype=np.int8)
+    d = rng.uniform(0.0005, 0.005, (rows, cols // 32)) * rng.choice([-1, 1], (rows, cols // 32))
+    return q8, d.astype(np.float16)
+
+
+def dequant_q8_f64(q8, d):
+    return q8.astype(np.float64) * np.repeat(d.astype(np.float64), 32, axis=1)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("cols", COLS)
+def test_matvec_q8_w8a16(rng, rows, cols):
+    q8, d = random_q8(rng, rows, cols)
+    x = randn(rng, cols)
+    want, got = np.empty(rows, np.float32), np.empty(rows, np.float32)
+    ref.matvec_q8_w8a16(q8, d, x, want)
+    cpu.matvec_q8_w8a16(q8, d, x, got)
+    w64 = dequant_q8_f64(q8, d)
+    magnitude = np.abs(w64) @ np.abs(x)
+    assert_dots_close(got, want, magnitude, cols)
+    assert_dots_close(want, w64 @ x, magnitude, cols)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("cols", COLS)
+def test_matvec_q8_w8a8(rng, rows, cols):
+    q8, d = random_q8(rng, rows, cols)
+    xq, xd, _ = act_q8(ref, randn(rng, cols))
+    want, got = np.empty(rows, np.float32), np.empty(rows, np.float32)
+    ref.matvec_q8_w8a8(q8, d, xq, xd, want)
+    cpu.matvec_q8_w8a8(q8, d, xq, xd, got)
+    # as test_matvec_q4_w4a8: block terms equal up to a rounding or two, their sum reordered
+    nb = cols // 32
+    terms = np.einsum("rbj,bj->rb", dequant_q8_f64(q8, d).reshape(rows, nb, 32), xq.reshape(nb, 32)) * xd
+    bound = 2 * (nb + 2) * EPS * np.abs(terms).sum(1)
+    assert np.all(np.abs(got - want) <= bound)
+    assert np.all(np.abs(want - terms.sum(1)) <= bound)
+
+
+@pytest.mark.parametrize("rows", (1, 5, 37, 1536))
+@pytest.mark.parametrize("cols", (32, 576, 1536))
+def test_matvec_q8_w8a8_integer_dot_exact(rng, rows, cols):
+    # Unit scales: each block term is an integer dot. Random signs keep a row's partial sums near
+    # sqrt(cols) * 128 * 127 / 2, far below 2^24 (the total is checked), so any order is exact and
+    # this pins the integer part bit for bit.
+    q8 = rng.integers(-128, 128, (rows, cols), dtype=np.int8)
+    d = np.ones((rows, cols // 32), np.float16)
+    xq = rng.integers(-127, 128, cols, dtype=np.int8)
+    xd = np.ones(cols // 32, np.float32)
+    want, got = np.empty(rows, np.float32), np.empty(rows, np.float32)
+    ref.matvec_q8_w8a8(q8, d, xq, xd, want)
+    cpu.matvec_q8_w8a8(q8, d, xq, xd, got)
+    exact = q8.astype(np.int64) @ xq.astype(np.int64)
+    assert np.all(np.abs(exact) < 2 ** 24)
+    assert np.array_equal(want, exact) and np.array_equal(got, want)
+
+
+def test_matvec_q8_w8a8_portable_lowering(rng, monkeypatch):
+    # As test_matvec_q4_w4a8_portable_lowering, for the signed dot (vpsignb and vpmaddubsw with
+    # AVX2, widening IR without).
+    from numba import njit
+
+    def serial():
+        @njit
+        def matvec(q8, d, xq, xd, out):
+            rows = d.shape[0]
+            for g in range((rows + 3) // 4):
+                r0, r1, r2, r3 = cpu._row_group(g, rows)
+                out[r0], out[r1], out[r2], out[r3] = cpu._w8a8_rows(q8, d, xq, xd, r0, r1, r2, r3)
+        return matvec
+
+    rows, cols = 37, 576
+    q8, d = random_q8(rng, rows, cols)
+    xq, xd, _ = act_q8(ref, randn(rng, cols))
+    host, got, want = (np.empty(rows, np.float32) for _ in range(3))
+    cpu.matvec_q8_w8a8(q8, d, xq, xd, host)
+    native = serial()
+    native(q8, d.view(np.uint16), xq, xd, want)
+    monkeypatch.setattr(cpu, "_AVX2", False)
+    portable = serial()
+    portable(q8, d.view(np.uint16), xq, xd, got)
+    assert "vpmaddubsw" not in next(iter(portable.inspect_asm().values()))
+    if cpu._host_has_avx2():
+        assert "vpmaddubsw" in next(iter(native.inspect_asm().values()))
+    assert np.array_equal(got, want) and np.array_equal(want, host)
+
+
+@pytest.mark.parametrize("rows,cols", [(3, 64), (37, 576)])
+def test_dequantize_embed_q8(rng, rows, cols):
+    q8, d = random_q8(rng, rows, cols)
+    want, got = np.empty((rows, cols), np.float32), np.empty((rows, cols), np.float32)
+    ref.dequantize_q8(q8, d, want)
+    cpu.dequantize_q8(q8, d, got)
+    assert np.array_equal(got, want) and np.array_equal(want, dequant_q8_f64(q8, d))  # one product, exact
+    for backend in (ref, cpu):
+        row = np.empty(cols, np.float32)
+        backend.embed_q8(q8, d, rows - 1, row)
+        assert np.array_equal(row, want[rows - 1])
+
+
 def _serial_w4a8():
     """A fresh, uncached serial driver of the W4A8 row-group intrinsic: it lowers the IR as the
     module's settings stand when it is first called."""
@@ -316,6 +419,7 @@ def test_matvecs_do_not_depend_on_thread_count(rng):
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("needs 2 threads")
     qs, d, m = random_q4(rng, 37, 576, "q4_1")
+    q8, d8 = random_q8(rng, 37, 576)
     x = randn(rng, 576)
     xq, xd, xs = act_q8(cpu, x)
     outs = []
@@ -329,7 +433,10 @@ def test_matvecs_do_not_depend_on_thread_count(rng):
             cpu.matvec_q4_w4a8(qs, d, None, xq, xd, xs, b)
             cpu.matvec_q4_w4a16(qs, d, m, x, c)
             cpu.matvec_q4_w4a8(qs, d, m, xq, xd, xs, e)
-            outs.append((a, b, c, e))
+            f, g = np.empty(37, np.float32), np.empty(37, np.float32)
+            cpu.matvec_q8_w8a16(q8, d8, x, f)
+            cpu.matvec_q8_w8a8(q8, d8, xq, xd, g)
+            outs.append((a, b, c, e, f, g))
     finally:
         cpu.set_threads(before)
     assert all(np.array_equal(p, q) for p, q in zip(*outs))  # each row's sum order is fixed
@@ -474,6 +581,8 @@ def test_decode_kernels_do_not_allocate(rng):
     x, w, res, out = randn(rng, n), randn(rng, n), randn(rng, n), np.empty(n, np.float32)
     qs, d, m = random_q4(rng, 37, n, "q4_1")
     d16, m16 = d.view(np.uint16), m.view(np.uint16)  # what the Python wrappers of the Q4 kernels pass on
+    q8, d8 = random_q8(rng, 37, n)
+    d8 = d8.view(np.uint16)
     xq, xd, xs = act_q8(cpu, x)
     mv = np.empty(37, np.float32)
     q = randn(rng, 1, heads, hd)
@@ -494,6 +603,9 @@ def test_decode_kernels_do_not_allocate(rng):
         (cpu.attention_decode, (q[0], kc, vc, 9, att)),
         (cpu._embed_q4, (qs, d16, None, 5, out)),
         (cpu._embed_q4, (qs, d16, m16, 5, out)),
+        (cpu._w8a16, (q8, d8, x, mv)),
+        (cpu._w8a8, (q8, d8, xq, xd, mv)),
+        (cpu._embed_q8, (q8, d8, 5, out)),
     ]
     was_on = _nrt_python.memsys_stats_enabled()
     _nrt_python.memsys_enable_stats()

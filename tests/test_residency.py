@@ -113,13 +113,14 @@ def test_paged_smollm2_equals_resident_and_reads_exactly_the_paged_bytes(smollm2
     prompt = list(range(1000, 1016))
     full = Engine(model, ctx=128)
     want = greedy(full, prompt, 64)
-    paged = Engine(model, ctx=128, ram_budget=budget_at(full, 0.3))
+    budget = budget_at(full, 0.45)  # the Q8_0 token table alone is 31% of the weights' bytes
+    paged = Engine(model, ctx=128, ram_budget=budget)
     try:
         assert len(paged.plan.paged_layers) > len(paged.plan.resident_layers)
         assert greedy(paged, prompt, 64) == want
     finally:
         paged.weights.close()
-    code, out, err = cli("bench", model.path, "--ram-budget", str(budget_at(full, 0.3)), "--ctx", "128",
+    code, out, err = cli("bench", model.path, "--ram-budget", str(budget), "--ctx", "128",
                          "--prompt-tokens", "16", "--gen-tokens", "24", "--repeat", "1", "--precision", "w4a16")
     assert code == 0, err
     r = json.loads(out)

@@ -77,10 +77,11 @@ def test_q4_perplexity_w4a8_within_2_percent_of_w4a16(smollm2_store, tmp_path, c
     ppl = {k: v["perplexity"] for k, v in results.items()}
     print("perplexity", ppl)
     assert abs(ppl["w4a8"] / ppl["w4a16"] - 1) < 0.02, ppl
-    # q4_1 keeps the layers' Q4_1 weights as they are; only the Q8_0 embeddings are requantised
-    # (measured: 24.97 f16, 26.28 q4_1, 33.86 q4_0 on this text), so q4_1 sits close to f16 and
-    # requantising every matrix to Q4_0 costs far more: why `pull` keeps a Q4_1 GGUF's format
-    assert ppl["f16"] < ppl["w4a16"] < 1.1 * ppl["f16"], ppl
+    # q4_1 keeps the file's weights as they are (Q4_1 layers, Q8_0 token table), and f16 holds
+    # the same weights rounded to f16, so at W4A16 the two agree to the f32 noise (measured:
+    # 24.9677 and 24.9719, 0.02%; before the token table stayed Q8_0, q4_1 was 26.28). Requantising
+    # every layer to Q4_0 costs far more (31.27): why `pull` keeps a Q4_1 GGUF's format.
+    assert abs(ppl["w4a16"] / ppl["f16"] - 1) < 0.002, ppl
     assert ppl["w4a16"] < 0.9 * ppl["q4_0"] < 1.5 * ppl["f16"], ppl
     assert 1 < ppl["f16"] < 100, ppl
 

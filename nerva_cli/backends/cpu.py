@@ -236,13 +236,13 @@ class _Operands:
         """The given rows of operands 0, 1, 2 (qs, d, m): three lists, the last None for Q4_0."""
         return [None if self.arrays[i] is None else [self.row(i, r) for r in rows] for i in range(3)]
 
-    def prefetch_codes_ahead(self, q_rows, b):
+    def prefetch_codes_ahead(self, q_rows, b, block_bytes=16):
         """Asks the cache for block b of the code rows PREFETCH_ROWS further on (the rows a thread
         takes next: its row groups are consecutive). Past the matrix's end it asks for nothing
         harmful: a prefetch never faults."""
         builder = self.builder
         ahead = builder.mul(builder.extract_value(self.arrays[0].strides, 0), ir.Constant(_I64, PREFETCH_ROWS))
-        at = builder.add(ahead, builder.mul(b, ir.Constant(_I64, 16)))
+        at = builder.add(ahead, builder.mul(b, ir.Constant(_I64, block_bytes)))
         fn = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8")
         for row in q_rows:  # read, keep in all cache levels, data
@@ -488,6 +488,138 @@ def _embed_q4(qs, d, m, token, out):
 
 def embed_q4(qs, d, m, token, out):
     _embed_q4(qs, d.view(np.uint16), _bits(m), token, out)
+
+
+# -- Q8_0 matvecs (the Q4 variants' token table as lm_head) -----------------------------------
+#
+# The same shape as the Q4 ones: four rows a call, W8A16 an <8 x float> accumulator a row, W8A8
+# the four rows' integer dots reduced together into one <4 x float>.
+
+def _dot_s8_s8(builder, q, x):
+    """Signed codes times int8 activations, as 8 int32 partial sums. With AVX2, vpmaddubsw takes
+    an unsigned operand: |q| (at most 128) against x with q's sign moved onto it (vpsignb), pairs
+    at most 2 * 128 * 127, no saturation; else plain widening IR. The same integers either way."""
+    if _AVX2:
+        module = builder.module
+        v32 = _vec(_I8, 32)
+        psign = cgutils.get_or_insert_function(module, ir.FunctionType(v32, [v32, v32]), "llvm.x86.avx2.psign.b")
+        pmaddubsw = cgutils.get_or_insert_function(
+            module, ir.FunctionType(_vec(_I16, 16), [v32] * 2), "llvm.x86.avx2.pmadd.ub.sw")
+        pmaddwd = cgutils.get_or_insert_function(
+            module, ir.FunctionType(_vec(_I32, 8), [_vec(_I16, 16)] * 2), "llvm.x86.avx2.pmadd.wd")
+        negative = builder.icmp_signed("<", q, _splat(_I8, 32, 0))
+        magnitude = builder.select(negative, builder.sub(_splat(_I8, 32, 0), q), q)
+        pairs = builder.call(pmaddubsw, [magnitude, builder.call(psign, [x, q])])
+        return builder.call(pmaddwd, [pairs, _splat(_I16, 16, 1)])
+    p = builder.mul(builder.sext(q, _vec(_I32, 32)), builder.sext(x, _vec(_I32, 32)))
+    quarters = [builder.shuffle_vector(p, p, _lanes(range(8 * k, 8 * k + 8))) for k in range(4)]
+    return builder.add(builder.add(quarters[0], quarters[1]), builder.add(quarters[2], quarters[3]))
+
+
+@intrinsic
+def _w8a16_rows(typingctx, q8, d, x, r0, r1, r2, r3):
+    """(row r0 . x, ..., row r3 . x) for Q8_0 rows and f32 x: per block and row, acc += d sum q x."""
+    if not _c_arrays(q8, d, x):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = _Operands(context, builder, sig.args[:3], args[:3])
+        q_rows = [a.row(0, r) for r in args[3:]]
+        d_rows = [a.row(1, r) for r in args[3:]]
+        x = a.data(2)
+        acc = [cgutils.alloca_once_value(builder, _splat(_F32, 8, 0.0)) for _ in q_rows]
+        with cgutils.for_range(builder, a.cols(1)) as loop:
+            b = loop.index
+            a.prefetch_codes_ahead(q_rows, b, 32)
+            at = builder.mul(b, ir.Constant(_I64, 32))
+            xs = [_f32_at(builder, x, at, 8, 8 * k) for k in range(4)]
+            for i in range(4):
+                q = [builder.sitofp(builder.sext(_load(builder, q_rows[i], builder.add(at, ir.Constant(_I64, 8 * k)),
+                                                       _vec(_I8, 8)), _vec(_I32, 8)), _vec(_F32, 8))
+                     for k in range(4)]
+                t = builder.fadd(_fmuladd(builder, q[2], xs[2], builder.fmul(q[0], xs[0])),
+                                 _fmuladd(builder, q[3], xs[3], builder.fmul(q[1], xs[1])))
+                scale = _broadcast(builder, _half_at(builder, d_rows[i], b))
+                builder.store(_fmuladd(builder, scale, t, builder.load(acc[i])), acc[i])
+        return context.make_tuple(builder, sig.return_type, [_hsum(builder, builder.load(v)) for v in acc])
+
+    return types.UniTuple(types.float32, 4)(q8, d, x, r0, r1, r2, r3), codegen
+
+
+@intrinsic
+def _w8a8_rows(typingctx, q8, d, xq, xd, r0, r1, r2, r3):
+    """(row r0 . x, ..., row r3 . x) for Q8_0 rows and the Q8 activation x = xd xq: per block,
+    each row's integer dot (exact in int32) times d_w d_x, as ref."""
+    if not _c_arrays(q8, d, xq, xd):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = _Operands(context, builder, sig.args[:4], args[:4])
+        q_rows = [a.row(0, r) for r in args[4:]]
+        d_rows = [a.row(1, r) for r in args[4:]]
+        xq, xd = a.data(2), a.data(3)
+        acc = cgutils.alloca_once_value(builder, _splat(_F32, 4, 0.0))
+        with cgutils.for_range(builder, a.cols(1)) as loop:
+            b = loop.index
+            at = builder.mul(b, ir.Constant(_I64, 32))
+            x = _load(builder, xq, at, _vec(_I8, 32))
+            a.prefetch_codes_ahead(q_rows, b, 32)
+            dots = _block_sums(builder, [_dot_s8_s8(builder, _load(builder, q, at, _vec(_I8, 32)), x) for q in q_rows])
+            scale = builder.fmul(_halves_at(builder, d_rows, b), _broadcast(builder, _f32_at(builder, xd, b), 4))
+            builder.store(_fmuladd(builder, scale, builder.sitofp(dots, _vec(_F32, 4)), builder.load(acc)), acc)
+        v = builder.load(acc)
+        return context.make_tuple(builder, sig.return_type,
+                                  [builder.extract_element(v, ir.Constant(_I32, i)) for i in range(4)])
+
+    return types.UniTuple(types.float32, 4)(q8, d, xq, xd, r0, r1, r2, r3), codegen
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _w8a16(q8, d, x, out):
+    rows = d.shape[0]
+    for g in prange((rows + 3) // 4):
+        r0, r1, r2, r3 = _row_group(g, rows)
+        out[r0], out[r1], out[r2], out[r3] = _w8a16_rows(q8, d, x, r0, r1, r2, r3)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _w8a8(q8, d, xq, xd, out):
+    rows = d.shape[0]
+    for g in prange((rows + 3) // 4):
+        r0, r1, r2, r3 = _row_group(g, rows)
+        out[r0], out[r1], out[r2], out[r3] = _w8a8_rows(q8, d, xq, xd, r0, r1, r2, r3)
+
+
+def matvec_q8_w8a16(q8, d, x, out):
+    _w8a16(q8, d.view(np.uint16), x, out)
+
+
+def matvec_q8_w8a8(q8, d, xq, xd, out):
+    _w8a8(q8, d.view(np.uint16), xq, xd, out)
+
+
+@njit(cache=True, nogil=True)
+def _dequantize_q8(q8, d, out):
+    # Serial, as _dequantize_q4 and for its reason.
+    rows, nb = d.shape
+    for r in range(rows):
+        for b in range(nb):
+            s = _half_to_f32(d[r, b])
+            for j in range(32):
+                out[r, 32 * b + j] = s * F32(q8[r, 32 * b + j])
+
+
+def dequantize_q8(q8, d, out):
+    _dequantize_q8(q8, d.view(np.uint16), out)
+
+
+@njit(cache=True, nogil=True)
+def _embed_q8(q8, d, token, out):
+    _dequantize_q8(q8[token:token + 1], d[token:token + 1], out.reshape(1, -1))
+
+
+def embed_q8(q8, d, token, out):
+    _embed_q8(q8, d.view(np.uint16), token, out)
 
 
 def embed_f32(table, token, out):

@@ -39,13 +39,24 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _weights(m: dict):
-    """A matrix's weight array: Q4_0/Q4_1 codes or exact f16/bf16 values."""
-    return m["w"] if "w" in m else m["qs"]
+    """A matrix's weight array: Q4_0/Q4_1/Q8_0 codes or exact f16/bf16 values."""
+    return m["w"] if "w" in m else m["q8"] if "q8" in m else m["qs"]
 
 
-def _q4_kernel(m: dict) -> str:
-    """The stem of a Q4 matrix's kernels: q4 (Q4_0: {"qs", "d"}) or q4_1 (with offsets "m")."""
-    return "q4_1" if "m" in m else "q4"
+def _cols(m: dict) -> int:
+    """A matrix's row length: Q4 codes hold two weights a byte."""
+    return _weights(m).shape[1] * (2 if "qs" in m else 1)
+
+
+def _quant_kernel(m: dict) -> str:
+    """The stem of a quantised matrix's kernels: q4 (Q4_0: {"qs", "d"}), q4_1 (with offsets "m")
+    or q8_0 ({"q8", "d"}: the Q4 variants' token table)."""
+    return "q8_0" if "q8" in m else "q4_1" if "m" in m else "q4"
+
+
+def _planes(m: dict) -> tuple:
+    """A quantised matrix's planes in its kernels' parameter order: codes, scales, offsets."""
+    return (_weights(m), m["d"], *((m["m"],) if "m" in m else ()))
 
 
 def unsupported_shapes(cfg) -> str | None:
@@ -141,11 +152,10 @@ class Kernels:
 
     def embed(self, table: dict, tokens, out) -> None:
         """out [T, cols] = rows tokens [T] (device int32) of table: {"qs", "d"} (Q4_0), {"qs", "d",
-        "m"} (Q4_1) or {"w"}."""
+        "m"} (Q4_1), {"q8", "d"} (Q8_0) or {"w"}."""
         cols, grid = out.shape[-1], (_cdiv(out.shape[-1], THREADS), tokens.shape[0])
-        if "qs" in table:
-            planes = (table["qs"], table["d"], *((table["m"],) if "m" in table else ()))
-            self._go(f"embed_{_q4_kernel(table)}", grid, (THREADS,), (*planes, tokens, out, I32(cols)))
+        if "w" not in table:
+            self._go(f"embed_{_quant_kernel(table)}", grid, (THREADS,), (*_planes(table), tokens, out, I32(cols)))
         else:
             w = table["w"]
             self._go("embed_exact", grid, (THREADS,), (w, I32(is_bf16(w)), tokens, out, I32(cols)))
@@ -168,8 +178,8 @@ class Kernels:
     # -- matvecs -------------------------------------------------------------------------------
     def matvec(self, m: dict, x, out, precision: str, add: bool = False, norm=None) -> None:
         """out = W x, or out += W x with add (the residual add, fused into the store). m: {"qs",
-        "d"} (Q4_0), {"qs", "d", "m"} (Q4_1) or {"w"}; x f32 at every precision (w4a8 quantises it
-        in the kernel). norm = (w, xn, eps, done), with add: then xn = rmsnorm(out) * w, by the
+        "d"} (Q4_0), {"qs", "d", "m"} (Q4_1), {"q8", "d"} (Q8_0) or {"w"}; x f32 at every precision
+        (w4a8 quantises it in the kernel). norm = (w, xn, eps, done), with add: then xn = rmsnorm(out) * w, by the
         launch's last block (matvec.cu's ADD_NORM; done: an int32 counter, zero before and after)."""
         self.matvecs([m], x, [out], precision, add, norm)
 
@@ -194,9 +204,9 @@ class Kernels:
     def _matvec_launch(self, kind: str, ms: list[dict], outs: list, x, precision: str, mode: int, norm,
                        blocks: int) -> None:
         exact = "w" in ms[0]
-        if len({_weights(m).shape[1] for m in ms}) != 1:
+        if len({_cols(m) for m in ms}) != 1:
             raise ValueError("matvecs: the matrices of one launch must have the same width")
-        if len({"w" if "w" in m else _q4_kernel(m) for m in ms}) != 1:
+        if len({"w" if "w" in m else _quant_kernel(m) for m in ms}) != 1:
             raise ValueError("matvecs: the matrices of one launch must be of one format")
         mats = [(_weights(m), _weights(m) if exact else m["d"], out, I32(_weights(m).shape[0]))  # exact: no scales
                 for m, out in zip(ms, outs)]
@@ -210,8 +220,11 @@ class Kernels:
             self._go(f"{kind}_exact", (blocks,), (mv_threads(cols // 8),),
                      (*flat, I32(is_bf16(w)), x, I32(cols), *tail))
             return
-        cols = w.shape[1] * 2
-        body = f"{_q4_kernel(ms[0])}_{'w4a8' if precision == 'w4a8' else 'w4a16'}"
+        cols, stem = _cols(ms[0]), _quant_kernel(ms[0])
+        if stem == "q8_0" and kind == "glu":
+            raise ValueError("glu: Q8_0 matrices (token tables) have plain launches only")
+        bits = "w8" if stem == "q8_0" else "w4"
+        body = f"{stem}_{bits}{'a8' if precision == 'w4a8' else 'a16'}"
         offsets = [m["m"] for m in ms] + [ms[0]["m"]] * (3 - len(ms)) if "m" in ms[0] else []  # Q4_1's, last
         self._go(f"{kind}_{body}", (blocks,), (mv_threads(cols // QK),), (*flat, x, I32(cols), *tail, *offsets))
 
@@ -227,7 +240,7 @@ class Kernels:
 
     def half_weights(self, m: dict, scratch):
         """A weight matrix (or a slice of its rows) as f16 [rows, cols]: f16 weights as stored,
-        bf16, Q4_0 and Q4_1 converted into scratch (f16, at least rows x cols). -> that array."""
+        bf16, Q4_0, Q4_1 and Q8_0 converted into scratch (f16, at least rows x cols). -> that array."""
         if "w" in m:
             w = m["w"]
             if not is_bf16(w):
@@ -235,11 +248,10 @@ class Kernels:
             out = scratch[: w.size].reshape(w.shape)
             self._go("bf16_to_half", (_cdiv(w.size, THREADS),), (THREADS,), (w, out, np.int64(w.size)))
             return out
-        rows, half = m["qs"].shape
-        out = scratch[: rows * half * 2].reshape(rows, half * 2)
-        blocks = rows * half * 2 // QK  # a thread each
-        planes = (m["qs"], m["d"], *((m["m"],) if "m" in m else ()))
-        self._go(f"dequantize_{_q4_kernel(m)}", (_cdiv(blocks, THREADS),), (THREADS,), (*planes, out, I32(blocks)))
+        rows, cols = _weights(m).shape[0], _cols(m)
+        out = scratch[: rows * cols].reshape(rows, cols)
+        blocks = rows * cols // QK  # a thread each
+        self._go(f"dequantize_{_quant_kernel(m)}", (_cdiv(blocks, THREADS),), (THREADS,), (*_planes(m), out, I32(blocks)))
         return out
 
     # -- attention -----------------------------------------------------------------------------

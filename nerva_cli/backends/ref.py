@@ -12,6 +12,7 @@ import numpy as np
 
 from ..quant import QK
 from ..quant import dequantize_q4 as dequantize_planes
+from ..quant import dequantize_q8 as dequantize_q8_planes
 
 F32 = np.float32
 
@@ -106,6 +107,18 @@ def matvec_q4_w4a8(qs, d, m, xq, xd, xs, out):
     out[...] = terms.sum(axis=1, dtype=F32)
 
 
+def matvec_q8_w8a16(q8, d, x, out):
+    """out = dequant(q8, d) @ x for a Q8_0 matrix (w = d q), f32 accumulation."""
+    out[...] = dequantize_q8_planes(q8, d) @ x
+
+
+def matvec_q8_w8a8(q8, d, xq, xd, out):
+    """Per block: d_w * d_x * sum_j q_w[j] q_x[j] (int32, exact), summed over blocks in f32."""
+    isum = np.einsum("rbj,bj->rb", q8.reshape(q8.shape[0], -1, QK).astype(np.int32),
+                     xq.reshape(-1, QK).astype(np.int32))
+    out[...] = ((d.astype(F32) * xd) * isum.astype(F32)).sum(axis=1, dtype=F32)
+
+
 def matvec_f32(w, x, out):
     """out = w @ x."""
     np.dot(w, x, out=out)
@@ -157,6 +170,16 @@ def embed_q4(qs, d, m, token, out):
     """out = row `token` of a Q4_0 or Q4_1 table."""
     rows = slice(token, token + 1)
     dequantize_planes(qs[rows], d[rows], None if m is None else m[rows], out=out.reshape(1, -1))
+
+
+def dequantize_q8(q8, d, out):
+    """out f32 [rows, cols] = d * q (a Q8_0 table; prefill's lm_head)."""
+    dequantize_q8_planes(q8, d, out=out)
+
+
+def embed_q8(q8, d, token, out):
+    """out = row `token` of a Q8_0 table."""
+    dequantize_q8_planes(q8[token:token + 1], d[token:token + 1], out=out.reshape(1, -1))
 
 
 def embed_f32(table, token, out):

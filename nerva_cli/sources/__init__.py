@@ -16,9 +16,9 @@ class SourceTensor:
 
     shape: tuple[int, ...]
     read_f32: Callable[[], np.ndarray]
-    # For a GGUF Q4_0 or Q4_1 tensor (stored_dtype says which): its (qs, d, m) planes as stored
-    # (m None for Q4_0), so an import to the same variant is bit-exact.
-    read_q4: Callable[[], tuple] | None = None
+    # For a GGUF Q4_0, Q4_1 or Q8_0 tensor (stored_dtype says which): its (qs, d, m) planes as
+    # stored (m None but for Q4_1), so an import to the same format is bit-exact.
+    read_planes: Callable[[], tuple] | None = None
     stored_dtype: str = "f32"  # f32 / f16 / bf16 / a GGUF quant type name
     where: str = ""  # the file it comes from, for error messages
 

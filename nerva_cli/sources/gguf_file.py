@@ -11,7 +11,7 @@ import numpy as np
 
 from nerva_cli.config import FAMILY_OF, SUPPORTED_TEXT, ModelConfig
 from nerva_cli.errors import BadInput
-from nerva_cli.quant import Q4_KINDS, split_blocks
+from nerva_cli.quant import BLOCK_BYTES, split_blocks
 from nerva_cli.sources import Source, SourceTensor
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
@@ -155,12 +155,12 @@ def open_gguf(path: Path) -> Source:
                 w = quants.dequantize(raw.reshape(rows, -1), qtype)
             return unpermute(canon, np.ascontiguousarray(w, dtype=np.float32).reshape(shape))
 
-        def read_q4():
+        def read_planes():
             planes = split_blocks(read_raw(t).reshape(shape[0], -1), shape[1], qtype.name.lower())
             return tuple(None if p is None else unpermute(canon, p) for p in planes)
 
         return SourceTensor(shape=shape, read_f32=read_f32, stored_dtype=qtype.name.lower(), where=str(path),
-                            read_q4=read_q4 if qtype.name.lower() in Q4_KINDS else None)
+                            read_planes=read_planes if qtype.name.lower() in BLOCK_BYTES else None)
 
     fp = hashlib.sha256(f"{path.name}:{size}".encode())
     with open(path, "rb") as f:
