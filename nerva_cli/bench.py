@@ -108,7 +108,7 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
         "token_ms_p99": round(float(np.percentile(token_ms, 99)), 3) if token_ms.size else None,
         "w4a8_layers": engine.precision_counts["w4a8"], "w4a16_layers": engine.precision_counts["w4a16"],
         "exact_layers": engine.precision_counts["exact"], "active_layers": len(engine.active),
-        "weight_bytes": engine.weight_bytes, "kv_cache_bytes": engine.a.kv_bytes,
+        "weight_bytes": engine.weight_bytes, "kv_cache_bytes": engine.a.kv_bytes, "kv_cache": engine.kv_cache,
         "hot_path_allocations": allocs,
         "peak_rss_bytes": peak_rss_bytes(),
         "peak_vram_bytes": engine.peak_vram_bytes if gpu else 0,

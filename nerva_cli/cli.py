@@ -156,6 +156,7 @@ RamBudget = Annotated[Optional[str], typer.Option("--ram-budget", help="RAM for 
 VramBudget = Annotated[Optional[str], typer.Option("--vram-budget", help="GPU memory for weights, KV cache and workspaces (2G, auto = 90% of what is free); layers that do not fit stream from pinned RAM (up to --ram-budget) or disk. The cuda backend only.")]
 Policy = Annotated[str, typer.Option("--policy", help="Paging: ring (fixed resident set + exact-lookahead ring of slots) or lru (seed 002's cache).")]
 Ctx = Annotated[Optional[int], typer.Option("--ctx", help="Context length in tokens (default: min(model max, 4096)).")]
+KvCache = Annotated[str, typer.Option("--kv-cache", help="KV cache precision on the cpu: f16 (default, as llama.cpp's: half the bytes) or f32 (exact). The cuda backend's is f16.")]
 Backend = Annotated[str, typer.Option(help="Kernel backend: auto (cuda when CuPy finds a GPU, else cpu), cuda (CuPy kernels, CUDA graphs), cpu (numba, threaded) or ref (NumPy reference, slow).")]
 
 
@@ -202,7 +203,8 @@ def _profiling_backend(backend: str) -> str:
 
 def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau: float = 0.7,
                  use_profile: bool = True, mode: str = "full", active_fraction: float = 1.0,
-                 ram_budget: Optional[str] = None, vram_budget: Optional[str] = None, policy: str = "ring"):
+                 ram_budget: Optional[str] = None, vram_budget: Optional[str] = None, policy: str = "ring",
+                 kv_cache: str = "f16"):
     """-> (engine, tokenizer, threads); the MCAP profile (computed if missing) picks each layer's
     precision and, in hot-only mode, which layers run."""
     from nerva_cli import backends, mcap, output
@@ -216,6 +218,8 @@ def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau
     model = _find_or_pull(model_ref)
     if vram_budget is not None and backend != "cuda":
         output.note(f"--vram-budget {vram_budget} is ignored: the {backend} backend holds everything in RAM")
+    if kv_cache != "f16" and backend == "cuda":
+        raise NervaError(f"--kv-cache {kv_cache}: the cuda backend keeps its KV cache in f16 (--backend cpu for f32)")
     plan = _layer_plan(model, precision, tau, use_profile, mode, active_fraction, _profiling_backend(backend))
     from nerva_cli.tokenizer import TextTokenizer
 
@@ -243,7 +247,7 @@ def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau
 
     engine = Engine(model, backend=backend, precision=plan.precision, ctx=ctx,
                     layer_precisions=plan.layer_precisions, active_layers=plan.active_layers,
-                    ram_budget=budget, policy=policy, importance=importance)
+                    ram_budget=budget, policy=policy, importance=importance, kv_cache=kv_cache)
     if engine.plan.paged_layers:
         p = engine.plan
         output.info(f"residency: {len(p.resident_layers)} layers resident, {len(p.paged_layers)} stream from "
@@ -277,6 +281,7 @@ def run(
     ram_budget: RamBudget = None,
     vram_budget: VramBudget = None,
     policy: Policy = "ring",
+    kv_cache: KvCache = "f16",
     backend: Backend = "auto",
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print timings after each answer.")] = False,
     ledger: Annotated[bool, typer.Option("--ledger", help="Print the per-token ledger (time per phase, bytes per tier) after each answer.")] = False,
@@ -296,7 +301,7 @@ def run(
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
     engine, tokenizer, _ = _open_engine(model, backend, precision, ctx, threads, tau, not no_profile, mode,
-                                        active_fraction, ram_budget, vram_budget, policy)
+                                        active_fraction, ram_budget, vram_budget, policy, kv_cache)
     from nerva_cli.ledger import Ledger
 
     book = Ledger(engine, tokenizer, ledger_file) if ledger or ledger_file else None
@@ -435,6 +440,7 @@ def bench(
     ram_budget: RamBudget = None,
     vram_budget: VramBudget = None,
     policy: Policy = "ring",
+    kv_cache: KvCache = "f16",
     backend: Backend = "auto",
 ):
     """Measure prefill and decode speed; prints exactly one JSON line on stdout."""
@@ -447,7 +453,7 @@ def bench(
     if ctx is None:  # room for the runs, the allocation check's 26 positions, and --ppl's window
         ctx = max(prompt_tokens + gen_tokens + 1, 32, ppl_ctx if ppl else 0)
     engine, tokenizer, threads = _open_engine(model, backend, precision, ctx, threads, tau, not no_profile,
-                                              mode, active_fraction, ram_budget, vram_budget, policy)
+                                              mode, active_fraction, ram_budget, vram_budget, policy, kv_cache)
     result = run_bench(engine, tokenizer, BenchOptions(prompt_tokens, gen_tokens, repeat, ppl, ppl_ctx),
                        threads, log=output.info)
     output.print_json(result)

@@ -198,6 +198,7 @@ SYNC_KINDS = ("state", "logits", "token", "staging", "drain")
 
 
 class CudaEngine(EngineBase):
+    kv_cache = "f16"  # ARCHITECTURE 6: the GPU's KV cache is f16
     backend = "cuda"
     device_sampling = True
 

@@ -155,10 +155,15 @@ class ResidentWeights:
         pass
 
 
-class Arena:
-    """Every buffer decode touches, allocated once (llama2.c's RunState)."""
+KV_CACHE_TYPES = {"f16": np.float16, "f32": np.float32}
 
-    def __init__(self, cfg: ModelConfig, ctx: int):
+
+class Arena:
+    """Every buffer decode touches, allocated once (llama2.c's RunState). The KV cache is f16 by
+    default, as llama.cpp's and the GPU plane's: half the bytes that long-context decode streams
+    and that a RAM budget must hold, for one rounding (2^-11 relative) of each cached value."""
+
+    def __init__(self, cfg: ModelConfig, ctx: int, kv_cache: str = "f16"):
         h, f = cfg.hidden_size, cfg.intermediate_size
         z = lambda *shape: np.zeros(shape, dtype=np.float32)  # noqa: E731
         self.x, self.xn = z(h), z(h)
@@ -183,8 +188,9 @@ class Arena:
         self.k_rows = self.k.reshape(1, cfg.num_kv_heads, cfg.head_dim)
         self.act_q8 = {n: (self.xq[:n], self.xd[: n // QK], self.xs[: n // QK])
                        for n in {h, f, cfg.q_dim}}
-        self.k_cache = [z(ctx, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
-        self.v_cache = [z(ctx, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+        kv_type = KV_CACHE_TYPES[kv_cache]
+        self.k_cache = [np.zeros((ctx, cfg.num_kv_heads, cfg.head_dim), kv_type) for _ in range(cfg.num_layers)]
+        self.v_cache = [np.zeros((ctx, cfg.num_kv_heads, cfg.head_dim), kv_type) for _ in range(cfg.num_layers)]
 
     @property
     def kv_bytes(self) -> int:
@@ -196,13 +202,13 @@ class Arena:
             + self.kv_bytes
 
     @staticmethod
-    def sizes(cfg: ModelConfig, ctx: int) -> tuple[int, int]:
+    def sizes(cfg: ModelConfig, ctx: int, kv_cache: str = "f16") -> tuple[int, int]:
         """(kv_bytes, nbytes) of the arena __init__ would make, without making it."""
         h, f = cfg.hidden_size, cfg.intermediate_size
         widest = max(h, f, cfg.q_dim)
         f32 = (2 * h + cfg.q_dim + 2 * cfg.kv_dim + cfg.num_heads * cfg.head_dim + h + 3 * f + h
                + cfg.vocab_size + widest // QK)
-        kv = cfg.num_layers * 2 * ctx * cfg.num_kv_heads * cfg.head_dim * 4
+        kv = cfg.num_layers * 2 * ctx * cfg.num_kv_heads * cfg.head_dim * np.dtype(KV_CACHE_TYPES[kv_cache]).itemsize
         return kv, 4 * f32 + widest + 4 * (widest // QK) + 8 + kv  # + xq (int8), xs (int32), pos (int64)
 
 
@@ -218,13 +224,14 @@ def context_length(cfg: ModelConfig, ctx: int | None) -> int:
 
 
 def residency_plan(model: StoredModel, ctx: int | None, ram_budget: int | None,
-                   importance: dict[int, float] | None = None, active_layers: list[int] | None = None):
+                   importance: dict[int, float] | None = None, active_layers: list[int] | None = None,
+                   kv_cache: str = "f16"):
     """The residency plan (ARCHITECTURE 8) that Engine uses, computed from sizes alone: nothing is
     allocated or read, so `nerva topology --model` shows exactly what `run` will do."""
     from nerva_cli.residency import plan
 
     cfg, files = model.config, model.meta["files"]
-    kv, arena = Arena.sizes(cfg, context_length(cfg, ctx))
+    kv, arena = Arena.sizes(cfg, context_length(cfg, ctx), kv_cache)
     fixed = {"kv_cache": ("kv_cache", kv),
              "workspace": ("workspace", arena - kv + 4 * scratch_elements(cfg)),
              "embed": ("embed", files["embed.bin"]["size"]),
@@ -275,9 +282,10 @@ class Engine(EngineBase):
     def __init__(self, model: StoredModel, backend: str = "cpu", precision: str | None = None,
                  ctx: int | None = None, layer_precisions: list[str] | None = None,
                  active_layers: list[int] | None = None, ram_budget: int | None = None,
-                 policy: str = "ring", importance: dict[int, float] | None = None):
+                 policy: str = "ring", importance: dict[int, float] | None = None, kv_cache: str = "f16"):
         """layer_precisions: per-layer w4a16/w4a8 (MCAP's mixed dispatch) for a q4_0 or q4_1 model;
-        active_layers: the layers that run (hot-only mode), the others pass the residual on."""
+        active_layers: the layers that run (hot-only mode), the others pass the residual on;
+        kv_cache: f16 or f32 (exact: what the tests against transformers hold to float32's noise)."""
         from nerva_cli.backends import get_backend
 
         self.model = model
@@ -302,11 +310,14 @@ class Engine(EngineBase):
         per_layer = layer_precisions or [self.precision] * cfg.num_layers
         self.active = sorted(set(range(cfg.num_layers) if active_layers is None else active_layers))
         self.layer_precision = {i: per_layer[i] for i in self.active}
-        self.a = Arena(cfg, self.ctx)
+        if kv_cache not in KV_CACHE_TYPES:
+            raise NervaError(f"--kv-cache {kv_cache}: choose one of {', '.join(KV_CACHE_TYPES)}")
+        self.kv_cache = kv_cache
+        self.a = Arena(cfg, self.ctx, kv_cache)
         self.n_past = 0
         self.phase_ns = dict.fromkeys(PHASES, 0)
         self.policy = policy
-        self.plan = residency_plan(model, self.ctx, ram_budget, importance, self.active)
+        self.plan = residency_plan(model, self.ctx, ram_budget, importance, self.active, kv_cache)
         resident = {i: Layer.from_stored(i, model.read_file(layer_file(i)), per_layer[i])
                     for i in self.plan.resident_layers}
         if self.plan.paged_layers:

@@ -135,7 +135,9 @@ def measure(model: StoredModel, prompts: list[str], backend: str = "cpu", progre
     ids = calibration_ids(model, prompts)
     cfg = model.config
     precision = profiling_precision(model)
-    engine = Engine(model, backend=backend, precision=precision, ctx=max(map(len, ids)), active_layers=[])
+    # the f32 KV cache: a profile is computed once and cached, so it takes the exact arithmetic
+    engine = Engine(model, backend=backend, precision=precision, ctx=max(map(len, ids)), active_layers=[],
+                    kv_cache="f32")
     xs = [engine.embed_rows(t[: engine.ctx]) for t in ids]
     sums = np.zeros((cfg.num_layers, len(prompts)))
     qd, vd = cfg.q_dim, cfg.q_dim + cfg.kv_dim

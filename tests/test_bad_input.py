@@ -120,6 +120,14 @@ def test_unknown_quant(tiny_models, cli):
     assert_refused(cli, ["convert", tiny_models("llama"), "--quant", "q5_0"], "--quant q5_0", "auto, q4_0, q4_1")
 
 
+def test_unknown_kv_cache_type(tiny_models, cli, tmp_path):
+    from nerva_cli.pull import pull
+
+    model = pull(str(tiny_models("llama")), variant="f16", out=tmp_path / "m")
+    assert_refused(cli, ["run", model.path, "-p", "hi", "--kv-cache", "q8", "--backend", "cpu"],
+                   "--kv-cache q8", "f16, f32")
+
+
 def test_target_exists_needs_force(tiny_models, cli):
     src = tiny_models("llama")
     assert cli("convert", src, "--name", "tiny", "--quant", "f16")[0] == 0

@@ -486,19 +486,23 @@ ATT_TOL = 4e-6
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
 # n_ctx: the cpu kernel takes 64 positions a chunk and 4 a step, so 130, 256 and 299 reach its tails
 @pytest.mark.parametrize("n_ctx", [1, 7, 130, 256, 299])
-def test_attention_decode(rng, heads, kv_heads, head_dim, n_ctx):
+@pytest.mark.parametrize("cache", ["f32", "f16"])
+def test_attention_decode(rng, heads, kv_heads, head_dim, n_ctx, cache):
+    """The f16 cache is held to the same bound: the kernel and both references read the same f16
+    values, widened exactly."""
     max_ctx = 300
+    dtype = np.float16 if cache == "f16" else np.float32
     q = randn(rng, heads, head_dim)
-    k = np.full((max_ctx, kv_heads, head_dim), np.nan, np.float32)  # past n_ctx: never read
-    v = np.full((max_ctx, kv_heads, head_dim), np.nan, np.float32)
+    k = np.full((max_ctx, kv_heads, head_dim), np.nan, dtype)  # past n_ctx: never read
+    v = np.full((max_ctx, kv_heads, head_dim), np.nan, dtype)
     k[:n_ctx], v[:n_ctx] = 2 * randn(rng, n_ctx, kv_heads, head_dim), randn(rng, n_ctx, kv_heads, head_dim)
     want, got = np.empty_like(q), np.empty_like(q)
     ref.attention_decode(q, k, v, n_ctx, want)
     cpu.attention_decode(q, k, v, n_ctx, got)
     assert rel(got, want) < ATT_TOL
     group = heads // kv_heads
-    ind = np.stack([attention_f64(q[h:h + 1], k[:n_ctx, h // group], v[:n_ctx, h // group])[0]
-                    for h in range(heads)])
+    ind = np.stack([attention_f64(q[h:h + 1], k[:n_ctx, h // group].astype(np.float64),
+                                  v[:n_ctx, h // group].astype(np.float64))[0] for h in range(heads)])
     assert rel(want, ind) < ATT_TOL
 
 
@@ -543,10 +547,12 @@ def test_exp_nonpositive_within_an_ulp(rng):
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32)])
 @pytest.mark.parametrize("T,start", [(1, 0), (5, 0), (37, 11), (3, 200)])
-def test_attention_prefill(rng, heads, kv_heads, head_dim, T, start):
+@pytest.mark.parametrize("cache", ["f32", "f16"])
+def test_attention_prefill(rng, heads, kv_heads, head_dim, T, start, cache):
     n = start + T
+    dtype = np.float16 if cache == "f16" else np.float32
     q = randn(rng, T, heads, head_dim)
-    k, v = 2 * randn(rng, n, kv_heads, head_dim), randn(rng, n, kv_heads, head_dim)
+    k, v = (2 * randn(rng, n, kv_heads, head_dim)).astype(dtype), randn(rng, n, kv_heads, head_dim).astype(dtype)
     want, got = np.empty_like(q), np.empty_like(q)
     ref.attention_prefill(q, k, v, start, want)
     cpu.attention_prefill(q, k, v, start, got)
@@ -600,7 +606,9 @@ def test_decode_kernels_do_not_allocate(rng):
         (cpu._w4a16, (qs, d16, m16, x, mv)),
         (cpu._w4a8, (qs, d16, m16, xq, xd, xs, mv)),
         (cpu.silu_mul, (x, w, out)),
-        (cpu.attention_decode, (q[0], kc, vc, 9, att)),
+        (cpu._attention_decode, (q[0], kc, vc, 9, att)),
+        (cpu._attention_decode, (q[0], kc.astype(np.float16).view(np.uint16), vc.astype(np.float16).view(np.uint16),
+                                 9, att)),
         (cpu._embed_q4, (qs, d16, None, 5, out)),
         (cpu._embed_q4, (qs, d16, m16, 5, out)),
         (cpu._w8a16, (q8, d8, x, mv)),

@@ -131,7 +131,8 @@ def silu_mul(gate, up, out):
 
 
 def attention_decode(q, k_cache, v_cache, n_ctx, out):
-    """One query per head over cache positions 0..n_ctx-1; GQA: head h reads kv head h // group."""
+    """One query per head over cache positions 0..n_ctx-1; GQA: head h reads kv head h // group.
+    The cache may be f16 or f32: NumPy widens f16 exactly when it meets the f32 query."""
     heads, head_dim = q.shape
     group = heads // k_cache.shape[1]
     scale = F32(1.0 / np.sqrt(head_dim))
