@@ -251,7 +251,8 @@ class Kernels:
         rows, cols = _weights(m).shape[0], _cols(m)
         out = scratch[: rows * cols].reshape(rows, cols)
         blocks = rows * cols // QK  # a thread each
-        self._go(f"dequantize_{_quant_kernel(m)}", (_cdiv(blocks, THREADS),), (THREADS,), (*_planes(m), out, I32(blocks)))
+        kernel = f"dequantize_{_quant_kernel(m)}"
+        self._go(kernel, (_cdiv(blocks, THREADS),), (THREADS,), (*_planes(m), out, I32(blocks)))
         return out
 
     # -- attention -----------------------------------------------------------------------------
