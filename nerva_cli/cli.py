@@ -161,13 +161,15 @@ Backend = Annotated[str, typer.Option(help="Kernel backend: auto (cuda when CuPy
 
 
 def _threads(threads: Optional[int]) -> int:
-    """Resolves --threads and applies it to BLAS; call before anything imports numpy."""
-    from nerva_cli.machine import limit_blas_threads, physical_cores
+    """Resolves --threads and applies it to BLAS, and keeps freed prefill buffers for reuse;
+    call before anything imports numpy."""
+    from nerva_cli.machine import limit_blas_threads, physical_cores, reuse_freed_memory
 
     threads = threads or physical_cores()
     if threads < 1:
         raise NervaError(f"--threads must be >= 1, got {threads}")
     limit_blas_threads(threads)
+    reuse_freed_memory()
     return threads
 
 
