@@ -97,6 +97,11 @@ class StoredModel:
     def size(self) -> int:
         return sum(f["size"] for f in self.meta["files"].values())
 
+    @property
+    def q4_token_table(self) -> bool:
+        """Converted before the Q4 variants kept the token table at Q8_0 (it still loads)."""
+        return "embed.qs" in self.meta["files"]["embed.bin"]["tensors"]
+
     def read_file(self, fname: str, verify: bool = True) -> dict[str, np.ndarray]:
         """All tensors of one file as arrays over one buffer, after checking size and sha256."""
         return tensors_in(self.read_bytes(fname, verify), self.meta["files"][fname]["tensors"])

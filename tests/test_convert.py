@@ -127,6 +127,30 @@ def test_convert_q4_token_tables_are_q8_0(tiny_models, cli):
         assert len(names) == (1 if family == "qwen2" else 2)
 
 
+def test_a_store_with_a_q4_token_table_runs_and_says_how_to_convert_it_anew(tiny_models, cli, monkeypatch):
+    """Stores converted before Q8_0 tables hold embed.qs: they still run, and run's note gives
+    the one command that converts them anew (here the source is a local HF directory)."""
+    import shlex
+
+    from nerva_cli import convert
+
+    src = tiny_models("llama")
+    with monkeypatch.context() as m:
+        m.setattr(convert, "TABLES", ())  # the converter as it was: the table goes to Q4_0
+        assert cli("pull", src, "--name", "tiny-old", "--quant", "q4_0")[0] == 0
+    assert "embed.qs" in find_model("tiny-old:q4_0").read_file("embed.bin")
+    code, out, err = cli("run", "tiny-old:q4_0", "-p", "hi", "-n", "2", "--no-profile")
+    assert code == 0 and out.strip(), err
+    note = " ".join(err.split())
+    assert "tiny-old:q4_0 keeps its token table at Q4_0" in note, err
+    command = note.split("`")[1]
+    assert command == f"nerva pull {src} --name tiny-old --quant q4_0 --force"
+    assert cli(*shlex.split(command)[1:])[0] == 0
+    assert "embed.q8" in find_model("tiny-old:q4_0").read_file("embed.bin")
+    code, _, err = cli("run", "tiny-old:q4_0", "-p", "hi", "-n", "2", "--no-profile")
+    assert code == 0 and "token table" not in err
+
+
 def test_convert_q4_1_matches_llama_cpp_reference_quantiser(tiny_models, cli):
     from gguf import GGMLQuantizationType, quants
 
