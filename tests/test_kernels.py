@@ -524,6 +524,38 @@ def test_attention_decode_score_ramps(rng, direction):
     assert rel(got, want) < ATT_TOL
 
 
+@pytest.mark.parametrize("splits,n", [(1, 301), (2, 301), (3, 301), (4, 301), (4, 130)])
+@pytest.mark.parametrize("cache", ["f32", "f16"])
+def test_attention_decode_in_splits_of_the_positions(rng, splits, n, cache):
+    """The kernel with as many splits as `part` holds (16 threads would take all 5 chunks of 301
+    positions; the kernel takes no more than part's): 4 splits take 76, 76, 76 and 73 positions,
+    3 take 104, 104 and 93, each in chunks of 64 and the tails of those; 130 positions are 3
+    chunks, so no more than 3 splits (44, 44, 42) whatever part holds. Scores that rise across
+    the positions put the largest max in the last split, so the merge has to rescale the others.
+    Same bound as one split (ATT_TOL)."""
+    heads, kv_heads, dim = 8, 2, 64
+    dtype = np.float16 if cache == "f16" else np.float32
+    q = randn(rng, heads, dim)
+    k = (randn(rng, n + 20, kv_heads, dim) + np.linspace(0, 0.3, n + 20, dtype=np.float32)[:, None, None]
+         * q[::heads // kv_heads][None]).astype(dtype)
+    v = randn(rng, n + 20, kv_heads, dim).astype(dtype)
+    k[n:], v[n:] = np.nan, np.nan  # past n_ctx: never read
+    want, got = np.empty_like(q), np.empty_like(q)
+    ref.attention_decode(q, k, v, n, want)
+    part = np.full((splits, heads, dim + 2), np.nan, np.float32)  # the kernel writes all it reads
+    cpu._attention_decode(q, cpu._cache_operand(k), cpu._cache_operand(v), n, got, part, 16)
+    assert rel(got, want) < ATT_TOL
+
+
+@pytest.mark.parametrize("n_ctx,threads,splits", [
+    (1, 2, 1), (64, 2, 1), (65, 2, 2), (300, 1, 1), (300, 2, 2), (900, 1, 3), (900, 2, 4), (1800, 2, 6),
+    (1800, 16, 16), (4096, 2, 12)])
+def test_decode_splits_share_the_threads_and_fit_l2(n_ctx, threads, splits):
+    """SmolLM2's rows (3 kv heads x 64 x f16, K and V: 768 bytes a position): a multiple of the
+    threads, at most 256 KB of rows a split, never more splits than 64-position chunks."""
+    assert cpu.decode_splits(n_ctx, 768, threads) == splits
+
+
 def test_exp_nonpositive_within_an_ulp(rng):
     # The attention weights' exp (Taylor to r^7 after ln2 reduction): measured at most 0.62 eps
     # relative to float64's exp over [-87, 0]; held to 1 eps. NaN stays NaN.
@@ -596,6 +628,7 @@ def test_decode_kernels_do_not_allocate(rng):
     pos = np.array([3], np.int64)
     kc, vc = randn(rng, 16, kv, hd), randn(rng, 16, kv, hd)
     att = np.empty((heads, hd), np.float32)
+    part = np.empty((2, heads, hd + 2), np.float32)
     calls = [
         (cpu.rmsnorm, (x, w, 1e-5, out)),
         (cpu.add_rmsnorm, (x, res, w, 1e-5, out)),
@@ -606,9 +639,9 @@ def test_decode_kernels_do_not_allocate(rng):
         (cpu._w4a16, (qs, d16, m16, x, mv)),
         (cpu._w4a8, (qs, d16, m16, xq, xd, xs, mv)),
         (cpu.silu_mul, (x, w, out)),
-        (cpu._attention_decode, (q[0], kc, vc, 9, att)),
+        (cpu._attention_decode, (q[0], kc, vc, 9, att, part, 2)),
         (cpu._attention_decode, (q[0], kc.astype(np.float16).view(np.uint16), vc.astype(np.float16).view(np.uint16),
-                                 9, att)),
+                                 9, att, part, 2)),
         (cpu._embed_q4, (qs, d16, None, 5, out)),
         (cpu._embed_q4, (qs, d16, m16, 5, out)),
         (cpu._w8a16, (q8, d8, x, mv)),

@@ -42,6 +42,10 @@ def set_threads(n: int) -> None:
     if not 1 <= n <= most:
         raise ValueError(f"threads must be between 1 and {most}, got {n}")
     numba.set_num_threads(n)
+    _threads[0] = n
+
+
+_threads = [numba.get_num_threads()]  # set_threads's, kept here: numba's getter takes 0.7 us a call
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -651,7 +655,9 @@ def _stack_f32(typingctx, n):
         return None
 
     def codegen(context, builder, sig, args):
-        return cgutils.alloca_once(builder, _F32, size=n.literal_value)
+        ptr = cgutils.alloca_once(builder, _F32, size=n.literal_value)
+        ptr.align = 64  # a cache line: vector loads and stores never straddle two
+        return ptr
     return types.CPointer(types.float32)(n), codegen
 
 
@@ -701,35 +707,67 @@ def silu_mul(gate, up, out):
 
 
 _ATT_CHUNK = 64
+_ATT_MAX_DIM = 256  # config.MAX_HEAD_DIM
+_ATT_SPLIT_BYTES = 256 << 10  # K and V bytes a split of positions covers, at most (L2 is 512 KB up)
+_partials: dict = {}  # (cache shape, dtype, heads) -> attention_decode's per-split partials, made once
 
 
 def attention_decode(q, k_cache, v_cache, n_ctx, out):
-    _attention_decode(q, _cache_operand(k_cache), _cache_operand(v_cache), n_ctx, out)
+    """k_cache, v_cache: the layer's whole cache [ctx, kv_heads, head_dim], of which n_ctx rows count."""
+    key = (k_cache.shape, k_cache.dtype, q.shape[0])
+    part = _partials.get(key)
+    if part is None:  # room for the most splits this cache can take at any thread count
+        row_bytes = 2 * k_cache.shape[1] * k_cache.shape[2] * k_cache.itemsize
+        most = decode_splits(k_cache.shape[0], row_bytes, numba.config.NUMBA_NUM_THREADS)
+        part = _partials[key] = np.empty((most, *q.shape[:1], q.shape[1] + 2), F32)
+    _attention_decode(q, _cache_operand(k_cache), _cache_operand(v_cache), n_ctx, out, part, _threads[0])
+
+
+@njit(cache=True)
+def decode_splits(n_ctx, row_bytes, threads):
+    """How many splits of the positions attention_decode runs: a multiple of the threads (so
+    they share the work evenly), each covering at most _ATT_SPLIT_BYTES of K and V rows
+    (row_bytes a position), so the query heads after a kv head's first find its rows, and the
+    neighbouring kv heads' lines the prefetchers brought along, in L2; never more than one a
+    64-position chunk."""
+    by_bytes = (n_ctx * row_bytes + _ATT_SPLIT_BYTES - 1) // _ATT_SPLIT_BYTES
+    most = (by_bytes + threads - 1) // threads * threads
+    return max(1, min(most, (n_ctx + _ATT_CHUNK - 1) // _ATT_CHUNK))
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
-def _attention_decode(q, k_cache, v_cache, n_ctx, out):
-    # Online softmax over chunks of positions, out[h] as the accumulator: a chunk's scores go to
-    # a stack buffer, its max m rescales what was accumulated by exp(m_old - m), then its
-    # weights exp(s - m) are taken in one vectorised loop. Four positions per step share the
-    # query's loads (scores) and one load/store of the accumulator (values). At the end
-    # out = sum_t exp(s_t - m) v_t / sum_t exp(s_t - m), the max-subtracted softmax. 1.7x to 2.1x
-    # the per-position loop before it at 300 and 500 positions (SmolLM2's 9 heads, 1 and 2 threads).
-    # The cache is f16 (uint16 bits, widened by _cached) or f32, one compiled version each; f16
-    # against f32 at SmolLM2's shapes on a 2-core AMD EPYC: 1800 positions 242 -> 175 us a layer on
-    # one thread, 134 -> 100 on two; 300 positions 31 -> 21 and 15 -> 13.
+def _attention_decode(q, k_cache, v_cache, n_ctx, out, part, threads):
+    # Each split of the positions runs, per query head, an online softmax over its positions in
+    # chunks of 64: a chunk's scores go to a stack buffer, its max m rescales what was accumulated
+    # by exp(m_old - m), then its weights exp(s - m) are taken in one vectorised loop. Four
+    # positions per step share the query's loads (scores) and one load/store of the accumulator
+    # (values). The splits leave sum_t exp(s_t - m) v_t, m and sum_t exp(s_t - m) per head in
+    # `part`, which the merge rescales to the largest m. The cache is f16 (uint16 bits, widened by
+    # _cached) or f32, one compiled version each. Splitting positions, not only heads as this
+    # kernel did before, on a 2-core AMD EPYC: attention_decode over 30 caches of SmolLM2's shape
+    # (2048 x 3 x 64 f16, 1800 positions used), one a layer as in decode, 4.9 -> 4.0 ms on one
+    # thread and 2.8 -> 2.3 on two, the same at 300 positions; `nerva bench --prompt-tokens 1800`
+    # decode 90-97 -> 104-111 tok/s on one thread and 137-142 -> 169-177 on two, the default
+    # 256-token bench unchanged. Widening a chunk's K and V once for a kv head's 3 query heads
+    # was slower: the widening pass stores as much as the conversions it saves.
     heads, dim = q.shape
-    group = heads // k_cache.shape[1]
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
     scale = F32(1) / np.sqrt(F32(dim))
-    for h in prange(heads):
-        kv = h // group
+    splits = min(decode_splits(n_ctx, 2 * kv_heads * dim * k_cache.itemsize, threads), part.shape[0])
+    per_split = ((n_ctx + splits - 1) // splits + 3) // 4 * 4  # even shares, whole 4-position steps
+    for unit in prange(splits * heads):  # a thread takes consecutive units: whole splits, as a rule
+        sp, h = unit // heads, unit % heads
+        lo, hi = sp * per_split, min(n_ctx, (sp + 1) * per_split)
         s = numba.carray(_stack_f32(_ATT_CHUNK), _ATT_CHUNK)
-        acc = out[h]
-        acc[:] = 0
+        acc = numba.carray(_stack_f32(_ATT_MAX_DIM), dim)  # on the stack: aliases nothing
+        kv = h // group
+        for i in range(dim):
+            acc[i] = 0
         m = F32(-np.inf)
         total = F32(0)
-        for c0 in range(0, n_ctx, _ATT_CHUNK):
-            n = min(_ATT_CHUNK, n_ctx - c0)
+        for c0 in range(lo, hi, _ATT_CHUNK):
+            n = min(_ATT_CHUNK, hi - c0)
             chunk_max = m
             t = 0
             while t + 4 <= n:
@@ -771,6 +809,23 @@ def _attention_decode(q, k_cache, v_cache, n_ctx, out):
                 total += s[u]
                 for i in range(dim):
                     acc[i] += s[u] * _cached(v_cache[c0 + u, kv, i])
+        for i in range(dim):
+            part[sp, h, i] = acc[i]
+        part[sp, h, dim] = m
+        part[sp, h, dim + 1] = total
+    for h in range(heads):  # plain loops: an array expression here would be a parfor (a launch) a head
+        m = part[0, h, dim]
+        for sp in range(1, splits):
+            m = max(m, part[sp, h, dim])
+        total = F32(0)
+        acc = out[h]
+        for i in range(dim):
+            acc[i] = 0
+        for sp in range(splits):
+            weight = _exp_nonpositive(part[sp, h, dim] - m)  # a split that saw no position holds zeros
+            total += weight * part[sp, h, dim + 1]
+            for i in range(dim):
+                acc[i] += weight * part[sp, h, i]
         inv = F32(1) / total
         for i in range(dim):
             acc[i] *= inv
