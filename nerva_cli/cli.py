@@ -193,11 +193,13 @@ def _find_or_pull(model_ref: str):
 
 
 def _repull_command(model) -> str:
+    from shlex import quote
+
     from nerva_cli.sources.resolve import ALIASES
 
     source = model.meta["source"]
-    spec = model.name if model.name in ALIASES else f"{source.get('id')} --name {model.name}"
-    revision = f" --revision {source['revision']}" if source.get("revision") else ""
+    spec = model.name if model.name in ALIASES else f"{quote(str(source.get('id')))} --name {quote(model.name)}"
+    revision = f" --revision {quote(source['revision'])}" if source.get("revision") else ""
     return f"nerva pull {spec}{revision} --quant {model.variant} --force"
 
 
