@@ -1,6 +1,7 @@
 """Sampling on the host that holds the logits: greedy, temperature, top-k, top-p, repetition
-penalty, seeded. Greedy allocates nothing; the stochastic path makes a few small arrays of at
-most top_k entries per token (counted by the hot-path counter like any other allocation)."""
+penalty, seeded. A step allocates nothing: the candidates, their weights and the recent tokens
+live in buffers made with the Sampler, and the work is done by numba (backends/cpu.py) by the
+rule ref.sampling_candidates defines, the one the cuda sampler draws by too."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ class SamplingOptions:
             raise NervaError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise NervaError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.repeat_last_n < 0:
+            raise NervaError(f"repeat_last_n must be >= 0 (0 disables the penalty), got {self.repeat_last_n}")
         if self.repeat_penalty <= 0:
             raise NervaError(f"--repeat-penalty must be > 0, got {self.repeat_penalty}")
 
@@ -35,39 +38,35 @@ class Sampler:
     def __init__(self, opts: SamplingOptions, vocab: int):
         self.o = opts
         self.rng = np.random.default_rng(opts.seed)
-        self.work = np.empty(vocab, dtype=np.float32)
-        self.recent: list[int] = []
+        self.penalising = opts.repeat_penalty != 1.0 and opts.repeat_last_n > 0
+        self.recent = np.zeros(max(opts.repeat_last_n, 1), np.int32)  # a ring of the last tokens
+        self.n_recent = 0  # tokens remembered so far
+        if self.penalising or opts.temperature > 0:
+            from nerva_cli.backends import cpu
+            self.cpu = cpu
+            self.work = np.empty(vocab, np.float32)  # the penalised logits
+            self.seen = np.zeros(vocab, np.bool_)
+            self.cand = np.empty(vocab, np.int32)
+            self.scratch = np.empty(vocab, np.float64)
 
-    def _penalise(self, logits: np.ndarray) -> np.ndarray:
+    def remember(self, token: int) -> None:
+        self.recent[self.n_recent % len(self.recent)] = token
+        self.n_recent += 1
+
+    def penalised(self, logits: np.ndarray) -> np.ndarray:
         """llama.cpp's rule: positive logits are divided by the penalty, negative multiplied."""
-        if self.o.repeat_penalty == 1.0 or not self.recent:
+        if not self.penalising or not self.n_recent:
             return logits
-        np.copyto(self.work, logits)
-        for t in set(self.recent[-self.o.repeat_last_n:]):
-            v = self.work[t]
-            self.work[t] = v / self.o.repeat_penalty if v > 0 else v * self.o.repeat_penalty
+        self.cpu.penalise(logits, self.recent, min(self.n_recent, len(self.recent)), self.o.repeat_penalty,
+                          self.seen, self.work)
         return self.work
 
     def __call__(self, logits: np.ndarray) -> int:
-        logits = self._penalise(logits)
+        logits = self.penalised(logits)
         if self.o.temperature == 0:
             token = int(np.argmax(logits))
         else:
-            token = self._sample(logits)
-        self.recent.append(token)
-        if len(self.recent) > 4 * max(self.o.repeat_last_n, 1):
-            del self.recent[: -self.o.repeat_last_n]
+            token = int(self.cpu.sample_logits(logits, self.o.temperature, self.o.top_k, self.o.top_p,
+                                               self.rng.random(), self.cand, self.scratch))
+        self.remember(token)
         return token
-
-    def _sample(self, logits: np.ndarray) -> int:
-        k = self.o.top_k if 0 < self.o.top_k < logits.shape[0] else logits.shape[0]
-        cand = np.argpartition(logits, -k)[-k:] if k < logits.shape[0] else np.arange(logits.shape[0])
-        vals = logits[cand].astype(np.float64) / self.o.temperature
-        order = np.argsort(-vals, kind="stable")
-        cand, vals = cand[order], vals[order]
-        p = np.exp(vals - vals[0])
-        p /= p.sum()
-        if self.o.top_p < 1.0:
-            keep = int(np.searchsorted(np.cumsum(p), self.o.top_p) + 1)
-            cand, p = cand[:keep], p[:keep] / p[:keep].sum()
-        return int(cand[self.rng.choice(len(p), p=p)])

@@ -634,8 +634,9 @@ def test_repetition_penalty_as_the_host_sampler(k, rng):
     recent = rng.integers(0, vocab, RECENT).astype(np.int32)  # with repeats, applied once each
     opts = SamplingOptions(temperature=0.0, repeat_penalty=1.3)
     host = Sampler(opts, vocab)
-    host.recent = list(recent)
-    want = host._penalise(logits.copy())
+    for t in recent:
+        host.remember(int(t))
+    want = host.penalised(logits.copy())
     st, _, got = sample_once(k, logits, opts, state=(0, 0, 0, 200), recent=recent)
     np.testing.assert_array_equal(got, want)
     assert st[1] == int(np.argmax(want))
@@ -683,18 +684,6 @@ def uniform01(seed: int, counter: int) -> float:
     return (x >> 8) / 16777216.0
 
 
-def kept_tokens(logits, temperature, top_k, top_p):
-    """The tokens sample.cu draws from: the top k with every tie of the k-th value, then the fewest
-    values (ties again kept whole) whose mass reaches top_p of theirs; and their weights."""
-    order = np.argsort(-logits, kind="stable")
-    kth = logits[order[top_k - 1]] if 0 < top_k < len(logits) else -np.inf
-    top = order[logits[order] >= kth]
-    w = np.exp((logits[top].astype(np.float64) - logits[top[0]]) / temperature)
-    cut = logits[top[np.searchsorted(np.cumsum(w), top_p * w.sum())]] if top_p < 1 else kth
-    keep = logits[top] >= cut
-    return top[keep], w[keep]
-
-
 # case: vocab, top_k, temperature, logit scale, the kept set's size about (top_p midway between two
 # running masses; None: top_p 1), and whether the kernel draws in value order (candidates sorted
 # in shared memory) or in index order (bisection, and temperature alone)
@@ -719,11 +708,11 @@ def test_a_draw_is_the_inverse_cdf_of_its_uniform(k, rng, case):
         logits[rng.choice(vocab, 1500, replace=False)] = logits.max() + 1.0
     top_p = 1.0
     if size is not None:  # top_p midway between two running masses of the candidates, away from every cut
-        cand, w = kept_tokens(logits, temperature, top_k, 1.0)
+        cand, w = ref.sampling_candidates(logits, temperature, top_k, 1.0)
         c = np.cumsum(w) / w.sum()
         j = min(len(c) - 2, size)
         top_p = float(np.float32((c[j] + c[j + 1]) / 2))
-    kept, w = kept_tokens(logits, temperature, top_k, top_p)
+    kept, w = ref.sampling_candidates(logits, temperature, top_k, top_p)
     if not by_value:
         w, kept = w[np.argsort(kept)], np.sort(kept)
     bounds = np.cumsum(w) / w.sum()
