@@ -12,7 +12,6 @@ import numpy as np
 
 from nerva_cli import __version__
 from nerva_cli.errors import NervaError
-from nerva_cli.engine import PREFILL_CHUNK
 from nerva_cli.generate import generate
 from nerva_cli.hotpath import AllocationCounter
 from nerva_cli.machine import cpu_name
@@ -79,8 +78,7 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
             f"decode {stats.decode_tok_s:.1f} tok/s")
     token_ms = np.array([t for s in runs for t in s.token_s]) * 1000
     pager = [b - a for a, b in zip(pager0, _pager_counters(engine))]
-    chunk = getattr(engine, "prefill_chunk", PREFILL_CHUNK)
-    passes = sum(s.gen_tokens - 1 + math.ceil(s.prompt_tokens / chunk) for s in runs)  # layer passes
+    passes = sum(s.gen_tokens - 1 + math.ceil(s.prompt_tokens / engine.prefill_chunk) for s in runs)  # layer passes
     allocs = hot_path_allocations(engine, prompt[:8], steps=16)
     best = max(runs, key=lambda s: s.decode_tok_s)
     gpu = getattr(engine, "gpu_plan", None)

@@ -3,7 +3,8 @@
 The model is defined by ModelConfig (family flags: qkv bias, q/k norm, tied lm_head); how each
 op runs is the backend's business (backends/ref.py is the definition); where the weights live
 is the residency plan's (all in RAM, or paged through staging slots by pager.py). Decode
-allocates nothing: every buffer it writes is made in `Arena` before the first token.
+allocates nothing: every buffer it writes is made in `Arena` before the first token; prefill's
+come from a `PrefillWorkspace` made with them (arena.py).
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from time import perf_counter_ns
 import numpy as np
 
 from nerva_cli import rope
+from nerva_cli.arena import KV_CACHE_TYPES, Arena, PrefillWorkspace
 from nerva_cli.config import ModelConfig
 from nerva_cli.errors import NervaError
 from nerva_cli.layout import MATRICES, layer_file
-from nerva_cli.quant import QK
 from nerva_cli.store import StoredModel
 
 PHASES = ("embed", "attention", "mlp", "lm_head")
@@ -155,69 +156,6 @@ class ResidentWeights:
         pass
 
 
-KV_CACHE_TYPES = {"f16": np.float16, "f32": np.float32}
-
-
-class Arena:
-    """Every buffer decode touches, allocated once (llama2.c's RunState). The KV cache is f16 by
-    default, as llama.cpp's and the GPU plane's: half the bytes that long-context decode streams
-    and that a RAM budget must hold, for one rounding (2^-11 relative) of each cached value."""
-
-    def __init__(self, cfg: ModelConfig, ctx: int, kv_cache: str = "f16"):
-        h, f = cfg.hidden_size, cfg.intermediate_size
-        z = lambda *shape: np.zeros(shape, dtype=np.float32)  # noqa: E731
-        self.x, self.xn = z(h), z(h)
-        q, kv = cfg.q_dim, cfg.kv_dim
-        self.qkv = z(q + 2 * kv)  # the fused projection's output; q, k, v are views into it
-        self.q = self.qkv[:q].reshape(cfg.num_heads, cfg.head_dim)
-        self.k = self.qkv[q:q + kv].reshape(cfg.num_kv_heads, cfg.head_dim)
-        self.v = self.qkv[q + kv:].reshape(cfg.num_kv_heads, cfg.head_dim)
-        self.attn, self.o = z(cfg.num_heads, cfg.head_dim), z(h)
-        self.gate_up, self.act, self.down = z(2 * f), z(f), z(h)
-        self.gate, self.up = self.gate_up[:f], self.gate_up[f:]
-        self.q_flat, self.k_flat, self.v_flat = self.qkv[:q], self.qkv[q:q + kv], self.qkv[q + kv:]
-        self.logits = z(cfg.vocab_size)
-        widest = max(h, f, cfg.q_dim)
-        self.xq = np.zeros(widest, dtype=np.int8)
-        self.xd = z(widest // QK)
-        self.xs = np.zeros(widest // QK, dtype=np.int32)
-        self.pos = np.zeros(1, dtype=np.int64)
-        # views made once: a view made per call is a Python object per call on the hot path
-        self.attn_flat = self.attn.reshape(-1)
-        self.q_rows = self.q.reshape(1, cfg.num_heads, cfg.head_dim)
-        self.k_rows = self.k.reshape(1, cfg.num_kv_heads, cfg.head_dim)
-        self.act_q8 = {n: (self.xq[:n], self.xd[: n // QK], self.xs[: n // QK])
-                       for n in {h, f, cfg.q_dim}}
-        kv_type = KV_CACHE_TYPES[kv_cache]
-        self.k_cache = [np.zeros((ctx, cfg.num_kv_heads, cfg.head_dim), kv_type) for _ in range(cfg.num_layers)]
-        self.v_cache = [np.zeros((ctx, cfg.num_kv_heads, cfg.head_dim), kv_type) for _ in range(cfg.num_layers)]
-
-    @property
-    def kv_bytes(self) -> int:
-        return sum(a.nbytes for a in self.k_cache + self.v_cache)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(v.nbytes for v in vars(self).values() if isinstance(v, np.ndarray) and v.base is None) \
-            + self.kv_bytes
-
-    @staticmethod
-    def sizes(cfg: ModelConfig, ctx: int, kv_cache: str = "f16") -> tuple[int, int]:
-        """(kv_bytes, nbytes) of the arena __init__ would make, without making it."""
-        h, f = cfg.hidden_size, cfg.intermediate_size
-        widest = max(h, f, cfg.q_dim)
-        f32 = (2 * h + cfg.q_dim + 2 * cfg.kv_dim + cfg.num_heads * cfg.head_dim + h + 3 * f + h
-               + cfg.vocab_size + widest // QK)
-        kv = cfg.num_layers * 2 * ctx * cfg.num_kv_heads * cfg.head_dim * np.dtype(KV_CACHE_TYPES[kv_cache]).itemsize
-        return kv, 4 * f32 + widest + 4 * (widest // QK) + 8 + kv  # + xq (int8), xs (int32), pos (int64)
-
-
-def scratch_elements(cfg: ModelConfig) -> int:
-    """Prefill's dequantisation scratch: the widest (fused) weight matrix, in f32 elements."""
-    return max((cfg.q_dim + 2 * cfg.kv_dim) * cfg.hidden_size, 2 * cfg.intermediate_size * cfg.hidden_size,
-               cfg.hidden_size * cfg.q_dim)
-
-
 def context_length(cfg: ModelConfig, ctx: int | None) -> int:
     """--ctx, or min(model max, 4096) when not given; never past the model's max."""
     return min(ctx or min(cfg.max_context, 4096), cfg.max_context)
@@ -225,15 +163,17 @@ def context_length(cfg: ModelConfig, ctx: int | None) -> int:
 
 def residency_plan(model: StoredModel, ctx: int | None, ram_budget: int | None,
                    importance: dict[int, float] | None = None, active_layers: list[int] | None = None,
-                   kv_cache: str = "f16"):
+                   kv_cache: str = "f16", prefill_rows: int = PREFILL_CHUNK):
     """The residency plan (ARCHITECTURE 8) that Engine uses, computed from sizes alone: nothing is
     allocated or read, so `nerva topology --model` shows exactly what `run` will do."""
     from nerva_cli.residency import plan
 
     cfg, files = model.config, model.meta["files"]
-    kv, arena = Arena.sizes(cfg, context_length(cfg, ctx), kv_cache)
+    ctx = context_length(cfg, ctx)
+    kv, arena = Arena.sizes(cfg, ctx, kv_cache)
+    prefill = PrefillWorkspace.size(cfg, min(prefill_rows, ctx), ctx)
     fixed = {"kv_cache": ("kv_cache", kv),
-             "workspace": ("workspace", arena - kv + 4 * scratch_elements(cfg)),
+             "workspace": ("workspace", arena - kv + prefill),
              "embed": ("embed", files["embed.bin"]["size"]),
              "norms": ("norms", files["final_norm.bin"]["size"])}
     if "lm_head.bin" in files:
@@ -282,10 +222,12 @@ class Engine(EngineBase):
     def __init__(self, model: StoredModel, backend: str = "cpu", precision: str | None = None,
                  ctx: int | None = None, layer_precisions: list[str] | None = None,
                  active_layers: list[int] | None = None, ram_budget: int | None = None,
-                 policy: str = "ring", importance: dict[int, float] | None = None, kv_cache: str = "f16"):
+                 policy: str = "ring", importance: dict[int, float] | None = None, kv_cache: str = "f16",
+                 prefill_rows: int = PREFILL_CHUNK):
         """layer_precisions: per-layer w4a16/w4a8 (MCAP's mixed dispatch) for a q4_0 or q4_1 model;
         active_layers: the layers that run (hot-only mode), the others pass the residual on;
-        kv_cache: f16 or f32 (exact: what the tests against transformers hold to float32's noise)."""
+        kv_cache: f16 or f32 (exact: what the tests against transformers hold to float32's noise);
+        prefill_rows: the prompt tokens a prefill pass takes (its workspace's size)."""
         from nerva_cli.backends import get_backend
 
         self.model = model
@@ -314,10 +256,11 @@ class Engine(EngineBase):
             raise NervaError(f"--kv-cache {kv_cache}: choose one of {', '.join(KV_CACHE_TYPES)}")
         self.kv_cache = kv_cache
         self.a = Arena(cfg, self.ctx, kv_cache)
+        self.pw = PrefillWorkspace(cfg, min(prefill_rows, self.ctx), self.ctx)
         self.n_past = 0
         self.phase_ns = dict.fromkeys(PHASES, 0)
         self.policy = policy
-        self.plan = residency_plan(model, self.ctx, ram_budget, importance, self.active, kv_cache)
+        self.plan = residency_plan(model, self.ctx, ram_budget, importance, self.active, kv_cache, prefill_rows)
         resident = {i: Layer.from_stored(i, model.read_file(layer_file(i)), per_layer[i])
                     for i in self.plan.resident_layers}
         if self.plan.paged_layers:
@@ -398,7 +341,7 @@ class Engine(EngineBase):
             self._matvec(m["k"], a.xn, a.k_flat, layer.precision)
             self._matvec(m["v"], a.xn, a.v_flat, layer.precision)
         if layer.qkv_bias is not None:
-            a.qkv += layer.qkv_bias
+            self.k.add_rows(a.qkv, layer.qkv_bias)
         if layer.q_norm is not None:
             k.rmsnorm(a.q, layer.q_norm, cfg.rms_eps, a.q)
             k.rmsnorm(a.k, layer.k_norm, cfg.rms_eps, a.k)
@@ -429,85 +372,86 @@ class Engine(EngineBase):
         self.phase_ns["mlp"] += t2 - t1
 
     # -- prefill -----------------------------------------------------------------------------
+    # Every intermediate lives in the PrefillWorkspace (self.pw): a chunk allocates only the
+    # logits it returns.
     def prefill(self, tokens: list[int], all_logits: bool = False) -> np.ndarray:
-        """Runs the prompt in chunks; returns the last position's logits, or [T, vocab] for all."""
+        """Runs the prompt in chunks of the workspace's rows; returns the last position's logits
+        (an array of its own), or [T, vocab] for all."""
         if not tokens:
             raise NervaError("empty prompt")
         if self.n_past + len(tokens) > self.ctx:
             raise NervaError(f"prompt of {len(tokens)} tokens does not fit the context "
                              f"({self.ctx - self.n_past} left); raise --ctx")
         outs = []
-        for start in range(0, len(tokens), PREFILL_CHUNK):
-            chunk = tokens[start:start + PREFILL_CHUNK]
-            x = self._prefill_chunk(chunk)
+        for start in range(0, len(tokens), self.pw.rows):
+            x = self._prefill_chunk(tokens[start:start + self.pw.rows])
             if all_logits:
                 outs.append(self._logits_rows(x))
         if all_logits:
-            return np.concatenate(outs)
+            return outs[0] if len(outs) == 1 else np.concatenate(outs)
         return self._logits_rows(x[-1:])[0]
 
-    def _dense(self, lin: Linear, x: np.ndarray, precision: str) -> np.ndarray:
-        """x [T, cols] -> [T, rows]: dequantise then GEMM; W4A8 quantises the activations
-        per 32-group first, which gives the same products as the integer kernel."""
+    def _dense(self, lin: Linear, x: np.ndarray, precision: str, out: np.ndarray) -> None:
+        """out [T, rows] = x [T, cols] times lin transposed: dequantise, then GEMM; W4A8 quantises
+        the activations per 32-group first, which gives the same products as the integer kernel."""
         w = lin.w if lin.w is not None else self._dequant(lin)
         if precision == "w4a8" and lin.w is None:
             x = self._fake_quant(x)
-        return x @ w.T
+        np.matmul(x, w.T, out=out)
 
     def _fake_quant(self, x: np.ndarray) -> np.ndarray:
-        out = np.empty_like(x)
+        out = self.pw.take("xq", *x.shape)
         self.k.fake_quantize_q8(np.ascontiguousarray(x), out)
         return out
 
     def _dequant(self, lin: Linear) -> np.ndarray:
-        out = self._scratch[: lin.rows * lin.cols].reshape(lin.rows, lin.cols)
+        out = self.pw.take("dequant", lin.rows, lin.cols)
         if lin.q8 is not None:
             self.k.dequantize_q8(lin.q8, lin.d, out)
         else:
             self.k.dequantize_q4(lin.qs, lin.d, lin.m, out)
         return out
 
-    @property
-    def _scratch(self) -> np.ndarray:
-        if not hasattr(self, "_scratch_buf"):
-            self._scratch_buf = np.empty(scratch_elements(self.cfg), dtype=np.float32)
-        return self._scratch_buf
-
     def _prefill_chunk(self, tokens: list[int]) -> np.ndarray:
         start = self.n_past
-        x = self.embed_rows(tokens)
+        x = self.embed_rows(tokens, self.pw.take("x", len(tokens), self.cfg.hidden_size))
         for layer in self.weights.layers():
             self.prefill_layer(layer, x, start)
         self.n_past = start + len(tokens)
         return x
 
-    def embed_rows(self, tokens: list[int]) -> np.ndarray:
-        x = np.empty((len(tokens), self.cfg.hidden_size), dtype=np.float32)
+    def embed_rows(self, tokens: list[int], out: np.ndarray | None = None) -> np.ndarray:
+        x = np.empty((len(tokens), self.cfg.hidden_size), dtype=np.float32) if out is None else out
         for t, tok in enumerate(tokens):
             self._embed_row(tok, x[t])
         return x
 
     def prefill_layer(self, layer: Layer, x: np.ndarray, start: int, taps: dict | None = None) -> None:
-        """One layer over a chunk x [T, hidden] at positions start.., in place, writing the
-        layer's K/V cache rows. `taps`, when given, receives the fused q/k/v projection output
-        ("qkv", before RoPE) and the MLP output ("mlp") that MCAP scores are made of."""
-        cfg, k = self.cfg, self.k
+        """One layer over a chunk x [T, hidden] (T at most the workspace's rows) at positions
+        start.., in place, writing the layer's K/V cache rows. `taps`, when given, receives copies
+        of the fused q/k/v projection output ("qkv", before RoPE) and of the MLP output ("mlp")
+        that MCAP scores are made of."""
+        cfg, k, ws = self.cfg, self.k, self.pw
         T, p, m = x.shape[0], layer.precision, layer.mats
-        pos = np.arange(start, start + T, dtype=np.int64)
-        xn = np.empty_like(x)
+        h, f, qd, kvd = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim
+        pos = ws.take("pos", T)
+        np.add(ws.iota[:T], start, out=pos)
+        xn = ws.take("xn", T, h)
         k.rmsnorm(x, layer.attn_norm, cfg.rms_eps, xn)
+        qkv = ws.take("qkv", T, qd + 2 * kvd)
         if "qkv" in m:
-            qkv = self._dense(m["qkv"], xn, p)
+            self._dense(m["qkv"], xn, p, qkv)
         else:
-            qkv = np.concatenate([self._dense(m[n], xn, p) for n in ("q", "k", "v")], axis=1)
+            for name, lo, hi in (("q", 0, qd), ("k", qd, qd + kvd), ("v", qd + kvd, qd + 2 * kvd)):
+                self._dense(m[name], xn, p, qkv[:, lo:hi])
         if layer.qkv_bias is not None:
-            qkv += layer.qkv_bias
+            k.add_rows(qkv, layer.qkv_bias)
         if taps is not None:
             taps["qkv"] = qkv.copy()
-        qd, kvd = cfg.q_dim, cfg.kv_dim
-        q = np.ascontiguousarray(qkv[:, :qd]).reshape(T, cfg.num_heads, cfg.head_dim)
-        kk = np.ascontiguousarray(qkv[:, qd:qd + kvd]).reshape(T, cfg.num_kv_heads, cfg.head_dim)
-        v = qkv[:, qd + kvd:]
+        q = ws.take("q", T, cfg.num_heads, cfg.head_dim)
+        kk = ws.take("k", T, cfg.num_kv_heads, cfg.head_dim)
+        np.copyto(q, qkv[:, :qd].reshape(q.shape))
+        np.copyto(kk, qkv[:, qd:qd + kvd].reshape(kk.shape))
         if layer.q_norm is not None:
             k.rmsnorm(q, layer.q_norm, cfg.rms_eps, q)
             k.rmsnorm(kk, layer.k_norm, cfg.rms_eps, kk)
@@ -515,38 +459,50 @@ class Engine(EngineBase):
         k.rope(kk, pos, self.cos, self.sin)
         kc, vc = self.a.k_cache[layer.index], self.a.v_cache[layer.index]
         kc[start:start + T] = kk
-        vc[start:start + T] = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-        attn = np.empty_like(q)
-        k.attention_prefill(q, kc[: start + T], vc[: start + T], start, attn)
-        x += self._dense(m["o"], attn.reshape(T, -1), p)
+        vc[start:start + T] = qkv[:, qd + kvd:].reshape(kk.shape)
+        attn = ws.take("attn", T, cfg.num_heads, cfg.head_dim)
+        k.attention_prefill(q, kc[: start + T], vc[: start + T], start, attn, ws.bufs["attention"])
+        proj = ws.take("proj", T, h)
+        self._dense(m["o"], attn.reshape(T, -1), p, proj)
+        x += proj
         k.rmsnorm(x, layer.mlp_norm, cfg.rms_eps, xn)
+        gate, up, act = ws.take("gate", T, f), ws.take("up", T, f), ws.take("act", T, f)
         if "gate_up" in m:
-            gate_up = self._dense(m["gate_up"], xn, p)
+            gate_up = ws.take("gate_up", T, 2 * f)
+            self._dense(m["gate_up"], xn, p, gate_up)
+            np.copyto(gate, gate_up[:, :f])
+            np.copyto(up, gate_up[:, f:])
         else:
-            gate_up = np.concatenate([self._dense(m[n], xn, p) for n in ("gate", "up")], axis=1)
-        f = cfg.intermediate_size
-        act = np.empty((T, f), dtype=np.float32)
-        k.silu_mul(np.ascontiguousarray(gate_up[:, :f]), np.ascontiguousarray(gate_up[:, f:]), act)
-        mlp = self._dense(m["down"], act, p)
+            self._dense(m["gate"], xn, p, gate)
+            self._dense(m["up"], xn, p, up)
+        k.silu_mul(gate, up, act)
+        self._dense(m["down"], act, p, proj)
         if taps is not None:
-            taps["mlp"] = mlp
-        x += mlp
+            taps["mlp"] = proj.copy()
+        x += proj
 
     def _logits_rows(self, x: np.ndarray) -> np.ndarray:
-        """Final norm + lm_head for a few rows (prefill); dequantises lm_head in row slices."""
-        xn = np.empty_like(x)
+        """Final norm + lm_head for a few rows (prefill), into a new [rows, vocab] array;
+        dequantises lm_head in slices of rows."""
+        xn = self.pw.take("xn", *x.shape)
         self.k.rmsnorm(np.ascontiguousarray(x), self.final_norm, self.cfg.rms_eps, xn)
         head = self.lm_head
+        out = np.empty((x.shape[0], head.rows), dtype=np.float32)
         if head.w is not None:
-            return xn @ head.w.T
+            np.matmul(xn, head.w.T, out=out)
+            return out
         if self.precision == "w4a8":
             xn = self._fake_quant(xn)
-        out = np.empty((x.shape[0], head.rows), dtype=np.float32)
-        step = max(1, self._scratch.size // head.cols)
+        step = max(1, self.pw.bufs["dequant"].size // head.cols)
         for r in range(0, head.rows, step):
             sl = head.rows_slice(r, r + step)
-            out[:, r:r + sl.rows] = xn @ self._dequant(sl).T
+            np.matmul(xn, self._dequant(sl).T, out=out[:, r:r + sl.rows])
         return out
+
+    @property
+    def prefill_chunk(self) -> int:
+        """Prompt tokens a prefill pass takes."""
+        return self.pw.rows
 
     @property
     def weight_bytes(self) -> int:

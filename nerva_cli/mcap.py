@@ -136,8 +136,9 @@ def measure(model: StoredModel, prompts: list[str], backend: str = "cpu", progre
     cfg = model.config
     precision = profiling_precision(model)
     # the f32 KV cache: a profile is computed once and cached, so it takes the exact arithmetic
-    engine = Engine(model, backend=backend, precision=precision, ctx=max(map(len, ids)), active_layers=[],
-                    kv_cache="f32")
+    longest = max(map(len, ids))  # a prompt goes through a layer in one pass
+    engine = Engine(model, backend=backend, precision=precision, ctx=longest, active_layers=[],
+                    kv_cache="f32", prefill_rows=longest)
     xs = [engine.embed_rows(t[: engine.ctx]) for t in ids]
     sums = np.zeros((cfg.num_layers, len(prompts)))
     qd, vd = cfg.q_dim, cfg.q_dim + cfg.kv_dim

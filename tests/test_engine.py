@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 
@@ -142,17 +144,45 @@ def test_q4_1_logits_equal_transformers_on_its_weights(precision, tiny_models, t
         assert 0.001 < max(errs) < 0.2, errs
 
 
-def test_prefill_in_chunks_equals_one_chunk(tiny_models, tmp_path, monkeypatch, rng):
-    from nerva_cli import engine as engine_mod
-
+def test_prefill_in_chunks_equals_one_chunk(tiny_models, tmp_path, rng):
     model = pull(str(tiny_models("qwen2")), variant="f16", out=tmp_path / "m")
     ids = list(rng.integers(0, 384, size=40))
     # the f32 cache: with f16, a K value that f32 noise moves across an f16 rounding boundary
     # would move the logits by up to 2^-11 of its share, past this bound
     whole = Engine(model, ctx=128, kv_cache="f32").prefill(ids, all_logits=True)
-    monkeypatch.setattr(engine_mod, "PREFILL_CHUNK", 7)
-    chunked = Engine(model, ctx=128, kv_cache="f32").prefill(ids, all_logits=True)
+    engine = Engine(model, ctx=128, kv_cache="f32", prefill_rows=7)
+    assert engine.prefill_chunk == 7
+    chunked = engine.prefill(ids, all_logits=True)
     assert rel_err(chunked, whole) < 1e-5  # same math; only BLAS blocking differs
+
+
+@pytest.mark.parametrize("family,variant,precision", [
+    ("qwen2", "q4_0", "w4a8"), ("qwen3", "q4_1", "w4a16"), ("llama-untied", "f16", None)])
+def test_prefill_allocates_only_its_logits(family, variant, precision, tiny_models, tmp_path, rng):
+    """Every buffer a prompt needs is in the workspace the plan counts: over a prompt of three
+    128-token chunks, traced memory rises by the logits row prefill returns and at most 8 KiB
+    more, under the smallest buffer a chunk needs (its K rows, 16 KiB); the views and argument
+    tuples of a layer's calls measured 5.5 KiB at once. The f16 cache, so K and V are widened in
+    the workspace too."""
+    from nerva_cli.arena import PrefillWorkspace
+
+    model = pull(str(tiny_models(family)), variant=variant, out=tmp_path / "m")
+    engine = Engine(model, precision=precision, ctx=400, prefill_rows=128)
+    assert engine.pw.nbytes == PrefillWorkspace.size(model.config, 128, 400)
+    ids = [int(t) for t in rng.integers(0, 384, size=300)]
+    for _ in range(2):  # numba's first calls; then one-time entries in NumPy's and numba's caches
+        engine.prefill(ids)
+        engine.reset()
+    tracemalloc.start()
+    try:
+        start, _ = tracemalloc.get_traced_memory()
+        engine.prefill(ids)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    logits = 4 * model.config.vocab_size
+    assert 128 * model.config.kv_dim * 4 >= 16 << 10
+    assert logits <= peak - start <= logits + (8 << 10)
 
 
 @pytest.mark.parametrize("variant", ["q4_0", "q4_1"])

@@ -139,6 +139,15 @@ def test_add_rmsnorm(rng, shape):
     assert rel(got, want) < sum_tol(shape[-1])
 
 
+@pytest.mark.parametrize("shape", [(960,), (37, 160)])
+def test_add_rows(rng, shape):
+    x, b = randn(rng, *shape), randn(rng, shape[-1])
+    want, got = x.copy(), x.copy()
+    ref.add_rows(want, b)
+    cpu.add_rows(got, b)
+    assert np.array_equal(got, want) and np.array_equal(want, x + b)  # one IEEE add per element: exact
+
+
 @pytest.mark.parametrize("T,heads,head_dim", [(1, 9, 64), (1, 3, 64), (5, 4, 32), (37, 2, 128)])
 def test_rope(rng, T, heads, head_dim):
     cos, sin = rope_tables(600, head_dim)
@@ -587,8 +596,13 @@ def test_attention_prefill(rng, heads, kv_heads, head_dim, T, start, cache):
     k, v = (2 * randn(rng, n, kv_heads, head_dim)).astype(dtype), randn(rng, n, kv_heads, head_dim).astype(dtype)
     want, got = np.empty_like(q), np.empty_like(q)
     ref.attention_prefill(q, k, v, start, want)
-    cpu.attention_prefill(q, k, v, start, got)
+    # work sized for a longer cache, as the engine's, and full of noise: nothing may read it unwritten
+    work = randn(rng, ref.attention_prefill_work(T, n + 50, heads, kv_heads, head_dim))
+    cpu.attention_prefill(q, k, v, start, got, work)
     assert rel(got, want) < ATT_TOL
+    with pytest.raises(ValueError, match="work holds"):
+        cpu.attention_prefill(q, k, v, start, got, work[: ref.attention_prefill_work(T, n, heads, kv_heads, head_dim)
+                                                         - 1])
     # causal: query t is decode attention over the first start + t + 1 positions
     step = np.empty((heads, head_dim), np.float32)
     for t in range(T):

@@ -9,7 +9,8 @@ import pytest
 
 jsonschema = pytest.importorskip("jsonschema")  # a [test] requirement; not on every GPU machine
 
-from nerva_cli.engine import Arena, Engine, residency_plan
+from nerva_cli.arena import Arena
+from nerva_cli.engine import Engine, residency_plan
 from nerva_cli.pull import pull
 
 AVAIL = {"type": "object", "required": ["available", "reason"],

@@ -32,6 +32,8 @@ from numba import njit, prange, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
+from .ref import attention_prefill_work  # noqa: E402  (one size rule for every backend)
+
 F32 = np.float32
 _FAST = {"reassoc", "contract"}
 
@@ -99,6 +101,16 @@ def add_rmsnorm(x, residual, w, eps, out):
         inv = F32(1) / np.sqrt(ss / F32(n) + F32(eps))
         for i in range(n):
             out2[t, i] = res2[t, i] * inv * w[i]
+
+
+@njit(cache=True, nogil=True, fastmath=_FAST)
+def add_rows(x, b):
+    # NumPy's broadcasting `x += b` takes a 32 KB buffer a call (its ufunc buffer); this none.
+    n = b.shape[0]
+    x2 = x.reshape(-1, n)
+    for t in range(x2.shape[0]):
+        for i in range(n):
+            x2[t, i] += b[i]
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
@@ -840,33 +852,58 @@ def _widen_f16(bits, out):
         o[i] = _half_to_f32(b[i])
 
 
-def _widened(a):
-    """An f16 array as a new f32 array."""
-    out = np.empty(a.shape, F32)
-    _widen_f16(np.ascontiguousarray(a).view(np.uint16), out)
-    return out
-
-
-def attention_prefill(q, k, v, start, out):
-    # BLAS per kv head: the `group` query heads that share it go through one batched matmul.
-    # Positions before the chunk are visible to every query, so the causal mask is a [T, T]
-    # triangle added to the chunk's own columns (30x faster than boolean indexing at T = 512).
+def attention_prefill(q, k, v, start, out, work):
+    # BLAS per kv head: the `group` query heads that share it go through one batched matmul into
+    # `work`, then _causal_softmax turns each row's visible scores into weights and zeroes the
+    # rest, and a second matmul takes the weighted values. An f16 cache is widened for BLAS
+    # into `work` too (a copy a layer a chunk: prefill only).
     T, heads, dim = q.shape
-    k, v = k[: start + T], v[: start + T]  # a longer cache holds no positions this chunk sees
-    if k.dtype != F32:  # an f16 cache, widened for BLAS (a copy a layer a chunk: prefill only)
-        k, v = _widened(k), _widened(v)
-    group = heads // k.shape[1]
+    n, kv_heads = start + T, k.shape[1]
+    group = heads // kv_heads
+    if work.size < attention_prefill_work(T, n, heads, kv_heads, dim):
+        raise ValueError(f"attention_prefill: work holds {work.size} floats, "
+                         f"{attention_prefill_work(T, n, heads, kv_heads, dim)} needed")
+    s = work[: group * T * n].reshape(group, T, n)
+    pv = work[group * T * n: group * T * (n + dim)].reshape(group, T, dim)
+    k, v = k[:n], v[:n]  # a longer cache holds no positions this chunk sees
+    if k.dtype != F32:
+        wide = work[group * T * (n + dim):]
+        k_f32, v_f32 = wide[: n * kv_heads * dim].reshape(k.shape), wide[n * kv_heads * dim: 2 * n * kv_heads * dim]
+        _widen_f16(k.view(np.uint16), k_f32)
+        _widen_f16(v.view(np.uint16), v_f32.reshape(v.shape))
+        k, v = k_f32, v_f32.reshape(v.shape)
     scale = F32(1.0 / np.sqrt(dim))
-    future = np.triu(np.full((T, T), -np.inf, dtype=F32), k=1)
-    for g in range(k.shape[1]):
+    for g in range(kv_heads):
         hs = slice(g * group, (g + 1) * group)
-        s = np.matmul(q[:, hs].transpose(1, 0, 2), k[:, g].T)  # [group, T, start + T]
-        s *= scale
-        s[:, :, start:] += future
-        s -= s.max(axis=2, keepdims=True)
-        np.exp(s, out=s)
-        s /= s.sum(axis=2, keepdims=True)
-        out[:, hs] = np.matmul(s, v[:, g]).transpose(1, 0, 2)
+        np.matmul(q[:, hs].transpose(1, 0, 2), k[:, g].T, out=s)
+        _causal_softmax(s, start, scale)
+        np.matmul(s, v[:, g], out=pv)
+        out[:, hs] = pv.transpose(1, 0, 2)
+
+
+@njit(cache=True, nogil=True, fastmath=_FAST)
+def _causal_softmax(s, start, scale):
+    # Row t of a [group, T, n] block of scores is query start + t's: its first start + t + 1
+    # entries become softmax weights of the scaled scores, the rest (the future) 0. Serial, as
+    # _dequantize_q4 and for its reason: between two GEMMs a parallel version measured 8 ms
+    # where it takes 0.06 alone ([3, 256, 256], 2 cores).
+    group, T, n = s.shape
+    for r in range(group * T):
+        row = s[r // T, r % T]
+        seen = start + r % T + 1
+        m = F32(-np.inf)
+        for j in range(seen):
+            row[j] *= scale
+            m = max(m, row[j])
+        total = F32(0)
+        for j in range(seen):
+            row[j] = _exp_nonpositive(row[j] - m)
+            total += row[j]
+        inv = F32(1) / total
+        for j in range(seen):
+            row[j] *= inv
+        for j in range(seen, n):
+            row[j] = 0
 
 
 # -- host sampling --------------------------------------------------------------------------

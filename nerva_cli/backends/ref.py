@@ -33,6 +33,11 @@ def add_rmsnorm(x, residual, w, eps, out):
     rmsnorm(residual, w, eps, out)
 
 
+def add_rows(x, b):
+    """x [..., n] += b [n] on every row (a projection's bias)."""
+    x += b
+
+
 def rope(x, pos, cos, sin):
     """Rotates x [T, heads, head_dim] in place, NeoX "rotate_half" pairing (i, i + half), with
     cos/sin [max_pos, head_dim/2] at rows pos [T]. Any C-contiguous x holding T * heads *
@@ -144,10 +149,19 @@ def attention_decode(q, k_cache, v_cache, n_ctx, out):
         out[h] = (p / p.sum()) @ v
 
 
-def attention_prefill(q, k, v, start, out):
+def attention_prefill_work(T, n, heads, kv_heads, head_dim):
+    """Float32 elements attention_prefill's `work` holds for T queries over up to n cache
+    positions: a kv head's scores [group, T, n] and output [group, T, head_dim], and K and V
+    widened from an f16 cache. The cpu backend computes in it; ref allocates its own."""
+    group = heads // kv_heads
+    return group * T * (n + head_dim) + 2 * n * kv_heads * head_dim
+
+
+def attention_prefill(q, k, v, start, out, work=None):
     """Causal attention for a chunk: query t (position start + t) sees positions 0..start + t.
 
-    q [T, heads, head_dim], k/v [start + T, kv_heads, head_dim], out [T, heads, head_dim].
+    q [T, heads, head_dim], k/v [start + T, kv_heads, head_dim], out [T, heads, head_dim];
+    work: see attention_prefill_work (unused here).
     """
     T, heads, head_dim = q.shape
     n = k.shape[0]

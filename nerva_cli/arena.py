@@ -1,0 +1,118 @@
+"""The engine's buffers, made once: Arena holds what decode touches, PrefillWorkspace what a
+prompt chunk does. Each says its size without allocating, so the residency plan (and `nerva
+topology --model`) counts exactly the bytes `run` will make."""
+
+from __future__ import annotations
+
+from math import prod
+
+import numpy as np
+
+from nerva_cli.config import ModelConfig
+from nerva_cli.quant import QK
+
+KV_CACHE_TYPES = {"f16": np.float16, "f32": np.float32}
+
+
+class Arena:
+    """Every buffer decode touches, allocated once (llama2.c's RunState). The KV cache is f16 by
+    default, as llama.cpp's and the GPU plane's: half the bytes that long-context decode streams
+    and that a RAM budget must hold, for one rounding (2^-11 relative) of each cached value."""
+
+    def __init__(self, cfg: ModelConfig, ctx: int, kv_cache: str = "f16"):
+        h, f = cfg.hidden_size, cfg.intermediate_size
+        z = lambda *shape: np.zeros(shape, dtype=np.float32)  # noqa: E731
+        self.x, self.xn = z(h), z(h)
+        q, kv = cfg.q_dim, cfg.kv_dim
+        self.qkv = z(q + 2 * kv)  # the fused projection's output; q, k, v are views into it
+        self.q = self.qkv[:q].reshape(cfg.num_heads, cfg.head_dim)
+        self.k = self.qkv[q:q + kv].reshape(cfg.num_kv_heads, cfg.head_dim)
+        self.v = self.qkv[q + kv:].reshape(cfg.num_kv_heads, cfg.head_dim)
+        self.attn, self.o = z(cfg.num_heads, cfg.head_dim), z(h)
+        self.gate_up, self.act, self.down = z(2 * f), z(f), z(h)
+        self.gate, self.up = self.gate_up[:f], self.gate_up[f:]
+        self.q_flat, self.k_flat, self.v_flat = self.qkv[:q], self.qkv[q:q + kv], self.qkv[q + kv:]
+        self.logits = z(cfg.vocab_size)
+        widest = max(h, f, cfg.q_dim)
+        self.xq = np.zeros(widest, dtype=np.int8)
+        self.xd = z(widest // QK)
+        self.xs = np.zeros(widest // QK, dtype=np.int32)
+        self.pos = np.zeros(1, dtype=np.int64)
+        # views made once: a view made per call is a Python object per call on the hot path
+        self.attn_flat = self.attn.reshape(-1)
+        self.q_rows = self.q.reshape(1, cfg.num_heads, cfg.head_dim)
+        self.k_rows = self.k.reshape(1, cfg.num_kv_heads, cfg.head_dim)
+        self.act_q8 = {n: (self.xq[:n], self.xd[: n // QK], self.xs[: n // QK])
+                       for n in {h, f, cfg.q_dim}}
+        kv_type = KV_CACHE_TYPES[kv_cache]
+        self.k_cache = [np.zeros((ctx, cfg.num_kv_heads, cfg.head_dim), kv_type) for _ in range(cfg.num_layers)]
+        self.v_cache = [np.zeros((ctx, cfg.num_kv_heads, cfg.head_dim), kv_type) for _ in range(cfg.num_layers)]
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(a.nbytes for a in self.k_cache + self.v_cache)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in vars(self).values() if isinstance(v, np.ndarray) and v.base is None) \
+            + self.kv_bytes
+
+    @staticmethod
+    def sizes(cfg: ModelConfig, ctx: int, kv_cache: str = "f16") -> tuple[int, int]:
+        """(kv_bytes, nbytes) of the arena __init__ would make, without making it."""
+        h, f = cfg.hidden_size, cfg.intermediate_size
+        widest = max(h, f, cfg.q_dim)
+        f32 = (2 * h + cfg.q_dim + 2 * cfg.kv_dim + cfg.num_heads * cfg.head_dim + h + 3 * f + h
+               + cfg.vocab_size + widest // QK)
+        kv = cfg.num_layers * 2 * ctx * cfg.num_kv_heads * cfg.head_dim * np.dtype(KV_CACHE_TYPES[kv_cache]).itemsize
+        return kv, 4 * f32 + widest + 4 * (widest // QK) + 8 + kv  # + xq (int8), xs (int32), pos (int64)
+
+
+def scratch_elements(cfg: ModelConfig) -> int:
+    """Prefill's dequantisation scratch: the widest (fused) weight matrix, in f32 elements."""
+    return max((cfg.q_dim + 2 * cfg.kv_dim) * cfg.hidden_size, 2 * cfg.intermediate_size * cfg.hidden_size,
+               cfg.hidden_size * cfg.q_dim)
+
+
+
+
+class PrefillWorkspace:
+    """Every buffer prefill writes for a chunk of up to `rows` prompt tokens over a cache of
+    `ctx` positions: the chunk's hidden states and each projection's output, W4A8's
+    fake-quantised activations, attention_prefill's work, and the dequantised weight matrix the
+    GEMMs read. A prompt then allocates nothing per layer, and its memory is in the plan; pages
+    a short prompt never reaches are never touched."""
+
+    def __init__(self, cfg: ModelConfig, rows: int, ctx: int):
+        self.rows = rows
+        self.bufs = {name: np.empty(n, dtype) for name, (n, dtype) in self.layout(cfg, rows, ctx).items()}
+        self.iota = self.bufs["iota"]  # 0..rows-1: a chunk's positions are start + these
+        self.iota[:] = np.arange(rows)
+
+    @staticmethod
+    def layout(cfg: ModelConfig, rows: int, ctx: int) -> dict[str, tuple[int, type]]:
+        from nerva_cli.backends.ref import attention_prefill_work
+
+        h, f, q, kv, R = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim, rows
+        f32 = {"x": R * h, "xn": R * h, "qkv": R * (q + 2 * kv), "q": R * q, "k": R * kv, "attn": R * q,
+               "proj": R * h,  # o's and down's outputs, before the residual add
+               "gate_up": 2 * R * f, "gate": R * f, "up": R * f, "act": R * f,
+               "xq": R * max(h, q, f),
+               "attention": attention_prefill_work(R, ctx, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+               "dequant": scratch_elements(cfg)}
+        return {**{k: (n, np.float32) for k, n in f32.items()}, "pos": (R, np.int64), "iota": (R, np.int64)}
+
+    @classmethod
+    def size(cls, cfg: ModelConfig, rows: int, ctx: int) -> int:
+        return sum(n * np.dtype(t).itemsize for n, t in cls.layout(cfg, rows, ctx).values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.bufs.values())
+
+    def take(self, name: str, *shape: int) -> np.ndarray:
+        """The front of buffer `name` as a contiguous array of `shape`."""
+        buf = self.bufs[name]
+        if prod(shape) > buf.size:
+            raise ValueError(f"prefill workspace: {name} holds {buf.size} elements, {shape} asked")
+        return buf[: prod(shape)].reshape(shape)
