@@ -8,6 +8,7 @@ from math import prod
 
 import numpy as np
 
+from nerva_cli.backends.ref import attention_decode_partials, attention_prefill_work
 from nerva_cli.config import ModelConfig
 from nerva_cli.quant import QK
 
@@ -44,6 +45,7 @@ class Arena:
         self.k_rows = self.k.reshape(1, cfg.num_kv_heads, cfg.head_dim)
         self.act_q8 = {n: (self.xq[:n], self.xd[: n // QK], self.xs[: n // QK])
                        for n in {h, f, cfg.q_dim}}
+        self.att_part = z(*attention_decode_partials(ctx, cfg.num_heads, cfg.head_dim))
         kv_type = KV_CACHE_TYPES[kv_cache]
         self.k_cache = [np.zeros((ctx, cfg.num_kv_heads, cfg.head_dim), kv_type) for _ in range(cfg.num_layers)]
         self.v_cache = [np.zeros((ctx, cfg.num_kv_heads, cfg.head_dim), kv_type) for _ in range(cfg.num_layers)]
@@ -65,6 +67,7 @@ class Arena:
         f32 = (2 * h + cfg.q_dim + 2 * cfg.kv_dim + cfg.num_heads * cfg.head_dim + h + 3 * f + h
                + cfg.vocab_size + widest // QK)
         kv = cfg.num_layers * 2 * ctx * cfg.num_kv_heads * cfg.head_dim * np.dtype(KV_CACHE_TYPES[kv_cache]).itemsize
+        f32 += prod(attention_decode_partials(ctx, cfg.num_heads, cfg.head_dim))
         return kv, 4 * f32 + widest + 4 * (widest // QK) + 8 + kv  # + xq (int8), xs (int32), pos (int64)
 
 
@@ -91,8 +94,6 @@ class PrefillWorkspace:
 
     @staticmethod
     def layout(cfg: ModelConfig, rows: int, ctx: int) -> dict[str, tuple[int, type]]:
-        from nerva_cli.backends.ref import attention_prefill_work
-
         h, f, q, kv, R = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim, rows
         f32 = {"x": R * h, "xn": R * h, "qkv": R * (q + 2 * kv), "q": R * q, "k": R * kv, "attn": R * q,
                "proj": R * h,  # o's and down's outputs, before the residual add

@@ -349,7 +349,7 @@ class Engine(EngineBase):
         k.rope(a.k_rows, a.pos, self.cos, self.sin)
         a.k_cache[layer.index][pos] = a.k
         a.v_cache[layer.index][pos] = a.v
-        k.attention_decode(a.q, a.k_cache[layer.index], a.v_cache[layer.index], pos + 1, a.attn)
+        k.attention_decode(a.q, a.k_cache[layer.index], a.v_cache[layer.index], pos + 1, a.attn, a.att_part)
         if w4a8:
             self._quantize_input(a.attn_flat)
         self._matvec(m["o"], a.attn_flat, a.o, layer.precision)

@@ -507,7 +507,8 @@ def test_attention_decode(rng, heads, kv_heads, head_dim, n_ctx, cache):
     k[:n_ctx], v[:n_ctx] = 2 * randn(rng, n_ctx, kv_heads, head_dim), randn(rng, n_ctx, kv_heads, head_dim)
     want, got = np.empty_like(q), np.empty_like(q)
     ref.attention_decode(q, k, v, n_ctx, want)
-    cpu.attention_decode(q, k, v, n_ctx, got)
+    part = np.full(ref.attention_decode_partials(max_ctx, heads, head_dim), np.nan, np.float32)  # written first
+    cpu.attention_decode(q, k, v, n_ctx, got, part)
     assert rel(got, want) < ATT_TOL
     group = heads // kv_heads
     ind = np.stack([attention_f64(q[h:h + 1], k[:n_ctx, h // group].astype(np.float64),
@@ -529,7 +530,7 @@ def test_attention_decode_score_ramps(rng, direction):
     v = randn(rng, n, kv_heads, dim)
     want, got = np.empty_like(q), np.empty_like(q)
     ref.attention_decode(q, k, v, n, want)
-    cpu.attention_decode(q, k, v, n, got)
+    cpu.attention_decode(q, k, v, n, got, np.empty(ref.attention_decode_partials(n, heads, dim), np.float32))
     assert rel(got, want) < ATT_TOL
 
 

@@ -32,7 +32,7 @@ from numba import njit, prange, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from .ref import attention_prefill_work  # noqa: E402  (one size rule for every backend)
+from .ref import ATT_SPLIT_MIN, attention_prefill_work  # noqa: E402  (one size rule for every backend)
 
 F32 = np.float32
 _FAST = {"reassoc", "contract"}
@@ -718,20 +718,14 @@ def silu_mul(gate, up, out):
         o1[i] = g * ((F32(1) if g >= 0 else e) / (F32(1) + e)) * u1[i]
 
 
-_ATT_CHUNK = 64
+_ATT_CHUNK = ATT_SPLIT_MIN  # positions a chunk of scores covers; a split takes whole chunks
 _ATT_MAX_DIM = 256  # config.MAX_HEAD_DIM
 _ATT_SPLIT_BYTES = 256 << 10  # K and V bytes a split of positions covers, at most (L2 is 512 KB up)
-_partials: dict = {}  # (cache shape, dtype, heads) -> attention_decode's per-split partials, made once
 
 
-def attention_decode(q, k_cache, v_cache, n_ctx, out):
-    """k_cache, v_cache: the layer's whole cache [ctx, kv_heads, head_dim], of which n_ctx rows count."""
-    key = (k_cache.shape, k_cache.dtype, q.shape[0])
-    part = _partials.get(key)
-    if part is None:  # room for the most splits this cache can take at any thread count
-        row_bytes = 2 * k_cache.shape[1] * k_cache.shape[2] * k_cache.itemsize
-        most = decode_splits(k_cache.shape[0], row_bytes, numba.config.NUMBA_NUM_THREADS)
-        part = _partials[key] = np.empty((most, *q.shape[:1], q.shape[1] + 2), F32)
+def attention_decode(q, k_cache, v_cache, n_ctx, out, part):
+    """k_cache, v_cache: the layer's whole cache [ctx, kv_heads, head_dim], of which n_ctx rows
+    count; part: attention_decode_partials(ctx, heads, head_dim) floats, the splits' partials."""
     _attention_decode(q, _cache_operand(k_cache), _cache_operand(v_cache), n_ctx, out, part, _threads[0])
 
 

@@ -135,9 +135,20 @@ def silu_mul(gate, up, out):
         out[...] = gate / (F32(1.0) + np.exp(-gate)) * up
 
 
-def attention_decode(q, k_cache, v_cache, n_ctx, out):
+ATT_SPLIT_MIN = 64  # positions a split of decode attention covers at least
+
+
+def attention_decode_partials(ctx, heads, head_dim):
+    """Shape of attention_decode's `part` for a cache of ctx positions: room for the most splits
+    of the positions (one every ATT_SPLIT_MIN), each leaving per head its weighted value sums,
+    max score and weight total. The cpu backend merges splits through it; ref needs none."""
+    return (ctx + ATT_SPLIT_MIN - 1) // ATT_SPLIT_MIN, heads, head_dim + 2
+
+
+def attention_decode(q, k_cache, v_cache, n_ctx, out, part=None):
     """One query per head over cache positions 0..n_ctx-1; GQA: head h reads kv head h // group.
-    The cache may be f16 or f32: NumPy widens f16 exactly when it meets the f32 query."""
+    The cache may be f16 or f32: NumPy widens f16 exactly when it meets the f32 query.
+    part: see attention_decode_partials (unused here)."""
     heads, head_dim = q.shape
     group = heads // k_cache.shape[1]
     scale = F32(1.0 / np.sqrt(head_dim))
