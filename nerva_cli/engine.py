@@ -392,12 +392,22 @@ class Engine(EngineBase):
         return self._logits_rows(x[-1:])[0]
 
     def _dense(self, lin: Linear, x: np.ndarray, precision: str, out: np.ndarray) -> None:
-        """out [T, rows] = x [T, cols] times lin transposed: dequantise, then GEMM; W4A8 quantises
-        the activations per 32-group first, which gives the same products as the integer kernel."""
-        w = lin.w if lin.w is not None else self._dequant(lin)
-        if precision == "w4a8" and lin.w is None:
+        """out [T, rows] = x [T, cols] times lin transposed. A quantised matrix is dequantised a
+        slice of rows at a time into the workspace (scratch_elements), each slice's GEMM writing
+        its columns of out; W4A8 quantises the activations per 32-group first, which gives the
+        same products as the integer kernel."""
+        if lin.w is not None:
+            np.matmul(x, lin.w.T, out=out)
+            return
+        if precision == "w4a8":
             x = self._fake_quant(x)
-        np.matmul(x, w.T, out=out)
+        step = self.pw.bufs["dequant"].size // lin.cols
+        if step >= lin.rows:
+            np.matmul(x, self._dequant(lin).T, out=out)
+            return
+        for r in range(0, lin.rows, step):
+            part = lin.rows_slice(r, r + step)
+            np.matmul(x, self._dequant(part).T, out=out[:, r:r + part.rows])
 
     def _fake_quant(self, x: np.ndarray) -> np.ndarray:
         out = self.pw.take("xq", *x.shape)
@@ -482,21 +492,11 @@ class Engine(EngineBase):
         x += proj
 
     def _logits_rows(self, x: np.ndarray) -> np.ndarray:
-        """Final norm + lm_head for a few rows (prefill), into a new [rows, vocab] array;
-        dequantises lm_head in slices of rows."""
+        """Final norm + lm_head for a few rows (prefill), into a new [rows, vocab] array."""
         xn = self.pw.take("xn", *x.shape)
         self.k.rmsnorm(np.ascontiguousarray(x), self.final_norm, self.cfg.rms_eps, xn)
-        head = self.lm_head
-        out = np.empty((x.shape[0], head.rows), dtype=np.float32)
-        if head.w is not None:
-            np.matmul(xn, head.w.T, out=out)
-            return out
-        if self.precision == "w4a8":
-            xn = self._fake_quant(xn)
-        step = max(1, self.pw.bufs["dequant"].size // head.cols)
-        for r in range(0, head.rows, step):
-            sl = head.rows_slice(r, r + step)
-            np.matmul(xn, self._dequant(sl).T, out=out[:, r:r + sl.rows])
+        out = np.empty((x.shape[0], self.lm_head.rows), dtype=np.float32)
+        self._dense(self.lm_head, xn, "w4a8" if self.precision == "w4a8" else "w4a16", out)
         return out
 
     @property

@@ -156,6 +156,22 @@ def test_prefill_in_chunks_equals_one_chunk(tiny_models, tmp_path, rng):
     assert rel_err(chunked, whole) < 1e-5  # same math; only BLAS blocking differs
 
 
+@pytest.mark.parametrize("variant,precision", [("q4_0", "w4a8"), ("q4_1", "w4a16")])
+def test_prefill_dequantises_in_slices_of_rows(variant, precision, tiny_models, tmp_path, monkeypatch, rng):
+    """A scratch of one down row (160 floats) makes every matrix, lm_head's Q8_0 table too, go
+    through the GEMM in slices of 1 or 2 rows: the logits are those of whole-matrix GEMMs, to
+    f32 noise (only BLAS blocking differs)."""
+    from nerva_cli import arena
+
+    model = pull(str(tiny_models("llama-untied")), variant=variant, out=tmp_path / "m")
+    ids = [int(t) for t in rng.integers(0, 384, size=20)]
+    whole = Engine(model, precision=precision, ctx=64).prefill(ids, all_logits=True)
+    monkeypatch.setattr(arena, "DEQUANT_SLICE_BYTES", 4)
+    engine = Engine(model, precision=precision, ctx=64)
+    assert engine.pw.bufs["dequant"].size == model.config.intermediate_size == 160
+    assert rel_err(engine.prefill(ids, all_logits=True), whole) < 1e-5
+
+
 @pytest.mark.parametrize("family,variant,precision", [
     ("qwen2", "q4_0", "w4a8"), ("qwen3", "q4_1", "w4a16"), ("llama-untied", "f16", None)])
 def test_prefill_allocates_only_its_logits(family, variant, precision, tiny_models, tmp_path, rng):
