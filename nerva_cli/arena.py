@@ -104,7 +104,7 @@ class PrefillWorkspace:
         h, f, q, kv, R = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim, rows
         f32 = {"x": R * h, "xn": R * h, "qkv": R * (q + 2 * kv), "q": R * q, "k": R * kv, "attn": R * q,
                "proj": R * h,  # o's and down's outputs, before the residual add
-               "gate_up": 2 * R * f, "gate": R * f, "up": R * f, "act": R * f,
+               "gate_up": 2 * R * f, "act": R * f,
                "xq": R * max(h, q, f),
                "attention": attention_prefill_work(R, ctx, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
                "dequant": scratch_elements(cfg)}

@@ -362,7 +362,7 @@ class Engine(EngineBase):
         else:
             self._matvec(m["gate"], a.xn, a.gate, layer.precision)
             self._matvec(m["up"], a.xn, a.up, layer.precision)
-        k.silu_mul(a.gate, a.up, a.act)
+        k.silu_mul(a.gate_up, a.act)
         if w4a8:
             self._quantize_input(a.act)
         self._matvec(m["down"], a.act, a.down, layer.precision)
@@ -476,16 +476,13 @@ class Engine(EngineBase):
         self._dense(m["o"], attn.reshape(T, -1), p, proj)
         x += proj
         k.rmsnorm(x, layer.mlp_norm, cfg.rms_eps, xn)
-        gate, up, act = ws.take("gate", T, f), ws.take("up", T, f), ws.take("act", T, f)
+        gate_up, act = ws.take("gate_up", T, 2 * f), ws.take("act", T, f)
         if "gate_up" in m:
-            gate_up = ws.take("gate_up", T, 2 * f)
             self._dense(m["gate_up"], xn, p, gate_up)
-            np.copyto(gate, gate_up[:, :f])
-            np.copyto(up, gate_up[:, f:])
         else:
-            self._dense(m["gate"], xn, p, gate)
-            self._dense(m["up"], xn, p, up)
-        k.silu_mul(gate, up, act)
+            self._dense(m["gate"], xn, p, gate_up[:, :f])
+            self._dense(m["up"], xn, p, gate_up[:, f:])
+        k.silu_mul(gate_up, act)
         self._dense(m["down"], act, p, proj)
         if taps is not None:
             taps["mlp"] = proj.copy()

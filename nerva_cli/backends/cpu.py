@@ -706,16 +706,19 @@ def _exp_nonpositive(x):
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST, error_model="numpy")
-def silu_mul(gate, up, out):
+def silu_mul(gate_up, out):
     # silu(g) = g sigmoid(g), the sigmoid from e = exp(-|g|) <= 1: 1 / (1 + e) for g >= 0 and
     # e / (1 + e) below, so the one exp takes a non-positive argument and the loop vectorises
     # (_exp_nonpositive; libm's exp kept it scalar, and so did numba's zero-divisor check, which
-    # error_model="numpy" drops: 1 + e >= 1). 1536 elements: 7.1 -> 1.3 us.
-    g1, u1, o1 = gate.reshape(-1), up.reshape(-1), out.reshape(-1)
-    for i in range(g1.shape[0]):
-        g = g1[i]
-        e = _exp_nonpositive(-abs(g))
-        o1[i] = g * ((F32(1) if g >= 0 else e) / (F32(1) + e)) * u1[i]
+    # error_model="numpy" drops: 1 + e >= 1). 1536 elements: 7.1 -> 1.3 us. Rows of the fused
+    # gate/up output are read in place: prefill copied the halves out first.
+    f = out.shape[-1]
+    gu, o2 = gate_up.reshape(-1, 2 * f), out.reshape(-1, f)
+    for t in range(o2.shape[0]):
+        for i in range(f):
+            g = gu[t, i]
+            e = _exp_nonpositive(-abs(g))
+            o2[t, i] = g * ((F32(1) if g >= 0 else e) / (F32(1) + e)) * gu[t, f + i]
 
 
 _ATT_CHUNK = ATT_SPLIT_MIN  # positions a chunk of scores covers; a split takes whole chunks

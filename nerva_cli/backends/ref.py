@@ -129,8 +129,11 @@ def matvec_f32(w, x, out):
     np.dot(w, x, out=out)
 
 
-def silu_mul(gate, up, out):
-    """out = silu(gate) * up = gate * sigmoid(gate) * up."""
+def silu_mul(gate_up, out):
+    """out [..., f] = silu(gate) * up = gate * sigmoid(gate) * up, where gate_up [..., 2f] holds
+    each row's gate in its first half and up in its second (the fused projection's output)."""
+    f = out.shape[-1]
+    gate, up = gate_up[..., :f], gate_up[..., f:]
     with np.errstate(over="ignore"):  # exp(-gate) -> inf for gate < -88 gives the right 0
         out[...] = gate / (F32(1.0) + np.exp(-gate)) * up
 
