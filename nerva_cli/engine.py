@@ -391,35 +391,45 @@ class Engine(EngineBase):
             return outs[0] if len(outs) == 1 else np.concatenate(outs)
         return self._logits_rows(x[-1:])[0]
 
-    def _dense(self, lin: Linear, x: np.ndarray, precision: str, out: np.ndarray) -> None:
-        """out [T, rows] = x [T, cols] times lin transposed. A quantised matrix is dequantised a
-        slice of rows at a time into the workspace (scratch_elements), each slice's GEMM writing
-        its columns of out; W4A8 quantises the activations per 32-group first, which gives the
-        same products as the integer kernel."""
-        if lin.w is not None:
-            np.matmul(x, lin.w.T, out=out)
-            return
-        if precision == "w4a8":
+    def _dense(self, mats: list[Linear], x: np.ndarray, precision: str, out: np.ndarray) -> None:
+        """out [T, rows] = x [T, cols] times the matrices `mats`, stacked by rows, transposed.
+        The rows go through in slices that fill the workspace's scratch (scratch_elements),
+        dequantised there, whichever matrices they come from: a paged layer's unfused q/k/v and
+        gate/up then run the very GEMMs a resident layer's fused ones do (OpenBLAS's sums depend
+        on a GEMM's shape), so paging changes no bit. W4A8 quantises the activations per
+        32-group first, which gives the same products as the integer kernel."""
+        if mats[0].w is None and precision == "w4a8":
             x = self._fake_quant(x)
-        step = self.pw.bufs["dequant"].size // lin.cols
-        if step >= lin.rows:
-            np.matmul(x, self._dequant(lin).T, out=out)
-            return
-        for r in range(0, lin.rows, step):
-            part = lin.rows_slice(r, r + step)
-            np.matmul(x, self._dequant(part).T, out=out[:, r:r + part.rows])
+        total = sum(lin.rows for lin in mats)
+        step = self.pw.bufs["dequant"].size // mats[0].cols
+        for r in range(0, total, step):
+            stop = min(r + step, total)
+            np.matmul(x, self._stacked_rows(mats, r, stop).T, out=out[:, r:stop])
+
+    def _stacked_rows(self, mats: list[Linear], start: int, stop: int) -> np.ndarray:
+        """Rows start..stop of the stacked matrices in f32: a view when one f32 matrix holds them
+        all, else dequantised (or copied) into the workspace's scratch."""
+        if len(mats) == 1 and mats[0].w is not None:
+            return mats[0].w[start:stop]
+        out = self.pw.take("dequant", stop - start, mats[0].cols)
+        lo = 0
+        for lin in mats:
+            a, b = max(start, lo), min(stop, lo + lin.rows)
+            if a < b:
+                dst = out[a - start:b - start]
+                if lin.w is not None:
+                    np.copyto(dst, lin.w[a - lo:b - lo])
+                elif lin.q8 is not None:
+                    self.k.dequantize_q8(lin.q8[a - lo:b - lo], lin.d[a - lo:b - lo], dst)
+                else:
+                    part = lin.rows_slice(a - lo, b - lo)
+                    self.k.dequantize_q4(part.qs, part.d, part.m, dst)
+            lo += lin.rows
+        return out
 
     def _fake_quant(self, x: np.ndarray) -> np.ndarray:
         out = self.pw.take("xq", *x.shape)
         self.k.fake_quantize_q8(np.ascontiguousarray(x), out)
-        return out
-
-    def _dequant(self, lin: Linear) -> np.ndarray:
-        out = self.pw.take("dequant", lin.rows, lin.cols)
-        if lin.q8 is not None:
-            self.k.dequantize_q8(lin.q8, lin.d, out)
-        else:
-            self.k.dequantize_q4(lin.qs, lin.d, lin.m, out)
         return out
 
     def _prefill_chunk(self, tokens: list[int]) -> np.ndarray:
@@ -449,11 +459,7 @@ class Engine(EngineBase):
         xn = ws.take("xn", T, h)
         k.rmsnorm(x, layer.attn_norm, cfg.rms_eps, xn)
         qkv = ws.take("qkv", T, qd + 2 * kvd)
-        if "qkv" in m:
-            self._dense(m["qkv"], xn, p, qkv)
-        else:
-            for name, lo, hi in (("q", 0, qd), ("k", qd, qd + kvd), ("v", qd + kvd, qd + 2 * kvd)):
-                self._dense(m[name], xn, p, qkv[:, lo:hi])
+        self._dense([m["qkv"]] if "qkv" in m else [m["q"], m["k"], m["v"]], xn, p, qkv)
         if layer.qkv_bias is not None:
             k.add_rows(qkv, layer.qkv_bias)
         if taps is not None:
@@ -473,17 +479,13 @@ class Engine(EngineBase):
         attn = ws.take("attn", T, cfg.num_heads, cfg.head_dim)
         k.attention_prefill(q, kc[: start + T], vc[: start + T], start, attn, ws.bufs["attention"])
         proj = ws.take("proj", T, h)
-        self._dense(m["o"], attn.reshape(T, -1), p, proj)
+        self._dense([m["o"]], attn.reshape(T, -1), p, proj)
         x += proj
         k.rmsnorm(x, layer.mlp_norm, cfg.rms_eps, xn)
         gate_up, act = ws.take("gate_up", T, 2 * f), ws.take("act", T, f)
-        if "gate_up" in m:
-            self._dense(m["gate_up"], xn, p, gate_up)
-        else:
-            self._dense(m["gate"], xn, p, gate_up[:, :f])
-            self._dense(m["up"], xn, p, gate_up[:, f:])
+        self._dense([m["gate_up"]] if "gate_up" in m else [m["gate"], m["up"]], xn, p, gate_up)
         k.silu_mul(gate_up, act)
-        self._dense(m["down"], act, p, proj)
+        self._dense([m["down"]], act, p, proj)
         if taps is not None:
             taps["mlp"] = proj.copy()
         x += proj
@@ -493,7 +495,7 @@ class Engine(EngineBase):
         xn = self.pw.take("xn", *x.shape)
         self.k.rmsnorm(np.ascontiguousarray(x), self.final_norm, self.cfg.rms_eps, xn)
         out = np.empty((x.shape[0], self.lm_head.rows), dtype=np.float32)
-        self._dense(self.lm_head, xn, "w4a8" if self.precision == "w4a8" else "w4a16", out)
+        self._dense([self.lm_head], xn, "w4a8" if self.precision == "w4a8" else "w4a16", out)
         return out
 
     @property

@@ -104,6 +104,8 @@ def test_paged_decode_equals_resident_at_30_percent(variant, policy, deep_tiny, 
         extra = s.disk_bytes - passes * paged.plan.paged_bytes_per_token
         # exactly the paged bytes per pass; the ring may have read up to its slots ahead
         assert 0 <= extra <= paged.plan.slots * paged.plan.slot_bytes * (policy == "ring"), s
+        full.reset(), paged.reset()  # unfused (paged) and fused (resident) matrices: the same GEMMs
+        assert np.array_equal(paged.prefill(prompt), full.prefill(prompt))
     finally:
         paged.weights.close()
 
