@@ -135,7 +135,7 @@ def rope(x, pos, cos, sin):
 #
 # The inner loops are LLVM vector IR (numba intrinsics): numba types integer arithmetic as int64
 # and keeps no SIMD register across loop iterations. A call takes four rows through every block.
-# W4A16 keeps an <8 x float> accumulator per row and sums its lanes once, at the end; W4A8 takes
+# W4A16 keeps a <16 x float> accumulator per row and sums its lanes once, at the end; W4A8 takes
 # each block's integer dots (vpmaddubsw with AVX2), reduces the four rows' together and keeps one
 # <4 x float> accumulator. Against the numba kernels before them, all of SmolLM2-135M's q4_0
 # matvecs on one thread of the 2-core EPYC: W4A8 2.1x (4.3 -> 9.2 GB/s), W4A16 1.8x (3.8 -> 6.9).
@@ -509,7 +509,7 @@ def embed_q4(qs, d, m, token, out):
 
 # -- Q8_0 matvecs (the Q4 variants' token table as lm_head) -----------------------------------
 #
-# The same shape as the Q4 ones: four rows a call, W8A16 an <8 x float> accumulator a row, W8A8
+# The same shape as the Q4 ones: four rows a call, W8A16 a <16 x float> accumulator a row, W8A8
 # the four rows' integer dots reduced together into one <4 x float>.
 
 def _dot_s8_s8(builder, q, x):
