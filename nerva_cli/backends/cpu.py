@@ -205,6 +205,8 @@ def _codes(builder, row, b):
 # has them, two AVX2 ones where LLVM splits it. On the 2-core AMD EPYC (Zen 5), against the
 # <8 x float> IR before, Q4_0 W4A16 matvecs of 3072 and 200000 rows x 576: 13.1 -> 22.3 and
 # 13.0 -> 19.4 GB/s on one thread, 25.7 -> 43.3 and 26.0 -> 38.5 on two; Q4_1 11.0 -> 16.9 / 16.3.
+# Compiled for AVX2 alone (NUMBA_CPU_NAME=haswell and NUMBA_CPU_FEATURES without avx512) it is
+# where it was: 12.7-12.9 GB/s against 13.0-13.3.
 _LANES = 16
 
 
