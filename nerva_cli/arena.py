@@ -89,8 +89,8 @@ def scratch_elements(cfg: ModelConfig) -> int:
 class PrefillWorkspace:
     """Every buffer prefill writes for a chunk of up to `rows` prompt tokens over a cache of
     `ctx` positions: the chunk's hidden states and each projection's output, W4A8's
-    fake-quantised activations, attention_prefill's work, and the dequantised weight matrix the
-    GEMMs read. A prompt then allocates nothing per layer, and its memory is in the plan; pages
+    fake-quantised activations, attention_prefill's work, and the slice of weight rows each
+    GEMM reads, dequantised (scratch_elements). A prompt then allocates nothing per layer, and its memory is in the plan; pages
     a short prompt never reaches are never touched."""
 
     def __init__(self, cfg: ModelConfig, rows: int, ctx: int):
