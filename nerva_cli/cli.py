@@ -161,8 +161,8 @@ Backend = Annotated[str, typer.Option(help="Kernel backend: auto (cuda when CuPy
 
 
 def _threads(threads: Optional[int]) -> int:
-    """Resolves --threads and applies it to BLAS, and keeps freed prefill buffers for reuse;
-    call before anything imports numpy."""
+    """Resolves --threads and applies it to BLAS, and keeps freed memory in the heap for reuse
+    (machine.reuse_freed_memory); call before anything imports numpy."""
     from nerva_cli.machine import limit_blas_threads, physical_cores, reuse_freed_memory
 
     threads = threads or physical_cores()
