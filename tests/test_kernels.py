@@ -18,7 +18,7 @@ from nerva_cli.backends import cpu, get_backend, ref  # cpu at import: its numba
 
 EPS = float(np.finfo(np.float32).eps)
 ROWS = (1, 3, 5, 37, 1536)
-COLS = (32, 64, 576, 1536)
+COLS = (32, 64, 352, 576, 1536)  # 352: 11 blocks, a group of 8, a pair and a single
 
 
 def sum_tol(k: int) -> float:
@@ -263,7 +263,7 @@ def test_matvec_q4_w4a8(rng, rows, cols, kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows", (1, 5, 37, 1536))
-@pytest.mark.parametrize("cols", (32, 576, 1536))
+@pytest.mark.parametrize("cols", (32, 352, 576, 1536))
 def test_matvec_q4_w4a8_integer_dot_exact(rng, rows, cols, kind):
     # With unit scales (and Q4_1 offsets of 1) each block term is the integer
     # sum_j q_w q_x - 8 xs (+ xs) and every partial sum stays below 2^24, so any order is
@@ -325,7 +325,7 @@ def test_matvec_q8_w8a8(rng, rows, cols):
 
 
 @pytest.mark.parametrize("rows", (1, 5, 37, 1536))
-@pytest.mark.parametrize("cols", (32, 576, 1536))
+@pytest.mark.parametrize("cols", (32, 352, 576, 1536))
 def test_matvec_q8_w8a8_integer_dot_exact(rng, rows, cols):
     # Unit scales: each block term is an integer dot. Random signs keep a row's partial sums near
     # sqrt(cols) * 128 * 127 / 2, far below 2^24 (the total is checked), so any order is exact and
@@ -350,10 +350,8 @@ def test_matvec_q8_w8a8_portable_lowering(rng, monkeypatch):
     def serial():
         @njit
         def matvec(q8, d, xq, xd, out):
-            rows = d.shape[0]
-            for g in range((rows + 3) // 4):
-                r0, r1, r2, r3 = cpu._row_group(g, rows)
-                out[r0], out[r1], out[r2], out[r3] = cpu._w8a8_rows(q8, d, xq, xd, r0, r1, r2, r3)
+            for r in range(d.shape[0]):
+                out[r] = cpu._w8a8_row(q8, d, xq, xd, r)
         return matvec
 
     rows, cols = 37, 576
@@ -386,16 +384,14 @@ def test_dequantize_embed_q8(rng, rows, cols):
 
 
 def _serial_w4a8():
-    """A fresh, uncached serial driver of the W4A8 row-group intrinsic: it lowers the IR as the
+    """A fresh, uncached serial driver of the W4A8 row intrinsic: it lowers the IR as the
     module's settings stand when it is first called."""
     from numba import njit
 
     @njit
     def matvec(qs, d, m, xq, xd, xs, out):
-        rows = d.shape[0]
-        for g in range((rows + 3) // 4):
-            r0, r1, r2, r3 = cpu._row_group(g, rows)
-            out[r0], out[r1], out[r2], out[r3] = cpu._w4a8_rows(qs, d, m, xq, xd, xs, r0, r1, r2, r3)
+        for r in range(d.shape[0]):
+            out[r] = cpu._w4a8_row(qs, d, m, xq, xd, xs, r)
     return matvec
 
 

@@ -134,11 +134,11 @@ def rope(x, pos, cos, sin):
 # -- Q4_0 / Q4_1 matvecs --------------------------------------------------------------------
 #
 # The inner loops are LLVM vector IR (numba intrinsics): numba types integer arithmetic as int64
-# and keeps no SIMD register across loop iterations. A call takes four rows through every block.
-# W4A16 keeps a <16 x float> accumulator per row and sums its lanes once, at the end; W4A8 takes
-# each block's integer dots (vpmaddubsw with AVX2), reduces the four rows' together and keeps one
-# <4 x float> accumulator. Against the numba kernels before them, all of SmolLM2-135M's q4_0
-# matvecs on one thread of the 2-core EPYC: W4A8 2.1x (4.3 -> 9.2 GB/s), W4A16 1.8x (3.8 -> 6.9).
+# and keeps no SIMD register across loop iterations. W4A16 takes four rows a call through every
+# block and keeps a <16 x float> accumulator per row, its lanes summed once, at the end; W4A8
+# takes a row a call (see "integer-dot matvecs" below). Against the numba kernels before them, all
+# of SmolLM2-135M's q4_0 matvecs on one thread of the 2-core EPYC: W4A8 2.1x (4.3 -> 9.2 GB/s),
+# W4A16 1.8x (3.8 -> 6.9).
 #
 # m is None for Q4_0 (w = d (q - 8)) and the Q4_1 offsets (w = d q + m) otherwise; the IR is
 # built for one case or the other, so Q4_0 pays nothing for Q4_1.
@@ -259,26 +259,45 @@ class _Operands:
         return [None if self.arrays[i] is None else [self.row(i, r) for r in rows] for i in range(3)]
 
     def prefetch_codes_ahead(self, q_rows, b, block_bytes=16):
-        """Asks the cache for block b of the code rows PREFETCH_ROWS further on (the rows a thread
-        takes next: its row groups are consecutive). Past the matrix's end it asks for nothing
-        harmful: a prefetch never faults."""
+        """Asks the cache for block b of the code rows PREFETCH_BYTES further on, at least
+        PREFETCH_ROWS (the rows a thread takes next: its row groups are consecutive)."""
         builder = self.builder
-        ahead = builder.mul(builder.extract_value(self.arrays[0].strides, 0), ir.Constant(_I64, PREFETCH_ROWS))
-        at = builder.add(ahead, builder.mul(b, ir.Constant(_I64, block_bytes)))
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8")
-        for row in q_rows:  # read, keep in all cache levels, data
-            builder.call(fn, [builder.gep(row, [at]), ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        stride = builder.extract_value(self.arrays[0].strides, 0)
+        rows = builder.udiv(ir.Constant(_I64, PREFETCH_BYTES), stride)
+        rows = builder.select(builder.icmp_unsigned("<", rows, ir.Constant(_I64, PREFETCH_ROWS)),
+                              ir.Constant(_I64, PREFETCH_ROWS), rows)
+        at = builder.add(builder.mul(stride, rows), builder.mul(b, ir.Constant(_I64, block_bytes)))
+        for row in q_rows:
+            _prefetch(builder, row, at)
 
 
-# Rows ahead of the current four whose codes a Q4 matvec prefetches. A thread walks its rows four
-# at a time, each a few hundred bytes (SmolLM2's: 288 and 768), and the hardware prefetcher does
-# not ramp up over such short, interleaved streams. Measured on SmolLM2 q4_1's decode matrices,
-# 55 MB (more than L2 holds), on a 2-core Intel Xeon with a 480 MB L3, without -> with, the same
-# run: W4A8 6.2-12.5 -> 15.3 GB/s on one thread, 21.4-24.6 -> 27.8 on two; W4A16 5.6 -> 9.4 and
-# 15.5 -> 18.2. One row group ahead gave W4A8 14.6, three to six no more than two; prefetching the
-# scale and offset planes too changed nothing.
+def _prefetch(builder, base, offset):
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8")
+    # read, keep in all cache levels, data; past the matrix's end it asks for nothing harmful: a
+    # prefetch never faults
+    builder.call(fn, [builder.gep(base, [offset]), ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+
+
+# How far ahead the matvecs ask the cache for codes. The hardware prefetcher does not ramp up over
+# the short streams a thread walks (rows of a few hundred bytes, SmolLM2's 288 and 768; the float
+# kernels take four at a time).
+#
+# The float kernels prefetch block b of the rows PREFETCH_ROWS further on, or more where rows are
+# short: as many as PREFETCH_BYTES spans. On a 2-core Intel Xeon with a 480 MB L3, SmolLM2 q4_1's
+# decode matrices (55 MB), without -> 8 rows ahead, the same run: W4A8 (then a four-row kernel too)
+# 6.2-12.5 -> 15.3 GB/s on one thread, 21.4-24.6 -> 27.8 on two; W4A16 5.6 -> 9.4 and 15.5 ->
+# 18.2; 12 to 24 rows no better than 8. On the Zen 5 EPYC, a 28 MB Q8_0 lm_head (576-byte rows)
+# read from DRAM, W8A16: 8 rows 33.5-34.2 GB/s on one thread, 16: 39.0-41.3, 24: 40.7-40.8, 32:
+# 37.1-37.7; W4A16 is bound by its conversions there (18 GB/s whatever the distance).
+#
+# The integer kernels (a row at a time) prefetch PREFETCH_BYTES ahead in the row's codes, which
+# runs on into the thread's next rows. On the Zen 5, a 126 MB q4_1 matrix of 1536 columns from
+# DRAM, W4A8: no prefetch 22.7 GB/s on one thread, 512 bytes 25.1, 2048 28.4, 4096 31.4, 8192
+# 31.9, 16384 31.5; on two 46.1, 48.1, 52.8, 58.4, 59.3, 58.2. Prefetching the scale planes as
+# well measured 1-7% slower.
 PREFETCH_ROWS = 8
+PREFETCH_BYTES = 8192
 
 
 def _half_at(builder, row, b):
@@ -329,62 +348,113 @@ def _w4a16_rows(typingctx, qs, d, m, x, r0, r1, r2, r3):
     return types.UniTuple(types.float32, 4)(qs, d, m, x, r0, r1, r2, r3), codegen
 
 
-def _block_sums(builder, dots):
-    """Four rows' <8 x i32> partial sums -> <4 x i32> of their totals (a transposing pairwise
-    tree, vphaddd's pattern): one reduction for the four rows instead of one each."""
-    def pairs(a, b):
-        even = builder.shuffle_vector(a, b, _lanes([0, 2, 8, 10, 4, 6, 12, 14]))
-        odd = builder.shuffle_vector(a, b, _lanes([1, 3, 9, 11, 5, 7, 13, 15]))
-        return builder.add(even, odd)
-    v = pairs(pairs(dots[0], dots[1]), pairs(dots[2], dots[3]))
-    return builder.add(builder.shuffle_vector(v, v, _lanes(range(4))),
-                       builder.shuffle_vector(v, v, _lanes(range(4, 8))))
+# -- integer-dot matvecs (W4A8, W8A8): a row at a time ----------------------------------------
+#
+# A thread walks its rows one by one, so it reads its share of each plane front to back. Per group
+# of eight blocks a row makes eight <8 x i32> integer dots and reduces them together into one
+# <8 x i32>, lane j block j's dot; the block scales then come as vectors straight from the planes
+# (<8 x half> of d and m, <8 x float> of the activation's scales), and each row keeps an
+# <8 x float> accumulator. The rows' last blocks, fewer than eight, go two and then one at a time.
+# Against the four-row groups before (scales gathered a half at a time), on the 2-core AMD EPYC
+# (Zen 5), SmolLM2's q4_1 matrices 3072 x 576 and 3072 x 1536, without prefetching: W4A8 22.4 ->
+# 26.4 and 23.3 -> 32.4 GB/s on one thread, 43.4 -> 50.4 and 45.0 -> 62.1 on two. With the
+# prefetch (PREFETCH_BYTES), `nerva bench smollm2-135m` decode: 188-190 -> 220-228 tok/s on one
+# thread, 288-299 -> 321-328 on two.
+_GROUP = 8
+
+def _pairs(builder, a, b):
+    """vphaddd's pattern on two <8 x i32>: adjacent lanes summed, a's and b's interleaved by 128 bits."""
+    even = builder.shuffle_vector(a, b, _lanes([0, 2, 8, 10, 4, 6, 12, 14]))
+    odd = builder.shuffle_vector(a, b, _lanes([1, 3, 9, 11, 5, 7, 13, 15]))
+    return builder.add(even, odd)
 
 
-def _halves_at(builder, rows, b):
-    """The f16 at column b of each of the four rows, as <4 x float>."""
-    v = ir.Constant(_vec(ir.HalfType(), 4), ir.Undefined)
-    for i, row in enumerate(rows):
-        h = _load(builder, row, builder.mul(b, ir.Constant(_I64, 2)), ir.HalfType())
-        v = builder.insert_element(v, h, ir.Constant(_I32, i))
-    return builder.fpext(v, _vec(_F32, 4))
+def _fold(builder, v, first, second):
+    return builder.add(builder.shuffle_vector(v, v, _lanes(first)), builder.shuffle_vector(v, v, _lanes(second)))
+
+
+def _block_totals(builder, dots):
+    """1, 2 or 8 blocks' <8 x i32> partial sums -> <n x i32>, lane j block j's total."""
+    if len(dots) == 8:
+        p = [_pairs(builder, dots[i], dots[i + 1]) for i in range(0, 8, 2)]
+        lo, hi = _pairs(builder, p[0], p[1]), _pairs(builder, p[2], p[3])  # blocks 0-3 twice, 4-7 twice
+        return builder.add(builder.shuffle_vector(lo, hi, _lanes([0, 1, 2, 3, 8, 9, 10, 11])),
+                           builder.shuffle_vector(lo, hi, _lanes([4, 5, 6, 7, 12, 13, 14, 15])))
+    if len(dots) == 2:
+        v = _fold(builder, _pairs(builder, dots[0], dots[1]), range(4), range(4, 8))  # 0 0 1 1
+        return _fold(builder, v, [0, 2], [1, 3])
+    v = dots[0]
+    for n in (4, 2, 1):
+        v = _fold(builder, v, range(n), range(n, 2 * n))
+    return v
+
+
+def _planes_at(builder, base, b, n, elt, size):
+    """n consecutive elements of a scale plane from block b, as a vector (floats widened from f16)."""
+    v = _load(builder, base, builder.mul(b, ir.Constant(_I64, size)), _vec(elt, n))
+    return builder.fpext(v, _vec(_F32, n)) if isinstance(elt, ir.HalfType) else v
+
+
+def _integer_row(builder, n_blocks, code_row, code_bytes, block_dot, block_terms):
+    """A row's dot product, its blocks in groups of eight, then pairs, then one: a group's
+    block_dot(b) partials are reduced to a lane per block, and block_terms(b, n, totals, acc)
+    folds them into the accumulator of that group size. Returns the accumulators' f32 sum."""
+    one = ir.Constant(_I64, 1)
+    groups = builder.lshr(n_blocks, ir.Constant(_I64, 3))
+    tail = builder.sub(n_blocks, builder.shl(groups, ir.Constant(_I64, 3)))
+    spans = [(_GROUP, ir.Constant(_I64, 0), groups),
+             (2, builder.shl(groups, ir.Constant(_I64, 3)), builder.lshr(tail, one)),
+             (1, builder.sub(n_blocks, builder.and_(tail, one)), builder.and_(tail, one))]
+    total = ir.Constant(_F32, 0.0)
+    for n, first, count in spans:
+        acc = cgutils.alloca_once_value(builder, _splat(_F32, n, 0.0))
+        with cgutils.for_range(builder, count) as loop:
+            b = builder.add(first, builder.mul(loop.index, ir.Constant(_I64, n)))
+            if n == _GROUP:
+                codes_at = builder.mul(b, ir.Constant(_I64, code_bytes))
+                for line in range(0, _GROUP * code_bytes, 64):
+                    _prefetch(builder, code_row, builder.add(codes_at, ir.Constant(_I64, PREFETCH_BYTES + line)))
+            dots = [block_dot(builder.add(b, ir.Constant(_I64, j))) for j in range(n)]
+            builder.store(block_terms(b, n, _block_totals(builder, dots), builder.load(acc)), acc)
+        total = builder.fadd(total, _hsum(builder, builder.load(acc)))
+    return total
 
 
 @intrinsic
-def _w4a8_rows(typingctx, qs, d, m, xq, xd, xs, r0, r1, r2, r3):
-    """(row r0 . x, ..., row r3 . x) for Q4 rows and the Q8 activation x = xd xq (block sums xs).
-    Per block, as ref: each row's integer dot of its codes with xq (exact in int32), minus 8 xs for
-    Q4_0, times d_w d_x, plus m_w d_x xs for Q4_1; the four rows share one reduction of their
-    partial sums and one <4 x float> accumulator."""
+def _w4a8_row(typingctx, qs, d, m, xq, xd, xs, r):
+    """Row r . x for Q4 rows and the Q8 activation x = xd xq (block code sums xs). Per block, as
+    ref: the integer dot of the codes with xq (exact in int32), minus 8 xs for Q4_0, times d_w d_x,
+    plus m_w d_x xs for Q4_1."""
     if not _c_arrays(qs, d, m, xq, xd, xs):
         return None
     q4_1 = not isinstance(m, types.NoneType)
 
     def codegen(context, builder, sig, args):
         a = _Operands(context, builder, sig.args[:6], args[:6])
-        q_rows, d_rows, m_rows = a.weight_rows(args[6:])
+        r = args[6]
+        q_row, d_row = a.row(0, r), a.row(1, r)
+        m_row = a.row(2, r) if q4_1 else None
         xq, xd, xs = a.data(3), a.data(4), a.data(5)
-        acc = cgutils.alloca_once_value(builder, _splat(_F32, 4, 0.0))
-        with cgutils.for_range(builder, a.cols(1)) as loop:
-            b = loop.index
-            x = _load(builder, xq, builder.mul(b, ir.Constant(_I64, 32)), _vec(_I8, 32))
-            dx = _broadcast(builder, _f32_at(builder, xd, b), 4)
-            code_sum = _load(builder, xs, builder.mul(b, ir.Constant(_I64, 4)), _I32)
-            a.prefetch_codes_ahead(q_rows, b)
-            dots = _block_sums(builder, [_dot_u4_s8(builder, _codes(builder, q, b), x) for q in q_rows])
-            if not q4_1:
-                dots = builder.sub(dots, _broadcast(builder, builder.mul(code_sum, ir.Constant(_I32, 8)), 4))
-            scale = builder.fmul(_halves_at(builder, d_rows, b), dx)
-            total = _fmuladd(builder, scale, builder.sitofp(dots, _vec(_F32, 4)), builder.load(acc))
-            if q4_1:
-                offset_x = builder.fmul(dx, _broadcast(builder, builder.sitofp(code_sum, _F32), 4))
-                total = _fmuladd(builder, _halves_at(builder, m_rows, b), offset_x, total)
-            builder.store(total, acc)
-        v = builder.load(acc)
-        return context.make_tuple(builder, sig.return_type,
-                                  [builder.extract_element(v, ir.Constant(_I32, i)) for i in range(4)])
 
-    return types.UniTuple(types.float32, 4)(qs, d, m, xq, xd, xs, r0, r1, r2, r3), codegen
+        def block_dot(b):
+            x = _load(builder, xq, builder.mul(b, ir.Constant(_I64, 32)), _vec(_I8, 32))
+            return _dot_u4_s8(builder, _codes(builder, q_row, b), x)
+
+        def block_terms(b, n, dots, acc):
+            sums = _planes_at(builder, xs, b, n, _I32, 4)
+            if not q4_1:
+                dots = builder.sub(dots, builder.shl(sums, _splat(_I32, n, 3)))
+            dx = _planes_at(builder, xd, b, n, _F32, 4)
+            scale = builder.fmul(_planes_at(builder, d_row, b, n, ir.HalfType(), 2), dx)
+            acc = _fmuladd(builder, scale, builder.sitofp(dots, _vec(_F32, n)), acc)
+            if q4_1:
+                offset_x = builder.fmul(dx, builder.sitofp(sums, _vec(_F32, n)))
+                acc = _fmuladd(builder, _planes_at(builder, m_row, b, n, ir.HalfType(), 2), offset_x, acc)
+            return acc
+
+        return _integer_row(builder, a.cols(1), q_row, 16, block_dot, block_terms)
+
+    return types.float32(qs, d, m, xq, xd, xs, r), codegen
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -460,10 +530,8 @@ def fake_quantize_q8(x, out):
 
 @njit(cache=True, nogil=True, parallel=True)
 def _w4a8(qs, d, m, xq, xd, xs, out):
-    rows = d.shape[0]
-    for g in prange((rows + 3) // 4):
-        r0, r1, r2, r3 = _row_group(g, rows)
-        out[r0], out[r1], out[r2], out[r3] = _w4a8_rows(qs, d, m, xq, xd, xs, r0, r1, r2, r3)
+    for r in prange(d.shape[0]):
+        out[r] = _w4a8_row(qs, d, m, xq, xd, xs, r)
 
 
 def matvec_q4_w4a8(qs, d, m, xq, xd, xs, out):
@@ -511,8 +579,9 @@ def embed_q4(qs, d, m, token, out):
 
 # -- Q8_0 matvecs (the Q4 variants' token table as lm_head) -----------------------------------
 #
-# The same shape as the Q4 ones: four rows a call, W8A16 a <16 x float> accumulator a row, W8A8
-# the four rows' integer dots reduced together into one <4 x float>.
+# The same shape as the Q4 ones: W8A16 four rows a call, a <16 x float> accumulator a row; W8A8 a
+# row a call. The float kernels built a row a call measured 13-30% slower (W8A16 and W4A16 on
+# the Zen 5, 3072 x 576 and 576 x 1536): one chain of multiply-adds a row, as we read it.
 
 def _dot_s8_s8(builder, q, x):
     """Signed codes times int8 activations, as 8 int32 partial sums. With AVX2, vpmaddubsw takes
@@ -565,31 +634,28 @@ def _w8a16_rows(typingctx, q8, d, x, r0, r1, r2, r3):
 
 
 @intrinsic
-def _w8a8_rows(typingctx, q8, d, xq, xd, r0, r1, r2, r3):
-    """(row r0 . x, ..., row r3 . x) for Q8_0 rows and the Q8 activation x = xd xq: per block,
-    each row's integer dot (exact in int32) times d_w d_x, as ref."""
+def _w8a8_row(typingctx, q8, d, xq, xd, r):
+    """Row r . x for Q8_0 rows and the Q8 activation x = xd xq: per block, the integer dot (exact
+    in int32) times d_w d_x, as ref."""
     if not _c_arrays(q8, d, xq, xd):
         return None
 
     def codegen(context, builder, sig, args):
         a = _Operands(context, builder, sig.args[:4], args[:4])
-        q_rows = [a.row(0, r) for r in args[4:]]
-        d_rows = [a.row(1, r) for r in args[4:]]
+        q_row, d_row = a.row(0, args[4]), a.row(1, args[4])
         xq, xd = a.data(2), a.data(3)
-        acc = cgutils.alloca_once_value(builder, _splat(_F32, 4, 0.0))
-        with cgutils.for_range(builder, a.cols(1)) as loop:
-            b = loop.index
-            at = builder.mul(b, ir.Constant(_I64, 32))
-            x = _load(builder, xq, at, _vec(_I8, 32))
-            a.prefetch_codes_ahead(q_rows, b, 32)
-            dots = _block_sums(builder, [_dot_s8_s8(builder, _load(builder, q, at, _vec(_I8, 32)), x) for q in q_rows])
-            scale = builder.fmul(_halves_at(builder, d_rows, b), _broadcast(builder, _f32_at(builder, xd, b), 4))
-            builder.store(_fmuladd(builder, scale, builder.sitofp(dots, _vec(_F32, 4)), builder.load(acc)), acc)
-        v = builder.load(acc)
-        return context.make_tuple(builder, sig.return_type,
-                                  [builder.extract_element(v, ir.Constant(_I32, i)) for i in range(4)])
 
-    return types.UniTuple(types.float32, 4)(q8, d, xq, xd, r0, r1, r2, r3), codegen
+        def block_dot(b):
+            at = builder.mul(b, ir.Constant(_I64, 32))
+            return _dot_s8_s8(builder, _load(builder, q_row, at, _vec(_I8, 32)), _load(builder, xq, at, _vec(_I8, 32)))
+
+        def block_terms(b, n, dots, acc):
+            scale = builder.fmul(_planes_at(builder, d_row, b, n, ir.HalfType(), 2), _planes_at(builder, xd, b, n, _F32, 4))
+            return _fmuladd(builder, scale, builder.sitofp(dots, _vec(_F32, n)), acc)
+
+        return _integer_row(builder, a.cols(1), q_row, 32, block_dot, block_terms)
+
+    return types.float32(q8, d, xq, xd, r), codegen
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -602,10 +668,8 @@ def _w8a16(q8, d, x, out):
 
 @njit(cache=True, nogil=True, parallel=True)
 def _w8a8(q8, d, xq, xd, out):
-    rows = d.shape[0]
-    for g in prange((rows + 3) // 4):
-        r0, r1, r2, r3 = _row_group(g, rows)
-        out[r0], out[r1], out[r2], out[r3] = _w8a8_rows(q8, d, xq, xd, r0, r1, r2, r3)
+    for r in prange(d.shape[0]):
+        out[r] = _w8a8_row(q8, d, xq, xd, r)
 
 
 def matvec_q8_w8a16(q8, d, x, out):
