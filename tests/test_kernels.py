@@ -11,6 +11,8 @@ errors of order 1.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -343,8 +345,8 @@ def test_matvec_q8_w8a8_integer_dot_exact(rng, rows, cols):
 
 
 def test_matvec_q8_w8a8_portable_lowering(rng, monkeypatch):
-    # As test_matvec_q4_w4a8_portable_lowering, for the signed dot (vpsignb and vpmaddubsw with
-    # AVX2, widening IR without).
+    # As test_matvec_q4_w4a8_lowerings' portable case, for the signed dot (vpsignb and vpmaddubsw
+    # with AVX2, widening IR without).
     from numba import njit
 
     def serial():
@@ -365,7 +367,7 @@ def test_matvec_q8_w8a8_portable_lowering(rng, monkeypatch):
     portable = serial()
     portable(q8, d.view(np.uint16), xq, xd, got)
     assert "vpmaddubsw" not in next(iter(portable.inspect_asm().values()))
-    if cpu._host_has_avx2():
+    if cpu._host_has("avx2"):
         assert "vpmaddubsw" in next(iter(native.inspect_asm().values()))
     assert np.array_equal(got, want) and np.array_equal(want, host)
 
@@ -395,27 +397,39 @@ def _serial_w4a8():
     return matvec
 
 
+# Each lowering of the W4A8 row kernel this host can run, by the flags that pick it: the integer
+# dots are exact whichever instructions make them, and the float combine is the same IR, so each
+# must give the host kernel's results bit for bit (host vs ref: the tests above).
+W4A8_LOWERINGS = {  # name: (_AVX512VNNI, _AVX512BW, _AVX2), what the asm must show, its features
+    "avx512-vnni": ((True, True, True), "vpdpbusd\t.*zmm", ("avx512bw", "avx512vnni")),
+    "avx512bw": ((False, True, True), "vpmaddubsw\t.*zmm", ("avx512bw",)),
+    "avx2": ((False, False, True), "vpmaddubsw\t.*ymm", ("avx2",)),
+    "portable": ((False, False, False), None, ()),
+}
+
+
+@pytest.mark.parametrize("lowering", W4A8_LOWERINGS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_matvec_q4_w4a8_portable_lowering(rng, monkeypatch, kind):
-    # Without AVX2 the int8 block dot is plain widening IR, which LLVM lowers on any target. It is
-    # compiled here on purpose (this machine kind has AVX2) and must give the host kernel's
-    # results bit for bit: the integer dots are exact either way and the float combine is the
-    # same IR.
-    rows, cols = 37, 576
+def test_matvec_q4_w4a8_lowerings(rng, monkeypatch, kind, lowering):
+    flags, pattern, features = W4A8_LOWERINGS[lowering]
+    if not all(cpu._host_has(f) for f in features):
+        pytest.skip(f"this host lacks {', '.join(features)}")
+    rows, cols = 37, 352 + 576  # 29 blocks: groups of 8, a pair and a single
     qs, d, m = random_q4(rng, rows, cols, kind)
     xq, xd, xs = act_q8(ref, randn(rng, cols))
     args = (qs, d.view(np.uint16), None if m is None else m.view(np.uint16), xq, xd, xs)
-    host, got, want = np.empty(rows, np.float32), np.empty(rows, np.float32), np.empty(rows, np.float32)
+    host, got = np.empty(rows, np.float32), np.empty(rows, np.float32)
     cpu.matvec_q4_w4a8(qs, d, m, xq, xd, xs, host)
-    native = _serial_w4a8()
-    native(*args, want)
-    monkeypatch.setattr(cpu, "_AVX2", False)
-    portable = _serial_w4a8()
-    portable(*args, got)
-    assert "vpmaddubsw" not in next(iter(portable.inspect_asm().values()))
-    if cpu._host_has_avx2():
-        assert "vpmaddubsw" in next(iter(native.inspect_asm().values()))
-    assert np.array_equal(got, want) and np.array_equal(want, host)  # host vs ref: the tests above
+    for name, flag in zip(("_AVX512VNNI", "_AVX512BW", "_AVX2"), flags):
+        monkeypatch.setattr(cpu, name, flag)
+    kernel = _serial_w4a8()
+    kernel(*args, got)
+    asm = next(iter(kernel.inspect_asm().values()))
+    if pattern is None:
+        assert "vpmaddubsw" not in asm and "vpdpbusd" not in asm
+    else:
+        assert re.search(pattern, asm)
+    assert np.array_equal(got, host)
 
 
 def test_matvecs_do_not_depend_on_thread_count(rng):
