@@ -228,16 +228,61 @@ def test_quantize_act_q8_ties_and_zero_group():
 def test_matvec_q4_w4a16(rng, rows, cols, kind):
     qs, d, m = random_q4(rng, rows, cols, kind)
     x = randn(rng, cols)
-    want, got = np.empty(rows, np.float32), np.empty(rows, np.float32)
-    ref.matvec_q4_w4a16(qs, d, m, x, want)
+    got = np.empty(rows, np.float32)
     cpu.matvec_q4_w4a16(qs, d, m, x, got)
+    assert_w4a16_close(got, qs, d, m, x)
+
+
+def assert_w4a16_close(got, qs, d, m, x):
+    want = np.empty_like(got)
+    ref.matvec_q4_w4a16(qs, d, m, x, want)
     w64 = dequant_f64(qs, d, m)
     magnitude = np.abs(w64) @ np.abs(x)
-    if m is not None:  # the kernel sums d q x and m x apart: their magnitudes, not the weight's
+    if m is not None:  # one lowering sums d q x and m x apart: their magnitudes, not the weight's
         magnitude = np.abs(w64 - np.repeat(m.astype(np.float64), 32, axis=1)) @ np.abs(x) + \
             np.abs(np.repeat(m.astype(np.float64), 32, axis=1)) @ np.abs(x)
-    assert_dots_close(got, want, magnitude, cols)
-    assert_dots_close(want, w64 @ x, magnitude, cols)
+    assert_dots_close(got, want, magnitude, x.shape[0])
+    assert_dots_close(want, w64 @ x, magnitude, x.shape[0])
+
+
+def _serial_w4a16(by_row):
+    """A fresh, uncached serial driver of one of the W4A16 intrinsics (inspect_asm needs one)."""
+    from numba import njit
+
+    @njit
+    def row_table(qs, d, m, x, out):
+        for r in range(d.shape[0]):
+            out[r] = cpu._w4a16_row(qs, d, m, x, r)
+
+    @njit
+    def four_rows(qs, d, m, x, out):
+        rows = d.shape[0]
+        for g in range((rows + 3) // 4):
+            r0, r1, r2, r3 = cpu._row_group(g, rows)
+            out[r0], out[r1], out[r2], out[r3] = cpu._w4a16_rows(qs, d, m, x, r0, r1, r2, r3)
+    return row_table if by_row else four_rows
+
+
+@pytest.mark.parametrize("by_row", (True, False), ids=("row-table", "four-row"))
+@pytest.mark.parametrize("kind", KINDS)
+def test_matvec_q4_w4a16_kernels(rng, kind, by_row):
+    # Both W4A16 kernels where the host can run them (the row kernel's table lookups need
+    # AVX-512F); they round differently, so each is held to ref's bound, not to the other's bits,
+    # and the host's matvec must be its own kernel's bits.
+    if by_row and not cpu._host_has("avx512f"):
+        pytest.skip("this host lacks avx512f")
+    rows, cols = 37, 352 + 576  # 29 blocks: a span of 16 and 13 left over
+    qs, d, m = random_q4(rng, rows, cols, kind)
+    x = randn(rng, cols)
+    got, host = np.empty(rows, np.float32), np.empty(rows, np.float32)
+    kernel = _serial_w4a16(by_row)
+    kernel(qs, d.view(np.uint16), None if m is None else m.view(np.uint16), x, got)
+    asm = next(iter(kernel.inspect_asm().values()))
+    assert ("vcvtdq2ps" in asm) != by_row  # the table's lookups (vpermd/vpermps) convert nothing
+    assert_w4a16_close(got, qs, d, m, x)
+    if by_row == cpu._AVX512F:
+        cpu.matvec_q4_w4a16(qs, d, m, x, host)
+        assert np.array_equal(host, got)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -155,6 +155,7 @@ def _host_has(feature: str) -> bool:
 
 
 _AVX2 = _host_has("avx2")
+_AVX512F = _host_has("avx512f")
 _AVX512BW = _host_has("avx512bw")
 _AVX512VNNI = _AVX512BW and _host_has("avx512vnni")
 
@@ -371,6 +372,68 @@ def _w4a16_rows(typingctx, qs, d, m, x, r0, r1, r2, r3):
     return types.UniTuple(types.float32, 4)(qs, d, m, x, r0, r1, r2, r3), codegen
 
 
+@intrinsic
+def _w4a16_row(typingctx, qs, d, m, x, r):
+    """Row r . x for Q4 rows and f32 x, with AVX-512F. Per block, the 16 weights a code can stand
+    for, d (q - 8) or d q + m (one fused multiply-add, as a dequantised weight), and each code's
+    weight taken from them by vpermps/vpermd, which read only an index's low 4 bits: no mask, no
+    int-to-float conversion; acc += w x, over four accumulators (a block's two halves, even and
+    odd blocks) so that no multiply-add waits on the one before. A row's scales load 16 blocks at
+    a time and are broadcast from that vector; codes are prefetched PREFETCH_BYTES ahead in the
+    row stream, as the integer kernels do. Against the four-row _w4a16_rows on the Zen 5, q4_1
+    matrices 3072 x 576 in L3 and 131072 x 576 from DRAM: 22.1 -> 22.6 and 19.3 -> 21.7 GB/s on
+    one thread, 42.3 -> 41.6 and 37.9 -> 42.3 on two; Q4_0 from DRAM 18.8 -> 23.2 and 38.0 -> 46.4."""
+    if not _c_arrays(qs, d, m, x):
+        return None
+    q4_1 = not isinstance(m, types.NoneType)
+
+    def codegen(context, builder, sig, args):
+        a = _Operands(context, builder, sig.args[:4], args[:4])
+        q_row, d_row = a.row(0, args[4]), a.row(1, args[4])
+        m_row = a.row(2, args[4]) if q4_1 else None
+        x = a.data(3)
+        v16 = _vec(_F32, 16)
+        permps = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, _vec(_I32, 16)]),
+                                                "llvm.x86.avx512.permvar.sf.512")
+        codes = ir.Constant(v16, [ir.Constant(_F32, float(k if q4_1 else k - 8)) for k in range(16)])
+        acc = [cgutils.alloca_once_value(builder, _splat(_F32, 16, 0.0)) for _ in range(4)]
+
+        def block(b, parity, dw, mw):
+            xs = [_f32_at(builder, x, builder.mul(b, ir.Constant(_I64, 32)), 16, 16 * k) for k in range(2)]
+            table = _fmuladd(builder, codes, dw, mw) if q4_1 else builder.fmul(codes, dw)
+            words = builder.zext(_load(builder, q_row, builder.mul(b, ir.Constant(_I64, 16)), _vec(_I8, 16)),
+                                 _vec(_I32, 16))
+            weights = [builder.call(permps, [table, words]),  # the low nibbles: codes 0-15 of the block
+                       builder.call(permps, [table, builder.lshr(words, _splat(_I32, 16, 4))])]
+            for k in range(2):
+                slot = acc[2 * parity + k]
+                builder.store(_fmuladd(builder, weights[k], xs[k], builder.load(slot)), slot)
+
+        span = 16
+        groups = builder.udiv(a.cols(1), ir.Constant(_I64, span))
+        with cgutils.for_range(builder, groups) as loop:
+            b0 = builder.mul(loop.index, ir.Constant(_I64, span))
+            codes_at = builder.mul(b0, ir.Constant(_I64, 16))
+            for line in range(0, span * 16, 64):
+                _prefetch(builder, q_row, builder.add(codes_at, ir.Constant(_I64, PREFETCH_BYTES + line)))
+            d16 = _planes_at(builder, d_row, b0, span, ir.HalfType(), 2)
+            m16 = _planes_at(builder, m_row, b0, span, ir.HalfType(), 2) if q4_1 else None
+            for j in range(span):
+                dw = builder.shuffle_vector(d16, d16, _lanes([j] * 16))
+                mw = builder.shuffle_vector(m16, m16, _lanes([j] * 16)) if q4_1 else None
+                block(builder.add(b0, ir.Constant(_I64, j)), j % 2, dw, mw)
+        first = builder.mul(groups, ir.Constant(_I64, span))
+        with cgutils.for_range(builder, builder.sub(a.cols(1), first)) as loop:
+            b = builder.add(first, loop.index)
+            mw = _broadcast(builder, _half_at(builder, m_row, b), 16) if q4_1 else None
+            block(b, 0, _broadcast(builder, _half_at(builder, d_row, b), 16), mw)
+        total = builder.fadd(builder.fadd(builder.load(acc[0]), builder.load(acc[1])),
+                             builder.fadd(builder.load(acc[2]), builder.load(acc[3])))
+        return _hsum(builder, total)
+
+    return types.float32(qs, d, m, x, r), codegen
+
+
 # -- integer-dot matvecs (W4A8, W8A8): a row at a time ----------------------------------------
 #
 # A thread walks its rows one by one, so it reads its share of each plane front to back. Per group
@@ -521,13 +584,19 @@ def _w4a16(qs, d, m, x, out):
         out[r0], out[r1], out[r2], out[r3] = _w4a16_rows(qs, d, m, x, r0, r1, r2, r3)
 
 
+@njit(cache=True, nogil=True, parallel=True)
+def _w4a16_by_row(qs, d, m, x, out):
+    for r in prange(d.shape[0]):
+        out[r] = _w4a16_row(qs, d, m, x, r)
+
+
 def _bits(a):
     """An f16 plane as the uint16 view the kernels decode (numba has no float16); None stays."""
     return None if a is None else a.view(np.uint16)
 
 
 def matvec_q4_w4a16(qs, d, m, x, out):
-    _w4a16(qs, d.view(np.uint16), _bits(m), x, out)
+    (_w4a16_by_row if _AVX512F else _w4a16)(qs, d.view(np.uint16), _bits(m), x, out)
 
 
 # The activation quantiser's arithmetic, shared by decode (codes) and prefill (codes times scale).
