@@ -135,8 +135,9 @@ def rope(x, pos, cos, sin):
 #
 # The inner loops are LLVM vector IR (numba intrinsics): numba types integer arithmetic as int64
 # and keeps no SIMD register across loop iterations. W4A16 takes four rows a call through every
-# block and keeps a <16 x float> accumulator per row, its lanes summed once, at the end; W4A8
-# takes a row a call (see "integer-dot matvecs" below). Against the numba kernels before them, all
+# block and keeps a <16 x float> accumulator per row, its lanes summed once, at the end, or with
+# AVX-512F a row a call that looks its weights up (_w4a16_row); W4A8 takes a row a call (see
+# "integer-dot matvecs" below). Against the numba kernels before them, all
 # of SmolLM2-135M's q4_0 matvecs on one thread of the 2-core EPYC: W4A8 2.1x (4.3 -> 9.2 GB/s),
 # W4A16 1.8x (3.8 -> 6.9).
 #
@@ -705,8 +706,9 @@ def embed_q4(qs, d, m, token, out):
 # -- Q8_0 matvecs (the Q4 variants' token table as lm_head) -----------------------------------
 #
 # The same shape as the Q4 ones: W8A16 four rows a call, a <16 x float> accumulator a row; W8A8 a
-# row a call. The float kernels built a row a call measured 13-30% slower (W8A16 and W4A16 on
-# the Zen 5, 3072 x 576 and 576 x 1536): one chain of multiply-adds a row, as we read it.
+# row a call. The float kernels built a row a call, converting codes as the four-row ones do,
+# measured 13-30% slower (W8A16 and W4A16 on the Zen 5, 3072 x 576 and 576 x 1536): one chain of
+# multiply-adds a row, as we read it (_w4a16_row keeps four).
 
 def _dot_s8_s8(builder, q, x):
     """Signed codes times int8 activations, as 8 int32 partial sums. With AVX2, vpmaddubsw takes
