@@ -137,9 +137,9 @@ def rope(x, pos, cos, sin):
 # and keeps no SIMD register across loop iterations. W4A16 takes four rows a call through every
 # block and keeps a <16 x float> accumulator per row, its lanes summed once, at the end, or with
 # AVX-512F a row a call that looks its weights up (_w4a16_row); W4A8 takes a row a call (see
-# "integer-dot matvecs" below). Against the numba kernels before them, all
-# of SmolLM2-135M's q4_0 matvecs on one thread of the 2-core EPYC: W4A8 2.1x (4.3 -> 9.2 GB/s),
-# W4A16 1.8x (3.8 -> 6.9).
+# "integer-dot matvecs" below). Against the numba kernels before them (the first IR kernels, four
+# rows a call), all of SmolLM2-135M's q4_0 matvecs on one thread of the 2-core EPYC: W4A8 2.1x
+# (4.3 -> 9.2 GB/s), W4A16 1.8x (3.8 -> 6.9).
 #
 # m is None for Q4_0 (w = d (q - 8)) and the Q4_1 offsets (w = d q + m) otherwise; the IR is
 # built for one case or the other, so Q4_0 pays nothing for Q4_1.
@@ -314,7 +314,7 @@ def _prefetch(builder, base, offset):
 # 6.2-12.5 -> 15.3 GB/s on one thread, 21.4-24.6 -> 27.8 on two; W4A16 5.6 -> 9.4 and 15.5 ->
 # 18.2; 12 to 24 rows no better than 8. On the Zen 5 EPYC, a 28 MB Q8_0 lm_head (576-byte rows)
 # read from DRAM, W8A16: 8 rows 33.5-34.2 GB/s on one thread, 16: 39.0-41.3, 24: 40.7-40.8, 32:
-# 37.1-37.7; W4A16 is bound by its conversions there (18 GB/s whatever the distance).
+# 37.1-37.7; the four-row W4A16 is bound by its conversions there (18 GB/s whatever the distance).
 #
 # The integer kernels (a row at a time) prefetch PREFETCH_BYTES ahead in the row's codes, which
 # runs on into the thread's next rows. On the Zen 5, a 126 MB q4_1 matrix of 1536 columns from
