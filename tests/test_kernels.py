@@ -727,3 +727,20 @@ def test_decode_kernels_do_not_allocate(rng):
     finally:
         if not was_on:
             _nrt_python.memsys_disable_stats()
+
+
+def test_cpu_matvec_bench_script_runs():
+    # scripts/cpu_matvec_bench.py, where backends/cpu.py's figures come from: one JSON line a
+    # kernel, shape and thread count, each naming what it timed
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "cpu_matvec_bench.py"
+    run = subprocess.run([sys.executable, str(script), "--kind", "q4_1", "q8_0", "--shape", "64x96",
+                          "--threads", "1", "--repeat", "3"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [r["kernel"] for r in lines] == ["matvec_q4_1_w4a8", "matvec_q4_1_w4a16", "matvec_q8_w8a8", "matvec_q8_w8a16"]
+    assert all(r["rows"] == 64 and r["cols"] == 96 and r["gb_s"] > 0 and r["from"] == "cache" for r in lines)

@@ -143,6 +143,10 @@ def rope(x, pos, cos, sin):
 #
 # m is None for Q4_0 (w = d (q - 8)) and the Q4_1 offsets (w = d q + m) otherwise; the IR is
 # built for one case or the other, so Q4_0 pays nothing for Q4_1.
+#
+# GB/s figures of the kernels as they stand: scripts/cpu_matvec_bench.py (--dram for a matrix
+# read from DRAM, --lowering avx2 for the kernels a host without AVX-512 runs); the figures of
+# kernels since replaced were taken with their commits.
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _F32 = ir.FloatType()
