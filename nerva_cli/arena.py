@@ -90,8 +90,8 @@ class PrefillWorkspace:
     """Every buffer prefill writes for a chunk of up to `rows` prompt tokens over a cache of
     `ctx` positions: the chunk's hidden states and each projection's output, W4A8's
     fake-quantised activations, attention_prefill's work, and the slice of weight rows each
-    GEMM reads, dequantised (scratch_elements). A prompt then allocates nothing per layer, and its memory is in the plan; pages
-    a short prompt never reaches are never touched."""
+    GEMM reads, dequantised (scratch_elements). A prompt then allocates nothing per layer, and
+    its memory is in the plan; pages a short prompt never reaches are never touched."""
 
     def __init__(self, cfg: ModelConfig, rows: int, ctx: int):
         self.rows = rows

@@ -341,7 +341,7 @@ class Engine(EngineBase):
             self._matvec(m["k"], a.xn, a.k_flat, layer.precision)
             self._matvec(m["v"], a.xn, a.v_flat, layer.precision)
         if layer.qkv_bias is not None:
-            self.k.add_rows(a.qkv, layer.qkv_bias)
+            k.add_rows(a.qkv, layer.qkv_bias)
         if layer.q_norm is not None:
             k.rmsnorm(a.q, layer.q_norm, cfg.rms_eps, a.q)
             k.rmsnorm(a.k, layer.k_norm, cfg.rms_eps, a.k)
