@@ -547,8 +547,11 @@ def attention_f64(q, k, v):
 ATT_TOL = 4e-6
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
-# n_ctx: the cpu kernel takes 64 positions a chunk and 4 a step, so 130, 256 and 299 reach its tails
+# Query heads a kv head serves (group) 3, 1, 4 and 7 (packs of 3, 1, 2 + 2, 3 + 2 + 2 in the cpu
+# kernel); head_dim 40 and 18 end in a partial vector of 8 and 2 elements.
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (14, 2, 40), (5, 5, 18)])
+# n_ctx: the cpu kernel takes 64 positions a chunk, 8 a score step and 4 a value step, so 7, 130,
+# 256 and 299 reach its tails
 @pytest.mark.parametrize("n_ctx", [1, 7, 130, 256, 299])
 @pytest.mark.parametrize("cache", ["f32", "f16"])
 def test_attention_decode(rng, heads, kv_heads, head_dim, n_ctx, cache):
@@ -609,6 +612,36 @@ def test_attention_decode_in_splits_of_the_positions(rng, splits, n, cache):
     ref.attention_decode(q, k, v, n, want)
     part = np.full((splits, heads, dim + 2), np.nan, np.float32)  # the kernel writes all it reads
     cpu._attention_decode(q, cpu._cache_operand(k), cpu._cache_operand(v), n, got, part, 16)
+    assert rel(got, want) < ATT_TOL
+
+
+def _serial_attention():
+    """A fresh, uncached, serial build of the cpu decode attention: it lowers the IR as the
+    module's settings stand when it is first called."""
+    from numba import njit
+
+    return njit(nogil=True, fastmath=cpu._FAST)(cpu._attention_decode.py_func)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (14, 2, 40), (5, 5, 18)])
+def test_attention_decode_avx2_geometry(rng, monkeypatch, heads, kv_heads, head_dim):
+    """What a host without AVX-512 compiles: vectors of 8 floats, score steps of 4 positions,
+    packs of at most 2 heads (so group 3 takes 2 + 1). Built here on whatever host runs the
+    tests; same bound as the host's kernel (ATT_TOL)."""
+    n, ctx = 203, 260
+    q = randn(rng, heads, head_dim)
+    k = (2 * randn(rng, ctx, kv_heads, head_dim)).astype(np.float16)
+    v = randn(rng, ctx, kv_heads, head_dim).astype(np.float16)
+    k[n:], v[n:] = np.nan, np.nan  # past n_ctx: never read
+    want, got = np.empty_like(q), np.empty_like(q)
+    ref.attention_decode(q, k, v, n, want)
+    for name, value in cpu.attention_geometry(avx512=False).items():
+        monkeypatch.setattr(cpu, name, value)
+    kernel = _serial_attention()
+    part = np.full((3, heads, head_dim + 2), np.nan, np.float32)
+    kernel(q, cpu._cache_operand(k), cpu._cache_operand(v), n, got, part, 2)
+    llvm = next(iter(kernel.inspect_llvm().values()))
+    assert "<8 x half>" in llvm and "<16 x half>" not in llvm  # the K and V rows widened 8 at a time
     assert rel(got, want) < ATT_TOL
 
 
@@ -744,3 +777,22 @@ def test_cpu_matvec_bench_script_runs():
     lines = [json.loads(line) for line in run.stdout.splitlines()]
     assert [r["kernel"] for r in lines] == ["matvec_q4_1_w4a8", "matvec_q4_1_w4a16", "matvec_q8_w8a8", "matvec_q8_w8a16"]
     assert all(r["rows"] == 64 and r["cols"] == 96 and r["gb_s"] > 0 and r["from"] == "cache" for r in lines)
+
+
+def test_cpu_attention_bench_script_runs():
+    # scripts/cpu_attention_bench.py, where the attention comments' figures come from: one JSON
+    # line a context length and thread count, each naming what it timed
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "cpu_attention_bench.py"
+    run = subprocess.run([sys.executable, str(script), "--shape", "4:2:40", "--ctx", "70", "130", "--threads", "1",
+                          "--layers", "2", "--repeat", "2"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [r["n_ctx"] for r in lines] == [70, 130]
+    assert all(r["heads"] == 4 and r["head_dim"] == 40 and r["layers"] == 2 and r["us_per_layer"] > 0 for r in lines)
+    bad = subprocess.run([sys.executable, str(script), "--shape", "3:2:64"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "heads a multiple of kv_heads" in bad.stderr

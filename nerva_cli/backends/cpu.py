@@ -187,6 +187,12 @@ def _broadcast(builder, scalar, n=8):
     return builder.shuffle_vector(v, v, _lanes([0] * n))
 
 
+def _maxnum(builder, a, b):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(a.type, [a.type] * 2),
+                                        f"llvm.maxnum.v{a.type.count}f32")
+    return builder.call(fn, [a, b])
+
+
 def _fmuladd(builder, a, b, c):
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(a.type, [a.type] * 3),
                                         f"llvm.fmuladd.v{a.type.count}f32")
@@ -266,11 +272,12 @@ def _dot_u4_s8_pair(builder, row, xq, b):
 
 class _Operands:
     """Pointers into the numba arrays an intrinsic received (rows of a 2-D array by its row stride;
-    the kernels' typing admits C-contiguous arrays only, so a row's elements are adjacent)."""
+    the kernels' typing admits C-contiguous arrays only, so a row's elements are adjacent). The
+    arguments that are not arrays (None, scalars) are None here."""
 
     def __init__(self, context, builder, types_, values):
         self.builder = builder
-        self.arrays = [None if isinstance(t, types.NoneType) else context.make_array(t)(context, builder, v)
+        self.arrays = [context.make_array(t)(context, builder, v) if isinstance(t, types.Array) else None
                        for t, v in zip(types_, values)]
 
     def data(self, i):
@@ -920,8 +927,244 @@ def silu_mul(gate_up, out):
 
 
 _ATT_CHUNK = ATT_SPLIT_MIN  # positions a chunk of scores covers; a split takes whole chunks
-_ATT_MAX_DIM = 256  # config.MAX_HEAD_DIM
-_ATT_SPLIT_BYTES = 256 << 10  # K and V bytes a split of positions covers, at most (L2 is 512 KB up)
+_ATT_SPLIT_BYTES = 256 << 10  # K and V bytes a split of positions covers, at most
+
+# Decode attention's inner loops are IR in vectors of _ATT_LANES floats. A score step takes
+# _ATT_BLOCK positions for a pack of up to _ATT_PACK query heads of one kv head: each K element is
+# widened once for the pack, the pack x block accumulators (24 in AVX-512's 32 registers, 8 in
+# AVX2's 16) stay in registers, and a block's sums are reduced together (_lane_sums; a sum at a
+# time took 8 shuffles and adds a position). A value step takes _ATT_UNROLL positions, an accumulator
+# each, so the multiply-adds into a head's sums do not wait on each other.
+_ATT_UNROLL = 4
+
+
+def attention_geometry(avx512: bool) -> dict:
+    """The decode attention's register geometry for a target with or without AVX-512 (module
+    globals, read when the kernel compiles; tests and scripts/cpu_attention_bench.py set the
+    other one to build it on this host)."""
+    lanes, block, pack = (16, 8, 3) if avx512 else (8, 4, 2)
+    return {"_ATT_LANES": lanes, "_ATT_BLOCK": block, "_ATT_PACK": pack,
+            "_ATT_SCORES": pack * _ATT_CHUNK}  # a pack's scores for one chunk: the stack buffer's floats
+
+
+_geometry = attention_geometry(_AVX512F)
+_ATT_LANES, _ATT_BLOCK, _ATT_PACK, _ATT_SCORES = (_geometry[k] for k in ("_ATT_LANES", "_ATT_BLOCK", "_ATT_PACK", "_ATT_SCORES"))
+# The scores ask the cache for the K rows _ATT_AHEAD_BYTES of rows further on, and for the V rows
+# they score (the values read them next). SmolLM2's shape, 30 layers' caches at 1800 positions (41
+# MB, more than L3), one thread: no prefetch 98 us a layer, K 16 rows (6 KB) ahead 80, 32 rows
+# 62.5, 48 54.7, 64 54.6, 128 59.7; without the V rows 88 where 65 with (measured before the kv
+# heads were interleaved); 12, 16, 20 and 24 KB: 60.2, 56.5, 56.1, 58.1.
+_ATT_AHEAD_BYTES = 16 << 10
+
+
+def _intp(context, builder, sig, args, i):
+    return context.cast(builder, args[i], sig.args[i], types.intp)
+
+
+def _masked_load(builder, ptr, ty, mask):
+    """A vector of ty at ptr where mask holds, zeros elsewhere; the masked-off lanes are not read
+    (a row's last chunk never touches the memory past the row)."""
+    elt, size = ("i16", 2) if ty.element == _I16 else ("f32", 4)
+    name = f"llvm.masked.load.v{ty.count}{elt}.p0v{ty.count}{elt}"
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty.as_pointer(), _I32, mask.type, ty]), name)
+    zero = ir.Constant(ty, [ir.Constant(ty.element, 0)] * ty.count)
+    return builder.call(fn, [builder.bitcast(ptr, ty.as_pointer()), ir.Constant(_I32, size), mask, zero])
+
+
+def _store_floats(builder, v, base, c, mask=None):
+    """_floats_at's inverse for float32: v to elements c L .. of base, only where mask holds."""
+    ptr = builder.bitcast(builder.gep(base, [builder.mul(c, ir.Constant(_I64, 4 * _ATT_LANES))]), v.type.as_pointer())
+    if mask is None:
+        builder.store(v, ptr, align=4)
+        return
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [v.type, v.type.as_pointer(), _I32, mask.type]),
+        f"llvm.masked.store.v{v.type.count}f32.p0v{v.type.count}f32")
+    builder.call(fn, [v, ptr, ir.Constant(_I32, 4), mask])
+
+
+def _floats_at(builder, base, c, elt, mask=None):
+    """Elements c L .. c L + L - 1 (L = _ATT_LANES) from base (i8*) as <L x float>: f16 bits
+    (elt i16) widened, or float32; only the lanes where mask holds when there is one."""
+    ty = _vec(elt, _ATT_LANES)
+    ptr = builder.gep(base, [builder.mul(c, ir.Constant(_I64, _ATT_LANES * (2 if elt == _I16 else 4)))])
+    v = _load(builder, ptr, ir.Constant(_I64, 0), ty) if mask is None else _masked_load(builder, ptr, ty, mask)
+    return builder.fpext(builder.bitcast(v, _vec(ir.HalfType(), _ATT_LANES)), _vec(_F32, _ATT_LANES)) \
+        if elt == _I16 else v
+
+
+def _lane_sums(builder, vectors):
+    """4 or 8 <L x float> (L 8 or 16) -> <n x float>, lane i the sum of vector i's lanes. Two
+    rounds interleave pairs of vectors within each 128-bit quarter (unpcklps/unpckhps, then the
+    same by float pairs) and add, leaving each quarter of a vector 4 vectors' partial sums; then
+    quarters are added across (vshuff32x4's moves), all of them cheaper than full permutes."""
+    width, n = vectors[0].type.count, len(vectors)
+    assert n in (4, 8) and width in (8, 16) and n <= width, (n, width)
+    for pair in (1, 2):
+        lo, hi = [], []
+        for q in range(0, width, 4):
+            for first, half in ((0, lo), (2, hi)):
+                a, b = q + first, width + q + first
+                half += [a, b, a + 1, b + 1] if pair == 1 else [a, a + 1, b, b + 1]
+        vectors = [builder.fadd(builder.shuffle_vector(a, b, _lanes(lo)), builder.shuffle_vector(a, b, _lanes(hi)))
+                   for a, b in zip(vectors[::2], vectors[1::2])]
+    v = vectors[0]
+    if len(vectors) == 2:  # quarters 0-1 of both, then 2-3 of both: each group's sums in two quarters
+        a, b = vectors
+        v = builder.fadd(builder.shuffle_vector(a, b, _lanes([*range(8), *range(width, width + 8)])),
+                         builder.shuffle_vector(a, b, _lanes([*range(8, 16), *range(width + 8, width + 16)])))
+    while v.type.count > n:  # adjacent quarters added
+        quarters = v.type.count // 4
+        first = [q * 4 + i for q in range(0, quarters, 2) for i in range(4)]
+        v = builder.fadd(builder.shuffle_vector(v, v, _lanes(first)),
+                         builder.shuffle_vector(v, v, _lanes([i + 4 for i in first])))
+    return v
+
+
+class _CacheHead:
+    """One kv head's rows of a [ctx, kv_heads, head_dim] cache (f16 bits or float32, C order)."""
+
+    def __init__(self, context, builder, ty, value, kv):
+        arr = context.make_array(ty)(context, builder, value)
+        self.builder = builder
+        self.stride = builder.extract_value(arr.strides, 0)
+        data = builder.bitcast(arr.data, _I8.as_pointer())
+        self.base = builder.gep(data, [builder.mul(kv, builder.extract_value(arr.strides, 1))])
+        self.dim = builder.extract_value(arr.shape, 2)
+        self.elt = _I16 if ty.dtype == types.uint16 else _F32
+
+    def row(self, r):
+        return self.builder.gep(self.base, [self.builder.mul(r, self.stride)])
+
+    def chunks(self, body):
+        """body(c, mask) for each chunk of _ATT_LANES elements of a row: mask None for the whole
+        ones, then the lanes still inside the row for a last, partial one."""
+        builder = self.builder
+        lanes = ir.Constant(_I64, _ATT_LANES)
+        full = builder.udiv(self.dim, lanes)
+        rest = builder.sub(self.dim, builder.mul(full, lanes))
+        with cgutils.for_range(builder, full) as loop:
+            body(loop.index, None)
+        with builder.if_then(builder.icmp_unsigned("!=", rest, ir.Constant(_I64, 0)), likely=False):
+            splat = _broadcast(builder, builder.trunc(rest, _I32), _ATT_LANES)
+            body(full, builder.icmp_signed("<", _lanes(range(_ATT_LANES)), splat))
+
+
+@intrinsic
+def _att_scores(typingctx, q, h0, pack, k_cache, v_cache, kv, c0, n, scale, s, peaks):
+    """s[j * _ATT_CHUNK + t] = scale q[h0 + j] . K[c0 + t, kv] for the pack's heads j < pack and
+    positions t < n (s's lanes from n to the block's end get the last position's score again),
+    and peaks[j] the largest of head j's. v_cache is only prefetched: its rows t < n."""
+    if not (isinstance(pack, types.IntegerLiteral) and _c_arrays(q, k_cache, v_cache, s, peaks)):
+        return None
+    heads = pack.literal_value
+
+    def codegen(context, builder, sig, args):
+        h0, kv, c0, n = (_intp(context, builder, sig, args, i) for i in (1, 5, 6, 7))
+        a = _Operands(context, builder, sig.args, args)
+        q_rows = [a.row(0, builder.add(h0, ir.Constant(_I64, j))) for j in range(heads)]
+        cache = _CacheHead(context, builder, sig.args[3], args[3], kv)
+        values = _CacheHead(context, builder, sig.args[4], args[4], kv)
+        s_data = a.data(9)
+        scale = _broadcast(builder, args[8], _ATT_BLOCK)
+        chunk_bytes = ir.Constant(_I64, _ATT_LANES * (2 if cache.elt == _I16 else 4))
+        rows_ahead = builder.udiv(ir.Constant(_I64, _ATT_AHEAD_BYTES), cache.stride)
+        rows_ahead = builder.select(builder.icmp_unsigned("<", rows_ahead, ir.Constant(_I64, 1)), ir.Constant(_I64, 1), rows_ahead)
+        ahead = builder.mul(rows_ahead, cache.stride)
+        acc = [[cgutils.alloca_once(builder, _vec(_F32, _ATT_LANES)) for _ in range(_ATT_BLOCK)] for _ in range(heads)]
+        highest = [cgutils.alloca_once_value(builder, _splat(_F32, _ATT_BLOCK, float("-inf"))) for _ in range(heads)]
+        last = builder.sub(builder.add(c0, n), ir.Constant(_I64, 1))
+        blocks = builder.udiv(builder.add(n, ir.Constant(_I64, _ATT_BLOCK - 1)), ir.Constant(_I64, _ATT_BLOCK))
+        with cgutils.for_range(builder, blocks) as block:
+            t = builder.mul(block.index, ir.Constant(_I64, _ATT_BLOCK))
+            rows, v_rows = [], []
+            for p in range(_ATT_BLOCK):  # positions past the last read the last one's row again
+                r = builder.add(builder.add(c0, t), ir.Constant(_I64, p))
+                r = builder.select(builder.icmp_signed("<=", r, last), r, last)
+                rows.append(cache.row(r))
+                v_rows.append(values.row(r))
+            for cell in (cell for row in acc for cell in row):
+                builder.store(_splat(_F32, _ATT_LANES, 0.0), cell)
+
+            def step(c, mask):
+                qv = [_floats_at(builder, row, c, _F32, mask) for row in q_rows]
+                at = builder.mul(c, chunk_bytes)
+                for p in range(_ATT_BLOCK):
+                    _prefetch(builder, rows[p], builder.add(at, ahead))
+                    _prefetch(builder, v_rows[p], at)
+                    k = _floats_at(builder, rows[p], c, cache.elt, mask)
+                    for j in range(heads):
+                        builder.store(_fmuladd(builder, qv[j], k, builder.load(acc[j][p])), acc[j][p])
+
+            cache.chunks(step)
+            for j in range(heads):
+                sums = builder.fmul(_lane_sums(builder, [builder.load(cell) for cell in acc[j]]), scale)
+                builder.store(_maxnum(builder, builder.load(highest[j]), sums), highest[j])
+                at = builder.add(t, ir.Constant(_I64, j * _ATT_CHUNK))
+                builder.store(sums, builder.bitcast(builder.gep(s_data, [builder.mul(at, ir.Constant(_I64, 4))]),
+                                                    sums.type.as_pointer()), align=4)
+        for j in range(heads):
+            v = builder.load(highest[j])
+            while v.type.count > 1:
+                half = v.type.count // 2
+                v = _maxnum(builder, builder.shuffle_vector(v, v, _lanes(range(half))),
+                            builder.shuffle_vector(v, v, _lanes(range(half, 2 * half))))
+            builder.store(builder.extract_element(v, ir.Constant(_I32, 0)),
+                          builder.bitcast(builder.gep(a.data(10), [ir.Constant(_I64, 4 * j)]), _F32.as_pointer()))
+        return context.get_dummy_value()
+
+    return types.none(q, h0, pack, k_cache, v_cache, kv, c0, n, scale, s, peaks), codegen
+
+
+@intrinsic
+def _att_values(typingctx, s, pack, v_cache, kv, c0, n, acc, h0):
+    """acc[h0 + j, i] += sum over t < n of s[j * _ATT_CHUNK + t] V[c0 + t, kv, i], for the pack's
+    heads j < pack and i < head_dim; acc's rows may run on past head_dim (they are `part`'s)."""
+    if not (isinstance(pack, types.IntegerLiteral) and _c_arrays(s, v_cache, acc)):
+        return None
+    heads = pack.literal_value
+
+    def codegen(context, builder, sig, args):
+        kv, c0, n, h0 = (_intp(context, builder, sig, args, i) for i in (3, 4, 5, 7))
+        cache = _CacheHead(context, builder, sig.args[2], args[2], kv)
+        a = _Operands(context, builder, sig.args, args)
+        s_data = a.data(0)
+        vt = _vec(_F32, _ATT_LANES)
+        steps = builder.udiv(n, ir.Constant(_I64, _ATT_UNROLL))
+        done = builder.mul(steps, ir.Constant(_I64, _ATT_UNROLL))
+
+        def weight(j, t):
+            return _broadcast(builder, _load(builder, s_data, builder.mul(
+                builder.add(t, ir.Constant(_I64, j * _ATT_CHUNK)), ir.Constant(_I64, 4)), _F32), _ATT_LANES)
+
+        def chunk(c, mask):
+            sums = [[cgutils.alloca_once(builder, vt) for _ in range(_ATT_UNROLL)] for _ in range(heads)]
+            at = [a.row(6, builder.add(h0, ir.Constant(_I64, j))) for j in range(heads)]
+            for j in range(heads):
+                builder.store(_floats_at(builder, at[j], c, _F32, mask), sums[j][0])
+                for u in range(1, _ATT_UNROLL):
+                    builder.store(_splat(_F32, _ATT_LANES, 0.0), sums[j][u])
+
+            def position(t, u):
+                v = _floats_at(builder, cache.row(builder.add(c0, t)), c, cache.elt, mask)
+                for j in range(heads):
+                    builder.store(_fmuladd(builder, weight(j, t), v, builder.load(sums[j][u])), sums[j][u])
+
+            with cgutils.for_range(builder, steps) as step:
+                first = builder.mul(step.index, ir.Constant(_I64, _ATT_UNROLL))
+                for u in range(_ATT_UNROLL):
+                    position(builder.add(first, ir.Constant(_I64, u)), u)
+            with cgutils.for_range(builder, builder.sub(n, done)) as tail:
+                position(builder.add(done, tail.index), 0)
+            for j in range(heads):
+                parts = [builder.load(cell) for cell in sums[j]]
+                total = builder.fadd(builder.fadd(parts[0], parts[1]), builder.fadd(parts[2], parts[3]))
+                _store_floats(builder, total, at[j], c, mask)
+
+        cache.chunks(chunk)
+        return context.get_dummy_value()
+
+    return types.none(s, pack, v_cache, kv, c0, n, acc, h0), codegen
 
 
 def attention_decode(q, k_cache, v_cache, n_ctx, out, part):
@@ -934,92 +1177,94 @@ def attention_decode(q, k_cache, v_cache, n_ctx, out, part):
 def decode_splits(n_ctx, row_bytes, threads):
     """How many splits of the positions attention_decode runs: a multiple of the threads (so
     they share the work evenly), each covering at most _ATT_SPLIT_BYTES of K and V rows
-    (row_bytes a position), so the query heads after a kv head's first find its rows, and the
-    neighbouring kv heads' lines the prefetchers brought along, in L2; never more than one a
-    64-position chunk."""
+    (row_bytes a position); never more than one a 64-position chunk. Since a split reads all
+    the kv heads of a chunk together, one split a thread measured the same (SmolLM2's shape,
+    1800 positions: 53.8 against 55.6 us a layer on one thread, 32.1 against 31.9 on two)."""
     by_bytes = (n_ctx * row_bytes + _ATT_SPLIT_BYTES - 1) // _ATT_SPLIT_BYTES
     most = (by_bytes + threads - 1) // threads * threads
     return max(1, min(most, (n_ctx + _ATT_CHUNK - 1) // _ATT_CHUNK))
 
 
+@njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
+def _att_pack_scores(q, h0, size, k_cache, v_cache, kv, c0, n, scale, s, peaks):
+    if size == 3:  # the pack sizes as literals: each compiles with its own registers
+        _att_scores(q, h0, 3, k_cache, v_cache, kv, c0, n, scale, s, peaks)
+    elif size == 2:
+        _att_scores(q, h0, 2, k_cache, v_cache, kv, c0, n, scale, s, peaks)
+    else:
+        _att_scores(q, h0, 1, k_cache, v_cache, kv, c0, n, scale, s, peaks)
+
+
+@njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
+def _att_pack_values(s, size, v_cache, kv, c0, n, acc, h0):
+    if size == 3:
+        _att_values(s, 3, v_cache, kv, c0, n, acc, h0)
+    elif size == 2:
+        _att_values(s, 2, v_cache, kv, c0, n, acc, h0)
+    else:
+        _att_values(s, 1, v_cache, kv, c0, n, acc, h0)
+
+
 @njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
 def _attention_decode(q, k_cache, v_cache, n_ctx, out, part, threads):
-    # Each split of the positions runs, per query head, an online softmax over its positions in
-    # chunks of 64: a chunk's scores go to a stack buffer, its max m rescales what was accumulated
-    # by exp(m_old - m), then its weights exp(s - m) are taken in one vectorised loop. Four
-    # positions per step share the query's loads (scores) and one load/store of the accumulator
-    # (values). The splits leave sum_t exp(s_t - m) v_t, m and sum_t exp(s_t - m) per head in
-    # `part`, which the merge rescales to the largest m. The cache is f16 (uint16 bits, widened by
-    # _cached) or f32, one compiled version each. Splitting positions, not only heads as this
-    # kernel did before, on a 2-core AMD EPYC: attention_decode over 30 caches of SmolLM2's shape
-    # (2048 x 3 x 64 f16, 1800 positions used), one a layer as in decode, 4.9 -> 4.0 ms on one
-    # thread and 2.8 -> 2.3 on two, the same at 300 positions; `nerva bench --prompt-tokens 1800`
-    # decode 90-97 -> 104-111 tok/s on one thread and 137-142 -> 169-177 on two, the default
-    # 256-token bench unchanged. Widening a chunk's K and V once for a kv head's 3 query heads
-    # was slower: the widening pass stores as much as the conversions it saves.
+    # A unit of work is a split of the positions. It runs an online softmax over them in chunks
+    # of 64, taking every kv head's query heads in turn on a chunk (in packs of at most
+    # _ATT_PACK heads, as even as they divide), so a chunk's K and V rows are read whole while
+    # they are in cache: _att_scores writes a pack's scores and their max, each head's max m
+    # rescales what it accumulated by exp(m_old - m), its weights exp(s - m) are taken in one
+    # vectorised loop, and _att_values adds the weighted V rows. A split accumulates in its
+    # `part` rows: per head sum_t exp(s_t - m) v_t, then m and sum_t exp(s_t - m), which the merge
+    # rescales to the largest m. The cache is f16 (uint16 bits) or f32, one compiled version each.
+    #
+    # Against the kernel before (a query head at a time, its K and V rows widened for each head,
+    # sums reduced a position at a time, a split's kv heads one after another), on the 2-core AMD
+    # EPYC, scripts/cpu_attention_bench.py, both in one run (SmolLM2's shape: 9 heads, 3 kv heads,
+    # 64 dims, f16; 30 layers' caches): 1800 positions 120.6 -> 65.3 us a layer on one thread and
+    # 65.4 -> 35.2 on two, 300 positions 16.3 -> 9.5 and 14.2 -> 7.5; one cache of 900 positions
+    # (in L2) 44.0 -> 22.7. Compiled for AVX2 alone (NUMBA_CPU_NAME=haswell) 147 -> 99 and 77 ->
+    # 51 at 1800, 17.4 -> 15.8 and 12.2 -> 11.8 at 300. This kernel taking a split's kv heads one
+    # after another, each reading its 128 bytes of every 384-byte row, measured 64-67 us at 1800
+    # on one thread where interleaved it measured 55 in the same session.
     heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
+    packs = (group + _ATT_PACK - 1) // _ATT_PACK
     scale = F32(1) / np.sqrt(F32(dim))
     splits = min(decode_splits(n_ctx, 2 * kv_heads * dim * k_cache.itemsize, threads), part.shape[0])
     per_split = ((n_ctx + splits - 1) // splits + 3) // 4 * 4  # even shares, whole 4-position steps
-    for unit in prange(splits * heads):  # a thread takes consecutive units: whole splits, as a rule
-        sp, h = unit // heads, unit % heads
+    for sp in prange(splits):
         lo, hi = sp * per_split, min(n_ctx, (sp + 1) * per_split)
-        s = numba.carray(_stack_f32(_ATT_CHUNK), _ATT_CHUNK)
-        acc = numba.carray(_stack_f32(_ATT_MAX_DIM), dim)  # on the stack: aliases nothing
-        kv = h // group
-        for i in range(dim):
-            acc[i] = 0
-        m = F32(-np.inf)
-        total = F32(0)
+        acc = part[sp]
+        s = numba.carray(_stack_f32(_ATT_SCORES), _ATT_SCORES)
+        peaks = numba.carray(_stack_f32(_ATT_PACK), _ATT_PACK)
+        for h in range(heads):
+            for i in range(dim):
+                acc[h, i] = 0
+            acc[h, dim], acc[h, dim + 1] = -np.inf, 0
         for c0 in range(lo, hi, _ATT_CHUNK):
             n = min(_ATT_CHUNK, hi - c0)
-            chunk_max = m
-            t = 0
-            while t + 4 <= n:
-                r = c0 + t
-                s0 = s1 = s2 = s3 = F32(0)
-                for i in range(dim):
-                    qi = q[h, i]
-                    s0 += qi * _cached(k_cache[r, kv, i])
-                    s1 += qi * _cached(k_cache[r + 1, kv, i])
-                    s2 += qi * _cached(k_cache[r + 2, kv, i])
-                    s3 += qi * _cached(k_cache[r + 3, kv, i])
-                s[t], s[t + 1], s[t + 2], s[t + 3] = s0 * scale, s1 * scale, s2 * scale, s3 * scale
-                chunk_max = max(chunk_max, max(max(s[t], s[t + 1]), max(s[t + 2], s[t + 3])))
-                t += 4
-            for u in range(t, n):
-                s0 = F32(0)
-                for i in range(dim):
-                    s0 += q[h, i] * _cached(k_cache[c0 + u, kv, i])
-                s[u] = s0 * scale
-                chunk_max = max(chunk_max, s[u])
-            if m > F32(-np.inf):
-                alpha = _exp_nonpositive(m - chunk_max)
-                total *= alpha
-                for i in range(dim):
-                    acc[i] *= alpha
-            m = chunk_max
-            for u in range(n):
-                s[u] = _exp_nonpositive(s[u] - m)
-            t = 0
-            while t + 4 <= n:
-                r = c0 + t
-                p0, p1, p2, p3 = s[t], s[t + 1], s[t + 2], s[t + 3]
-                total += (p0 + p1) + (p2 + p3)
-                for i in range(dim):
-                    acc[i] += (p0 * _cached(v_cache[r, kv, i]) + p1 * _cached(v_cache[r + 1, kv, i])) + \
-                              (p2 * _cached(v_cache[r + 2, kv, i]) + p3 * _cached(v_cache[r + 3, kv, i]))
-                t += 4
-            for u in range(t, n):
-                total += s[u]
-                for i in range(dim):
-                    acc[i] += s[u] * _cached(v_cache[c0 + u, kv, i])
-        for i in range(dim):
-            part[sp, h, i] = acc[i]
-        part[sp, h, dim] = m
-        part[sp, h, dim + 1] = total
+            for unit in range(kv_heads * packs):
+                kv, pk = unit // packs, unit % packs
+                size = group // packs + (1 if pk < group % packs else 0)
+                h0 = kv * group + pk * (group // packs) + min(pk, group % packs)
+                _att_pack_scores(q, h0, size, k_cache, v_cache, kv, c0, n, scale, s, peaks)
+                for j in range(size):
+                    h, sj = h0 + j, j * _ATT_CHUNK
+                    m = acc[h, dim]
+                    chunk_max = max(m, peaks[j])
+                    if m > F32(-np.inf):
+                        alpha = _exp_nonpositive(m - chunk_max)
+                        acc[h, dim + 1] *= alpha
+                        for i in range(dim):
+                            acc[h, i] *= alpha
+                    acc[h, dim] = chunk_max
+                    weights = F32(0)
+                    for u in range(n):
+                        e = _exp_nonpositive(s[sj + u] - chunk_max)
+                        s[sj + u] = e
+                        weights += e
+                    acc[h, dim + 1] += weights
+                _att_pack_values(s, size, v_cache, kv, c0, n, acc, h0)
     for h in range(heads):  # plain loops: an array expression here would be a parfor (a launch) a head
         m = part[0, h, dim]
         for sp in range(1, splits):
