@@ -933,9 +933,13 @@ _ATT_SPLIT_BYTES = 256 << 10  # K and V bytes a split of positions covers, at mo
 # _ATT_BLOCK positions for a pack of up to _ATT_PACK query heads of one kv head: each K element is
 # widened once for the pack, the pack x block accumulators (24 in AVX-512's 32 registers, 8 in
 # AVX2's 16) stay in registers, and a block's sums are reduced together (_lane_sums; a sum at a
-# time took 8 shuffles and adds a position). A value step takes _ATT_UNROLL positions, an accumulator
-# each, so the multiply-adds into a head's sums do not wait on each other.
+# time took 8 shuffles and adds a position). A value step takes _ATT_VALUE_CHUNKS vectors of a V
+# row while a row has them (then one), each weight broadcast once for them all (one vector a step:
+# SmolLM2's shape, 900 positions in L2, 24.0 against 21.3 us a layer), and as many positions, up
+# to _ATT_UNROLL, as make 8 accumulators, so the multiply-adds into one sum do not wait on each
+# other.
 _ATT_UNROLL = 4
+_ATT_VALUE_CHUNKS = 4
 
 
 def attention_geometry(avx512: bool) -> dict:
@@ -1036,18 +1040,24 @@ class _CacheHead:
     def row(self, r):
         return self.builder.gep(self.base, [self.builder.mul(r, self.stride)])
 
-    def chunks(self, body):
-        """body(c, mask) for each chunk of _ATT_LANES elements of a row: mask None for the whole
-        ones, then the lanes still inside the row for a last, partial one."""
+    def chunks(self, body, together=1):
+        """body(first, count, mask) over a row's chunks of _ATT_LANES elements: `together` whole
+        ones a call while they last, then one a call, then the last, partial one with mask set to
+        the lanes still inside the row (mask None for whole chunks)."""
         builder = self.builder
         lanes = ir.Constant(_I64, _ATT_LANES)
         full = builder.udiv(self.dim, lanes)
         rest = builder.sub(self.dim, builder.mul(full, lanes))
-        with cgutils.for_range(builder, full) as loop:
-            body(loop.index, None)
+        groups = builder.udiv(full, ir.Constant(_I64, together))
+        with cgutils.for_range(builder, groups) as loop:
+            body(builder.mul(loop.index, ir.Constant(_I64, together)), together, None)
+        if together > 1:
+            grouped = builder.mul(groups, ir.Constant(_I64, together))
+            with cgutils.for_range(builder, builder.sub(full, grouped)) as loop:
+                body(builder.add(grouped, loop.index), 1, None)
         with builder.if_then(builder.icmp_unsigned("!=", rest, ir.Constant(_I64, 0)), likely=False):
             splat = _broadcast(builder, builder.trunc(rest, _I32), _ATT_LANES)
-            body(full, builder.icmp_signed("<", _lanes(range(_ATT_LANES)), splat))
+            body(full, 1, builder.icmp_signed("<", _lanes(range(_ATT_LANES)), splat))
 
 
 @intrinsic
@@ -1086,7 +1096,7 @@ def _att_scores(typingctx, q, h0, pack, k_cache, v_cache, kv, c0, n, scale, s, p
             for cell in (cell for row in acc for cell in row):
                 builder.store(_splat(_F32, _ATT_LANES, 0.0), cell)
 
-            def step(c, mask):
+            def step(c, count, mask):
                 qv = [_floats_at(builder, row, c, _F32, mask) for row in q_rows]
                 at = builder.mul(c, chunk_bytes)
                 for p in range(_ATT_BLOCK):
@@ -1130,38 +1140,48 @@ def _att_values(typingctx, s, pack, v_cache, kv, c0, n, acc, h0):
         a = _Operands(context, builder, sig.args, args)
         s_data = a.data(0)
         vt = _vec(_F32, _ATT_LANES)
-        steps = builder.udiv(n, ir.Constant(_I64, _ATT_UNROLL))
-        done = builder.mul(steps, ir.Constant(_I64, _ATT_UNROLL))
+        at = [a.row(6, builder.add(h0, ir.Constant(_I64, j))) for j in range(heads)]
 
         def weight(j, t):
             return _broadcast(builder, _load(builder, s_data, builder.mul(
                 builder.add(t, ir.Constant(_I64, j * _ATT_CHUNK)), ir.Constant(_I64, 4)), _F32), _ATT_LANES)
 
-        def chunk(c, mask):
-            sums = [[cgutils.alloca_once(builder, vt) for _ in range(_ATT_UNROLL)] for _ in range(heads)]
-            at = [a.row(6, builder.add(h0, ir.Constant(_I64, j))) for j in range(heads)]
+        def chunks(first, count, mask):
+            # count chunks of a row from chunk `first` (mask: the last one's lanes), with enough
+            # positions a step that at least 8 accumulators take turns
+            unroll = min(_ATT_UNROLL, -(-8 // (count * heads)))
+            cs = [builder.add(first, ir.Constant(_I64, k)) for k in range(count)]
+            sums = [[[cgutils.alloca_once(builder, vt) for _ in range(unroll)] for _ in range(count)] for _ in range(heads)]
             for j in range(heads):
-                builder.store(_floats_at(builder, at[j], c, _F32, mask), sums[j][0])
-                for u in range(1, _ATT_UNROLL):
-                    builder.store(_splat(_F32, _ATT_LANES, 0.0), sums[j][u])
+                for k in range(count):
+                    builder.store(_floats_at(builder, at[j], cs[k], _F32, mask), sums[j][k][0])
+                    for u in range(1, unroll):
+                        builder.store(_splat(_F32, _ATT_LANES, 0.0), sums[j][k][u])
 
             def position(t, u):
-                v = _floats_at(builder, cache.row(builder.add(c0, t)), c, cache.elt, mask)
-                for j in range(heads):
-                    builder.store(_fmuladd(builder, weight(j, t), v, builder.load(sums[j][u])), sums[j][u])
+                row = cache.row(builder.add(c0, t))
+                w = [weight(j, t) for j in range(heads)]
+                for k in range(count):
+                    v = _floats_at(builder, row, cs[k], cache.elt, mask)
+                    for j in range(heads):
+                        builder.store(_fmuladd(builder, w[j], v, builder.load(sums[j][k][u])), sums[j][k][u])
 
+            steps = builder.udiv(n, ir.Constant(_I64, unroll))
+            done = builder.mul(steps, ir.Constant(_I64, unroll))
             with cgutils.for_range(builder, steps) as step:
-                first = builder.mul(step.index, ir.Constant(_I64, _ATT_UNROLL))
-                for u in range(_ATT_UNROLL):
-                    position(builder.add(first, ir.Constant(_I64, u)), u)
+                t0 = builder.mul(step.index, ir.Constant(_I64, unroll))
+                for u in range(unroll):
+                    position(builder.add(t0, ir.Constant(_I64, u)), u)
             with cgutils.for_range(builder, builder.sub(n, done)) as tail:
                 position(builder.add(done, tail.index), 0)
             for j in range(heads):
-                parts = [builder.load(cell) for cell in sums[j]]
-                total = builder.fadd(builder.fadd(parts[0], parts[1]), builder.fadd(parts[2], parts[3]))
-                _store_floats(builder, total, at[j], c, mask)
+                for k in range(count):
+                    total = builder.load(sums[j][k][0])
+                    for u in range(1, unroll):
+                        total = builder.fadd(total, builder.load(sums[j][k][u]))
+                    _store_floats(builder, total, at[j], cs[k], mask)
 
-        cache.chunks(chunk)
+        cache.chunks(chunks, _ATT_VALUE_CHUNKS)
         return context.get_dummy_value()
 
     return types.none(s, pack, v_cache, kv, c0, n, acc, h0), codegen
@@ -1217,14 +1237,15 @@ def _attention_decode(q, k_cache, v_cache, n_ctx, out, part, threads):
     # rescales to the largest m. The cache is f16 (uint16 bits) or f32, one compiled version each.
     #
     # Against the kernel before (a query head at a time, its K and V rows widened for each head,
-    # sums reduced a position at a time, a split's kv heads one after another), on the 2-core AMD
-    # EPYC, scripts/cpu_attention_bench.py, both in one run (SmolLM2's shape: 9 heads, 3 kv heads,
-    # 64 dims, f16; 30 layers' caches): 1800 positions 120.6 -> 65.3 us a layer on one thread and
-    # 65.4 -> 35.2 on two, 300 positions 16.3 -> 9.5 and 14.2 -> 7.5; one cache of 900 positions
-    # (in L2) 44.0 -> 22.7. Compiled for AVX2 alone (NUMBA_CPU_NAME=haswell) 147 -> 99 and 77 ->
-    # 51 at 1800, 17.4 -> 15.8 and 12.2 -> 11.8 at 300. This kernel taking a split's kv heads one
-    # after another, each reading its 128 bytes of every 384-byte row, measured 64-67 us at 1800
-    # on one thread where interleaved it measured 55 in the same session.
+    # sums reduced a position at a time), on the 2-core AMD EPYC, scripts/cpu_attention_bench.py,
+    # the two alternating over two rounds (SmolLM2's shape: 9 heads, 3 kv heads, 64 dims, f16; 30
+    # layers' caches): 1800 positions 111-113 -> 53-58 us a layer on one thread and 60-61 -> 30-34
+    # on two, 300 positions 15.5-16.7 -> 8.5-8.6 and 12.1-12.4 -> 6.7-7.3; one cache of 900
+    # positions (in L2) 38.5-40.0 -> 19.8-20.3. Compiled for AVX2 alone (NUMBA_CPU_NAME=haswell,
+    # before the value steps took 4 vectors) 147 -> 99 and 77 -> 51 at 1800, 17.4 -> 15.8 and
+    # 12.2 -> 11.8 at 300. Taking a split's kv heads one after another instead, each reading its
+    # 128 bytes of every 384-byte row, measured 64-67 us at 1800 on one thread where interleaving
+    # them measured 55, the same session.
     heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
