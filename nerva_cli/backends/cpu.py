@@ -955,9 +955,9 @@ _geometry = attention_geometry(_AVX512F)
 _ATT_LANES, _ATT_BLOCK, _ATT_PACK, _ATT_SCORES = (_geometry[k] for k in ("_ATT_LANES", "_ATT_BLOCK", "_ATT_PACK", "_ATT_SCORES"))
 # The scores ask the cache for the K rows _ATT_AHEAD_BYTES of rows further on, and for the V rows
 # they score (the values read them next). SmolLM2's shape, 30 layers' caches at 1800 positions (41
-# MB, more than L3), one thread: no prefetch 98 us a layer, K 16 rows (6 KB) ahead 80, 32 rows
-# 62.5, 48 54.7, 64 54.6, 128 59.7; without the V rows 88 where 65 with (measured before the kv
-# heads were interleaved); 12, 16, 20 and 24 KB: 60.2, 56.5, 56.1, 58.1.
+# MB, more than L3), one thread: K 16 rows (6 KB) ahead 66.9 us a layer, 32 rows 62.5, 48 54.7,
+# 64 54.6, 96 56.6, 128 59.7; by bytes, 12, 16, 20 and 24 KB: 60.2, 56.5, 56.1, 58.1. Before a
+# split interleaved its kv heads: no prefetch 98, and 88 without the V rows where 65 with them.
 _ATT_AHEAD_BYTES = 16 << 10
 
 
