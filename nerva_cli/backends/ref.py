@@ -165,10 +165,11 @@ def attention_decode(q, k_cache, v_cache, n_ctx, out, part=None):
 
 def attention_prefill_work(T, n, heads, kv_heads, head_dim):
     """Float32 elements attention_prefill's `work` holds for T queries over up to n cache
-    positions: a kv head's scores [group, T, n] and output [group, T, head_dim], and K and V
-    widened from an f16 cache. The cpu backend computes in it; ref allocates its own."""
+    positions: a kv head's scores [group, T, n], output [group, T, head_dim] and a weight total
+    a row, and K and V widened from an f16 cache. The cpu backend computes in it; ref allocates
+    its own."""
     group = heads // kv_heads
-    return group * T * (n + head_dim) + 2 * n * kv_heads * head_dim
+    return group * T * (n + head_dim + 1) + 2 * n * kv_heads * head_dim
 
 
 def attention_prefill(q, k, v, start, out, work=None):
