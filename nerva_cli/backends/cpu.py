@@ -878,19 +878,6 @@ def _stack_f32(typingctx, n):
     return types.CPointer(types.float32)(n), codegen
 
 
-@intrinsic
-def _cached(typingctx, v):
-    """A KV cache element as float32: f16 bits (uint16, the default cache) widened by fpext, which a
-    vectorised loop turns into vcvtph2ps; a float32 (the f32 cache) as it is."""
-    if v == types.uint16:
-        def widen(context, builder, sig, args):
-            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-        return types.float32(v), widen
-    if v == types.float32:
-        return types.float32(v), lambda context, builder, sig, args: args[0]
-    return None
-
-
 def _cache_operand(a):
     """A cache array as the kernels take it: f16 as its uint16 bits (numba has no float16)."""
     return a.view(np.uint16) if a.dtype == np.float16 else a
