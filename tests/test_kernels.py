@@ -794,5 +794,6 @@ def test_cpu_attention_bench_script_runs():
     lines = [json.loads(line) for line in run.stdout.splitlines()]
     assert [r["n_ctx"] for r in lines] == [70, 130]
     assert all(r["heads"] == 4 and r["head_dim"] == 40 and r["layers"] == 2 and r["us_per_layer"] > 0 for r in lines)
-    bad = subprocess.run([sys.executable, str(script), "--shape", "3:2:64"], capture_output=True, text=True, timeout=300)
+    bad = subprocess.run([sys.executable, str(script), "--shape", "3:2:64"], capture_output=True, text=True,
+                         timeout=300)
     assert bad.returncode == 2 and "heads a multiple of kv_heads" in bad.stderr

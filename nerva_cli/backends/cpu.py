@@ -939,7 +939,8 @@ def attention_geometry(avx512: bool) -> dict:
 
 
 _geometry = attention_geometry(_AVX512F)
-_ATT_LANES, _ATT_BLOCK, _ATT_PACK, _ATT_SCORES = (_geometry[k] for k in ("_ATT_LANES", "_ATT_BLOCK", "_ATT_PACK", "_ATT_SCORES"))
+_ATT_LANES, _ATT_BLOCK, _ATT_PACK = _geometry["_ATT_LANES"], _geometry["_ATT_BLOCK"], _geometry["_ATT_PACK"]
+_ATT_SCORES = _geometry["_ATT_SCORES"]
 # The scores ask the cache for the K rows _ATT_AHEAD_BYTES of rows further on, and for the V rows
 # they score (the values read them next). SmolLM2's shape, 30 layers' caches at 1800 positions (41
 # MB, more than L3), one thread: K 16 rows (6 KB) ahead 66.9 us a layer, 32 rows 62.5, 48 54.7,
@@ -957,7 +958,8 @@ def _masked_load(builder, ptr, ty, mask):
     (a row's last chunk never touches the memory past the row)."""
     elt, size = ("i16", 2) if ty.element == _I16 else ("f32", 4)
     name = f"llvm.masked.load.v{ty.count}{elt}.p0v{ty.count}{elt}"
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty.as_pointer(), _I32, mask.type, ty]), name)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty.as_pointer(), _I32, mask.type, ty]),
+                                        name)
     zero = ir.Constant(ty, [ir.Constant(ty.element, 0)] * ty.count)
     return builder.call(fn, [builder.bitcast(ptr, ty.as_pointer()), ir.Constant(_I32, size), mask, zero])
 
@@ -1065,8 +1067,9 @@ def _att_scores(typingctx, q, h0, pack, k_cache, v_cache, kv, c0, n, scale, s, p
         s_data = a.data(9)
         scale = _broadcast(builder, args[8], _ATT_BLOCK)
         chunk_bytes = ir.Constant(_I64, _ATT_LANES * (2 if cache.elt == _I16 else 4))
+        one = ir.Constant(_I64, 1)
         rows_ahead = builder.udiv(ir.Constant(_I64, _ATT_AHEAD_BYTES), cache.stride)
-        rows_ahead = builder.select(builder.icmp_unsigned("<", rows_ahead, ir.Constant(_I64, 1)), ir.Constant(_I64, 1), rows_ahead)
+        rows_ahead = builder.select(builder.icmp_unsigned("<", rows_ahead, one), one, rows_ahead)
         ahead = builder.mul(rows_ahead, cache.stride)
         acc = [[cgutils.alloca_once(builder, _vec(_F32, _ATT_LANES)) for _ in range(_ATT_BLOCK)] for _ in range(heads)]
         highest = [cgutils.alloca_once_value(builder, _splat(_F32, _ATT_BLOCK, float("-inf"))) for _ in range(heads)]
@@ -1083,7 +1086,7 @@ def _att_scores(typingctx, q, h0, pack, k_cache, v_cache, kv, c0, n, scale, s, p
             for cell in (cell for row in acc for cell in row):
                 builder.store(_splat(_F32, _ATT_LANES, 0.0), cell)
 
-            def step(c, count, mask):
+            def step(c, _count, mask):  # one chunk a call
                 qv = [_floats_at(builder, row, c, _F32, mask) for row in q_rows]
                 at = builder.mul(c, chunk_bytes)
                 for p in range(_ATT_BLOCK):
@@ -1138,7 +1141,8 @@ def _att_values(typingctx, s, pack, v_cache, kv, c0, n, acc, h0):
             # positions a step that at least 8 accumulators take turns
             unroll = min(_ATT_UNROLL, -(-8 // (count * heads)))
             cs = [builder.add(first, ir.Constant(_I64, k)) for k in range(count)]
-            sums = [[[cgutils.alloca_once(builder, vt) for _ in range(unroll)] for _ in range(count)] for _ in range(heads)]
+            sums = [[[cgutils.alloca_once(builder, vt) for _ in range(unroll)] for _ in range(count)]
+                    for _ in range(heads)]
             for j in range(heads):
                 for k in range(count):
                     builder.store(_floats_at(builder, at[j], cs[k], _F32, mask), sums[j][k][0])
