@@ -679,22 +679,47 @@ def matvec_q4_w4a8(qs, d, m, xq, xd, xs, out):
 def _dequantize_q4(qs, d, m, out):
     # Serial on purpose: prefill calls this between BLAS GEMMs, and OpenBLAS's worker threads
     # spin-wait on the other core for a while after each GEMM. A parallel version measured
-    # 0.26 ms alone but 5.7 ms between GEMMs (1536x576, 2 cores); this one ~0.5 ms in both.
-    rows, nb = d.shape
-    for r in range(rows):
-        for b in range(nb):
-            s = _half_to_f32(d[r, b])
-            if m is None:
-                for j in range(16):
-                    v = qs[r, 16 * b + j]
-                    out[r, 32 * b + j] = s * F32((v & 15) - 8)
-                    out[r, 32 * b + 16 + j] = s * F32((v >> 4) - 8)
-            else:
-                o = _half_to_f32(m[r, b])
-                for j in range(16):
-                    v = qs[r, 16 * b + j]
-                    out[r, 32 * b + j] = s * F32(v & 15) + o
-                    out[r, 32 * b + 16 + j] = s * F32(v >> 4) + o
+    # 0.26 ms alone but 5.7 ms between GEMMs (1536x576, 2 cores), the serial one ~0.5 ms in
+    # both; with rows in IR (below) the serial one takes 0.04.
+    for r in range(d.shape[0]):
+        _dequantize_q4_row(qs, d, m, out, r)
+
+
+@intrinsic
+def _dequantize_q4_row(typingctx, qs, d, m, out, r):
+    """Row r of Q4 planes into out's row r in f32, as ref computes it: d (q - 8), or d q + m (a
+    multiply, then an add: no FMA, so the same bits). In IR, a block's 32 values two vectors at
+    a time: numba's loop stayed scalar (its stores might alias the codes it reads), 32 vmulss a
+    block. 1536 x 576, the output in cache, AMD EPYC: Q4_0 0.224 -> 0.033 ms, Q4_1 0.232 ->
+    0.041."""
+    if not _c_arrays(qs, d, m, out):
+        return None
+    q4_1 = not isinstance(m, types.NoneType)
+
+    def codegen(context, builder, sig, args):
+        a = _Operands(context, builder, sig.args[:4], args[:4])
+        r = args[4]
+        q_row, d_row, o_row = a.row(0, r), a.row(1, r), a.row(3, r)
+        m_row = a.row(2, r) if q4_1 else None
+        vt = _vec(_F32, _LANES)
+        with cgutils.for_range(builder, a.cols(1)) as loop:
+            b = loop.index
+            words = builder.zext(_load(builder, q_row, builder.mul(b, ir.Constant(_I64, 16)), _vec(_I8, 16)),
+                                 _vec(_I32, 16))
+            codes = [builder.and_(words, _splat(_I32, 16, 15)), builder.lshr(words, _splat(_I32, 16, 4))]
+            if not q4_1:
+                codes = [builder.sub(c, _splat(_I32, 16, 8)) for c in codes]
+            scale = _broadcast(builder, _half_at(builder, d_row, b), _LANES)
+            offset = _broadcast(builder, _half_at(builder, m_row, b), _LANES) if q4_1 else None
+            for half, c in enumerate(codes):
+                v = builder.fmul(scale, builder.sitofp(c, vt))
+                if q4_1:
+                    v = builder.fadd(v, offset)
+                at = builder.add(builder.mul(b, ir.Constant(_I64, 128)), ir.Constant(_I64, 64 * half))
+                builder.store(v, builder.bitcast(builder.gep(o_row, [at]), vt.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.none(qs, d, m, out, r), codegen
 
 
 def dequantize_q4(qs, d, m, out):
