@@ -1333,8 +1333,9 @@ def attention_prefill(q, k, v, start, out, work):
     # BLAS per kv head: the `group` query heads that share it go through one batched matmul into
     # `work`, then _causal_softmax turns each row's visible scores into weights exp(s - max)
     # and zeroes the rest, a second matmul takes the weighted values, and the copy into `out`
-    # divides them by the weights' totals (a value a row, not a weight). An f16 cache is widened
-    # for BLAS into `work` too (a copy a layer a chunk: prefill only).
+    # divides them by the weights' totals (head_dim multiplies a row where normalising the
+    # weights took n). An f16 cache is widened for BLAS into `work` too (a copy a layer a chunk:
+    # prefill only).
     T, heads, dim = q.shape
     n, kv_heads = start + T, k.shape[1]
     group = heads // kv_heads
