@@ -704,15 +704,13 @@ def _dequantize_q4_row(typingctx, qs, d, m, out, r):
         vt = _vec(_F32, _LANES)
         with cgutils.for_range(builder, a.cols(1)) as loop:
             b = loop.index
-            words = builder.zext(_load(builder, q_row, builder.mul(b, ir.Constant(_I64, 16)), _vec(_I8, 16)),
-                                 _vec(_I32, 16))
-            codes = [builder.and_(words, _splat(_I32, 16, 15)), builder.lshr(words, _splat(_I32, 16, 4))]
-            if not q4_1:
-                codes = [builder.sub(c, _splat(_I32, 16, 8)) for c in codes]
+            codes = _codes_f32(builder, q_row, b)
+            if not q4_1:  # q - 8 of a small integer: exact in f32, as ref's int subtraction
+                codes = [builder.fsub(c, _splat(_F32, _LANES, 8.0)) for c in codes]
             scale = _broadcast(builder, _half_at(builder, d_row, b), _LANES)
             offset = _broadcast(builder, _half_at(builder, m_row, b), _LANES) if q4_1 else None
             for half, c in enumerate(codes):
-                v = builder.fmul(scale, builder.sitofp(c, vt))
+                v = builder.fmul(scale, c)
                 if q4_1:
                     v = builder.fadd(v, offset)
                 at = builder.add(builder.mul(b, ir.Constant(_I64, 128)), ir.Constant(_I64, 64 * half))
