@@ -1002,9 +1002,12 @@ def _store_floats(builder, v, base, c, mask=None):
 def _floats_at(builder, base, c, elt, mask=None):
     """Elements c L .. c L + L - 1 (L = _ATT_LANES) from base (i8*) as <L x float>: f16 bits
     (elt i16) widened, or float32; only the lanes where mask holds when there is one."""
-    ty = _vec(elt, _ATT_LANES)
-    ptr = builder.gep(base, [builder.mul(c, ir.Constant(_I64, _ATT_LANES * (2 if elt == _I16 else 4)))])
-    v = _load(builder, ptr, ir.Constant(_I64, 0), ty) if mask is None else _masked_load(builder, ptr, ty, mask)
+    size = 2 if elt == _I16 else 4
+    if mask is None:
+        return _planes_at(builder, base, builder.mul(c, ir.Constant(_I64, _ATT_LANES)), _ATT_LANES,
+                          ir.HalfType() if elt == _I16 else _F32, size)
+    ptr = builder.gep(base, [builder.mul(c, ir.Constant(_I64, _ATT_LANES * size))])
+    v = _masked_load(builder, ptr, _vec(elt, _ATT_LANES), mask)
     return builder.fpext(builder.bitcast(v, _vec(ir.HalfType(), _ATT_LANES)), _vec(_F32, _ATT_LANES)) \
         if elt == _I16 else v
 
