@@ -52,6 +52,7 @@ def main() -> None:
     from nerva_cli.backends import cpu
     if args.lowering == "avx2":
         cpu._AVX512F = cpu._AVX512BW = cpu._AVX512VNNI = False
+        cpu._LANES = 8  # the float kernels' width, set at import from the host
 
     rng = np.random.default_rng()
     evict = np.ones(64 << 20, np.uint8)

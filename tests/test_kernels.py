@@ -355,6 +355,50 @@ def test_matvec_q8_w8a16(rng, rows, cols):
     assert_dots_close(want, w64 @ x, magnitude, cols)
 
 
+@pytest.mark.parametrize("lanes", (8, 16))
+@pytest.mark.parametrize("kind", KINDS + ("q8_0",))
+def test_float_kernels_at_either_width(rng, monkeypatch, kind, lanes):
+    """The four-row W4A16 and W8A16 and the Q4 dequantisation at the width a host without
+    AVX-512 compiles (8 floats) and the one a host with it does (16), built here fresh whatever
+    the host (16-lane IR lowers to two AVX2 registers); the same bounds as the host's kernels."""
+    from numba import njit
+
+    monkeypatch.setattr(cpu, "_LANES", lanes)
+    rows, cols = 13, 352  # 11 blocks; 13 rows: a last group of four that repeats a row
+    x = randn(rng, cols)
+    got = np.empty(rows, np.float32)
+    if kind == "q8_0":
+        @njit
+        def four_rows(q8, d, x, out):
+            for g in range((d.shape[0] + 3) // 4):
+                r0, r1, r2, r3 = cpu._row_group(g, d.shape[0])
+                out[r0], out[r1], out[r2], out[r3] = cpu._w8a16_rows(q8, d, x, r0, r1, r2, r3)
+        q8, d = random_q8(rng, rows, cols)
+        four_rows(q8, d.view(np.uint16), x, got)
+        llvm = next(iter(four_rows.inspect_llvm().values()))
+        assert f"load <{lanes} x i8>" in llvm and f"load <{24 - lanes} x i8>" not in llvm  # the codes, a vector a load
+        want = np.empty_like(got)
+        ref.matvec_q8_w8a16(q8, d, x, want)
+        assert_dots_close(got, want, np.abs(dequant_q8_f64(q8, d)) @ np.abs(x), cols)
+        return
+
+    @njit
+    def dequantize(qs, d, m, out):
+        for r in range(d.shape[0]):
+            cpu._dequantize_q4_row(qs, d, m, out, r)
+    qs, d, m = random_q4(rng, rows, cols, kind)
+    bits = (d.view(np.uint16), None if m is None else m.view(np.uint16))
+    kernel = _serial_w4a16(by_row=False)
+    kernel(qs, *bits, x, got)
+    llvm = next(iter(kernel.inspect_llvm().values()))
+    assert f"load <{lanes} x i8>" in llvm and f"load <{24 - lanes} x i8>" not in llvm  # the codes, a vector a load
+    assert_w4a16_close(got, qs, d, m, x)
+    dense, want = np.empty((rows, cols), np.float32), np.empty((rows, cols), np.float32)
+    dequantize(qs, *bits, dense)
+    ref.dequantize_q4(qs, d, m, want)
+    assert np.array_equal(dense, want)
+
+
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("cols", COLS)
 def test_matvec_q8_w8a8(rng, rows, cols):

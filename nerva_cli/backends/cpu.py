@@ -216,22 +216,51 @@ def _codes(builder, row, b):
     return builder.shuffle_vector(lo, hi, _lanes(range(32)))
 
 
-# The float kernels (W4A16, W8A16) work in <16 x float>: one AVX-512 register where the target
-# has them, two AVX2 ones where LLVM splits it. On the 2-core AMD EPYC (Zen 5), against the
-# <8 x float> IR before, Q4_0 W4A16 matvecs of 3072 and 200000 rows x 576: 13.1 -> 22.3 and
-# 13.0 -> 19.4 GB/s on one thread, 25.7 -> 43.3 and 26.0 -> 38.5 on two; Q4_1 11.0 -> 16.9 / 16.3.
-# Compiled for AVX2 alone (NUMBA_CPU_NAME=haswell and NUMBA_CPU_FEATURES without avx512) it is
-# where it was: 12.7-12.9 GB/s against 13.0-13.3.
-_LANES = 16
+# The float kernels (W4A16, W8A16, the Q4 dequantisation) work in <_LANES x float>: one AVX-512
+# register where the target has them, one AVX2 register where it has not. On the 2-core AMD EPYC
+# (Zen 5), against the <8 x float> IR before, Q4_0 W4A16 matvecs of 3072 and 200000 rows x 576:
+# 13.1 -> 22.3 and 13.0 -> 19.4 GB/s on one thread, 25.7 -> 43.3 and 26.0 -> 38.5 on two; Q4_1
+# 11.0 -> 16.9 / 16.3. Compiled for AVX2 alone (NUMBA_CPU_NAME=haswell and NUMBA_CPU_FEATURES
+# without avx512) the 16 lanes split in two were where 8 were, 12.7-12.9 GB/s against 13.0-13.3.
+# On a 2-core AMD EPYC without AVX-512 (Zen 3), <8 x float> and a block's sum as one chain of
+# multiply-adds (so one scale multiply-add a row and block, not one a register) against the split
+# <16 x float> of two chains each, one thread, alternating runs: Q4_1 W4A16 1536 x 576 and 576 x
+# 1536 in cache 6.3-6.5 -> 7.3-7.5 GB/s, Q4_0 6.9-7.1 -> 7.7-8.0; from DRAM (--dram) Q4_1 1536 x
+# 576 5.0-5.1 -> 5.8, 131072 x 576 6.5 -> 7.3-7.4; Q8_0 W8A16 131072 x 576 from DRAM 11.6-11.9 ->
+# 12.0-12.6, 1536 x 576 in cache 15.6-16.3 -> 15.2-15.6. `nerva bench` q4_1 decode, W4A16 on every
+# layer: 62-65 -> 66-68 tok/s on one thread, 109-114 -> 117-120 on two (mixed: within its noise).
+# Not kept, on the Zen 3: scales of eight blocks loaded at once and broadcast from that vector
+# (as _w4a16_row does), as fast from the caches, 0.75x from DRAM for W8A16; vpshufb in place of
+# vpmovzxbd (which llvm-mca -mcpu=znver3 models as three times a shuffle's issue), 3% slower.
+_LANES = 16 if _AVX512F else 8
+
+
+def _codes_i32(builder, row, b):
+    """Block b's 32 codes as 32 / _LANES <_LANES x i32>, in the weights' order: the 16 bytes
+    widened to int32 straight from memory (vpmovzxbd folds the load: 1.4x faster than nibbles
+    split in bytes and widened from a register), in 16 / _LANES pieces, their low nibbles
+    (weights 0-15), then their high ones (16-31)."""
+    at = builder.mul(b, ir.Constant(_I64, 16))
+    words = [builder.zext(_load(builder, row, builder.add(at, ir.Constant(_I64, _LANES * h)), _vec(_I8, _LANES)),
+                          _vec(_I32, _LANES)) for h in range(16 // _LANES)]
+    return [builder.and_(w, _splat(_I32, _LANES, 15)) for w in words] + \
+        [builder.lshr(w, _splat(_I32, _LANES, 4)) for w in words]
 
 
 def _codes_f32(builder, row, b):
-    """Block b's 32 codes as two <16 x float> (codes 0-15, the low nibbles, and 16-31, the high):
-    the 16 bytes widened to int32 straight from memory (vpmovzxbd folds the load: 1.4x faster
-    than nibbles split in bytes and widened from a register), then masked or shifted there."""
-    words = builder.zext(_load(builder, row, builder.mul(b, ir.Constant(_I64, 16)), _vec(_I8, 16)), _vec(_I32, 16))
-    ints = [builder.and_(words, _splat(_I32, 16, 15)), builder.lshr(words, _splat(_I32, 16, 4))]
-    return [builder.sitofp(v, _vec(_F32, _LANES)) for v in ints]
+    return [builder.sitofp(v, _vec(_F32, _LANES)) for v in _codes_i32(builder, row, b)]
+
+
+def _lane_chunks(builder, base, b):
+    """Floats 32 b to 32 b + 31 of base (f32) as 32 / _LANES <_LANES x float>: block b's."""
+    at = builder.mul(b, ir.Constant(_I64, 32))
+    return [_f32_at(builder, base, at, _LANES, _LANES * k) for k in range(32 // _LANES)]
+
+
+def _tree_sum(builder, vectors):
+    while len(vectors) > 1:
+        vectors = [builder.fadd(vectors[k], vectors[k + 1]) for k in range(0, len(vectors), 2)]
+    return vectors[0]
 
 
 def _dot_u4_s8(builder, q, x):
@@ -353,9 +382,11 @@ def _c_arrays(*arrays):
 
 @intrinsic
 def _w4a16_rows(typingctx, qs, d, m, x, r0, r1, r2, r3):
-    """(row r0 . x, ..., row r3 . x) for Q4 rows and f32 x. Per block and row, with q the codes:
-    t = sum q x (+ sum -8 x for Q4_0), acc += d t (+ m sum x for Q4_1): the -8 or the offset enters
-    through the block's activation sum (the deferred bias), computed once for all four rows."""
+    """(row r0 . x, ..., row r3 . x) for Q4 rows and f32 x (the kernel a host without AVX-512F
+    runs). Per block and row, with q the codes: t = sum q x (+ sum -8 x for Q4_0),
+    acc += d t (+ m sum x for Q4_1): the -8 or the offset enters through the block's activation
+    sum (the deferred bias), computed once for all four rows. t is one chain of multiply-adds
+    (the four rows' chains overlap), so a block costs a row one multiply-add by its scale."""
     if not _c_arrays(qs, d, m, x):
         return None
     q4_1 = not isinstance(m, types.NoneType)
@@ -368,12 +399,13 @@ def _w4a16_rows(typingctx, qs, d, m, x, r0, r1, r2, r3):
         with cgutils.for_range(builder, a.cols(1)) as loop:
             b = loop.index
             a.prefetch_codes_ahead(q_rows, b)
-            xs = [_f32_at(builder, x, builder.mul(b, ir.Constant(_I64, 32)), _LANES, _LANES * k) for k in range(2)]
-            x_sum = builder.fadd(xs[0], xs[1])
+            xs = _lane_chunks(builder, x, b)
+            x_sum = _tree_sum(builder, xs)
             start = _splat(_F32, _LANES, 0.0) if q4_1 else builder.fmul(x_sum, _splat(_F32, _LANES, -8.0))
             for i in range(4):
-                q = _codes_f32(builder, q_rows[i], b)
-                t = _fmuladd(builder, q[1], xs[1], _fmuladd(builder, q[0], xs[0], start))
+                t = start
+                for q, xk in zip(_codes_f32(builder, q_rows[i], b), xs):
+                    t = _fmuladd(builder, q, xk, t)
                 scale = _broadcast(builder, _half_at(builder, d_rows[i], b), _LANES)
                 s = _fmuladd(builder, scale, t, builder.load(acc[i]))
                 if q4_1:
@@ -688,8 +720,8 @@ def _dequantize_q4(qs, d, m, out):
 @intrinsic
 def _dequantize_q4_row(typingctx, qs, d, m, out, r):
     """Row r of Q4 planes into out's row r in f32, as ref computes it: d (q - 8), or d q + m (a
-    multiply, then an add: no FMA, so the same bits). In IR, a block's 32 values two vectors at
-    a time: numba's loop stayed scalar (its stores might alias the codes it reads), 32 vmulss a
+    multiply, then an add: no FMA, so the same bits). In IR, a block's 32 values a vector of
+    _LANES at a time: numba's loop stayed scalar (its stores might alias the codes it reads), 32 vmulss a
     block. 1536 x 576, the output in cache, AMD EPYC: Q4_0 0.224 -> 0.033 ms, Q4_1 0.232 ->
     0.041."""
     if not _c_arrays(qs, d, m, out):
@@ -709,11 +741,11 @@ def _dequantize_q4_row(typingctx, qs, d, m, out, r):
                 codes = [builder.fsub(c, _splat(_F32, _LANES, 8.0)) for c in codes]
             scale = _broadcast(builder, _half_at(builder, d_row, b), _LANES)
             offset = _broadcast(builder, _half_at(builder, m_row, b), _LANES) if q4_1 else None
-            for half, c in enumerate(codes):
+            for k, c in enumerate(codes):
                 v = builder.fmul(scale, c)
                 if q4_1:
                     v = builder.fadd(v, offset)
-                at = builder.add(builder.mul(b, ir.Constant(_I64, 128)), ir.Constant(_I64, 64 * half))
+                at = builder.add(builder.mul(b, ir.Constant(_I64, 128)), ir.Constant(_I64, 4 * _LANES * k))
                 builder.store(v, builder.bitcast(builder.gep(o_row, [at]), vt.as_pointer()), align=4)
         return context.get_dummy_value()
 
@@ -767,7 +799,8 @@ def _dot_s8_s8(builder, q, x):
 
 @intrinsic
 def _w8a16_rows(typingctx, q8, d, x, r0, r1, r2, r3):
-    """(row r0 . x, ..., row r3 . x) for Q8_0 rows and f32 x: per block and row, acc += d sum q x."""
+    """(row r0 . x, ..., row r3 . x) for Q8_0 rows and f32 x: per block and row, acc += d sum q x,
+    the sum one chain of multiply-adds, as _w4a16_rows'."""
     if not _c_arrays(q8, d, x):
         return None
 
@@ -781,12 +814,13 @@ def _w8a16_rows(typingctx, q8, d, x, r0, r1, r2, r3):
             b = loop.index
             a.prefetch_codes_ahead(q_rows, b, 32)
             at = builder.mul(b, ir.Constant(_I64, 32))
-            xs = [_f32_at(builder, x, at, _LANES, _LANES * k) for k in range(2)]
+            xs = _lane_chunks(builder, x, b)
             for i in range(4):
-                q = [builder.sitofp(builder.sext(_load(builder, q_rows[i], builder.add(at, ir.Constant(_I64, 16 * k)),
-                                                       _vec(_I8, 16)), _vec(_I32, 16)), _vec(_F32, _LANES))
-                     for k in range(2)]
-                t = _fmuladd(builder, q[1], xs[1], builder.fmul(q[0], xs[0]))
+                t = None
+                for k, xk in enumerate(xs):
+                    codes = _load(builder, q_rows[i], builder.add(at, ir.Constant(_I64, _LANES * k)), _vec(_I8, _LANES))
+                    q = builder.sitofp(builder.sext(codes, _vec(_I32, _LANES)), _vec(_F32, _LANES))
+                    t = builder.fmul(q, xk) if t is None else _fmuladd(builder, q, xk, t)
                 scale = _broadcast(builder, _half_at(builder, d_rows[i], b), _LANES)
                 builder.store(_fmuladd(builder, scale, t, builder.load(acc[i])), acc[i])
         return context.make_tuple(builder, sig.return_type, [_hsum(builder, builder.load(v)) for v in acc])
