@@ -141,6 +141,7 @@ def llama_cpp(gguf: Path, threads: int, n_prompt: int, n_gen: int, text: str) ->
 
 
 def main() -> None:
+    from nerva_cli import topology
     from nerva_cli.bench import PROMPT_SEED_TEXT
     from nerva_cli.machine import cpu_name
     from nerva_cli.sources.resolve import bundled_gguf
@@ -190,7 +191,7 @@ def main() -> None:
         "what": "nerva cpu vs llama.cpp on the bundled SmolLM2-135M-Instruct GGUF (Q4_1 layers, a Q8_0 "
                 "token table that is also the lm_head; nerva's q4_1 keeps both as they are, its q4_0 "
                 "requantises the layers)",
-        "machine": {"cpu": cpu_name(), "logical_cpus": os.cpu_count()},
+        "machine": {"cpu": cpu_name(), "logical_cpus": os.cpu_count(), "simd": topology.cpu()["simd"]},
         "llama_cpp_python": lc.__version__, "llama_cpp_features": lc.llama_print_system_info().decode().strip(),
         "prompt_tokens": args.prompt_tokens,
         "gen_tokens": args.gen_tokens, "rounds": args.rounds,
