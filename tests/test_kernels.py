@@ -670,7 +670,7 @@ def _serial_attention():
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (14, 2, 40), (5, 5, 18)])
 def test_attention_decode_avx2_geometry(rng, monkeypatch, heads, kv_heads, head_dim):
     """What a host without AVX-512 compiles: vectors of 8 floats, score steps of 4 positions,
-    packs of at most 2 heads (so group 3 takes 2 + 1). Built here on whatever host runs the
+    packs of at most 3 heads (group 7 takes 3 + 2 + 2). Built here on whatever host runs the
     tests; same bound as the host's kernel (ATT_TOL)."""
     n, ctx = 203, 260
     q = randn(rng, heads, head_dim)
