@@ -9,8 +9,8 @@ hold. The figures in backends/cpu.py's attention comments come from this.
         [--layers 30] [--cache f16|f32] [--lowering host|avx2]
 
 --shape is heads:kv_heads:head_dim. --lowering avx2 compiles the kernel with the geometry a host
-without AVX-512 gets (8-float vectors, 4-position score steps, packs of 2 heads) into a scratch
-numba cache, so the two can be compared on one machine.
+without AVX-512 gets (cpu.attention_geometry(False): 8-float vectors, 4-position score steps)
+into a scratch numba cache, so the two can be compared on one machine.
 """
 
 from __future__ import annotations
