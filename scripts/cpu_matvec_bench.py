@@ -53,6 +53,7 @@ def main() -> None:
     if args.lowering == "avx2":
         cpu._AVX512F = cpu._AVX512BW = cpu._AVX512VNNI = False
         cpu._LANES = 8  # the float kernels' width, set at import from the host
+        cpu._w4a16_kernel = cpu._w4a16  # the four-row W4A16 kernel, chosen at import as well
 
     rng = np.random.default_rng()
     evict = np.ones(64 << 20, np.uint8)

@@ -647,8 +647,11 @@ def _bits(a):
     return None if a is None else a.view(np.uint16)
 
 
+_w4a16_kernel = _w4a16_by_row if _AVX512F else _w4a16  # a global, so compiled callers type one of the two
+
+
 def matvec_q4_w4a16(qs, d, m, x, out):
-    (_w4a16_by_row if _AVX512F else _w4a16)(qs, d.view(np.uint16), _bits(m), x, out)
+    _w4a16_kernel(qs, d.view(np.uint16), _bits(m), x, out)
 
 
 # The activation quantiser's arithmetic, shared by decode (codes) and prefill (codes times scale).
@@ -1364,6 +1367,121 @@ def _attention_decode(q, k_cache, v_cache, n_ctx, out, part, threads):
         inv = F32(1) / total
         for i in range(dim):
             acc[i] *= inv
+
+
+# -- a decode layer in a few calls ----------------------------------------------------------------
+#
+# A resident Q4 layer's decode step as the engine's _decode_layer runs it kernel by kernel, in
+# five calls made from arguments bound once (decode_layer_halves): norm to the cache rows, the
+# attention, the o projection, and the MLP half. The kernels are the ones above, called in the
+# same order on the same buffers, so the logits are the same to the bit (tests/test_engine.py).
+# What goes is the Python between the kernels: about 16 calls a layer, each a method lookup, a
+# numba dispatch with its argument checks and a wrapper's f16 views, and NumPy's cache writes and
+# residual add. A wrapper around each backend call put that Python at 1.4-1.5 ms of a SmolLM2
+# q4_1 token on the 2-core Zen 3 EPYC (11.5 ms on one thread, 7.4 on two), more than the same
+# lines cost with the kernels stubbed out (0.57 ms): between kernels that stream 3 MB a layer,
+# the interpreter's own code and objects come from DRAM too.
+#
+# `nerva bench smollm2-135m:q4_1`, alternating with the commit before (Zen 3, 256 + 128 tokens):
+# 92.4-97.3 -> 98.7-104.2 tok/s on one thread, 160-165 -> 174-182 on two; after 1800 prompt
+# tokens 66.9-68.6 -> 68.1-71.2 and 108-112 -> 116-123. The attention kernel stays a call of its
+# own: compiled into a caller, a kernel's IR is linked in and built again, 5 s for the attention's
+# on this machine, where the matvecs' add about 3 s to the first decode on a fresh cache (`nerva
+# run`'s first answer with a fresh NERVA_HOME: 20.4-20.7 -> 23.6-23.7 s). Two calls, the first
+# linking the attention and the o projection in, measured 170-193 tok/s on two threads in a run of
+# its own: no clear gain for the 5 s.
+
+@intrinsic
+def _f32_to_half_bits(typingctx, value):
+    """float32 -> IEEE half bits (uint16) by LLVM's fptrunc, rounding to nearest even as NumPy's
+    astype(float16) does (vcvtps2ph with F16C)."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), _I16)
+    return types.uint16(types.float32), codegen
+
+
+@njit(cache=True, nogil=True)
+def _cache_row(cache, p, rows):
+    # the f16 cache holds uint16 bits (numba has no float16); both branches compile for either
+    # cache, the one that runs is the cache's
+    if cache.itemsize == 2:
+        for h in range(rows.shape[0]):
+            for i in range(rows.shape[1]):
+                cache[p, h, i] = _f32_to_half_bits(rows[h, i])
+    else:
+        for h in range(rows.shape[0]):
+            for i in range(rows.shape[1]):
+                cache[p, h, i] = rows[h, i]
+
+
+@njit(cache=True, nogil=True)
+def _matvec_q4(qs, d, m, x, xq, xd, xs, w4a8, out):
+    """W4A8 (x quantised into xq, xd, xs first) or W4A16, as the engine's _matvec picks them."""
+    if w4a8:
+        n = x.shape[0]
+        quantize_act_q8(x, xq[:n], xd[:n // 32], xs[:n // 32])
+        _w4a8(qs, d, m, xq[:n], xd[:n // 32], xs[:n // 32], out)
+    else:
+        _w4a16_kernel(qs, d, m, x, out)
+
+
+@njit(cache=True, nogil=True)
+def _attention_inputs(x, norm, eps, xn, xq, xd, xs, w4a8, qkv_qs, qkv_d, qkv_m, qkv_bias, q_norm, k_norm,
+                      qkv, heads, kv_heads, pos, cos, sin, k_cache, v_cache):
+    """Norm, QKV, bias, q/k norms, RoPE, and this position's K and V rows into the cache."""
+    rmsnorm(x, norm, eps, xn)
+    _matvec_q4(qkv_qs, qkv_d, qkv_m, xn, xq, xd, xs, w4a8, qkv)
+    if qkv_bias is not None:
+        add_rows(qkv, qkv_bias)
+    dim = k_cache.shape[2]
+    q = qkv[:heads * dim].reshape(heads, dim)
+    k = qkv[heads * dim:(heads + kv_heads) * dim].reshape(kv_heads, dim)
+    v = qkv[(heads + kv_heads) * dim:].reshape(kv_heads, dim)
+    if q_norm is not None:
+        rmsnorm(q, q_norm, eps, q)
+        rmsnorm(k, k_norm, eps, k)
+    rope(q, pos, cos, sin)
+    rope(k, pos, cos, sin)
+    _cache_row(k_cache, pos[0], k)
+    _cache_row(v_cache, pos[0], v)
+
+
+@njit(cache=True, nogil=True)
+def _mlp(o, x, norm, eps, xn, xq, xd, xs, w4a8, gate_up_qs, gate_up_d, gate_up_m, gate_up, act, down_qs,
+         down_d, down_m, down):
+    """Residual add and norm, gate/up, SiLU * up, down, and the residual add."""
+    add_rmsnorm(o, x, norm, eps, xn)
+    _matvec_q4(gate_up_qs, gate_up_d, gate_up_m, xn, xq, xd, xs, w4a8, gate_up)
+    silu_mul(gate_up, act)
+    _matvec_q4(down_qs, down_d, down_m, act, xq, xd, xs, w4a8, down)
+    for i in range(x.shape[0]):
+        x[i] += down[i]
+
+
+def decode_layer_halves(layer, a, cfg, cos, sin):
+    """For a resident Q4 layer (fused qkv and gate/up, W4A8 or W4A16) over the arena `a`:
+    (attention(n_ctx), mlp()), the two halves of its decode step, n_ctx counting this token's
+    position; None for any other layer. The arguments are made here, once."""
+    m = layer.mats
+    if layer.precision not in ("w4a8", "w4a16") or any(m.get(n) is None or m[n].qs is None
+                                                       for n in ("qkv", "o", "gate_up", "down")):
+        return None
+    w4a8 = layer.precision == "w4a8"
+    planes = lambda lin: (lin.qs, _bits(lin.d), _bits(lin.m))  # noqa: E731
+    k_cache, v_cache = _cache_operand(a.k_cache[layer.index]), _cache_operand(a.v_cache[layer.index])
+    inputs = (a.x, layer.attn_norm, cfg.rms_eps, a.xn, a.xq, a.xd, a.xs, w4a8, *planes(m["qkv"]),
+              layer.qkv_bias, layer.q_norm, layer.k_norm, a.qkv, cfg.num_heads, cfg.num_kv_heads, a.pos,
+              cos, sin, k_cache, v_cache)
+    o = (*planes(m["o"]), a.attn_flat, a.xq, a.xd, a.xs, w4a8, a.o)
+    mlp = (a.o, a.x, layer.mlp_norm, cfg.rms_eps, a.xn, a.xq, a.xd, a.xs, w4a8, *planes(m["gate_up"]),
+           a.gate_up, a.act, *planes(m["down"]), a.down)
+
+    def attention(n_ctx):
+        _attention_inputs(*inputs)
+        _attention_decode(a.q, k_cache, v_cache, n_ctx, a.attn, a.att_part, _threads[0])
+        _matvec_q4(*o)
+
+    return attention, lambda: _mlp(*mlp)
 
 
 @njit(cache=True, nogil=True)
