@@ -337,7 +337,7 @@ class Engine(EngineBase):
 
     def _decode_layer(self, layer: Layer, pos: int) -> None:
         halves = self.compiled_layers.get(layer.index)
-        if halves is not None:  # the same kernels on the same buffers, in five calls
+        if halves is not None:  # the same kernels on the same buffers, in four calls
             attention, mlp = halves
             t0 = perf_counter_ns()
             attention(pos + 1)

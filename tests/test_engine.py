@@ -256,7 +256,7 @@ def test_q4_0_w4a8_differs_from_w4a16_but_little(tiny_models, tmp_path, rng):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])  # plain, qkv bias, q/k norms
 @pytest.mark.parametrize("variant", ["q4_0", "q4_1"])
 def test_compiled_layer_halves_equal_the_layer_kernel_by_kernel(family, variant, tiny_models, tmp_path, rng):
-    """The cpu backend runs a resident Q4 layer's decode step in five compiled calls bound once
+    """The cpu backend runs a resident Q4 layer's decode step in four compiled calls bound once
     (cpu.decode_layer_halves): the same kernels on the same buffers as _decode_layer's calls one
     by one, so the logits are equal to the bit, not merely close, at either precision and either
     KV cache type."""

@@ -1372,7 +1372,7 @@ def _attention_decode(q, k_cache, v_cache, n_ctx, out, part, threads):
 # -- a decode layer in a few calls ----------------------------------------------------------------
 #
 # A resident Q4 layer's decode step as the engine's _decode_layer runs it kernel by kernel, in
-# five calls made from arguments bound once (decode_layer_halves): norm to the cache rows, the
+# four calls made from arguments bound once (decode_layer_halves): norm to the cache rows, the
 # attention, the o projection, and the MLP half. The kernels are the ones above, called in the
 # same order on the same buffers, so the logits are the same to the bit (tests/test_engine.py).
 # What goes is the Python between the kernels: about 16 calls a layer, each a method lookup, a
