@@ -273,6 +273,8 @@ def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau
                     f"policy {policy})")
     if hasattr(engine.k, "set_threads"):
         engine.k.set_threads(threads)
+    if engine.compiled_layers and not engine.k.compiled_before():
+        output.info("compiling the CPU kernels for this machine: once, about 20 s on 2 cores; later runs reuse them")
     return engine, tokenizer, threads
 
 

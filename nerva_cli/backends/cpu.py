@@ -1458,6 +1458,16 @@ def _mlp(o, x, norm, eps, xn, xq, xd, xs, w4a8, gate_up_qs, gate_up_d, gate_up_m
         x[i] += down[i]
 
 
+def compiled_before() -> bool:
+    """Whether the disk cache holds compiled code for this source: numba's index for `_mlp`, the
+    last kernel a first decode compiles, standing for them all. False on a machine's first run,
+    when compiling the kernels takes a while (18 s before the first token on the 2-core EPYC)."""
+    try:
+        return bool(_mlp._cache._cache_file._load_index())
+    except Exception:  # numba internals: should they change, say nothing rather than fail a run
+        return True
+
+
 def decode_layer_halves(layer, a, cfg, cos, sin):
     """For a resident Q4 layer (fused qkv and gate/up, W4A8 or W4A16) over the arena `a`:
     (attention(n_ctx), mlp()), the two halves of its decode step, n_ctx counting this token's
