@@ -1459,9 +1459,9 @@ def _mlp(o, x, norm, eps, xn, xq, xd, xs, w4a8, gate_up_qs, gate_up_d, gate_up_m
 
 
 def compiled_before() -> bool:
-    """Whether the disk cache holds compiled code for this source: numba's index for `_mlp`, the
-    last kernel a first decode compiles, standing for them all. False on a machine's first run,
-    when compiling the kernels takes a while (18 s before the first token on the 2-core EPYC)."""
+    """Whether the disk cache holds compiled code for this source: numba's index for `_mlp`, which
+    a first decode compiles late, standing for all the kernels. False on a machine's first run,
+    when compiling them takes a while (18 s before the first token on the 2-core EPYC)."""
     try:
         return bool(_mlp._cache._cache_file._load_index())
     except Exception:  # numba internals: should they change, say nothing rather than fail a run
