@@ -1472,9 +1472,8 @@ def decode_layer_halves(layer, a, cfg, cos, sin):
     """For a resident Q4 layer (fused qkv and gate/up, W4A8 or W4A16) over the arena `a`:
     (attention(n_ctx), mlp()), the two halves of its decode step, n_ctx counting this token's
     position; None for any other layer. The arguments are made here, once."""
-    m = layer.mats
-    if layer.precision not in ("w4a8", "w4a16") or any(m.get(n) is None or m[n].qs is None
-                                                       for n in ("qkv", "o", "gate_up", "down")):
+    m = layer.mats  # a resident layer's: qkv, o, gate_up, down
+    if layer.precision not in ("w4a8", "w4a16") or any(m[n].qs is None for n in m):
         return None
     w4a8 = layer.precision == "w4a8"
     planes = lambda lin: (lin.qs, _bits(lin.d), _bits(lin.m))  # noqa: E731
