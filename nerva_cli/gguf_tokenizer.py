@@ -15,6 +15,7 @@ the way the model's own tokenizer did:
 from __future__ import annotations
 
 import json
+from typing import Any, Mapping
 
 from nerva_cli.errors import BadInput
 
@@ -31,11 +32,6 @@ LLAMA3_PRE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "smaug-bp
 SPLITS = {**dict.fromkeys(LLAMA3_PRE, _LLAMA3), "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2}
 # llama.cpp isolates every digit first, then applies GPT-2's split (SmolLM's tokenizer.json too).
 DIGIT_SPLIT = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"}
-
-
-def _field(reader, key, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
 
 
 def _byte_spelling() -> list[str]:
@@ -106,23 +102,23 @@ def _sentencepiece(tokens: list[str], scores: list[float], merges: list[str] | N
     return tok
 
 
-def tokenizer_files_from_gguf(reader, path: str = "") -> dict[str, str]:
-    """{"tokenizer.json", "tokenizer_config.json", "generation_config.json": text} for a
-    `gguf.GGUFReader`; `path` names the file in errors."""
+def tokenizer_files_from_gguf(fields: Mapping[str, Any], path: str = "") -> dict[str, str]:
+    """{"tokenizer.json", "tokenizer_config.json", "generation_config.json": text} for a GGUF's
+    metadata (`gguf_header.read_header(path).fields`); `path` names the file in errors."""
     from tokenizers import AddedToken
 
-    kind = _field(reader, "tokenizer.ggml.model")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    kind = fields.get("tokenizer.ggml.model")
+    tokens = fields.get("tokenizer.ggml.tokens")
     if kind is None or not tokens:
         raise BadInput(f"{path}: no tokenizer in the GGUF (tokenizer.ggml.model or .tokens is missing)")
     if kind not in ("gpt2", "llama"):
         raise BadInput(f"{path}: tokenizer model '{kind}' is not supported (supported: gpt2, llama)")
-    types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = _field(reader, "tokenizer.ggml.merges")
-    pre = _field(reader, "tokenizer.ggml.pre")
+    types = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = fields.get("tokenizer.ggml.merges")
+    pre = fields.get("tokenizer.ggml.pre")
 
     def token_of(key):
-        i = _field(reader, f"tokenizer.ggml.{key}")
+        i = fields.get(f"tokenizer.ggml.{key}")
         return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
 
     named = {name: token_of(f"{name}_token_id") for name in ("bos", "eos", "padding")}
@@ -133,10 +129,10 @@ def tokenizer_files_from_gguf(reader, path: str = "") -> dict[str, str]:
             raise BadInput(f"{path}: byte-level BPE tokenizer without tokenizer.ggml.merges")
         tok = _byte_level(tokens, types, merges, pre)
     else:
-        scores = _field(reader, "tokenizer.ggml.scores")
+        scores = fields.get("tokenizer.ggml.scores")
         if not scores and not merges:
             raise BadInput(f"{path}: SentencePiece tokenizer without tokenizer.ggml.scores")
-        tok = _sentencepiece(tokens, scores, merges, bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)),
+        tok = _sentencepiece(tokens, scores, merges, bool(fields.get("tokenizer.ggml.add_space_prefix", True)),
                              named["unknown"])
 
     # llama.cpp matches these whole in the text, by type (a pad id may point at a plain token);
@@ -147,18 +143,18 @@ def tokenizer_files_from_gguf(reader, path: str = "") -> dict[str, str]:
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
                     for t, k in zip(tokens, types) if k == USER_DEFINED and t not in special])
 
-    add_bos = _field(reader, "tokenizer.ggml.add_bos_token", kind == "llama" or pre in LLAMA3_PRE)
+    add_bos = fields.get("tokenizer.ggml.add_bos_token", kind == "llama" or pre in LLAMA3_PRE)
     config = {"tokenizer_class": "PreTrainedTokenizerFast",
               "bos_token": named["bos"], "eos_token": named["eos"],
               "unk_token": named["unknown"], "pad_token": named["padding"],
               "add_bos_token": bool(add_bos),
-              "add_eos_token": bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
+              "add_eos_token": bool(fields.get("tokenizer.ggml.add_eos_token", False)),
               "clean_up_tokenization_spaces": False,
-              "model_max_length": _field(reader, f"{_field(reader, 'general.architecture')}.context_length"),
-              "chat_template": _field(reader, "tokenizer.chat_template")}
-    eos = [int(i) for i in (_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
+              "model_max_length": fields.get(f"{fields.get('general.architecture')}.context_length"),
+              "chat_template": fields.get("tokenizer.chat_template")}
+    eos = [int(i) for i in (fields.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
            if i is not None]
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    bos = fields.get("tokenizer.ggml.bos_token_id")
     generation = {"bos_token_id": None if bos is None else int(bos),
                   "eos_token_id": eos[0] if len(set(eos)) == 1 else (list(dict.fromkeys(eos)) or None)}
     return {"tokenizer.json": tok.to_str(),

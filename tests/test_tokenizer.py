@@ -40,12 +40,11 @@ def write_dir(files: dict[str, str], out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def smol_dir(tmp_path_factory):
-    from gguf import GGUFReader
-
     from nerva_cli.gguf_tokenizer import tokenizer_files_from_gguf
+    from nerva_cli.sources.gguf_header import read_header
 
     path = bundled_gguf()
-    return write_dir(tokenizer_files_from_gguf(GGUFReader(str(path)), str(path)), tmp_path_factory.mktemp("smol"))
+    return write_dir(tokenizer_files_from_gguf(read_header(path).fields, str(path)), tmp_path_factory.mktemp("smol"))
 
 
 @pytest.fixture(scope="module")
@@ -137,13 +136,12 @@ def write_gguf(path: Path, tokenizer_model: str, tokens: list[str], **extra) -> 
 
 
 def test_unsupported_tokenizer_model_is_refused(tmp_path, cli):
-    from gguf import GGUFReader
-
     from nerva_cli.gguf_tokenizer import tokenizer_files_from_gguf
+    from nerva_cli.sources.gguf_header import read_header
 
     path = write_gguf(tmp_path / "bert.gguf", "bert", ["[PAD]", "a", "b"])
     with pytest.raises(BadInput, match=r"bert\.gguf: tokenizer model 'bert' is not supported \(supported: gpt2, llama\)"):
-        tokenizer_files_from_gguf(GGUFReader(str(path)), str(path))
+        tokenizer_files_from_gguf(read_header(path).fields, str(path))
     code, _, err = cli("convert", path)
     assert code == 1 and "tokenizer model 'bert'" in err
 
@@ -175,13 +173,12 @@ SPM_LEGACY = [" leading space", "  two", "x<|user|>y <think>z", " "]
 
 def test_spm_tokenizer_matches_transformers_and_llama_cpp(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from gguf import GGUFReader
-
     from nerva_cli.gguf_tokenizer import tokenizer_files_from_gguf
+    from nerva_cli.sources.gguf_header import read_header
     from nerva_cli.tokenizer import TextTokenizer
 
     path = spm_gguf(tmp_path / "spm.gguf", add_space_prefix=True)
-    files = tokenizer_files_from_gguf(GGUFReader(str(path)), str(path))
+    files = tokenizer_files_from_gguf(read_header(path).fields, str(path))
     ours = TextTokenizer(write_dir(files, tmp_path))
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     assert json.loads(files["tokenizer.json"])["model"]["merges"] == \
@@ -201,13 +198,12 @@ def test_spm_tokenizer_matches_transformers_and_llama_cpp(tmp_path):
 @pytest.mark.parametrize("add_space_prefix", [True, False])
 def test_spm_tokenizer_matches_llama_cpp(tmp_path, add_space_prefix):
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
-    from gguf import GGUFReader
-
     from nerva_cli.gguf_tokenizer import tokenizer_files_from_gguf
+    from nerva_cli.sources.gguf_header import read_header
     from nerva_cli.tokenizer import TextTokenizer
 
     path = spm_gguf(tmp_path / "spm.gguf", add_space_prefix)
-    ours = TextTokenizer(write_dir(tokenizer_files_from_gguf(GGUFReader(str(path)), str(path)), tmp_path))
+    ours = TextTokenizer(write_dir(tokenizer_files_from_gguf(read_header(path).fields, str(path)), tmp_path))
     llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
     for text in SPM_TEXTS + SPM_LEGACY:
         assert ours.encode(text, add_special=False) == llm.tokenize(text.encode(), add_bos=False, special=True), text
@@ -216,10 +212,9 @@ def test_spm_tokenizer_matches_llama_cpp(tmp_path, add_space_prefix):
 def test_byte_level_special_token_outside_the_byte_alphabet_stays_whole(tmp_path):
     """DeepSeek-R1-Distill-Qwen's BOS is `<｜begin▁of▁sentence｜>`, written as text, not in the
     byte alphabet: it keeps its id and is matched whole, as llama.cpp does."""
-    from gguf import GGUFReader
-
     from conftest import train_tokenizer
     from nerva_cli.gguf_tokenizer import tokenizer_files_from_gguf
+    from nerva_cli.sources.gguf_header import read_header
     from nerva_cli.tokenizer import TextTokenizer
 
     train_tokenizer(tmp_path)
@@ -232,7 +227,7 @@ def test_byte_level_special_token_outside_the_byte_alphabet_stays_whole(tmp_path
                       bos_token_id=len(tokens) - 2, eos_token_id=1)
     out = tmp_path / "out"
     out.mkdir()
-    ours = TextTokenizer(write_dir(tokenizer_files_from_gguf(GGUFReader(str(path)), str(path)), out))
+    ours = TextTokenizer(write_dir(tokenizer_files_from_gguf(read_header(path).fields, str(path)), out))
     text = "<｜begin▁of▁sentence｜>Hello <think>the  program 12345"
     ids = ours.encode(text, add_special=False)
     assert ids[0] == len(tokens) - 2 and len(tokens) - 1 in ids

@@ -1,5 +1,5 @@
-"""A local .gguf file, read with the `gguf` package. Tensor bytes are read by offset, not through
-the reader's whole-file memory map, so a conversion holds about one layer in memory."""
+"""A local .gguf file: its header read by sources.gguf_header, its tensor bytes read by offset, so
+a conversion holds about one layer in memory."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from nerva_cli.config import FAMILY_OF, SUPPORTED_TEXT, ModelConfig
 from nerva_cli.errors import BadInput
 from nerva_cli.quant import BLOCK_BYTES, split_blocks
 from nerva_cli.sources import Source, SourceTensor
+from nerva_cli.sources.gguf_header import GGUFHeader, read_header
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
@@ -44,42 +45,25 @@ def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
         w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
-def _open_reader(path: Path):
-    from gguf import GGUFReader
-
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise BadInput(f"{path}: not a GGUF file (bad magic {magic!r})")
-    try:
-        return GGUFReader(str(path), "r")
-    except Exception as e:  # the reader raises a variety of errors on cut-short files
-        raise BadInput(f"{path}: unreadable GGUF ({type(e).__name__}: {e}); is the file cut short?") from None
-
-
-def _field(reader, key, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def _config(reader, path: Path, embed_shape) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
+def _config(header: GGUFHeader, path: Path, embed_shape) -> ModelConfig:
+    fields = header.fields
+    arch = fields.get("general.architecture")
     if arch not in FAMILY_OF:
         raise BadInput(f"{path}: architecture '{arch}' is not supported (supported: {SUPPORTED_TEXT})")
     family = FAMILY_OF[arch]
 
     def key(name, default=None):
-        value = _field(reader, f"{arch}.{name}", default)
+        value = fields.get(f"{arch}.{name}", default)
         if value is None:
             raise BadInput(f"{path}: missing GGUF key '{arch}.{name}'")
         return value
 
     heads, hidden = int(key("attention.head_count")), int(key("embedding_length"))
     scaling = None
-    if _field(reader, f"{arch}.rope.scaling.type") == "linear":
+    if fields.get(f"{arch}.rope.scaling.type") == "linear":
         scaling = {"type": "linear", "factor": float(key("rope.scaling.factor"))}
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    names = {t.name for t in reader.tensors}
+    eos = fields.get("tokenizer.ggml.eos_token_id")
+    names = {t.name for t in header.tensors}
     return ModelConfig(
         family=family, hidden_size=hidden, intermediate_size=int(key("feed_forward_length")),
         num_layers=int(key("block_count")), num_heads=heads,
@@ -88,7 +72,7 @@ def _config(reader, path: Path, embed_shape) -> ModelConfig:
         vocab_size=int(embed_shape[0]), rms_eps=float(key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)), max_context=int(key("context_length", 4096)),
         tie_embeddings="output.weight" not in names, rope_scaling=scaling,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [int(eos)],
         qkv_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
     )
@@ -101,30 +85,30 @@ def open_gguf(path: Path) -> Source:
 
     path = Path(path)
     size = path.stat().st_size
-    reader = _open_reader(path)
+    header = read_header(path)
     tensors = {}
-    for t in reader.tensors:
+    for t in header.tensors:
         if t.name == "rope_freqs.weight":
             raise BadInput(f"{path}: per-frequency rope factors (rope_freqs) are not supported; "
                            "convert the HF safetensors of this model instead")
         canon = canonical_name(t.name)
         if canon is None:
             raise BadInput(f"{path}: unexpected tensor '{t.name}'")
-        qtype = t.tensor_type.name
+        qtype = t.type.name
         if qtype not in SUPPORTED_TYPES:
             raise BadInput(f"{path}: tensor '{t.name}' has type {qtype} (supported: {', '.join(SUPPORTED_TYPES)})")
-        if int(t.data_offset) + int(t.n_bytes) > size:
+        if t.data_offset + t.n_bytes > size:
             raise BadInput(f"{path}: tensor '{t.name}' runs past the end of the file: cut short?")
         tensors[canon] = t
     if "embed" not in tensors:
         raise BadInput(f"{path}: no token_embd.weight tensor")
-    cfg = _config(reader, path, tuple(reversed([int(s) for s in tensors["embed"].shape])))
-    tokenizer_files = tokenizer_files_from_gguf(reader, path=str(path))
+    cfg = _config(header, path, tensors["embed"].shape)
+    tokenizer_files = tokenizer_files_from_gguf(header.fields, path=str(path))
 
     def read_raw(t) -> np.ndarray:
-        buf = np.empty(int(t.n_bytes), dtype=np.uint8)
+        buf = np.empty(t.n_bytes, dtype=np.uint8)
         with open(path, "rb") as f:
-            f.seek(int(t.data_offset))
+            f.seek(t.data_offset)
             if f.readinto(memoryview(buf)) != buf.size:
                 raise BadInput(f"{path}: cut short while reading '{t.name}'")
         return buf
@@ -139,8 +123,8 @@ def open_gguf(path: Path) -> Source:
         if canon not in tensors:
             raise BadInput(f"{path}: tensor for '{canon}' not found")
         t = tensors[canon]
-        shape = tuple(reversed([int(s) for s in t.shape]))
-        qtype = t.tensor_type
+        shape = t.shape
+        qtype = t.type
 
         def read_f32():
             raw = read_raw(t)
