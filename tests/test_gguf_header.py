@@ -62,7 +62,7 @@ def random_gguf(path, rng, alignment: int | None = None):
     w.add_key_value("test.bool", bool(rng.integers(2)), T.BOOL)
     w.add_key_value("test.bools", [bool(b) for b in rng.integers(0, 2, size=11)], T.ARRAY, sub_type=T.BOOL)
     w.add_key_value("test.string", random_text(rng, 30), T.STRING)
-    w.add_key_value("test.strings", [random_text(rng, 12) for _ in range(int(rng.integers(1, 500)))],
+    w.add_key_value("test.strings", [random_text(rng, 12) for _ in range(int(rng.integers(1, 500)))] + ["café 😀"],
                     T.ARRAY, sub_type=T.STRING)
 
     rows = int(rng.integers(1, 5)) * 2
@@ -113,8 +113,12 @@ def test_a_header_cut_anywhere_is_refused_naming_the_file(tmp_path):
     full = random_gguf(tmp_path / "full.gguf", rng).read_bytes()
     data_offset = read_header(tmp_path / "full.gguf").data_offset
     cut = tmp_path / "cut.gguf"
-    # everything before data_offset - 32 is header (the table ends within the last 32-byte pad)
-    for end in [4, 10, 23, *rng.integers(24, data_offset - 32, size=12)]:
+    # everything before data_offset - 32 is header (the table ends within the last 32-byte pad);
+    # one cut falls inside a 4-byte character of a string array, where a short read is bad UTF-8
+    inside_a_character = full.index("😀".encode()) + 2
+    ends = [4, 10, 23, inside_a_character, *np.linspace(24, data_offset - 33, 150).astype(int),
+            *rng.integers(24, data_offset - 32, size=50)]
+    for end in ends:
         cut.write_bytes(full[:int(end)])
         with pytest.raises(BadInput, match=r"cut\.gguf: cut short in its GGUF header"):
             read_header(cut)

@@ -114,14 +114,15 @@ class _Cursor:
             try:
                 for _ in range(count):
                     (n,) = unpack(buf, pos)
-                    out.append(buf[pos + 8:pos + 8 + n].decode("utf-8"))
-                    pos += 8 + n
+                    end = pos + 8 + n
+                    if end > size:  # else a cut through a character would read as bad UTF-8
+                        raise _Cut
+                    out.append(buf[pos + 8:end].decode("utf-8"))
+                    pos = end
             except struct.error:
                 raise _Cut from None
             except UnicodeDecodeError as e:
                 raise BadInput(f"{self.path}: an item of GGUF key '{key}' is not UTF-8 ({e.reason})") from None
-            if pos > size:
-                raise _Cut
             self.pos = pos
             return out
         if etype == _ARRAY:
