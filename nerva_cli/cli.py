@@ -239,9 +239,9 @@ def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau
     if kv_cache != "f16" and backend == "cuda":
         raise NervaError(f"--kv-cache {kv_cache}: the cuda backend keeps its KV cache in f16 (--backend cpu for f32)")
     plan = _layer_plan(model, precision, tau, use_profile, mode, active_fraction, _profiling_backend(backend))
-    from nerva_cli.tokenizer import TextTokenizer
+    from nerva_cli.tokenizer import open_tokenizer
 
-    tokenizer = TextTokenizer(model.path)
+    tokenizer = open_tokenizer(model.path)
     importance = getattr(plan, "importance", None)
     if backend == "cuda":
         from nerva_cli.cuda_engine import CudaEngine

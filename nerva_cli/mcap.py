@@ -58,9 +58,9 @@ PROMPTS = [
 
 
 def calibration_ids(model: StoredModel, prompts: list[str]) -> list[list[int]]:
-    from nerva_cli.tokenizer import TextTokenizer
+    from nerva_cli.tokenizer import open_tokenizer
 
-    tok = TextTokenizer(model.path)
+    tok = open_tokenizer(model.path)
     ids = [tok.encode(p, add_special=True)[:MAX_PROMPT_TOKENS] for p in prompts]
     if any(len(t) == 0 for t in ids):
         raise BadInput("a calibration prompt encodes to no tokens")

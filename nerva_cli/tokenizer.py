@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime
+from functools import lru_cache
 from pathlib import Path
 
 from nerva_cli.errors import BadInput, NervaError, read_json
@@ -12,6 +14,29 @@ from nerva_cli.errors import BadInput, NervaError, read_json
 def _token_text(value) -> str | None:
     """tokenizer_config.json writes special tokens as strings or as AddedToken dicts."""
     return value.get("content") if isinstance(value, dict) else value
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def open_tokenizer(model_dir: Path) -> "TextTokenizer":
+    """The model directory's TextTokenizer, built once per process while its files stay the same:
+    building SmolLM2's takes 0.1 s, and `nerva run` needs it twice (the key of the MCAP profile
+    cache, then the chat)."""
+    model_dir = Path(model_dir).resolve()
+    stamp = []
+    for name in TOKENIZER_FILES:
+        try:
+            st = os.stat(model_dir / name)
+            stamp.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        except FileNotFoundError:
+            stamp.append(None)
+    return _built(model_dir, tuple(stamp))
+
+
+@lru_cache(maxsize=8)
+def _built(model_dir: Path, stamp: tuple) -> "TextTokenizer":
+    return TextTokenizer(model_dir)
 
 
 class TextTokenizer:

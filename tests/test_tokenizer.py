@@ -54,6 +54,25 @@ def hf_smol():
     return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
+def test_open_tokenizer_builds_once_until_a_file_changes(smol_dir, tmp_path):
+    import shutil
+
+    from nerva_cli.tokenizer import open_tokenizer
+
+    d = shutil.copytree(smol_dir, tmp_path / "m")
+    first = open_tokenizer(d)
+    assert open_tokenizer(d) is first and open_tokenizer(tmp_path / "m" / ".") is first
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    assert not first.add_bos
+    config["add_bos_token"] = True
+    (d / "tokenizer_config.json").write_text(json.dumps(config) + " " * 7)  # another size: a new stamp
+    changed = open_tokenizer(d)
+    assert changed is not first and changed.add_bos
+    (d / "tokenizer.json").unlink()
+    with pytest.raises(BadInput, match=r"tokenizer\.json: missing"):
+        open_tokenizer(d)
+
+
 def test_gguf_tokenizer_matches_transformers_gguf_loader(smol_dir, hf_smol):
     from nerva_cli.tokenizer import TextTokenizer
 
