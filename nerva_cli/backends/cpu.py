@@ -34,6 +34,26 @@ from numba.extending import intrinsic  # noqa: E402
 
 from .ref import ATT_SPLIT_MIN, attention_prefill_work  # noqa: E402  (one size rule for every backend)
 
+
+def _load_numba_registries_without_scipy_linalg() -> None:
+    """numba loads its NumPy support at its first dispatch, and that probes for scipy's BLAS by
+    importing scipy.linalg: 0.13 s of every run where scipy is installed (as on this project's
+    2-core EPYC machines). The probe backs a fallback no kernel here uses (their GEMMs are
+    NumPy's, outside numba; numba's own np.dot still imports scipy.linalg when one compiles). So
+    the registries load here, in numba's order, with that import failing fast."""
+    if "scipy.linalg" in sys.modules:
+        return
+    from numba.core.registry import cpu_target
+
+    sys.modules["scipy.linalg"] = None  # `import scipy.linalg...` raises ImportError at once
+    try:
+        cpu_target.target_context.refresh()
+    finally:
+        del sys.modules["scipy.linalg"]
+
+
+_load_numba_registries_without_scipy_linalg()
+
 F32 = np.float32
 _FAST = {"reassoc", "contract"}
 
