@@ -45,6 +45,9 @@ class Arena:
         self.k_rows = self.k.reshape(1, cfg.num_kv_heads, cfg.head_dim)
         self.act_q8 = {n: (self.xq[:n], self.xd[: n // QK], self.xs[: n // QK])
                        for n in {h, f, cfg.q_dim}}
+        # the W8A16 lm_head's activation (hidden wide), codes and per-group scales
+        self.xq16, self.xd16 = np.zeros(h, dtype=np.int16), z(h // QK)
+        self.act_q16 = {h: (self.xq16, self.xd16)}
         self.att_part = z(*attention_decode_partials(ctx, cfg.num_heads, cfg.head_dim))
         kv_type = KV_CACHE_TYPES[kv_cache]
         self.k_cache = [np.zeros((ctx, cfg.num_kv_heads, cfg.head_dim), kv_type) for _ in range(cfg.num_layers)]

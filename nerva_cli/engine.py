@@ -292,8 +292,10 @@ class Engine(EngineBase):
             if precision == "w4a8":
                 xq, xd, _ = self.a.act_q8[lin.cols]  # no code sums: signed codes have no bias to correct
                 self.k.matvec_q8_w8a8(lin.q8, lin.d, xq, xd, out)
-            else:
-                self.k.matvec_q8_w8a16(lin.q8, lin.d, x, out)
+            else:  # A16 as int16 per 32-group: an integer kernel, where floats were bound by conversions
+                xq, xd = self.a.act_q16[lin.cols]
+                self.k.quantize_act_q16(x, xq, xd)
+                self.k.matvec_q8_w8a16(lin.q8, lin.d, xq, xd, out)
         elif precision == "w4a8":
             self.k.matvec_q4_w4a8(lin.qs, lin.d, lin.m, *self.a.act_q8[lin.cols], out)
         else:

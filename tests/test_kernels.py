@@ -74,6 +74,12 @@ def act_q8(backend, x):
     return xq, xd, xs
 
 
+def act_q16(backend, x):
+    xq, xd = np.empty(x.shape[0], np.int16), np.empty(x.shape[0] // 32, np.float32)
+    backend.quantize_act_q16(x, xq, xd)
+    return xq, xd
+
+
 def rope_tables(max_pos, head_dim):
     inv = 1.0 / 10000 ** (np.arange(0, head_dim, 2) / head_dim)
     ang = np.arange(max_pos)[:, None] * inv[None, :]
@@ -240,6 +246,30 @@ def test_fake_quantize_q8_is_quantize_then_scale(rng, rows, cols):
         assert np.array_equal(want[r], (xq.reshape(-1, 32) * xd[:, None]).reshape(-1))
 
 
+@pytest.mark.parametrize("cols", COLS)
+def test_quantize_act_q16(rng, cols):
+    x = randn(rng, cols) * rng.uniform(0.1, 10)
+    got, want = act_q16(cpu, x), act_q16(ref, x)
+    for g, w in zip(got, want):  # every step is correctly rounded: exact
+        assert g.dtype == w.dtype and np.array_equal(g, w)
+    xq, xd = want
+    g = x.reshape(-1, 32)
+    assert np.array_equal(xd, np.abs(g).max(1) / np.float32(32767))
+    assert np.array_equal(np.abs(xq.reshape(-1, 32)).max(1), np.full(cols // 32, 32767))
+    err = np.abs(xq.reshape(-1, 32) * xd[:, None].astype(np.float64) - g)
+    assert np.all(err <= xd[:, None] * (0.5 + 1e-3))  # half a step, and the product's rounding
+
+
+def test_quantize_act_q16_ties_and_zero_group():
+    # amax 32767 gives scale 1 exactly: exact halves round away from zero, as Q8's
+    x = np.zeros(64, np.float32)
+    x[:6] = [-32767, 2.5, -2.5, 0.5, -0.5, 1.4999999]
+    for backend in (ref, cpu):
+        xq, xd = act_q16(backend, x)
+        assert list(xq[:6]) == [-32767, 3, -3, 1, -1, 1]
+        assert xd[0] == 1 and xd[1] == 0 and not xq[32:].any()
+
+
 def test_quantize_act_q8_ties_and_zero_group():
     # amax 127 gives scale 1 exactly, so x * (1/scale) lands on exact halves: away from zero
     x = np.zeros(64, np.float32)
@@ -374,41 +404,82 @@ def dequant_q8_f64(q8, d):
 def test_matvec_q8_w8a16(rng, rows, cols):
     q8, d = random_q8(rng, rows, cols)
     x = randn(rng, cols)
+    xq, xd = act_q16(ref, x)
     want, got = np.empty(rows, np.float32), np.empty(rows, np.float32)
-    ref.matvec_q8_w8a16(q8, d, x, want)
-    cpu.matvec_q8_w8a16(q8, d, x, got)
+    ref.matvec_q8_w8a16(q8, d, xq, xd, want)
+    cpu.matvec_q8_w8a16(q8, d, xq, xd, got)
+    # as test_matvec_q8_w8a8: block terms equal up to a rounding or two, their sum reordered
+    nb = cols // 32
     w64 = dequant_q8_f64(q8, d)
-    magnitude = np.abs(w64) @ np.abs(x)
-    assert_dots_close(got, want, magnitude, cols)
-    assert_dots_close(want, w64 @ x, magnitude, cols)
+    terms = np.einsum("rbj,bj->rb", w64.reshape(rows, nb, 32), xq.reshape(nb, 32)) * xd
+    bound = 2 * (nb + 2) * EPS * np.abs(terms).sum(1)
+    assert np.all(np.abs(got - want) <= bound)
+    assert np.all(np.abs(want - terms.sum(1)) <= bound)
+    # against the float activation: each code within half a step of its value (2^-16 of the
+    # group's largest), so the row is within sum_b d_x,b / 2 * sum_j |w_bj| of w . x
+    step = (np.abs(w64).reshape(rows, nb, 32).sum(2) * xd * (0.5 + 1e-3)).sum(1)
+    assert np.all(np.abs(want - w64 @ x) <= step + bound)
+
+
+@pytest.mark.parametrize("rows", (1, 5, 37))
+def test_matvec_q8_w8a16_integer_dot_exact(rng, rows):
+    # Unit scales, activation codes of a full int16 range in every group, and two blocks: each
+    # row's total stays below 2^24 (checked), so any order is exact and this pins the integer
+    # part, vpmaddwd's pairs included, bit for bit.
+    cols = 64
+    q8 = rng.integers(-128, 128, (rows, cols), dtype=np.int8)
+    d = np.ones((rows, cols // 32), np.float16)
+    xq = rng.integers(-300, 301, cols).astype(np.int16)
+    xq[rng.integers(0, 32)], xq[32 + rng.integers(0, 32)] = 32767, -32767
+    xd = np.ones(cols // 32, np.float32)
+    want, got = np.empty(rows, np.float32), np.empty(rows, np.float32)
+    ref.matvec_q8_w8a16(q8, d, xq, xd, want)
+    cpu.matvec_q8_w8a16(q8, d, xq, xd, got)
+    exact = q8.astype(np.int64) @ xq.astype(np.int64)
+    assert np.all(np.abs(exact) < 2 ** 24)
+    assert np.array_equal(want, exact) and np.array_equal(got, want)
+
+
+def test_matvec_q8_w8a16_portable_lowering(rng, monkeypatch):
+    # As test_matvec_q8_w8a8_portable_lowering, for the int16 dot (vpmaddwd with AVX2, widening
+    # IR without).
+    from numba import njit
+
+    def serial():
+        @njit
+        def matvec(q8, d, xq, xd, out):
+            for r in range(d.shape[0]):
+                out[r] = cpu._w8a16_row(q8, d, xq, xd, r)
+        return matvec
+
+    rows, cols = 37, 576
+    q8, d = random_q8(rng, rows, cols)
+    xq, xd = act_q16(ref, randn(rng, cols))
+    host, got, want = (np.empty(rows, np.float32) for _ in range(3))
+    cpu.matvec_q8_w8a16(q8, d, xq, xd, host)
+    native = serial()
+    native(q8, d.view(np.uint16), xq, xd, want)
+    monkeypatch.setattr(cpu, "_AVX2", False)
+    portable = serial()
+    portable(q8, d.view(np.uint16), xq, xd, got)
+    assert "vpmaddwd" not in next(iter(portable.inspect_asm().values()))
+    if cpu._host_has("avx2"):
+        assert "vpmaddwd" in next(iter(native.inspect_asm().values()))
+    assert np.array_equal(got, want) and np.array_equal(want, host)
 
 
 @pytest.mark.parametrize("lanes", (8, 16))
-@pytest.mark.parametrize("kind", KINDS + ("q8_0",))
+@pytest.mark.parametrize("kind", KINDS)
 def test_float_kernels_at_either_width(rng, monkeypatch, kind, lanes):
-    """The four-row W4A16 and W8A16 and the Q4 dequantisation at the width a host without
-    AVX-512 compiles (8 floats) and the one a host with it does (16), built here fresh whatever
-    the host (16-lane IR lowers to two AVX2 registers); the same bounds as the host's kernels."""
+    """The four-row W4A16 and the Q4 dequantisation at the width a host without AVX-512
+    compiles (8 floats) and the one a host with it does (16), built here fresh whatever the host
+    (16-lane IR lowers to two AVX2 registers); the same bounds as the host's kernels."""
     from numba import njit
 
     monkeypatch.setattr(cpu, "_LANES", lanes)
     rows, cols = 13, 352  # 11 blocks; 13 rows: a last group of four that repeats a row
     x = randn(rng, cols)
     got = np.empty(rows, np.float32)
-    if kind == "q8_0":
-        @njit
-        def four_rows(q8, d, x, out):
-            for g in range((d.shape[0] + 3) // 4):
-                r0, r1, r2, r3 = cpu._row_group(g, d.shape[0])
-                out[r0], out[r1], out[r2], out[r3] = cpu._w8a16_rows(q8, d, x, r0, r1, r2, r3)
-        q8, d = random_q8(rng, rows, cols)
-        four_rows(q8, d.view(np.uint16), x, got)
-        llvm = next(iter(four_rows.inspect_llvm().values()))
-        assert f"load <{lanes} x i8>" in llvm and f"load <{24 - lanes} x i8>" not in llvm  # the codes, a vector a load
-        want = np.empty_like(got)
-        ref.matvec_q8_w8a16(q8, d, x, want)
-        assert_dots_close(got, want, np.abs(dequant_q8_f64(q8, d)) @ np.abs(x), cols)
-        return
 
     @njit
     def dequantize(qs, d, m, out):
@@ -570,7 +641,7 @@ def test_matvecs_do_not_depend_on_thread_count(rng):
             cpu.matvec_q4_w4a16(qs, d, m, x, c)
             cpu.matvec_q4_w4a8(qs, d, m, xq, xd, xs, e)
             f, g = np.empty(37, np.float32), np.empty(37, np.float32)
-            cpu.matvec_q8_w8a16(q8, d8, x, f)
+            cpu.matvec_q8_w8a16(q8, d8, *act_q16(cpu, x), f)
             cpu.matvec_q8_w8a8(q8, d8, xq, xd, g)
             outs.append((a, b, c, e, f, g))
     finally:
@@ -819,7 +890,8 @@ def test_decode_kernels_do_not_allocate(rng):
                                  9, att, part, 2)),
         (cpu._embed_q4, (qs, d16, None, 5, out)),
         (cpu._embed_q4, (qs, d16, m16, 5, out)),
-        (cpu._w8a16, (q8, d8, x, mv)),
+        (cpu._w8a16, (q8, d8, *act_q16(cpu, x), mv)),
+        (cpu.quantize_act_q16, (x, *act_q16(cpu, x))),
         (cpu._w8a8, (q8, d8, xq, xd, mv)),
         (cpu._embed_q8, (q8, d8, 5, out)),
     ]

@@ -244,9 +244,10 @@ def _codes(builder, row, b):
     return builder.and_(builder.bitcast(shifted, _vec(_I8, 32)), _splat(_I8, 32, 15))
 
 
-# The float kernels (W4A16, W8A16, the Q4 dequantisation) work in <_LANES x float>: one AVX-512
-# register where the target has them, one AVX2 register where it has not. On the 2-core AMD EPYC
-# (Zen 5), against the <8 x float> IR before, Q4_0 W4A16 matvecs of 3072 and 200000 rows x 576:
+# The float kernels (W4A16, the Q4 dequantisation; W8A16 too, until it took int16 activations)
+# work in <_LANES x float>: one AVX-512 register where the target has them, one AVX2 register
+# where it has not. On the 2-core AMD EPYC (Zen 5), against the <8 x float> IR before, Q4_0
+# W4A16 matvecs of 3072 and 200000 rows x 576:
 # 13.1 -> 22.3 and 13.0 -> 19.4 GB/s on one thread, 25.7 -> 43.3 and 26.0 -> 38.5 on two; Q4_1
 # 11.0 -> 16.9 / 16.3. Compiled for AVX2 alone (NUMBA_CPU_NAME=haswell and NUMBA_CPU_FEATURES
 # without avx512) the 16 lanes split in two were where 8 were, 12.7-12.9 GB/s against 13.0-13.3.
@@ -382,7 +383,8 @@ def _prefetch(builder, base, offset):
 # 6.2-12.5 -> 15.3 GB/s on one thread, 21.4-24.6 -> 27.8 on two; W4A16 5.6 -> 9.4 and 15.5 ->
 # 18.2; 12 to 24 rows no better than 8. On the Zen 5 EPYC, a 28 MB Q8_0 lm_head (576-byte rows)
 # read from DRAM, W8A16: 8 rows 33.5-34.2 GB/s on one thread, 16: 39.0-41.3, 24: 40.7-40.8, 32:
-# 37.1-37.7; the four-row W4A16 is bound by its conversions there (18 GB/s whatever the distance).
+# 37.1-37.7 (the four-row float W8A16 of then; it is an integer kernel now); the four-row W4A16 is
+# bound by its conversions there (18 GB/s whatever the distance).
 #
 # The integer kernels (a row at a time) prefetch PREFETCH_BYTES ahead in the row's codes, which
 # runs on into the thread's next rows. On the Zen 5, a 126 MB q4_1 matrix of 1536 columns from
@@ -682,37 +684,50 @@ _Q8_MATH = {"nnan", "ninf"}
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=_Q8_MATH)
-def _q8_scale(g):
-    """A 32-group's scale d = max |g| / 127 and its inverse (0 for an all-zero group)."""
+def _group_scale(g, top):
+    """A 32-group's scale d = max |g| / top and its inverse (0 for an all-zero group)."""
     amax = F32(0)
     for j in range(32):
         a = abs(g[j])
         amax = a if a > amax else amax
-    d = amax / F32(127)
+    d = amax / top
     return d, (F32(1) / d if d > 0 else F32(0))
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=_Q8_MATH)
-def _q8_code(v, inv):
-    """round-half-away(v * inv) (C's roundf, as llama.cpp's quantisers), clamped to -127..127."""
+def _group_code(v, inv, top):
+    """round-half-away(v * inv) (C's roundf, as llama.cpp's quantisers), clamped to -top..top."""
     s = v * inv
     t = np.trunc(s)
     t += np.copysign(F32(1), s) if abs(s - t) >= F32(0.5) else F32(0)
-    return min(max(t, F32(-127)), F32(127))
+    return min(max(t, -top), top)
+
+
+_Q8_TOP, _Q16_TOP = F32(127), F32(32767)
 
 
 @njit(cache=True, nogil=True, fastmath=_Q8_MATH)
 def quantize_act_q8(x, xq, xd, xs):
     for b in range(xd.shape[0]):
         g = x[32 * b: 32 * b + 32]
-        d, inv = _q8_scale(g)
+        d, inv = _group_scale(g, _Q8_TOP)
         total = 0
         for j in range(32):
-            q = np.int32(_q8_code(g[j], inv))
+            q = np.int32(_group_code(g[j], inv, _Q8_TOP))
             xq[32 * b + j] = q
             total += q
         xd[b] = d
         xs[b] = total
+
+
+@njit(cache=True, nogil=True, fastmath=_Q8_MATH)
+def quantize_act_q16(x, xq, xd):
+    for b in range(xd.shape[0]):
+        g = x[32 * b: 32 * b + 32]
+        d, inv = _group_scale(g, _Q16_TOP)
+        for j in range(32):
+            xq[32 * b + j] = np.int16(_group_code(g[j], inv, _Q16_TOP))
+        xd[b] = d
 
 
 @njit(cache=True, nogil=True, fastmath=_Q8_MATH)
@@ -723,9 +738,9 @@ def fake_quantize_q8(x, out):
     for r in range(x.shape[0]):
         for b in range(x.shape[1] // 32):
             g = x[r, 32 * b: 32 * b + 32]
-            d, inv = _q8_scale(g)
+            d, inv = _group_scale(g, _Q8_TOP)
             for j in range(32):
-                out[r, 32 * b + j] = _q8_code(g[j], inv) * d
+                out[r, 32 * b + j] = _group_code(g[j], inv, _Q8_TOP) * d
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -802,10 +817,10 @@ def embed_q4(qs, d, m, token, out):
 
 # -- Q8_0 matvecs (the Q4 variants' token table as lm_head) -----------------------------------
 #
-# The same shape as the Q4 ones: W8A16 four rows a call, a <16 x float> accumulator a row; W8A8 a
-# row a call. The float kernels built a row a call, converting codes as the four-row ones do,
-# measured 13-30% slower (W8A16 and W4A16 on the Zen 5, 3072 x 576 and 576 x 1536): one chain of
-# multiply-adds a row, as we read it (_w4a16_row keeps four).
+# Both integer kernels, a row a call, as W4A8: W8A8 against the Q8 activation, W8A16 against a Q16
+# one (int16 codes per 32-group, quantize_act_q16), whose rounding (2^-16 of a group's largest
+# value) moved SmolLM2's perplexity over 999 decoded tokens from 19.10500 to 19.10502. W8A16 was a
+# four-row float kernel before, bound by converting every code to float.
 
 def _dot_s8_s8(builder, q, x):
     """Signed codes times int8 activations, as 8 int32 partial sums. With AVX2, vpmaddubsw takes
@@ -828,35 +843,53 @@ def _dot_s8_s8(builder, q, x):
     return builder.add(builder.add(quarters[0], quarters[1]), builder.add(quarters[2], quarters[3]))
 
 
+def _dot_s8_s16(builder, q, x):
+    """32 signed codes times 32 int16 activations, as 8 int32 partial sums: codes widened to
+    int16 (vpmovsxbw), then vpmaddwd pairs (at most 2 * 128 * 32767, no overflow); without AVX2,
+    plain widening IR. The same integers either way."""
+    if _AVX2:
+        pmaddwd = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_vec(_I32, 8), [_vec(_I16, 16)] * 2), "llvm.x86.avx2.pmadd.wd")
+        wide = builder.sext(q, _vec(_I16, 32))
+
+        def half(v, k):
+            return builder.shuffle_vector(v, v, _lanes(range(16 * k, 16 * k + 16)))
+        return builder.add(builder.call(pmaddwd, [half(wide, 0), half(x, 0)]),
+                           builder.call(pmaddwd, [half(wide, 1), half(x, 1)]))
+    p = builder.mul(builder.sext(q, _vec(_I32, 32)), builder.sext(x, _vec(_I32, 32)))
+    quarters = [builder.shuffle_vector(p, p, _lanes(range(8 * k, 8 * k + 8))) for k in range(4)]
+    return builder.add(builder.add(quarters[0], quarters[1]), builder.add(quarters[2], quarters[3]))
+
+
 @intrinsic
-def _w8a16_rows(typingctx, q8, d, x, r0, r1, r2, r3):
-    """(row r0 . x, ..., row r3 . x) for Q8_0 rows and f32 x: per block and row, acc += d sum q x,
-    the sum one chain of multiply-adds, as _w4a16_rows'."""
-    if not _c_arrays(q8, d, x):
+def _w8a16_row(typingctx, q8, d, xq, xd, r):
+    """Row r . x for Q8_0 rows and the Q16 activation x = xd xq: per block, the integer dot
+    (exact in int32: 32 products of at most 128 * 32767) times d_w d_x, as ref. The four-row
+    float kernel it replaced was bound by its conversions (a vpmovsxbd and a vcvtdq2ps every 8
+    weights): SmolLM2's 49152 x 576 token table from DRAM (scripts/cpu_matvec_bench.py --dram,
+    Zen 3, alternating) took 2.92-3.09 ms on one thread and 1.57-1.71 on two, this 1.77-1.96 and
+    0.98-1.02, as W8A8."""
+    if not _c_arrays(q8, d, xq, xd):
         return None
 
     def codegen(context, builder, sig, args):
-        a = _Operands(context, builder, sig.args[:3], args[:3])
-        q_rows = [a.row(0, r) for r in args[3:]]
-        d_rows = [a.row(1, r) for r in args[3:]]
-        x = a.data(2)
-        acc = [cgutils.alloca_once_value(builder, _splat(_F32, _LANES, 0.0)) for _ in q_rows]
-        with cgutils.for_range(builder, a.cols(1)) as loop:
-            b = loop.index
-            a.prefetch_codes_ahead(q_rows, b, 32)
-            at = builder.mul(b, ir.Constant(_I64, 32))
-            xs = _lane_chunks(builder, x, b)
-            for i in range(4):
-                t = None
-                for k, xk in enumerate(xs):
-                    codes = _load(builder, q_rows[i], builder.add(at, ir.Constant(_I64, _LANES * k)), _vec(_I8, _LANES))
-                    q = builder.sitofp(builder.sext(codes, _vec(_I32, _LANES)), _vec(_F32, _LANES))
-                    t = builder.fmul(q, xk) if t is None else _fmuladd(builder, q, xk, t)
-                scale = _broadcast(builder, _half_at(builder, d_rows[i], b), _LANES)
-                builder.store(_fmuladd(builder, scale, t, builder.load(acc[i])), acc[i])
-        return context.make_tuple(builder, sig.return_type, [_hsum(builder, builder.load(v)) for v in acc])
+        a = _Operands(context, builder, sig.args[:4], args[:4])
+        q_row, d_row = a.row(0, args[4]), a.row(1, args[4])
+        xq, xd = a.data(2), a.data(3)
 
-    return types.UniTuple(types.float32, 4)(q8, d, x, r0, r1, r2, r3), codegen
+        def block_dot(b):
+            at = builder.mul(b, ir.Constant(_I64, 32))
+            x = _load(builder, xq, builder.mul(at, ir.Constant(_I64, 2)), _vec(_I16, 32))
+            return _dot_s8_s16(builder, _load(builder, q_row, at, _vec(_I8, 32)), x)
+
+        def block_terms(b, n, dots, acc):
+            dw = _planes_at(builder, d_row, b, n, ir.HalfType(), 2)
+            scale = builder.fmul(dw, _planes_at(builder, xd, b, n, _F32, 4))
+            return _fmuladd(builder, scale, builder.sitofp(dots, _vec(_F32, n)), acc)
+
+        return _integer_row(builder, a.cols(1), q_row, 32, block_dot, block_terms)
+
+    return types.float32(q8, d, xq, xd, r), codegen
 
 
 @intrinsic
@@ -886,11 +919,9 @@ def _w8a8_row(typingctx, q8, d, xq, xd, r):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _w8a16(q8, d, x, out):
-    rows = d.shape[0]
-    for g in prange((rows + 3) // 4):
-        r0, r1, r2, r3 = _row_group(g, rows)
-        out[r0], out[r1], out[r2], out[r3] = _w8a16_rows(q8, d, x, r0, r1, r2, r3)
+def _w8a16(q8, d, xq, xd, out):
+    for r in prange(d.shape[0]):
+        out[r] = _w8a16_row(q8, d, xq, xd, r)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -899,8 +930,8 @@ def _w8a8(q8, d, xq, xd, out):
         out[r] = _w8a8_row(q8, d, xq, xd, r)
 
 
-def matvec_q8_w8a16(q8, d, x, out):
-    _w8a16(q8, d.view(np.uint16), x, out)
+def matvec_q8_w8a16(q8, d, xq, xd, out):
+    _w8a16(q8, d.view(np.uint16), xq, xd, out)
 
 
 def matvec_q8_w8a8(q8, d, xq, xd, out):

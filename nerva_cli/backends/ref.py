@@ -76,6 +76,17 @@ def quantize_act_q8(x, xq, xd, xs):
     xs[...] = q.sum(axis=1, dtype=np.int32)
 
 
+def quantize_act_q16(x, xq, xd):
+    """x f32 [cols] -> xq int16 codes and xd f32 scale per 32-group, as quantize_act_q8 with
+    32767 for 127: the W8A16 lm_head's activation, within 2^-16 of each group's largest value."""
+    g = x.reshape(-1, QK)
+    d = np.abs(g).max(axis=1) / F32(32767)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d > 0, F32(1.0) / d, F32(0.0))
+    xq[...] = np.clip(round_half_away(g * inv[:, None]), -32767, 32767).astype(np.int16).reshape(-1)
+    xd[...] = d
+
+
 def fake_quantize_q8(x, out):
     """Rows of x [T, cols] quantised per 32-group as quantize_act_q8 does, then scaled back:
     a GEMM over them gives the W4A8 kernel's products (prefill's W4A8)."""
@@ -112,16 +123,17 @@ def matvec_q4_w4a8(qs, d, m, xq, xd, xs, out):
     out[...] = terms.sum(axis=1, dtype=F32)
 
 
-def matvec_q8_w8a16(q8, d, x, out):
-    """out = dequant(q8, d) @ x for a Q8_0 matrix (w = d q), f32 accumulation."""
-    out[...] = dequantize_q8_planes(q8, d) @ x
-
-
 def matvec_q8_w8a8(q8, d, xq, xd, out):
     """Per block: d_w * d_x * sum_j q_w[j] q_x[j] (int32, exact), summed over blocks in f32."""
     isum = np.einsum("rbj,bj->rb", q8.reshape(q8.shape[0], -1, QK).astype(np.int32),
                      xq.reshape(-1, QK).astype(np.int32))
     out[...] = ((d.astype(F32) * xd) * isum.astype(F32)).sum(axis=1, dtype=F32)
+
+
+def matvec_q8_w8a16(q8, d, xq, xd, out):
+    """W8A8's sum with the Q16 activation of quantize_act_q16 (xq int16): per block, the integer
+    dot (at most 32 * 128 * 32767, exact in int32) times d_w d_x, summed over blocks in f32."""
+    matvec_q8_w8a8(q8, d, xq, xd, out)
 
 
 def matvec_f32(w, x, out):
