@@ -68,10 +68,11 @@ class Arena:
         h, f = cfg.hidden_size, cfg.intermediate_size
         widest = max(h, f, cfg.q_dim)
         f32 = (2 * h + cfg.q_dim + 2 * cfg.kv_dim + cfg.num_heads * cfg.head_dim + h + 3 * f + h
-               + cfg.vocab_size + widest // QK)
+               + cfg.vocab_size + widest // QK + h // QK)  # ... xd, xd16
         kv = cfg.num_layers * 2 * ctx * cfg.num_kv_heads * cfg.head_dim * np.dtype(KV_CACHE_TYPES[kv_cache]).itemsize
         f32 += prod(attention_decode_partials(ctx, cfg.num_heads, cfg.head_dim))
-        return kv, 4 * f32 + widest + 4 * (widest // QK) + 8 + kv  # + xq (int8), xs (int32), pos (int64)
+        # + xq (int8), xs (int32), xq16 (int16), pos (int64)
+        return kv, 4 * f32 + widest + 4 * (widest // QK) + 2 * h + 8 + kv
 
 
 # Prefill dequantises a weight matrix into f32 this many bytes of rows at a time, each slice's
