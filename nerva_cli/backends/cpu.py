@@ -352,15 +352,16 @@ class _Operands:
         """The given rows of operands 0, 1, 2 (qs, d, m): three lists, the last None for Q4_0."""
         return [None if self.arrays[i] is None else [self.row(i, r) for r in rows] for i in range(3)]
 
-    def prefetch_codes_ahead(self, q_rows, b, block_bytes=16):
-        """Asks the cache for block b of the code rows PREFETCH_BYTES further on, at least
-        PREFETCH_ROWS (the rows a thread takes next: its row groups are consecutive)."""
+    def prefetch_codes_ahead(self, q_rows, b):
+        """Asks the cache for block b (16 bytes of Q4 codes) of the code rows PREFETCH_BYTES
+        further on, at least PREFETCH_ROWS (the rows a thread takes next: its row groups are
+        consecutive)."""
         builder = self.builder
         stride = builder.extract_value(self.arrays[0].strides, 0)
         rows = builder.udiv(ir.Constant(_I64, PREFETCH_BYTES), stride)
         rows = builder.select(builder.icmp_unsigned("<", rows, ir.Constant(_I64, PREFETCH_ROWS)),
                               ir.Constant(_I64, PREFETCH_ROWS), rows)
-        at = builder.add(builder.mul(stride, rows), builder.mul(b, ir.Constant(_I64, block_bytes)))
+        at = builder.add(builder.mul(stride, rows), builder.mul(b, ir.Constant(_I64, 16)))
         for row in q_rows:
             _prefetch(builder, row, at)
 
