@@ -220,18 +220,23 @@ def test_silu_mul(rng, shape):
 
 # -- activation quantiser and Q4_0 matvecs ---------------------------------------------------
 
+@pytest.mark.parametrize("bits", (8, 16))
 @pytest.mark.parametrize("cols", COLS)
-def test_quantize_act_q8(rng, cols):
+def test_quantize_act(rng, cols, bits):
+    top, quantise = (127, act_q8) if bits == 8 else (32767, act_q16)
     x = randn(rng, cols) * rng.uniform(0.1, 10)
-    got, want = act_q8(cpu, x), act_q8(ref, x)
+    got, want = quantise(cpu, x), quantise(ref, x)
     for g, w in zip(got, want):  # every step is correctly rounded: exact
         assert g.dtype == w.dtype and np.array_equal(g, w)
-    xq, xd, xs = want
+    xq, xd = want[:2]
     g = x.reshape(-1, 32)
-    assert np.array_equal(xd, np.abs(g).max(1) / np.float32(127))
-    assert np.array_equal(xs, xq.reshape(-1, 32).sum(1))
+    assert np.array_equal(xd, np.abs(g).max(1) / np.float32(top))
+    assert np.array_equal(np.abs(xq.reshape(-1, 32)).max(1), np.full(cols // 32, top))
+    if bits == 8:
+        assert np.array_equal(want[2], xq.reshape(-1, 32).sum(1))
     err = np.abs(xq.reshape(-1, 32) * xd[:, None].astype(np.float64) - g)
-    assert np.all(err <= xd[:, None] * (0.5 + 1e-6))
+    # half a step, and x * (1/d)'s two roundings: at most 2 eps of a code up to `top`
+    assert np.all(err <= xd[:, None] * (0.5 + top * 2 * EPS))
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 32), (5, 576), (37, 1536)])
@@ -244,21 +249,6 @@ def test_fake_quantize_q8_is_quantize_then_scale(rng, rows, cols):
     for r in range(rows):  # and each row is exactly what the decode quantiser makes of it
         xq, xd, _ = act_q8(ref, x[r].copy())
         assert np.array_equal(want[r], (xq.reshape(-1, 32) * xd[:, None]).reshape(-1))
-
-
-@pytest.mark.parametrize("cols", COLS)
-def test_quantize_act_q16(rng, cols):
-    x = randn(rng, cols) * rng.uniform(0.1, 10)
-    got, want = act_q16(cpu, x), act_q16(ref, x)
-    for g, w in zip(got, want):  # every step is correctly rounded: exact
-        assert g.dtype == w.dtype and np.array_equal(g, w)
-    xq, xd = want
-    g = x.reshape(-1, 32)
-    assert np.array_equal(xd, np.abs(g).max(1) / np.float32(32767))
-    assert np.array_equal(np.abs(xq.reshape(-1, 32)).max(1), np.full(cols // 32, 32767))
-    err = np.abs(xq.reshape(-1, 32) * xd[:, None].astype(np.float64) - g)
-    # half a step, and x * (1/d)'s two roundings: at most 2 eps of a code up to 32767
-    assert np.all(err <= xd[:, None] * (0.5 + 32767 * 2 * EPS))
 
 
 def test_quantize_act_q16_ties_and_zero_group():
@@ -422,53 +412,6 @@ def test_matvec_q8_w8a16(rng, rows, cols):
     assert np.all(np.abs(want - w64 @ x) <= step + bound)
 
 
-@pytest.mark.parametrize("rows", (1, 5, 37))
-def test_matvec_q8_w8a16_integer_dot_exact(rng, rows):
-    # Unit scales, activation codes of a full int16 range in every group, and two blocks: each
-    # row's total stays below 2^24 (checked), so any order is exact and this pins the integer
-    # part, vpmaddwd's pairs included, bit for bit.
-    cols = 64
-    q8 = rng.integers(-128, 128, (rows, cols), dtype=np.int8)
-    d = np.ones((rows, cols // 32), np.float16)
-    xq = rng.integers(-300, 301, cols).astype(np.int16)
-    xq[rng.integers(0, 32)], xq[32 + rng.integers(0, 32)] = 32767, -32767
-    xd = np.ones(cols // 32, np.float32)
-    want, got = np.empty(rows, np.float32), np.empty(rows, np.float32)
-    ref.matvec_q8_w8a16(q8, d, xq, xd, want)
-    cpu.matvec_q8_w8a16(q8, d, xq, xd, got)
-    exact = q8.astype(np.int64) @ xq.astype(np.int64)
-    assert np.all(np.abs(exact) < 2 ** 24)
-    assert np.array_equal(want, exact) and np.array_equal(got, want)
-
-
-def test_matvec_q8_w8a16_portable_lowering(rng, monkeypatch):
-    # As test_matvec_q8_w8a8_portable_lowering, for the int16 dot (vpmaddwd with AVX2, widening
-    # IR without).
-    from numba import njit
-
-    def serial():
-        @njit
-        def matvec(q8, d, xq, xd, out):
-            for r in range(d.shape[0]):
-                out[r] = cpu._w8a16_row(q8, d, xq, xd, r)
-        return matvec
-
-    rows, cols = 37, 576
-    q8, d = random_q8(rng, rows, cols)
-    xq, xd = act_q16(ref, randn(rng, cols))
-    host, got, want = (np.empty(rows, np.float32) for _ in range(3))
-    cpu.matvec_q8_w8a16(q8, d, xq, xd, host)
-    native = serial()
-    native(q8, d.view(np.uint16), xq, xd, want)
-    monkeypatch.setattr(cpu, "_AVX2", False)
-    portable = serial()
-    portable(q8, d.view(np.uint16), xq, xd, got)
-    assert "vpmaddwd" not in next(iter(portable.inspect_asm().values()))
-    if cpu._host_has("avx2"):
-        assert "vpmaddwd" in next(iter(native.inspect_asm().values()))
-    assert np.array_equal(got, want) and np.array_equal(want, host)
-
-
 @pytest.mark.parametrize("lanes", (8, 16))
 @pytest.mark.parametrize("kind", KINDS)
 def test_float_kernels_at_either_width(rng, monkeypatch, kind, lanes):
@@ -515,49 +458,62 @@ def test_matvec_q8_w8a8(rng, rows, cols):
     assert np.all(np.abs(want - terms.sum(1)) <= bound)
 
 
+@pytest.mark.parametrize("bits", (8, 16))
 @pytest.mark.parametrize("rows", (1, 5, 37, 1536))
 @pytest.mark.parametrize("cols", (32, 352, 576, 1536))
-def test_matvec_q8_w8a8_integer_dot_exact(rng, rows, cols):
+def test_matvec_q8_integer_dot_exact(rng, rows, cols, bits):
     # Unit scales: each block term is an integer dot. Random signs keep a row's partial sums near
     # sqrt(cols) * 128 * 127 / 2, far below 2^24 (the total is checked), so any order is exact and
-    # this pins the integer part bit for bit.
+    # this pins the integer part bit for bit. W8A16's codes: the full int16 range in the first
+    # two groups (vpmaddwd's pairs at their largest), small ones elsewhere.
     q8 = rng.integers(-128, 128, (rows, cols), dtype=np.int8)
     d = np.ones((rows, cols // 32), np.float16)
-    xq = rng.integers(-127, 128, cols, dtype=np.int8)
+    if bits == 8:
+        xq = rng.integers(-127, 128, cols, dtype=np.int8)
+    else:
+        xq = rng.integers(-100, 101, cols).astype(np.int16)
+        xq[rng.integers(0, 32)] = 32767
+        if cols > 32:
+            xq[32 + rng.integers(0, 32)] = -32767
     xd = np.ones(cols // 32, np.float32)
+    kernels = (ref.matvec_q8_w8a8, cpu.matvec_q8_w8a8) if bits == 8 else (ref.matvec_q8_w8a16, cpu.matvec_q8_w8a16)
     want, got = np.empty(rows, np.float32), np.empty(rows, np.float32)
-    ref.matvec_q8_w8a8(q8, d, xq, xd, want)
-    cpu.matvec_q8_w8a8(q8, d, xq, xd, got)
+    kernels[0](q8, d, xq, xd, want)
+    kernels[1](q8, d, xq, xd, got)
     exact = q8.astype(np.int64) @ xq.astype(np.int64)
     assert np.all(np.abs(exact) < 2 ** 24)
     assert np.array_equal(want, exact) and np.array_equal(got, want)
 
 
-def test_matvec_q8_w8a8_portable_lowering(rng, monkeypatch):
-    # As test_matvec_q4_w4a8_lowerings' portable case, for the signed dot (vpsignb and vpmaddubsw
-    # with AVX2, widening IR without).
+@pytest.mark.parametrize("bits, marker", [(8, "vpmaddubsw"), (16, "vpmaddwd")])
+def test_matvec_q8_portable_lowering(rng, monkeypatch, bits, marker):
+    # As test_matvec_q4_w4a8_lowerings' portable case, for the signed dots: W8A8's (vpsignb and
+    # vpmaddubsw with AVX2) and W8A16's (vpmovsxbw and vpmaddwd); widening IR without AVX2.
     from numba import njit
+
+    row, public = (cpu._w8a8_row, cpu.matvec_q8_w8a8) if bits == 8 else (cpu._w8a16_row, cpu.matvec_q8_w8a16)
 
     def serial():
         @njit
         def matvec(q8, d, xq, xd, out):
             for r in range(d.shape[0]):
-                out[r] = cpu._w8a8_row(q8, d, xq, xd, r)
+                out[r] = row(q8, d, xq, xd, r)
         return matvec
 
     rows, cols = 37, 576
     q8, d = random_q8(rng, rows, cols)
-    xq, xd, _ = act_q8(ref, randn(rng, cols))
+    x = randn(rng, cols)
+    xq, xd = act_q8(ref, x)[:2] if bits == 8 else act_q16(ref, x)
     host, got, want = (np.empty(rows, np.float32) for _ in range(3))
-    cpu.matvec_q8_w8a8(q8, d, xq, xd, host)
+    public(q8, d, xq, xd, host)
     native = serial()
     native(q8, d.view(np.uint16), xq, xd, want)
     monkeypatch.setattr(cpu, "_AVX2", False)
     portable = serial()
     portable(q8, d.view(np.uint16), xq, xd, got)
-    assert "vpmaddubsw" not in next(iter(portable.inspect_asm().values()))
+    assert marker not in next(iter(portable.inspect_asm().values()))
     if cpu._host_has("avx2"):
-        assert "vpmaddubsw" in next(iter(native.inspect_asm().values()))
+        assert marker in next(iter(native.inspect_asm().values()))
     assert np.array_equal(got, want) and np.array_equal(want, host)
 
 

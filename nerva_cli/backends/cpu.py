@@ -862,6 +862,31 @@ def _dot_s8_s16(builder, q, x):
     return builder.add(builder.add(quarters[0], quarters[1]), builder.add(quarters[2], quarters[3]))
 
 
+def _q8_row_codegen(dot, code_bytes):
+    """A Q8_0 row's dot with an integer activation x = xd xq (codes of code_bytes each): per
+    block, dot(weight codes, activation codes) as 8 int32 partials, reduced exactly, times
+    d_w d_x."""
+    def codegen(context, builder, sig, args):
+        a = _Operands(context, builder, sig.args[:4], args[:4])
+        q_row, d_row = a.row(0, args[4]), a.row(1, args[4])
+        xq, xd = a.data(2), a.data(3)
+        x_type = _vec(ir.IntType(8 * code_bytes), 32)
+
+        def block_dot(b):
+            at = builder.mul(b, ir.Constant(_I64, 32))
+            x = _load(builder, xq, builder.mul(at, ir.Constant(_I64, code_bytes)), x_type)
+            return dot(builder, _load(builder, q_row, at, _vec(_I8, 32)), x)
+
+        def block_terms(b, n, dots, acc):
+            dw = _planes_at(builder, d_row, b, n, ir.HalfType(), 2)
+            scale = builder.fmul(dw, _planes_at(builder, xd, b, n, _F32, 4))
+            return _fmuladd(builder, scale, builder.sitofp(dots, _vec(_F32, n)), acc)
+
+        return _integer_row(builder, a.cols(1), q_row, 32, block_dot, block_terms)
+
+    return codegen
+
+
 @intrinsic
 def _w8a16_row(typingctx, q8, d, xq, xd, r):
     """Row r . x for Q8_0 rows and the Q16 activation x = xd xq: per block, the integer dot
@@ -872,25 +897,7 @@ def _w8a16_row(typingctx, q8, d, xq, xd, r):
     0.98-1.02, as W8A8."""
     if not _c_arrays(q8, d, xq, xd):
         return None
-
-    def codegen(context, builder, sig, args):
-        a = _Operands(context, builder, sig.args[:4], args[:4])
-        q_row, d_row = a.row(0, args[4]), a.row(1, args[4])
-        xq, xd = a.data(2), a.data(3)
-
-        def block_dot(b):
-            at = builder.mul(b, ir.Constant(_I64, 32))
-            x = _load(builder, xq, builder.mul(at, ir.Constant(_I64, 2)), _vec(_I16, 32))
-            return _dot_s8_s16(builder, _load(builder, q_row, at, _vec(_I8, 32)), x)
-
-        def block_terms(b, n, dots, acc):
-            dw = _planes_at(builder, d_row, b, n, ir.HalfType(), 2)
-            scale = builder.fmul(dw, _planes_at(builder, xd, b, n, _F32, 4))
-            return _fmuladd(builder, scale, builder.sitofp(dots, _vec(_F32, n)), acc)
-
-        return _integer_row(builder, a.cols(1), q_row, 32, block_dot, block_terms)
-
-    return types.float32(q8, d, xq, xd, r), codegen
+    return types.float32(q8, d, xq, xd, r), _q8_row_codegen(_dot_s8_s16, 2)
 
 
 @intrinsic
@@ -899,24 +906,7 @@ def _w8a8_row(typingctx, q8, d, xq, xd, r):
     in int32) times d_w d_x, as ref."""
     if not _c_arrays(q8, d, xq, xd):
         return None
-
-    def codegen(context, builder, sig, args):
-        a = _Operands(context, builder, sig.args[:4], args[:4])
-        q_row, d_row = a.row(0, args[4]), a.row(1, args[4])
-        xq, xd = a.data(2), a.data(3)
-
-        def block_dot(b):
-            at = builder.mul(b, ir.Constant(_I64, 32))
-            return _dot_s8_s8(builder, _load(builder, q_row, at, _vec(_I8, 32)), _load(builder, xq, at, _vec(_I8, 32)))
-
-        def block_terms(b, n, dots, acc):
-            dw = _planes_at(builder, d_row, b, n, ir.HalfType(), 2)
-            scale = builder.fmul(dw, _planes_at(builder, xd, b, n, _F32, 4))
-            return _fmuladd(builder, scale, builder.sitofp(dots, _vec(_F32, n)), acc)
-
-        return _integer_row(builder, a.cols(1), q_row, 32, block_dot, block_terms)
-
-    return types.float32(q8, d, xq, xd, r), codegen
+    return types.float32(q8, d, xq, xd, r), _q8_row_codegen(_dot_s8_s8, 1)
 
 
 @njit(cache=True, nogil=True, parallel=True)
