@@ -77,13 +77,10 @@ class _Cursor:
         n = self.u64()
         self._need(n)
         start, self.pos = self.pos, self.pos + n
-        return self._text(self.buf[start:self.pos])
-
-    def _text(self, raw: bytes) -> str:
         try:
-            return raw.decode("utf-8")
+            return self.buf[start:self.pos].decode("utf-8")
         except UnicodeDecodeError as e:
-            raise BadInput(f"{self.path}: a GGUF string at byte {self.pos - len(raw)} is not UTF-8 ({e.reason})") from None
+            raise BadInput(f"{self.path}: a GGUF string at byte {start} is not UTF-8 ({e.reason})") from None
 
     def value(self, vtype: int, key: str):
         if vtype in _SCALAR:
@@ -135,11 +132,9 @@ def read_header(path: Path) -> GGUFHeader:
     that is not GGUF, is cut short in its header, or has a version or layout nerva cannot read."""
     path = Path(path)
     with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            f.seek(0)
-            raise BadInput(f"{path}: not a GGUF file (bad magic {f.read(4)!r})")
-        if path.stat().st_size < 24:
-            raise BadInput(f"{path}: cut short in its GGUF header (the file has {path.stat().st_size} bytes)")
+        magic = f.read(4)
+        if magic != b"GGUF":
+            raise BadInput(f"{path}: not a GGUF file (bad magic {magic!r})")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             cursor = _Cursor(buf, path)
             try:
