@@ -823,6 +823,15 @@ def embed_q4(qs, d, m, token, out):
 # value) moved SmolLM2's perplexity over 999 decoded tokens from 19.10500 to 19.10502. W8A16 was a
 # four-row float kernel before, bound by converting every code to float.
 
+def _widening_dot(builder, q, x):
+    """32 signed codes times 32 signed activations (int8 or int16) as 8 int32 partial sums, in
+    plain IR: each product widened to int32, the four quarters added. The signed dots' lowering
+    on a target without AVX2."""
+    p = builder.mul(builder.sext(q, _vec(_I32, 32)), builder.sext(x, _vec(_I32, 32)))
+    quarters = [builder.shuffle_vector(p, p, _lanes(range(8 * k, 8 * k + 8))) for k in range(4)]
+    return builder.add(builder.add(quarters[0], quarters[1]), builder.add(quarters[2], quarters[3]))
+
+
 def _dot_s8_s8(builder, q, x):
     """Signed codes times int8 activations, as 8 int32 partial sums. With AVX2, vpmaddubsw takes
     an unsigned operand: |q| (at most 128) against x with q's sign moved onto it (vpsignb), pairs
@@ -839,9 +848,7 @@ def _dot_s8_s8(builder, q, x):
         magnitude = builder.select(negative, builder.sub(_splat(_I8, 32, 0), q), q)
         pairs = builder.call(pmaddubsw, [magnitude, builder.call(psign, [x, q])])
         return builder.call(pmaddwd, [pairs, _splat(_I16, 16, 1)])
-    p = builder.mul(builder.sext(q, _vec(_I32, 32)), builder.sext(x, _vec(_I32, 32)))
-    quarters = [builder.shuffle_vector(p, p, _lanes(range(8 * k, 8 * k + 8))) for k in range(4)]
-    return builder.add(builder.add(quarters[0], quarters[1]), builder.add(quarters[2], quarters[3]))
+    return _widening_dot(builder, q, x)
 
 
 def _dot_s8_s16(builder, q, x):
@@ -857,9 +864,7 @@ def _dot_s8_s16(builder, q, x):
             return builder.shuffle_vector(v, v, _lanes(range(16 * k, 16 * k + 16)))
         return builder.add(builder.call(pmaddwd, [half(wide, 0), half(x, 0)]),
                            builder.call(pmaddwd, [half(wide, 1), half(x, 1)]))
-    p = builder.mul(builder.sext(q, _vec(_I32, 32)), builder.sext(x, _vec(_I32, 32)))
-    quarters = [builder.shuffle_vector(p, p, _lanes(range(8 * k, 8 * k + 8))) for k in range(4)]
-    return builder.add(builder.add(quarters[0], quarters[1]), builder.add(quarters[2], quarters[3]))
+    return _widening_dot(builder, q, x)
 
 
 def _q8_row_codegen(dot, code_bytes):
