@@ -292,6 +292,16 @@ def _tree_sum(builder, vectors):
     return vectors[0]
 
 
+def _widening_dot(builder, q, x, q_signed=True):
+    """32 codes (signed, or 0..15 with q_signed False) times 32 signed activations (int8 or
+    int16) as 8 int32 partial sums, in plain IR: each product widened to int32, the four quarters
+    added. The integer dots' lowering on a target without AVX2."""
+    wide_q = (builder.sext if q_signed else builder.zext)(q, _vec(_I32, 32))
+    p = builder.mul(wide_q, builder.sext(x, _vec(_I32, 32)))
+    quarters = [builder.shuffle_vector(p, p, _lanes(range(8 * k, 8 * k + 8))) for k in range(4)]
+    return builder.add(builder.add(quarters[0], quarters[1]), builder.add(quarters[2], quarters[3]))
+
+
 def _dot_u4_s8(builder, q, x):
     """Codes (0..15) times int8 activations, as 8 int32 partial sums. With AVX2: vpmaddubsw
     (pairs to int16: at most 2 * 15 * 127, no saturation) then vpmaddwd against ones; else
@@ -303,9 +313,7 @@ def _dot_u4_s8(builder, q, x):
         pmaddwd = cgutils.get_or_insert_function(
             module, ir.FunctionType(_vec(_I32, 8), [_vec(_I16, 16)] * 2), "llvm.x86.avx2.pmadd.wd")
         return builder.call(pmaddwd, [builder.call(pmaddubsw, [q, x]), _splat(_I16, 16, 1)])
-    p = builder.mul(builder.zext(q, _vec(_I32, 32)), builder.sext(x, _vec(_I32, 32)))
-    quarters = [builder.shuffle_vector(p, p, _lanes(range(8 * k, 8 * k + 8))) for k in range(4)]
-    return builder.add(builder.add(quarters[0], quarters[1]), builder.add(quarters[2], quarters[3]))
+    return _widening_dot(builder, q, x, q_signed=False)
 
 
 def _dot_u4_s8_pair(builder, row, xq, b):
@@ -822,15 +830,6 @@ def embed_q4(qs, d, m, token, out):
 # one (int16 codes per 32-group, quantize_act_q16), whose rounding (2^-16 of a group's largest
 # value) moved SmolLM2's perplexity over 999 decoded tokens from 19.10500 to 19.10502. W8A16 was a
 # four-row float kernel before, bound by converting every code to float.
-
-def _widening_dot(builder, q, x):
-    """32 signed codes times 32 signed activations (int8 or int16) as 8 int32 partial sums, in
-    plain IR: each product widened to int32, the four quarters added. The signed dots' lowering
-    on a target without AVX2."""
-    p = builder.mul(builder.sext(q, _vec(_I32, 32)), builder.sext(x, _vec(_I32, 32)))
-    quarters = [builder.shuffle_vector(p, p, _lanes(range(8 * k, 8 * k + 8))) for k in range(4)]
-    return builder.add(builder.add(quarters[0], quarters[1]), builder.add(quarters[2], quarters[3]))
-
 
 def _dot_s8_s8(builder, q, x):
     """Signed codes times int8 activations, as 8 int32 partial sums. With AVX2, vpmaddubsw takes
