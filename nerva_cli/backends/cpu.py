@@ -35,24 +35,29 @@ from numba.extending import intrinsic  # noqa: E402
 from .ref import ATT_SPLIT_MIN, attention_prefill_work  # noqa: E402  (one size rule for every backend)
 
 
-def _load_numba_registries_without_scipy_linalg() -> None:
-    """numba loads its NumPy support at its first dispatch, and that probes for scipy's BLAS by
-    importing scipy.linalg: 0.13 s of every run where scipy is installed (as on this project's
-    2-core EPYC machines). The probe backs a fallback no kernel here uses (their GEMMs are
-    NumPy's, outside numba; numba's own np.dot still imports scipy.linalg when one compiles). So
-    the registries load here, in numba's order, with that import failing fast."""
-    if "scipy.linalg" in sys.modules:
-        return
+def _load_numba_registries_without_optional_imports() -> None:
+    """numba loads its typing and lowering registries at its first dispatch, and two of their
+    imports serve nothing here. Its NumPy support probes for scipy's BLAS by importing
+    scipy.linalg: 0.13 s of every run where scipy is installed (as on this project's 2-core EPYC
+    machines). Its cffi support makes a cffi.FFI(), which imports pycparser: 0.03 s where cffi is
+    installed (it was on a Zen 4 EPYC of that kind). No kernel here uses either: their GEMMs are
+    NumPy's, outside numba, and nothing compiled calls a cffi function. So the registries load
+    here, in numba's order, with those imports failing fast. numba's own np.dot still imports
+    scipy.linalg when one compiles; numba's cffi support stays off in this process (it looks for
+    cffi once), while cffi itself imports as before."""
     from numba.core.registry import cpu_target
 
-    sys.modules["scipy.linalg"] = None  # `import scipy.linalg...` raises ImportError at once
+    hidden = [name for name in ("scipy.linalg", "cffi") if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # `import scipy.linalg...` raises ImportError at once
     try:
         cpu_target.target_context.refresh()
     finally:
-        del sys.modules["scipy.linalg"]
+        for name in hidden:
+            del sys.modules[name]
 
 
-_load_numba_registries_without_scipy_linalg()
+_load_numba_registries_without_optional_imports()
 
 F32 = np.float32
 _FAST = {"reassoc", "contract"}
