@@ -542,9 +542,9 @@ def _serial_w4a8():
     from numba import njit
 
     @njit
-    def matvec(qs, d, m, xq, xd, xs, out):
+    def matvec(qs, d, m, xq, x_pairs, xd, xs, out):
         for r in range(d.shape[0]):
-            out[r] = cpu._w4a8_row(qs, d, m, xq, xd, xs, r)
+            out[r] = cpu._w4a8_row(qs, d, m, xq, x_pairs, xd, xs, r)
     return matvec
 
 
@@ -568,7 +568,9 @@ def test_matvec_q4_w4a8_lowerings(rng, monkeypatch, kind, lowering):
     rows, cols = 37, 352 + 576  # 29 blocks: groups of 8, a pair and a single
     qs, d, m = random_q4(rng, rows, cols, kind)
     xq, xd, xs = act_q8(ref, randn(rng, cols))
-    args = (qs, d.view(np.uint16), None if m is None else m.view(np.uint16), xq, xd, xs)
+    x_pairs = np.empty_like(xq)
+    cpu._pair_order(xq, x_pairs)
+    args = (qs, d.view(np.uint16), None if m is None else m.view(np.uint16), xq, x_pairs, xd, xs)
     host, got = np.empty(rows, np.float32), np.empty(rows, np.float32)
     cpu.matvec_q4_w4a8(qs, d, m, xq, xd, xs, host)
     for name, flag in zip(("_AVX512VNNI", "_AVX512BW", "_AVX2"), flags):
@@ -844,9 +846,9 @@ def test_decode_kernels_do_not_allocate(rng):
         (cpu.rope, (q, pos, cos, sin)),
         (cpu.quantize_act_q8, (x, xq, xd, xs)),
         (cpu._w4a16, (qs, d16, None, x, mv)),
-        (cpu._w4a8, (qs, d16, None, xq, xd, xs, mv)),
+        (cpu._w4a8, (qs, d16, None, xq, np.empty_like(xq), xd, xs, mv)),
         (cpu._w4a16, (qs, d16, m16, x, mv)),
-        (cpu._w4a8, (qs, d16, m16, xq, xd, xs, mv)),
+        (cpu._w4a8, (qs, d16, m16, xq, np.empty_like(xq), xd, xs, mv)),
         (cpu.silu_mul, (np.concatenate([x, w]), out)),
         (cpu._attention_decode, (q[0], kc, vc, 9, att, part, 2)),
         (cpu._attention_decode, (q[0], kc.astype(np.float16).view(np.uint16), vc.astype(np.float16).view(np.uint16),

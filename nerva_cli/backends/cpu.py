@@ -321,14 +321,20 @@ def _dot_u4_s8(builder, q, x):
     return _widening_dot(builder, q, x, q_signed=False)
 
 
-def _dot_u4_s8_pair(builder, row, xq, b):
-    """Blocks b and b+1 at once in 512-bit registers (AVX-512BW): <16 x i32>, lanes 0-7 block b's
-    partial sums, 8-15 block b+1's. With AVX-512 VNNI one vpdpbusd makes them; else vpmaddubsw
-    and vpmaddwd, as _dot_u4_s8. Integer sums: the same totals either way."""
+def _dot_u4_s8_pair(builder, row, x_pairs, b):
+    """Blocks b and b+1 (b even) at once in 512-bit registers (AVX-512BW): <16 x i32> whose 128-bit
+    quarters hold partial sums of blocks b, b+1, b, b+1. The two blocks' 32 code bytes load into
+    both halves of a register (vbroadcasti64x4, a load), the upper half's 16-bit lanes shift by 4
+    and one mask takes the low nibbles (weights 0-15) below and the high ones (16-31) above: no
+    shuffle, where interleaving the two blocks' nibbles took a vpermt2q a pair. The activation
+    meets them in that order, which _pair_order writes once a call (x_pairs). With AVX-512 VNNI
+    one vpdpbusd makes the sums; else vpmaddubsw and vpmaddwd, as _dot_u4_s8. Integer sums: the
+    same totals either way."""
     v = _load(builder, row, builder.mul(b, ir.Constant(_I64, 16)), _vec(_I8, 32))
-    lo, hi = builder.and_(v, _splat(_I8, 32, 15)), builder.lshr(v, _splat(_I8, 32, 4))
-    codes = builder.shuffle_vector(lo, hi, _lanes([*range(16), *range(32, 48), *range(16, 32), *range(48, 64)]))
-    x = _load(builder, xq, builder.mul(b, ir.Constant(_I64, 32)), _vec(_I8, 64))
+    both = builder.bitcast(builder.shuffle_vector(v, v, _lanes(list(range(32)) * 2)), _vec(_I16, 32))
+    shifted = builder.lshr(both, ir.Constant(_vec(_I16, 32), [ir.Constant(_I16, 4 * (k // 16)) for k in range(32)]))
+    codes = builder.and_(builder.bitcast(shifted, _vec(_I8, 64)), _splat(_I8, 64, 15))
+    x = _load(builder, x_pairs, builder.mul(b, ir.Constant(_I64, 32)), _vec(_I8, 64))
     module = builder.module
     if _AVX512VNNI:
         v16 = _vec(_I32, 16)
@@ -540,6 +546,15 @@ def _w4a16_row(typingctx, qs, d, m, x, r):
 # Zen 5, q4_1 3072 x 576 and 1024 x 1536: 26.8 -> 34.8 and 30.8 -> 43.3 GB/s on one thread, 41.9 ->
 # 61.3 and 53.4 -> 72.2 on two (1.21-1.34x without vpdpbusd); decode 188-192 -> 249-257 tok/s on
 # one thread and 283-288 -> 360-366 on two, against the four-row kernel.
+#
+# The pair dot then interleaved the two blocks' nibbles with a vpermt2q, a cross-lane shuffle, per
+# row and pair; now the activation comes in that order instead, made once a call (_pair_order),
+# and the codes take a broadcast load, a shift and a mask. On the 2-core Zen 4 EPYC (AVX-512 and
+# VNNI at half width), one thread, in cache, alternating with the shuffle: q4_1 3072 x 576
+# 17.6-18.3 -> 21.0-21.1 GB/s, 576 x 1536 20.6-20.9 -> 22.9-23.0, 960 x 576 17.4-17.9 -> 19.6;
+# 131072 x 576 (47 MB, from DRAM) 13.0-13.6 -> 17.6-17.7; q4_0 likewise (12.8-18.5 -> 14.7-20.4).
+# `nerva bench` decode moved less than this shared machine's drift between runs: w4a8 on one
+# thread, best token rates 115-144 -> 135-151 tok/s, medians 112-137 -> 123-134.
 _GROUP = 8
 
 
@@ -556,16 +571,22 @@ def _fold(builder, v, first, second):
 
 def _pair_totals(builder, pairs):
     """Four block pairs' <16 x i32> partial sums (_dot_u4_s8_pair) -> <8 x i32>, lane j block j's
-    total: the same tree as _block_totals, 512 bits wide."""
+    total: vphaddd's pattern twice leaves quarters of blocks 0 2 4 6, 1 3 5 7, 0 2 4 6, 1 3 5 7;
+    the halves added and one vpermd put them in order."""
     def adjacent(a, b):  # vphaddd on zmm: lanes summed in pairs, a's and b's interleaved by 128 bits
         order = [i + k for i in range(0, 16, 4) for k in (0, 2, 16, 18)]
         return builder.add(builder.shuffle_vector(a, b, _lanes(order)),
                            builder.shuffle_vector(a, b, _lanes([i + 1 for i in order])))
-    # 128-bit quarters of t: blocks 0 2 4 6, 0 2 4 6, 1 3 5 7, 1 3 5 7
     t = adjacent(adjacent(pairs[0], pairs[1]), adjacent(pairs[2], pairs[3]))
-    first = [0, 8, 1, 9, 2, 10, 3, 11]  # block j's lanes: j // 2 (+ 8 for odd j) and that + 4
-    return builder.add(builder.shuffle_vector(t, t, _lanes(first)),
-                       builder.shuffle_vector(t, t, _lanes([i + 4 for i in first])))
+    half = _fold(builder, t, range(8), range(8, 16))
+    return builder.shuffle_vector(half, half, _lanes([0, 4, 1, 5, 2, 6, 3, 7]))
+
+
+def _pair_total(builder, v):
+    """One block pair's <16 x i32> (_dot_u4_s8_pair) -> <2 x i32>, its two blocks' totals."""
+    v = _fold(builder, v, range(8), range(8, 16))  # block b in lanes 0-3, b+1 in 4-7
+    v = _fold(builder, v, [0, 1, 4, 5], [2, 3, 6, 7])
+    return _fold(builder, v, [0, 2], [1, 3])
 
 
 def _block_totals(builder, dots):
@@ -602,8 +623,7 @@ def _integer_row(builder, n_blocks, code_row, code_bytes, block_dot, block_terms
         if wide and n == _GROUP:
             return _pair_totals(builder, [pair_dot(at[j]) for j in range(0, n, 2)])
         if wide and n == 2:
-            v = pair_dot(b)
-            return _block_totals(builder, [builder.shuffle_vector(v, v, _lanes(range(k, k + 8))) for k in (0, 8)])
+            return _pair_total(builder, pair_dot(b))
         return _block_totals(builder, [block_dot(bj) for bj in at])
 
     one = ir.Constant(_I64, 1)
@@ -627,20 +647,20 @@ def _integer_row(builder, n_blocks, code_row, code_bytes, block_dot, block_terms
 
 
 @intrinsic
-def _w4a8_row(typingctx, qs, d, m, xq, xd, xs, r):
-    """Row r . x for Q4 rows and the Q8 activation x = xd xq (block code sums xs). Per block, as
-    ref: the integer dot of the codes with xq (exact in int32), minus 8 xs for Q4_0, times d_w d_x,
-    plus m_w d_x xs for Q4_1."""
-    if not _c_arrays(qs, d, m, xq, xd, xs):
+def _w4a8_row(typingctx, qs, d, m, xq, x_pairs, xd, xs, r):
+    """Row r . x for Q4 rows and the Q8 activation x = xd xq (block code sums xs; x_pairs, its
+    codes in _pair_order, for the 512-bit pair dots). Per block, as ref: the integer dot of the
+    codes with xq (exact in int32), minus 8 xs for Q4_0, times d_w d_x, plus m_w d_x xs for Q4_1."""
+    if not _c_arrays(qs, d, m, xq, x_pairs, xd, xs):
         return None
     q4_1 = not isinstance(m, types.NoneType)
 
     def codegen(context, builder, sig, args):
-        a = _Operands(context, builder, sig.args[:6], args[:6])
-        r = args[6]
+        a = _Operands(context, builder, sig.args[:7], args[:7])
+        r = args[7]
         q_row, d_row = a.row(0, r), a.row(1, r)
         m_row = a.row(2, r) if q4_1 else None
-        xq, xd, xs = a.data(3), a.data(4), a.data(5)
+        xq, x_pairs, xd, xs = a.data(3), a.data(4), a.data(5), a.data(6)
 
         def block_dot(b):
             x = _load(builder, xq, builder.mul(b, ir.Constant(_I64, 32)), _vec(_I8, 32))
@@ -659,9 +679,9 @@ def _w4a8_row(typingctx, qs, d, m, xq, xd, xs, r):
             return acc
 
         return _integer_row(builder, a.cols(1), q_row, 16, block_dot, block_terms,
-                            lambda b: _dot_u4_s8_pair(builder, q_row, xq, b))
+                            lambda b: _dot_u4_s8_pair(builder, q_row, x_pairs, b))
 
-    return types.float32(qs, d, m, xq, xd, xs, r), codegen
+    return types.float32(qs, d, m, xq, x_pairs, xd, xs, r), codegen
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -757,14 +777,41 @@ def fake_quantize_q8(x, out):
                 out[r, 32 * b + j] = _group_code(g[j], inv, _Q8_TOP) * d
 
 
+@njit(cache=True, nogil=True)
+def _pair_order(xq, x_pairs):
+    """xq's codes for the pair dots: in each 64 bytes (blocks 2p and 2p+1) the middle 16-byte
+    quarters swapped, so the two blocks' first halves come first, then their second halves; a
+    last odd block (no pair: it takes the one-block dot) is left out."""
+    for p in range(xq.shape[0] // 64):
+        for j in range(16):
+            at = 64 * p + j
+            x_pairs[at] = xq[at]
+            x_pairs[at + 16] = xq[at + 32]
+            x_pairs[at + 32] = xq[at + 16]
+            x_pairs[at + 48] = xq[at + 48]
+
+
 @njit(cache=True, nogil=True, parallel=True)
-def _w4a8(qs, d, m, xq, xd, xs, out):
+def _w4a8(qs, d, m, xq, x_pairs, xd, xs, out):
+    if _AVX512BW:  # only the pair dots read it
+        _pair_order(xq, x_pairs)
     for r in prange(d.shape[0]):
-        out[r] = _w4a8_row(qs, d, m, xq, xd, xs, r)
+        out[r] = _w4a8_row(qs, d, m, xq, x_pairs, xd, xs, r)
+
+
+_x_pairs = [np.empty(0, np.int8)]  # the pair-ordered activation of the wrapper's calls
+
+
+def pair_scratch(cols):
+    """A buffer for cols activation codes in _pair_order, made again only when a wider one is
+    needed: a decode step allocates nothing."""
+    if _x_pairs[0].shape[0] < cols:
+        _x_pairs[0] = np.empty(cols, np.int8)
+    return _x_pairs[0]
 
 
 def matvec_q4_w4a8(qs, d, m, xq, xd, xs, out):
-    _w4a8(qs, d.view(np.uint16), _bits(m), xq, xd, xs, out)
+    _w4a8(qs, d.view(np.uint16), _bits(m), xq, pair_scratch(xq.shape[0]), xd, xs, out)
 
 
 @njit(cache=True, nogil=True)
@@ -1466,22 +1513,22 @@ def _cache_row(cache, p, rows):
 
 
 @njit(cache=True, nogil=True)
-def _matvec_q4(qs, d, m, x, xq, xd, xs, w4a8, out):
+def _matvec_q4(qs, d, m, x, xq, x_pairs, xd, xs, w4a8, out):
     """W4A8 (x quantised into xq, xd, xs first) or W4A16, as the engine's _matvec picks them."""
     if w4a8:
         n = x.shape[0]
         quantize_act_q8(x, xq[:n], xd[:n // 32], xs[:n // 32])
-        _w4a8(qs, d, m, xq[:n], xd[:n // 32], xs[:n // 32], out)
+        _w4a8(qs, d, m, xq[:n], x_pairs, xd[:n // 32], xs[:n // 32], out)
     else:
         _w4a16_kernel(qs, d, m, x, out)
 
 
 @njit(cache=True, nogil=True)
-def _attention_inputs(x, norm, eps, xn, xq, xd, xs, w4a8, qkv_qs, qkv_d, qkv_m, qkv_bias, q_norm, k_norm,
+def _attention_inputs(x, norm, eps, xn, xq, x_pairs, xd, xs, w4a8, qkv_qs, qkv_d, qkv_m, qkv_bias, q_norm, k_norm,
                       qkv, heads, kv_heads, pos, cos, sin, k_cache, v_cache):
     """Norm, QKV, bias, q/k norms, RoPE, and this position's K and V rows into the cache."""
     rmsnorm(x, norm, eps, xn)
-    _matvec_q4(qkv_qs, qkv_d, qkv_m, xn, xq, xd, xs, w4a8, qkv)
+    _matvec_q4(qkv_qs, qkv_d, qkv_m, xn, xq, x_pairs, xd, xs, w4a8, qkv)
     if qkv_bias is not None:
         add_rows(qkv, qkv_bias)
     dim = k_cache.shape[2]
@@ -1498,13 +1545,13 @@ def _attention_inputs(x, norm, eps, xn, xq, xd, xs, w4a8, qkv_qs, qkv_d, qkv_m, 
 
 
 @njit(cache=True, nogil=True)
-def _mlp(o, x, norm, eps, xn, xq, xd, xs, w4a8, gate_up_qs, gate_up_d, gate_up_m, gate_up, act, down_qs,
+def _mlp(o, x, norm, eps, xn, xq, x_pairs, xd, xs, w4a8, gate_up_qs, gate_up_d, gate_up_m, gate_up, act, down_qs,
          down_d, down_m, down):
     """Residual add and norm, gate/up, SiLU * up, down, and the residual add."""
     add_rmsnorm(o, x, norm, eps, xn)
-    _matvec_q4(gate_up_qs, gate_up_d, gate_up_m, xn, xq, xd, xs, w4a8, gate_up)
+    _matvec_q4(gate_up_qs, gate_up_d, gate_up_m, xn, xq, x_pairs, xd, xs, w4a8, gate_up)
     silu_mul(gate_up, act)
-    _matvec_q4(down_qs, down_d, down_m, act, xq, xd, xs, w4a8, down)
+    _matvec_q4(down_qs, down_d, down_m, act, xq, x_pairs, xd, xs, w4a8, down)
     for i in range(x.shape[0]):
         x[i] += down[i]
 
@@ -1529,11 +1576,12 @@ def decode_layer_halves(layer, a, cfg, cos, sin):
     w4a8 = layer.precision == "w4a8"
     planes = lambda lin: (lin.qs, _bits(lin.d), _bits(lin.m))  # noqa: E731
     k_cache, v_cache = _cache_operand(a.k_cache[layer.index]), _cache_operand(a.v_cache[layer.index])
-    inputs = (a.x, layer.attn_norm, cfg.rms_eps, a.xn, a.xq, a.xd, a.xs, w4a8, *planes(m["qkv"]),
+    x_pairs = pair_scratch(a.xq.shape[0])
+    inputs = (a.x, layer.attn_norm, cfg.rms_eps, a.xn, a.xq, x_pairs, a.xd, a.xs, w4a8, *planes(m["qkv"]),
               layer.qkv_bias, layer.q_norm, layer.k_norm, a.qkv, cfg.num_heads, cfg.num_kv_heads, a.pos,
               cos, sin, k_cache, v_cache)
-    o = (*planes(m["o"]), a.attn_flat, a.xq, a.xd, a.xs, w4a8, a.o)
-    mlp = (a.o, a.x, layer.mlp_norm, cfg.rms_eps, a.xn, a.xq, a.xd, a.xs, w4a8, *planes(m["gate_up"]),
+    o = (*planes(m["o"]), a.attn_flat, a.xq, x_pairs, a.xd, a.xs, w4a8, a.o)
+    mlp = (a.o, a.x, layer.mlp_norm, cfg.rms_eps, a.xn, a.xq, x_pairs, a.xd, a.xs, w4a8, *planes(m["gate_up"]),
            a.gate_up, a.act, *planes(m["down"]), a.down)
 
     def attention(n_ctx):
