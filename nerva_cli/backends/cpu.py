@@ -802,7 +802,7 @@ def _w4a8(qs, d, m, xq, x_pairs, xd, xs, out):
 _x_pairs = [np.empty(0, np.int8)]  # the pair-ordered activation of the wrapper's calls
 
 
-def pair_scratch(cols):
+def _pair_scratch(cols):
     """A buffer for cols activation codes in _pair_order, made again only when a wider one is
     needed: a decode step allocates nothing."""
     if _x_pairs[0].shape[0] < cols:
@@ -811,7 +811,7 @@ def pair_scratch(cols):
 
 
 def matvec_q4_w4a8(qs, d, m, xq, xd, xs, out):
-    _w4a8(qs, d.view(np.uint16), _bits(m), xq, pair_scratch(xq.shape[0]), xd, xs, out)
+    _w4a8(qs, d.view(np.uint16), _bits(m), xq, _pair_scratch(xq.shape[0]), xd, xs, out)
 
 
 @njit(cache=True, nogil=True)
@@ -1576,7 +1576,7 @@ def decode_layer_halves(layer, a, cfg, cos, sin):
     w4a8 = layer.precision == "w4a8"
     planes = lambda lin: (lin.qs, _bits(lin.d), _bits(lin.m))  # noqa: E731
     k_cache, v_cache = _cache_operand(a.k_cache[layer.index]), _cache_operand(a.v_cache[layer.index])
-    x_pairs = pair_scratch(a.xq.shape[0])
+    x_pairs = _pair_scratch(a.xq.shape[0])
     inputs = (a.x, layer.attn_norm, cfg.rms_eps, a.xn, a.xq, x_pairs, a.xd, a.xs, w4a8, *planes(m["qkv"]),
               layer.qkv_bias, layer.q_norm, layer.k_norm, a.qkv, cfg.num_heads, cfg.num_kv_heads, a.pos,
               cos, sin, k_cache, v_cache)
