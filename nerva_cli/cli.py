@@ -222,9 +222,10 @@ def _profiling_backend(backend: str) -> str:
 def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau: float = 0.7,
                  use_profile: bool = True, mode: str = "full", active_fraction: float = 1.0,
                  ram_budget: Optional[str] = None, vram_budget: Optional[str] = None, policy: str = "ring",
-                 kv_cache: str = "f16"):
+                 kv_cache: str = "f16", decodes: bool = True):
     """-> (engine, tokenizer, threads); the MCAP profile (computed if missing) picks each layer's
-    precision and, in hot-only mode, which layers run."""
+    precision and, in hot-only mode, which layers run. `decodes`: whether the caller will decode
+    (not a `-n 1` run), so that the first-run note counts the kernels it will compile."""
     from nerva_cli import backends, mcap, output
 
     from nerva_cli.residency import parse_budget
@@ -273,8 +274,9 @@ def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau
                     f"policy {policy})")
     if hasattr(engine.k, "set_threads"):
         engine.k.set_threads(threads)
-    if engine.compiled_layers and not engine.k.compiled_before():
-        output.info("compiling the CPU kernels for this machine: once, about 20 s on 2 cores; later runs reuse them")
+    if engine.compiled_layers and not engine.k.compiled_before(decodes):
+        took = "about 20 s" if decodes else "a few seconds"
+        output.info(f"compiling the CPU kernels for this machine: once, {took} on 2 cores; later runs reuse them")
     return engine, tokenizer, threads
 
 
@@ -321,7 +323,8 @@ def run(
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
     engine, tokenizer, _ = _open_engine(model, backend, precision, ctx, threads, tau, not no_profile, mode,
-                                        active_fraction, ram_budget, vram_budget, policy, kv_cache)
+                                        active_fraction, ram_budget, vram_budget, policy, kv_cache,
+                                        decodes=max_tokens > 1)
     from nerva_cli.ledger import Ledger
 
     book = Ledger(engine, tokenizer, ledger_file) if ledger or ledger_file else None

@@ -283,19 +283,22 @@ def test_only_resident_q4_layers_are_compiled(tiny_models, tmp_path):
     assert Engine(q4, backend="ref", ctx=64).compiled_layers == {}
 
 
-def test_compiled_before_reads_the_disk_cache_index(tiny_models, tmp_path, monkeypatch):
-    """cpu.compiled_before(), behind the CLI's first-run note, is True once a decode has put the
-    layer halves' code in the disk cache, and False when the cache's index was written for
-    another version of the source (numba then compiles again)."""
+@pytest.mark.parametrize("decodes", [True, False])
+def test_compiled_before_reads_the_disk_cache_index(tiny_models, tmp_path, monkeypatch, decodes):
+    """cpu.compiled_before(), behind the CLI's first-run note, is True once a decode (or, for a run
+    that only prefills, a prefill) has put its kernels' code in the disk cache, and False when the
+    cache's index was written for another version of the source (numba then compiles again)."""
     from nerva_cli.backends import cpu
 
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
     e = Engine(model, ctx=64)
     e.prefill([3, 4, 5])
-    e.decode(6)
-    assert cpu.compiled_before()
-    monkeypatch.setattr(cpu._mlp._cache._cache_file, "_source_stamp", ("another source", 0))
-    assert not cpu.compiled_before()
+    if decodes:
+        e.decode(6)
+    assert cpu.compiled_before(decodes)
+    kernel = cpu._mlp if decodes else cpu._causal_softmax
+    monkeypatch.setattr(kernel._cache._cache_file, "_source_stamp", ("another source", 0))
+    assert not cpu.compiled_before(decodes)
 
 
 def test_decode_allocates_nothing_after_warmup(tiny_models, tmp_path):
