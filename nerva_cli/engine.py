@@ -409,7 +409,7 @@ class Engine(EngineBase):
                 outs.append(self._logits_rows(x))
         if all_logits:
             return outs[0] if len(outs) == 1 else np.concatenate(outs)
-        return self._logits_rows(x[-1:])[0]
+        return self._last_logits(x[-1])
 
     def _dense(self, mats: list[Linear], x: np.ndarray, precision: str, out: np.ndarray) -> None:
         """out [T, rows] = x [T, cols] times the matrices `mats`, stacked by rows, transposed.
@@ -509,6 +509,15 @@ class Engine(EngineBase):
         if taps is not None:
             taps["mlp"] = proj.copy()
         x += proj
+
+    def _last_logits(self, x: np.ndarray) -> np.ndarray:
+        """Final norm + lm_head for the prompt's last row, by decode's matvec, into a new array:
+        a GEMM's way dequantised the whole table for one row (SmolLM2's Q8_0 49152 x 576: 12 ms
+        on the 2-core Zen 4 EPYC, against 1 for the matvec)."""
+        a = self.a
+        self.k.rmsnorm(x, self.final_norm, self.cfg.rms_eps, a.xn)
+        self._lm_head(a.xn, a.logits)
+        return a.logits.copy()
 
     def _logits_rows(self, x: np.ndarray) -> np.ndarray:
         """Final norm + lm_head for a few rows (prefill), into a new [rows, vocab] array."""
