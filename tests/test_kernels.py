@@ -384,6 +384,30 @@ def test_matvec_q4_w4a8_integer_dot_exact(rng, rows, cols, kind):
     assert np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("acts", (1, 3, 4, 8, 13))  # the cpu's tiles of eight, four and one
+@pytest.mark.parametrize("cols", (32, 352, 576))
+def test_matmul_q4_w4a8_is_the_matvec_of_each_activation(rng, acts, cols, kind):
+    # A short prompt's W4A8 GEMM: activation t's outputs are the backend's own matvec of it, bit
+    # for bit (the same arithmetic a row; the cpu loads a row's codes once for a tile of them),
+    # written into a column slice of a wider array and nowhere else. The matvecs are held to ref
+    # above.
+    rows = 37
+    qs, d, m = random_q4(rng, rows, cols, kind)
+    x = randn(rng, acts, cols)
+    for backend in (cpu, ref):
+        xq, xd, xs = np.empty((acts, cols), np.int8), np.empty((acts, cols // 32), np.float32), \
+            np.empty((acts, cols // 32), np.int32)
+        backend.quantize_act_q8(x.reshape(-1), xq.reshape(-1), xd.reshape(-1), xs.reshape(-1))
+        wide = np.full((acts, rows + 7), np.nan, np.float32)
+        backend.matmul_q4_w4a8(qs, d, m, xq, xd, xs, wide[:, 3:3 + rows])
+        for t in range(acts):
+            want = np.empty(rows, np.float32)
+            backend.matvec_q4_w4a8(qs, d, m, *act_q8(backend, x[t]), want)
+            assert np.array_equal(wide[t, 3:3 + rows], want), (backend.__name__, t)
+        assert np.isnan(wide[:, :3]).all() and np.isnan(wide[:, 3 + rows:]).all()
+
+
 def random_q8(rng, rows, cols):
     """Q8_0 planes: codes over the whole int8 range (-128 too, which llama.cpp's quantiser does not
     write but a file may hold) and signed scales of a token table's size."""
@@ -548,6 +572,19 @@ def _serial_w4a8():
     return matvec
 
 
+def _serial_w4a8_rows():
+    """As _serial_w4a8, for the batch intrinsic: four activations (the rows of 2-D operands) a call."""
+    from numba import njit
+
+    @njit
+    def matmul(qs, d, m, xq, x_pairs, xd, xs, out):
+        for r in range(d.shape[0]):
+            v = cpu._w4a8_rows(qs, d, m, xq, x_pairs, xd, xs, r, 0, 4)
+            for t in range(4):
+                out[t, r] = v[t]
+    return matmul
+
+
 # Each lowering of the W4A8 row kernel this host can run, by the flags that pick it: the integer
 # dots are exact whichever instructions make them, and the float combine is the same IR, so each
 # must give the host kernel's results bit for bit (host vs ref: the tests above).
@@ -583,6 +620,17 @@ def test_matvec_q4_w4a8_lowerings(rng, monkeypatch, kind, lowering):
     else:
         assert re.search(pattern, asm)
     assert np.array_equal(got, host)
+    # the batch intrinsic, four activations: the host matvec's bits for each
+    stack = [act_q8(ref, randn(rng, cols)) for _ in range(4)]
+    xq4, xd4, xs4 = (np.stack([a[i] for a in stack]) for i in range(3))
+    pairs4 = np.empty_like(xq4)
+    for t in range(4):
+        cpu._pair_order(xq4[t], pairs4[t])
+    got4 = np.empty((4, rows), np.float32)
+    _serial_w4a8_rows()(*args[:3], xq4, pairs4, xd4, xs4, got4)
+    for t in range(4):
+        cpu.matvec_q4_w4a8(qs, d, m, xq4[t], xd4[t], xs4[t], host)
+        assert np.array_equal(got4[t], host), t
 
 
 def test_matvecs_do_not_depend_on_thread_count(rng):
@@ -849,6 +897,8 @@ def test_decode_kernels_do_not_allocate(rng):
         (cpu._w4a8, (qs, d16, None, xq, np.empty_like(xq), xd, xs, mv)),
         (cpu._w4a16, (qs, d16, m16, x, mv)),
         (cpu._w4a8, (qs, d16, m16, xq, np.empty_like(xq), xd, xs, mv)),
+        (cpu._w4a8_batch, (qs, d16, m16, np.stack([xq] * 5), np.empty((5, n), np.int8), np.stack([xd] * 5),
+                           np.stack([xs] * 5), np.empty((5, 40), np.float32)[:, 2:39])),
         (cpu.silu_mul, (np.concatenate([x, w]), out)),
         (cpu._attention_decode, (q[0], kc, vc, 9, att, part, 2)),
         (cpu._attention_decode, (q[0], kc.astype(np.float16).view(np.uint16), vc.astype(np.float16).view(np.uint16),

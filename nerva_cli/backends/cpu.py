@@ -611,20 +611,23 @@ def _planes_at(builder, base, b, n, elt, size):
     return builder.fpext(v, _vec(_F32, n)) if isinstance(elt, ir.HalfType) else v
 
 
-def _integer_row(builder, n_blocks, code_row, code_bytes, block_dot, block_terms, pair_dot=None):
-    """A row's dot product, its blocks in groups of eight, then pairs, then one: a group's
-    block_dot(b) partials (or pair_dot(b)'s, two blocks a call, where the target has AVX-512BW)
-    are reduced to a lane per block, and block_terms(b, n, totals, acc) folds them into the
-    accumulator of that group size. Returns the accumulators' f32 sum."""
+def _integer_row(builder, n_blocks, code_row, code_bytes, block_dot, block_terms, pair_dot=None, acts=1):
+    """A row's dot products with `acts` activations, its blocks in groups of eight, then pairs,
+    then one: a group's block_dot(b, t) partials (or pair_dot(b, t)'s, two blocks a call, where
+    the target has AVX-512BW) are reduced to a lane per block, and block_terms(b, n, totals, acc,
+    t) folds them into activation t's accumulator of that group size. Returns the accumulators'
+    f32 sums, one an activation. Each activation's arithmetic is the same whatever `acts` is (so
+    a batch's dots equal one-at-a-time ones bit for bit); the row's codes are loaded once for
+    them all (LLVM merges the identical loads and unpacking of the acts copies)."""
     wide = _AVX512BW and pair_dot is not None
 
-    def totals(b, n):
+    def totals(b, n, t):
         at = [builder.add(b, ir.Constant(_I64, j)) for j in range(n)]
         if wide and n == _GROUP:
-            return _pair_totals(builder, [pair_dot(at[j]) for j in range(0, n, 2)])
+            return _pair_totals(builder, [pair_dot(at[j], t) for j in range(0, n, 2)])
         if wide and n == 2:
-            return _pair_total(builder, pair_dot(b))
-        return _block_totals(builder, [block_dot(bj) for bj in at])
+            return _pair_total(builder, pair_dot(b, t))
+        return _block_totals(builder, [block_dot(bj, t) for bj in at])
 
     one = ir.Constant(_I64, 1)
     groups = builder.lshr(n_blocks, ir.Constant(_I64, 3))
@@ -632,45 +635,48 @@ def _integer_row(builder, n_blocks, code_row, code_bytes, block_dot, block_terms
     spans = [(_GROUP, ir.Constant(_I64, 0), groups),
              (2, builder.shl(groups, ir.Constant(_I64, 3)), builder.lshr(tail, one)),
              (1, builder.sub(n_blocks, builder.and_(tail, one)), builder.and_(tail, one))]
-    total = ir.Constant(_F32, 0.0)
+    total = [ir.Constant(_F32, 0.0)] * acts
     for n, first, count in spans:
-        acc = cgutils.alloca_once_value(builder, _splat(_F32, n, 0.0))
+        acc = [cgutils.alloca_once_value(builder, _splat(_F32, n, 0.0)) for _ in range(acts)]
         with cgutils.for_range(builder, count) as loop:
             b = builder.add(first, builder.mul(loop.index, ir.Constant(_I64, n)))
             if n == _GROUP:
                 codes_at = builder.mul(b, ir.Constant(_I64, code_bytes))
                 for line in range(0, _GROUP * code_bytes, 64):
                     _prefetch(builder, code_row, builder.add(codes_at, ir.Constant(_I64, PREFETCH_BYTES + line)))
-            builder.store(block_terms(b, n, totals(b, n), builder.load(acc)), acc)
-        total = builder.fadd(total, _hsum(builder, builder.load(acc)))
+            for t in range(acts):
+                builder.store(block_terms(b, n, totals(b, n, t), builder.load(acc[t]), t), acc[t])
+        total = [builder.fadd(total[t], _hsum(builder, builder.load(acc[t]))) for t in range(acts)]
     return total
 
 
-@intrinsic
-def _w4a8_row(typingctx, qs, d, m, xq, x_pairs, xd, xs, r):
-    """Row r . x for Q4 rows and the Q8 activation x = xd xq (block code sums xs; x_pairs, its
-    codes in _pair_order, for the 512-bit pair dots). Per block, as ref: the integer dot of the
-    codes with xq (exact in int32), minus 8 xs for Q4_0, times d_w d_x, plus m_w d_x xs for Q4_1."""
-    if not _c_arrays(qs, d, m, xq, x_pairs, xd, xs):
-        return None
-    q4_1 = not isinstance(m, types.NoneType)
-
+def _w4a8_codegen(acts):
+    """Rows . activations for Q4 rows and Q8 activations x = xd xq (block code sums xs; x_pairs,
+    the codes in _pair_order, for the 512-bit pair dots): one activation (1-D operands) or `acts`
+    rows t0.. of 2-D ones. Per block, as ref: the integer dot of the codes with xq (exact in
+    int32), minus 8 xs for Q4_0, times d_w d_x, plus m_w d_x xs for Q4_1."""
     def codegen(context, builder, sig, args):
         a = _Operands(context, builder, sig.args[:7], args[:7])
         r = args[7]
         q_row, d_row = a.row(0, r), a.row(1, r)
+        q4_1 = a.arrays[2] is not None
         m_row = a.row(2, r) if q4_1 else None
-        xq, x_pairs, xd, xs = a.data(3), a.data(4), a.data(5), a.data(6)
+        if sig.args[3].ndim == 1:
+            xq, x_pairs, xd, xs = [[a.data(i)] for i in (3, 4, 5, 6)]
+        else:
+            t0 = context.cast(builder, args[8], sig.args[8], types.intp)
+            at = [builder.add(t0, ir.Constant(_I64, t)) for t in range(acts)]
+            xq, x_pairs, xd, xs = [[a.row(i, t) for t in at] for i in (3, 4, 5, 6)]
 
-        def block_dot(b):
-            x = _load(builder, xq, builder.mul(b, ir.Constant(_I64, 32)), _vec(_I8, 32))
+        def block_dot(b, t):
+            x = _load(builder, xq[t], builder.mul(b, ir.Constant(_I64, 32)), _vec(_I8, 32))
             return _dot_u4_s8(builder, _codes(builder, q_row, b), x)
 
-        def block_terms(b, n, dots, acc):
-            sums = _planes_at(builder, xs, b, n, _I32, 4)
+        def block_terms(b, n, dots, acc, t):
+            sums = _planes_at(builder, xs[t], b, n, _I32, 4)
             if not q4_1:
                 dots = builder.sub(dots, builder.shl(sums, _splat(_I32, n, 3)))
-            dx = _planes_at(builder, xd, b, n, _F32, 4)
+            dx = _planes_at(builder, xd[t], b, n, _F32, 4)
             scale = builder.fmul(_planes_at(builder, d_row, b, n, ir.HalfType(), 2), dx)
             acc = _fmuladd(builder, scale, builder.sitofp(dots, _vec(_F32, n)), acc)
             if q4_1:
@@ -678,10 +684,32 @@ def _w4a8_row(typingctx, qs, d, m, xq, x_pairs, xd, xs, r):
                 acc = _fmuladd(builder, _planes_at(builder, m_row, b, n, ir.HalfType(), 2), offset_x, acc)
             return acc
 
-        return _integer_row(builder, a.cols(1), q_row, 16, block_dot, block_terms,
-                            lambda b: _dot_u4_s8_pair(builder, q_row, x_pairs, b))
+        dots = _integer_row(builder, a.cols(1), q_row, 16, block_dot, block_terms,
+                            lambda b, t: _dot_u4_s8_pair(builder, q_row, x_pairs[t], b), acts)
+        if sig.args[3].ndim == 1:
+            return dots[0]
+        return context.make_tuple(builder, sig.return_type, dots)
 
-    return types.float32(qs, d, m, xq, x_pairs, xd, xs, r), codegen
+    return codegen
+
+
+@intrinsic
+def _w4a8_row(typingctx, qs, d, m, xq, x_pairs, xd, xs, r):
+    """Row r . x for Q4 rows and the Q8 activation x (_w4a8_codegen)."""
+    if not _c_arrays(qs, d, m, xq, x_pairs, xd, xs):
+        return None
+    return types.float32(qs, d, m, xq, x_pairs, xd, xs, r), _w4a8_codegen(1)
+
+
+@intrinsic
+def _w4a8_rows(typingctx, qs, d, m, xq, x_pairs, xd, xs, r, t0, acts):
+    """(row r . x_t0, ..., row r . x_{t0 + acts - 1}) for Q4 rows and the Q8 activations x_t, the
+    rows of 2-D xq, x_pairs, xd, xs (_w4a8_codegen): the codes loaded once for `acts` (a literal)
+    dots, each equal to _w4a8_row's."""
+    if not (isinstance(acts, types.IntegerLiteral) and _c_arrays(qs, d, m, xq, x_pairs, xd, xs)):
+        return None
+    n = acts.literal_value
+    return types.UniTuple(types.float32, n)(qs, d, m, xq, x_pairs, xd, xs, r, t0, acts), _w4a8_codegen(n)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -814,6 +842,37 @@ def matvec_q4_w4a8(qs, d, m, xq, xd, xs, out):
     _w4a8(qs, d.view(np.uint16), _bits(m), xq, _pair_scratch(xq.shape[0]), xd, xs, out)
 
 
+# A short prompt's W4A8 GEMM: each thread's rows against every activation, eight of them a row at
+# once (then four, then one), so a row's codes are read from memory and unpacked once a tile.
+@njit(cache=True, nogil=True, parallel=True)
+def _w4a8_batch(qs, d, m, xq, x_pairs, xd, xs, out):
+    acts = xq.shape[0]
+    if _AVX512BW:
+        for t in range(acts):
+            _pair_order(xq[t], x_pairs[t])
+    eights = acts - acts % 8
+    fours = acts - acts % 4
+    for r in prange(d.shape[0]):
+        for t in range(0, eights, 8):
+            v = _w4a8_rows(qs, d, m, xq, x_pairs, xd, xs, r, t, 8)
+            for j in range(8):
+                out[t + j, r] = v[j]
+        for t in range(eights, fours, 4):
+            w = _w4a8_rows(qs, d, m, xq, x_pairs, xd, xs, r, t, 4)
+            for j in range(4):
+                out[t + j, r] = w[j]
+        for t in range(fours, acts):
+            out[t, r] = _w4a8_rows(qs, d, m, xq, x_pairs, xd, xs, r, t, 1)[0]
+
+
+def matmul_q4_w4a8(qs, d, m, xq, xd, xs, out):
+    """out[t] = matvec_q4_w4a8 of activation t, the rows of xq [T, cols] and xd, xs [T, cols / 32],
+    bit for bit; out [T, rows] may be a column slice of a wider array."""
+    acts, cols = xq.shape
+    x_pairs = _pair_scratch(acts * cols)[:acts * cols].reshape(acts, cols)
+    _w4a8_batch(qs, d.view(np.uint16), _bits(m), xq, x_pairs, xd, xs, out)
+
+
 @njit(cache=True, nogil=True)
 def _dequantize_q4(qs, d, m, out):
     # Serial on purpose: prefill calls this between BLAS GEMMs, and OpenBLAS's worker threads
@@ -928,17 +987,17 @@ def _q8_row_codegen(dot, code_bytes):
         xq, xd = a.data(2), a.data(3)
         x_type = _vec(ir.IntType(8 * code_bytes), 32)
 
-        def block_dot(b):
+        def block_dot(b, _t):
             at = builder.mul(b, ir.Constant(_I64, 32))
             x = _load(builder, xq, builder.mul(at, ir.Constant(_I64, code_bytes)), x_type)
             return dot(builder, _load(builder, q_row, at, _vec(_I8, 32)), x)
 
-        def block_terms(b, n, dots, acc):
+        def block_terms(b, n, dots, acc, _t):
             dw = _planes_at(builder, d_row, b, n, ir.HalfType(), 2)
             scale = builder.fmul(dw, _planes_at(builder, xd, b, n, _F32, 4))
             return _fmuladd(builder, scale, builder.sitofp(dots, _vec(_F32, n)), acc)
 
-        return _integer_row(builder, a.cols(1), q_row, 32, block_dot, block_terms)
+        return _integer_row(builder, a.cols(1), q_row, 32, block_dot, block_terms)[0]
 
     return codegen
 
@@ -1560,8 +1619,8 @@ def compiled_before(decodes: bool = True) -> bool:
     """Whether the disk cache holds compiled code for this source and the kernels a run needs:
     numba's index for `_mlp`, which only a decode compiles, standing for all of them, or for
     `_causal_softmax` when the run only prefills (`-n 1`). False on a machine's first run, when
-    compiling them takes a while (SmolLM2 on the 2-core EPYC: 3 s for a prefill's, 13 s more for a
-    decode's)."""
+    compiling them takes a while (SmolLM2 on the 2-core Zen 4 EPYC, the run's wall time: 6 s for a
+    prefill's, 10 s more for a decode's)."""
     kernel = _mlp if decodes else _causal_softmax
     try:
         return bool(kernel._cache._cache_file._load_index())

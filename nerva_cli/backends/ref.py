@@ -123,6 +123,13 @@ def matvec_q4_w4a8(qs, d, m, xq, xd, xs, out):
     out[...] = terms.sum(axis=1, dtype=F32)
 
 
+def matmul_q4_w4a8(qs, d, m, xq, xd, xs, out):
+    """out[t] = matvec_q4_w4a8 of activation t: the rows of xq [T, cols], xd and xs [T, cols / 32]
+    (a short prompt's W4A8 GEMM; out [T, rows] may be a column slice of a wider array)."""
+    for t in range(xq.shape[0]):
+        matvec_q4_w4a8(qs, d, m, xq[t], xd[t], xs[t], out[t])
+
+
 def matvec_q8_w8a8(q8, d, xq, xd, out):
     """Per block: d_w * d_x * sum_j q_w[j] q_x[j] (int32, exact), summed over blocks in f32."""
     isum = np.einsum("rbj,bj->rb", q8.reshape(q8.shape[0], -1, QK).astype(np.int32),
