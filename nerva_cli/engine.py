@@ -15,7 +15,7 @@ from time import perf_counter_ns
 import numpy as np
 
 from nerva_cli import rope
-from nerva_cli.arena import INTEGER_PREFILL_ROWS, KV_CACHE_TYPES, Arena, PrefillWorkspace
+from nerva_cli.arena import KV_CACHE_TYPES, SHORT_PREFILL_ROWS, Arena, PrefillWorkspace
 from nerva_cli.config import ModelConfig
 from nerva_cli.errors import NervaError
 from nerva_cli.layout import MATRICES, layer_file
@@ -418,10 +418,12 @@ class Engine(EngineBase):
         dequantised there, whichever matrices they come from: a paged layer's unfused q/k/v and
         gate/up then run the very GEMMs a resident layer's fused ones do (OpenBLAS's sums depend
         on a GEMM's shape), so paging changes no bit. W4A8 quantises the activations per
-        32-group first, which gives the same products as the integer kernel; a short chunk at
-        W4A8 takes that kernel (_integer_dense)."""
-        if precision == "w4a8" and x.shape[0] <= INTEGER_PREFILL_ROWS and all(lin.qs is not None for lin in mats):
-            self._integer_dense(mats, x, out)
+        32-group first, which gives the same products as the integer kernel. A short chunk takes
+        the matvecs' batch kernels instead (_short_dense)."""
+        batch_kernel = {"w4a8": self.k.matmul_q4_w4a8, "w4a16": self.k.matmul_q4_w4a16}.get(precision)
+        short = batch_kernel is not None and x.shape[0] <= SHORT_PREFILL_ROWS[precision]
+        if short and all(lin.qs is not None for lin in mats):
+            self._short_dense(mats, x, precision, out)
             return
         if mats[0].w is None and precision == "w4a8":
             x = self._fake_quant(x)
@@ -431,20 +433,27 @@ class Engine(EngineBase):
             stop = min(r + step, total)
             np.matmul(x, self._stacked_rows(mats, r, stop).T, out=out[:, r:stop])
 
-    def _integer_dense(self, mats: list[Linear], x: np.ndarray, out: np.ndarray) -> None:
-        """_dense for a short chunk (INTEGER_PREFILL_ROWS) through Q4 matrices at W4A8: x
-        quantised as decode quantises it, then the integer kernel, whose rows equal decode's
-        matvec bit for bit, fused or not. The GEMM's way dequantised every weight for a few
-        tokens. SmolLM2 q4_1 w4a8 prefill on the 2-core Zen 4 EPYC, the best of alternating runs,
-        GEMM -> integer: 1, 8 and 31 tokens 18.9 -> 8.5, 54.1 -> 19.8 and 90.8 -> 73.1 ms on one
-        thread; 31.7 -> 5.6, 60.0 -> 12.5 and 96.0 -> 42.2 on two."""
-        T, cols = x.shape
-        xq = self.pw.take("codes", T, cols)
-        xd, xs = self.pw.take("code_scales", T, cols // QK), self.pw.take("code_sums", T, cols // QK)
-        self.k.quantize_act_q8(np.ascontiguousarray(x).reshape(-1), xq.reshape(-1), xd.reshape(-1), xs.reshape(-1))
+    def _short_dense(self, mats: list[Linear], x: np.ndarray, precision: str, out: np.ndarray) -> None:
+        """_dense for a short chunk (SHORT_PREFILL_ROWS) through Q4 matrices: the matvec kernels'
+        batch forms, whose rows equal decode's matvecs bit for bit, fused or not; W4A8's input
+        quantised as decode quantises it. The GEMM's way dequantised every weight for a few
+        tokens. SmolLM2 q4_1 prefill on the 2-core Zen 4 EPYC, the best of alternating runs, GEMM
+        -> batch kernel: W4A8, 1, 8 and 31 tokens 18.9 -> 8.5, 54.1 -> 19.8 and 90.8 -> 73.1 ms on
+        one thread, 31.7 -> 5.6, 60.0 -> 12.5 and 96.0 -> 42.2 on two; W4A16, 1 and 8 tokens 31.1
+        -> 10.4 and 67.2 -> 35.1 on one, 32.4 -> 7.2 and 67.1 -> 20.5 on two."""
+        x = np.ascontiguousarray(x)
+        if precision == "w4a8":
+            T, cols = x.shape
+            xq = self.pw.take("codes", T, cols)
+            xd, xs = self.pw.take("code_scales", T, cols // QK), self.pw.take("code_sums", T, cols // QK)
+            self.k.quantize_act_q8(x.reshape(-1), xq.reshape(-1), xd.reshape(-1), xs.reshape(-1))
         lo = 0
         for lin in mats:
-            self.k.matmul_q4_w4a8(lin.qs, lin.d, lin.m, xq, xd, xs, out[:, lo:lo + lin.rows])
+            part = out[:, lo:lo + lin.rows]
+            if precision == "w4a8":
+                self.k.matmul_q4_w4a8(lin.qs, lin.d, lin.m, xq, xd, xs, part)
+            else:
+                self.k.matmul_q4_w4a16(lin.qs, lin.d, lin.m, x, part)
             lo += lin.rows
 
     def _stacked_rows(self, mats: list[Linear], start: int, stop: int) -> np.ndarray:

@@ -408,6 +408,27 @@ def test_matmul_q4_w4a8_is_the_matvec_of_each_activation(rng, acts, cols, kind):
         assert np.isnan(wide[:, :3]).all() and np.isnan(wide[:, 3 + rows:]).all()
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("acts", (1, 3, 4, 9))  # the cpu's tiles of four and one
+@pytest.mark.parametrize("cols", (32, 352 + 576, 576))  # 29 blocks: a span of 16 and 13 left over
+def test_matmul_q4_w4a16_is_the_matvec_of_each_activation(rng, acts, cols, kind):
+    # As the W4A8 test above, for the float kernel's batch form; the cpu has one only where the
+    # row kernel runs (AVX-512F), and says None elsewhere (prefill then takes BLAS).
+    rows = 37
+    qs, d, m = random_q4(rng, rows, cols, kind)
+    x = randn(rng, acts, cols)
+    if not cpu._AVX512F:
+        assert cpu.matmul_q4_w4a16 is None
+    for backend in (cpu, ref) if cpu._AVX512F else (ref,):
+        wide = np.full((acts, rows + 7), np.nan, np.float32)
+        backend.matmul_q4_w4a16(qs, d, m, x, wide[:, 3:3 + rows])
+        for t in range(acts):
+            want = np.empty(rows, np.float32)
+            backend.matvec_q4_w4a16(qs, d, m, x[t], want)
+            assert np.array_equal(wide[t, 3:3 + rows], want), (backend.__name__, t)
+        assert np.isnan(wide[:, :3]).all() and np.isnan(wide[:, 3 + rows:]).all()
+
+
 def random_q8(rng, rows, cols):
     """Q8_0 planes: codes over the whole int8 range (-128 too, which llama.cpp's quantiser does not
     write but a file may hold) and signed scales of a token table's size."""
@@ -572,14 +593,14 @@ def _serial_w4a8():
     return matvec
 
 
-def _serial_w4a8_rows():
+def _serial_w4a8_row_batch():
     """As _serial_w4a8, for the batch intrinsic: four activations (the rows of 2-D operands) a call."""
     from numba import njit
 
     @njit
     def matmul(qs, d, m, xq, x_pairs, xd, xs, out):
         for r in range(d.shape[0]):
-            v = cpu._w4a8_rows(qs, d, m, xq, x_pairs, xd, xs, r, 0, 4)
+            v = cpu._w4a8_row_batch(qs, d, m, xq, x_pairs, xd, xs, r, 0, 4)
             for t in range(4):
                 out[t, r] = v[t]
     return matmul
@@ -627,7 +648,7 @@ def test_matvec_q4_w4a8_lowerings(rng, monkeypatch, kind, lowering):
     for t in range(4):
         cpu._pair_order(xq4[t], pairs4[t])
     got4 = np.empty((4, rows), np.float32)
-    _serial_w4a8_rows()(*args[:3], xq4, pairs4, xd4, xs4, got4)
+    _serial_w4a8_row_batch()(*args[:3], xq4, pairs4, xd4, xs4, got4)
     for t in range(4):
         cpu.matvec_q4_w4a8(qs, d, m, xq4[t], xd4[t], xs4[t], host)
         assert np.array_equal(got4[t], host), t
@@ -899,6 +920,8 @@ def test_decode_kernels_do_not_allocate(rng):
         (cpu._w4a8, (qs, d16, m16, xq, np.empty_like(xq), xd, xs, mv)),
         (cpu._w4a8_batch, (qs, d16, m16, np.stack([xq] * 5), np.empty((5, n), np.int8), np.stack([xd] * 5),
                            np.stack([xs] * 5), np.empty((5, 40), np.float32)[:, 2:39])),
+        *([(cpu._w4a16_batch, (qs, d16, m16, np.stack([x] * 5), np.empty((5, 40), np.float32)[:, 2:39]))]
+          if cpu._AVX512F else []),
         (cpu.silu_mul, (np.concatenate([x, w]), out)),
         (cpu._attention_decode, (q[0], kc, vc, 9, att, part, 2)),
         (cpu._attention_decode, (q[0], kc.astype(np.float16).view(np.uint16), vc.astype(np.float16).view(np.uint16),

@@ -466,42 +466,37 @@ def _w4a16_rows(typingctx, qs, d, m, x, r0, r1, r2, r3):
     return types.UniTuple(types.float32, 4)(qs, d, m, x, r0, r1, r2, r3), codegen
 
 
-@intrinsic
-def _w4a16_row(typingctx, qs, d, m, x, r):
-    """Row r . x for Q4 rows and f32 x, with AVX-512F. Per block, the 16 weights a code can stand
-    for, d (q - 8) or d q + m (one fused multiply-add, as a dequantised weight), and each code's
-    weight taken from them by vpermps/vpermd, which read only an index's low 4 bits: no mask, no
-    int-to-float conversion; acc += w x, over four accumulators (a block's two halves, even and
-    odd blocks) so that no multiply-add waits on the one before. A row's scales load 16 blocks at
-    a time and are broadcast from that vector; codes are prefetched PREFETCH_BYTES ahead in the
-    row stream, as the integer kernels do. Against the four-row _w4a16_rows on the Zen 5, q4_1
-    matrices 3072 x 576 in L3 and 131072 x 576 from DRAM: 22.1 -> 22.6 and 19.3 -> 21.7 GB/s on
-    one thread, 42.3 -> 41.6 and 37.9 -> 42.3 on two; Q4_0 from DRAM 18.8 -> 23.2 and 38.0 -> 46.4."""
-    if not _c_arrays(qs, d, m, x):
-        return None
-    q4_1 = not isinstance(m, types.NoneType)
-
+def _w4a16_codegen(acts):
+    """Rows . activations for Q4 rows and f32 activations, as _w4a16_row describes: one
+    activation (1-D x) or `acts` rows t0.. of a 2-D x, each block's weight table built once for
+    them all."""
     def codegen(context, builder, sig, args):
         a = _Operands(context, builder, sig.args[:4], args[:4])
         q_row, d_row = a.row(0, args[4]), a.row(1, args[4])
+        q4_1 = a.arrays[2] is not None
         m_row = a.row(2, args[4]) if q4_1 else None
-        x = a.data(3)
+        if sig.args[3].ndim == 1:
+            x = [a.data(3)]
+        else:
+            t0 = context.cast(builder, args[5], sig.args[5], types.intp)
+            x = [a.row(3, builder.add(t0, ir.Constant(_I64, t))) for t in range(acts)]
         v16 = _vec(_F32, 16)
         permps = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, _vec(_I32, 16)]),
                                                 "llvm.x86.avx512.permvar.sf.512")
         codes = ir.Constant(v16, [ir.Constant(_F32, float(k if q4_1 else k - 8)) for k in range(16)])
-        acc = [cgutils.alloca_once_value(builder, _splat(_F32, 16, 0.0)) for _ in range(4)]
+        acc = [[cgutils.alloca_once_value(builder, _splat(_F32, 16, 0.0)) for _ in range(4)] for _ in x]
 
         def block(b, parity, dw, mw):
-            xs = [_f32_at(builder, x, builder.mul(b, ir.Constant(_I64, 32)), 16, 16 * k) for k in range(2)]
             table = _fmuladd(builder, codes, dw, mw) if q4_1 else builder.fmul(codes, dw)
             words = builder.zext(_load(builder, q_row, builder.mul(b, ir.Constant(_I64, 16)), _vec(_I8, 16)),
                                  _vec(_I32, 16))
             weights = [builder.call(permps, [table, words]),  # the low nibbles: codes 0-15 of the block
                        builder.call(permps, [table, builder.lshr(words, _splat(_I32, 16, 4))])]
-            for k in range(2):
-                slot = acc[2 * parity + k]
-                builder.store(_fmuladd(builder, weights[k], xs[k], builder.load(slot)), slot)
+            for t, row in enumerate(x):
+                xs = [_f32_at(builder, row, builder.mul(b, ir.Constant(_I64, 32)), 16, 16 * k) for k in range(2)]
+                for k in range(2):
+                    slot = acc[t][2 * parity + k]
+                    builder.store(_fmuladd(builder, weights[k], xs[k], builder.load(slot)), slot)
 
         span = 16
         groups = builder.udiv(a.cols(1), ir.Constant(_I64, span))
@@ -521,11 +516,43 @@ def _w4a16_row(typingctx, qs, d, m, x, r):
             b = builder.add(first, loop.index)
             mw = _broadcast(builder, _half_at(builder, m_row, b), 16) if q4_1 else None
             block(b, 0, _broadcast(builder, _half_at(builder, d_row, b), 16), mw)
-        total = builder.fadd(builder.fadd(builder.load(acc[0]), builder.load(acc[1])),
-                             builder.fadd(builder.load(acc[2]), builder.load(acc[3])))
-        return _hsum(builder, total)
+        sums = []
+        for slots in acc:
+            total = builder.fadd(builder.fadd(builder.load(slots[0]), builder.load(slots[1])),
+                                 builder.fadd(builder.load(slots[2]), builder.load(slots[3])))
+            sums.append(_hsum(builder, total))
+        if sig.args[3].ndim == 1:
+            return sums[0]
+        return context.make_tuple(builder, sig.return_type, sums)
 
-    return types.float32(qs, d, m, x, r), codegen
+    return codegen
+
+
+@intrinsic
+def _w4a16_row(typingctx, qs, d, m, x, r):
+    """Row r . x for Q4 rows and f32 x, with AVX-512F. Per block, the 16 weights a code can stand
+    for, d (q - 8) or d q + m (one fused multiply-add, as a dequantised weight), and each code's
+    weight taken from them by vpermps/vpermd, which read only an index's low 4 bits: no mask, no
+    int-to-float conversion; acc += w x, over four accumulators (a block's two halves, even and
+    odd blocks) so that no multiply-add waits on the one before. A row's scales load 16 blocks at
+    a time and are broadcast from that vector; codes are prefetched PREFETCH_BYTES ahead in the
+    row stream, as the integer kernels do. Against the four-row _w4a16_rows on the Zen 5, q4_1
+    matrices 3072 x 576 in L3 and 131072 x 576 from DRAM: 22.1 -> 22.6 and 19.3 -> 21.7 GB/s on
+    one thread, 42.3 -> 41.6 and 37.9 -> 42.3 on two; Q4_0 from DRAM 18.8 -> 23.2 and 38.0 -> 46.4."""
+    if not _c_arrays(qs, d, m, x):
+        return None
+    return types.float32(qs, d, m, x, r), _w4a16_codegen(1)
+
+
+@intrinsic
+def _w4a16_row_batch(typingctx, qs, d, m, x, r, t0, acts):
+    """(row r . x_t0, ..., row r . x_{t0 + acts - 1}) for Q4 rows and the rows of a 2-D f32 x, with
+    AVX-512F (_w4a16_codegen): each block's weights made once for `acts` (a literal) dots, each
+    equal to _w4a16_row's."""
+    if not (isinstance(acts, types.IntegerLiteral) and _c_arrays(qs, d, m, x)):
+        return None
+    n = acts.literal_value
+    return types.UniTuple(types.float32, n)(qs, d, m, x, r, t0, acts), _w4a16_codegen(n)
 
 
 # -- integer-dot matvecs (W4A8, W8A8): a row at a time ----------------------------------------
@@ -702,7 +729,7 @@ def _w4a8_row(typingctx, qs, d, m, xq, x_pairs, xd, xs, r):
 
 
 @intrinsic
-def _w4a8_rows(typingctx, qs, d, m, xq, x_pairs, xd, xs, r, t0, acts):
+def _w4a8_row_batch(typingctx, qs, d, m, xq, x_pairs, xd, xs, r, t0, acts):
     """(row r . x_t0, ..., row r . x_{t0 + acts - 1}) for Q4 rows and the Q8 activations x_t, the
     rows of 2-D xq, x_pairs, xd, xs (_w4a8_codegen): the codes loaded once for `acts` (a literal)
     dots, each equal to _w4a8_row's."""
@@ -736,6 +763,32 @@ _w4a16_kernel = _w4a16_by_row if _AVX512F else _w4a16  # a global, so compiled c
 
 def matvec_q4_w4a16(qs, d, m, x, out):
     _w4a16_kernel(qs, d.view(np.uint16), _bits(m), x, out)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _w4a16_batch(qs, d, m, x, out):
+    # A short prompt's W4A16 GEMM, as _w4a8_batch: four activations a row at once (four
+    # accumulators each, as _w4a16_row keeps: sixteen of the 32 registers), then one.
+    acts = x.shape[0]
+    fours = acts - acts % 4
+    for r in prange(d.shape[0]):
+        for t in range(0, fours, 4):
+            v = _w4a16_row_batch(qs, d, m, x, r, t, 4)
+            for j in range(4):
+                out[t + j, r] = v[j]
+        for t in range(fours, acts):
+            out[t, r] = _w4a16_row_batch(qs, d, m, x, r, t, 1)[0]
+
+
+def _matmul_q4_w4a16(qs, d, m, x, out):
+    """out[t] = matvec_q4_w4a16 of activation t, the rows of x [T, cols], bit for bit; out [T, rows]
+    may be a column slice of a wider array."""
+    _w4a16_batch(qs, d.view(np.uint16), _bits(m), x, out)
+
+
+# Only where the row kernel's tables run (AVX-512F): elsewhere a short prompt's W4A16 goes through
+# BLAS, as a long one does (the engine reads None so).
+matmul_q4_w4a16 = _matmul_q4_w4a16 if _AVX512F else None
 
 
 # The activation quantiser's arithmetic, shared by decode (codes) and prefill (codes times scale).
@@ -854,15 +907,15 @@ def _w4a8_batch(qs, d, m, xq, x_pairs, xd, xs, out):
     fours = acts - acts % 4
     for r in prange(d.shape[0]):
         for t in range(0, eights, 8):
-            v = _w4a8_rows(qs, d, m, xq, x_pairs, xd, xs, r, t, 8)
+            v = _w4a8_row_batch(qs, d, m, xq, x_pairs, xd, xs, r, t, 8)
             for j in range(8):
                 out[t + j, r] = v[j]
         for t in range(eights, fours, 4):
-            w = _w4a8_rows(qs, d, m, xq, x_pairs, xd, xs, r, t, 4)
+            w = _w4a8_row_batch(qs, d, m, xq, x_pairs, xd, xs, r, t, 4)
             for j in range(4):
                 out[t + j, r] = w[j]
         for t in range(fours, acts):
-            out[t, r] = _w4a8_rows(qs, d, m, xq, x_pairs, xd, xs, r, t, 1)[0]
+            out[t, r] = _w4a8_row_batch(qs, d, m, xq, x_pairs, xd, xs, r, t, 1)[0]
 
 
 def matmul_q4_w4a8(qs, d, m, xq, xd, xs, out):

@@ -57,6 +57,13 @@ def matvec_q4_w4a16(qs, d, m, x, out):
     out[...] = dequantize_planes(qs, d, m) @ x
 
 
+def matmul_q4_w4a16(qs, d, m, x, out):
+    """out[t] = matvec_q4_w4a16 of activation t, the rows of x [T, cols] (a short prompt's W4A16
+    GEMM; out [T, rows] may be a column slice of a wider array)."""
+    for t in range(x.shape[0]):
+        matvec_q4_w4a16(qs, d, m, x[t], out[t])
+
+
 def round_half_away(v):
     """C's roundf (halves away from zero), which llama.cpp's quantisers use; np.round rounds
     halves to even. v - trunc(v) is exact in float, so the tie test is exact."""
