@@ -8,7 +8,7 @@ from math import prod
 
 import numpy as np
 
-from nerva_cli.backends.ref import attention_decode_partials, attention_prefill_work
+from nerva_cli.backends.ref import SHORT_PREFILL_MOST, attention_decode_partials, attention_prefill_work
 from nerva_cli.config import ModelConfig
 from nerva_cli.quant import QK
 
@@ -90,16 +90,6 @@ def scratch_elements(cfg: ModelConfig) -> int:
     return min(largest, max(DEQUANT_SLICE_BYTES // 4, f, cfg.q_dim))  # a row of any matrix fits
 
 
-# A chunk of at most this many prompt tokens, by precision, takes the matvecs' batch kernels
-# (matmul_q4_w4a8, matmul_q4_w4a16: a row's codes read and unpacked once for every token) where a
-# larger one dequantises the weights for a BLAS GEMM. SmolLM2 q4_1 prefill on the 2-core Zen 4
-# EPYC (the best of alternating runs), GEMM against batch kernel, one thread then two:
-# - W4A8: 32 tokens 87 / 78 and 94 / 47 ms, 48 tokens 106 / 123 and 119 / 72, 64 tokens 129 / 168
-#   and 137 / 99. The integer kernel costs about 2.4 ms a token and thread there, the GEMM about
-#   1.6 ms a token after some 50 ms of dequantising, and two threads do little for a short GEMM.
-# - W4A16: 8 tokens 67 / 35 and 67 / 21, 16 tokens 81 / 75 and 78 / 45, 31 tokens 97 / 154 and
-#   98 / 90. Its multiply-adds take 16 weights each where vpdpbusd takes 64: about 4.8 ms a token.
-SHORT_PREFILL_ROWS = {"w4a8": 32, "w4a16": 16}
 
 
 class PrefillWorkspace:
@@ -125,7 +115,7 @@ class PrefillWorkspace:
                "xq": R * max(h, q, f),
                "attention": attention_prefill_work(R, ctx, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
                "dequant": scratch_elements(cfg)}
-        small, widest = min(R, SHORT_PREFILL_ROWS["w4a8"]), max(h, q, f)  # the integer kernel's activations
+        small, widest = min(R, SHORT_PREFILL_MOST), max(h, q, f)  # the integer kernel's activations
         return {**{k: (n, np.float32) for k, n in f32.items()}, "pos": (R, np.int64), "iota": (R, np.int64),
                 "codes": (small * widest, np.int8), "code_scales": (small * widest // QK, np.float32),
                 "code_sums": (small * widest // QK, np.int32)}

@@ -15,7 +15,7 @@ from time import perf_counter_ns
 import numpy as np
 
 from nerva_cli import rope
-from nerva_cli.arena import KV_CACHE_TYPES, SHORT_PREFILL_ROWS, Arena, PrefillWorkspace
+from nerva_cli.arena import KV_CACHE_TYPES, Arena, PrefillWorkspace
 from nerva_cli.config import ModelConfig
 from nerva_cli.errors import NervaError
 from nerva_cli.layout import MATRICES, layer_file
@@ -420,9 +420,7 @@ class Engine(EngineBase):
         on a GEMM's shape), so paging changes no bit. W4A8 quantises the activations per
         32-group first, which gives the same products as the integer kernel. A short chunk takes
         the matvecs' batch kernels instead (_short_dense)."""
-        batch_kernel = {"w4a8": self.k.matmul_q4_w4a8, "w4a16": self.k.matmul_q4_w4a16}.get(precision)
-        short = batch_kernel is not None and x.shape[0] <= SHORT_PREFILL_ROWS[precision]
-        if short and all(lin.qs is not None for lin in mats):
+        if x.shape[0] <= self.k.short_prefill_rows(precision) and all(lin.qs is not None for lin in mats):
             self._short_dense(mats, x, precision, out)
             return
         if mats[0].w is None and precision == "w4a8":
@@ -434,7 +432,7 @@ class Engine(EngineBase):
             np.matmul(x, self._stacked_rows(mats, r, stop).T, out=out[:, r:stop])
 
     def _short_dense(self, mats: list[Linear], x: np.ndarray, precision: str, out: np.ndarray) -> None:
-        """_dense for a short chunk (SHORT_PREFILL_ROWS) through Q4 matrices: the matvec kernels'
+        """_dense for a short chunk (the backend's short_prefill_rows) through Q4 matrices: the matvecs'
         batch forms, whose rows equal decode's matvecs bit for bit, fused or not; W4A8's input
         quantised as decode quantises it. The GEMM's way dequantised every weight for a few
         tokens. SmolLM2 q4_1 prefill on the 2-core Zen 4 EPYC, the best of alternating runs, GEMM

@@ -349,22 +349,22 @@ def test_prefill_last_logits_come_from_the_lm_head_matvec(precision, variant, ti
 @pytest.mark.parametrize("variant", ["q4_0", "q4_1"])
 @pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
 def test_short_prompts_take_the_batch_kernels(precision, variant, tiny_models, tmp_path, monkeypatch, rng):
-    """A chunk of at most SHORT_PREFILL_ROWS tokens runs the matvecs' batch kernels, not
-    dequantise + GEMM (the cpu has no W4A16 batch kernel without AVX-512F: BLAS there). On the
-    same input, each matrix's output agrees with the GEMM's: the same products (for W4A8 the
-    same codes, from one quantiser) summed in another order: over 100 seeds a case, four
-    matrices each, at most 2.6e-7 relative (median 1.0e-7 to 1.8e-7), so 1e-5. (A whole W4A8
-    prompt is no test: an input within f32 noise of a code boundary lands on the other code in
-    one path, which moved the logits by up to 1.5e-2 in 16-26% of 150 prompts a variant; see
-    test_q4_decode_matches_prefill_and_ref. At W4A16 the prompts' logits differed by at most
-    1.8e-6.)"""
-    from nerva_cli import engine as engine_module
-    from nerva_cli.arena import SHORT_PREFILL_ROWS
+    """A chunk of at most the backend's short_prefill_rows tokens runs the matvecs' batch
+    kernels, not dequantise + GEMM (the cpu has no W4A16 batch kernel without AVX-512F: BLAS
+    there). On the same input, each matrix's output agrees with the GEMM's: the same products
+    (for W4A8 the same codes, from one quantiser) summed in another order: over 100 seeds a
+    case, four matrices each, at most 2.6e-7 relative (median 1.0e-7 to 1.8e-7), so 1e-5. (A
+    whole W4A8 prompt is no test: an input within f32 noise of a code boundary lands on the
+    other code in one path, which moved the logits by up to 1.5e-2 in 16-26% of 150 prompts a
+    variant; see test_q4_decode_matches_prefill_and_ref. At W4A16 the prompts' logits differed
+    by at most 1.8e-6.)"""
     from nerva_cli.backends import cpu
 
     model = pull(str(tiny_models("llama-untied")), variant=variant, out=tmp_path / "m")
-    T = int(rng.integers(2, SHORT_PREFILL_ROWS[precision] + 1))
-    engine = Engine(model, precision=precision, ctx=64, kv_cache="f32")
+    engine = Engine(model, precision=precision, ctx=80, kv_cache="f32")
+    most = cpu.short_prefill_rows(precision)
+    assert most > 0 if precision == "w4a8" or cpu._AVX512F else most == 0
+    T = int(rng.integers(2, max(most, 16) + 1))
     layer = next(iter(engine.weights.layers()))
     mats = [[layer.mats["qkv"]], [layer.mats["o"]], [layer.mats["gate_up"]], [layer.mats["down"]],
             [layer.mats["gate_up"], layer.mats["qkv"]]]  # stacked, as a paged layer's q, k, v are
@@ -378,7 +378,7 @@ def test_short_prompts_take_the_batch_kernels(precision, variant, tiny_models, t
         engine._dense(m, x, precision, out)
     engine.prefill([int(t) for t in rng.integers(0, 384, size=T)])  # every layer, the lm_head too
     monkeypatch.undo()
-    monkeypatch.setattr(engine_module, "SHORT_PREFILL_ROWS", {"w4a8": 0, "w4a16": 0})
+    monkeypatch.setattr(engine.k, "short_prefill_rows", lambda precision: 0)
     for m, x, got in zip(mats, xs, short):
         want = np.empty_like(got)
         engine._dense(m, x, precision, want)

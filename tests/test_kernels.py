@@ -412,13 +412,13 @@ def test_matmul_q4_w4a8_is_the_matvec_of_each_activation(rng, acts, cols, kind):
 @pytest.mark.parametrize("acts", (1, 3, 4, 9))  # the cpu's tiles of four and one
 @pytest.mark.parametrize("cols", (32, 352 + 576, 576))  # 29 blocks: a span of 16 and 13 left over
 def test_matmul_q4_w4a16_is_the_matvec_of_each_activation(rng, acts, cols, kind):
-    # As the W4A8 test above, for the float kernel's batch form; the cpu has one only where the
-    # row kernel runs (AVX-512F), and says None elsewhere (prefill then takes BLAS).
+    # As the W4A8 test above, for the float kernel's batch form; the cpu's runs only where the
+    # row kernel does (AVX-512F), and prefill takes BLAS elsewhere.
     rows = 37
     qs, d, m = random_q4(rng, rows, cols, kind)
     x = randn(rng, acts, cols)
     if not cpu._AVX512F:
-        assert cpu.matmul_q4_w4a16 is None
+        assert cpu.short_prefill_rows("w4a16") == 0  # prefill never calls it there
     for backend in (cpu, ref) if cpu._AVX512F else (ref,):
         wide = np.full((acts, rows + 7), np.nan, np.float32)
         backend.matmul_q4_w4a16(qs, d, m, x, wide[:, 3:3 + rows])

@@ -32,7 +32,7 @@ from numba import njit, prange, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
-from .ref import ATT_SPLIT_MIN, attention_prefill_work  # noqa: E402  (one size rule for every backend)
+from .ref import ATT_SPLIT_MIN, SHORT_PREFILL_MOST, attention_prefill_work  # noqa: E402  (every backend's sizes)
 
 
 def _load_numba_registries_without_optional_imports() -> None:
@@ -786,9 +786,27 @@ def _matmul_q4_w4a16(qs, d, m, x, out):
     _w4a16_batch(qs, d.view(np.uint16), _bits(m), x, out)
 
 
-# Only where the row kernel's tables run (AVX-512F): elsewhere a short prompt's W4A16 goes through
-# BLAS, as a long one does (the engine reads None so).
-matmul_q4_w4a16 = _matmul_q4_w4a16 if _AVX512F else None
+matmul_q4_w4a16 = _matmul_q4_w4a16  # compiles only where AVX-512F runs _w4a16_row's tables
+
+
+def short_prefill_rows(precision: str) -> int:
+    """The longest prompt chunk at `precision` that prefill sends through the batch kernels
+    (matmul_q4_w4a8, matmul_q4_w4a16) rather than dequantise + BLAS GEMM, at the threads set: the
+    GEMM pays some 50 ms of dequantising whatever the chunk, then less a token than the batch
+    kernels, and two threads hardly speed a short GEMM where they halve a batch kernel's time.
+    SmolLM2 q4_1 prefill on the 2-core Zen 4 EPYC (best of alternating runs), GEMM against batch
+    kernel, one thread then two:
+    - W4A8 (512-bit dots): 32 tokens 87 / 78 and 94 / 47 ms, 48 tokens 106 / 123 and 119 / 72,
+      64 tokens 129 / 168 and 137 / 99: about 2.4 ms a token and thread;
+    - W4A8 compiled for Zen 3 (NUMBA_CPU_NAME=znver3, AVX2 features, OPENBLAS_CORETYPE=Zen), on
+      the same machine: 16 tokens 56 / 50 and 68 / 32, 24 tokens 62 / 68 and 80 / 42, 32 tokens
+      75 / 104 and 89 / 59, 48 tokens 91 / 147 and 109 / 111: about 3.1 ms a token and thread;
+    - W4A16 (AVX-512F tables; none without): 8 tokens 67 / 35 and 67 / 21, 16 tokens 81 / 75 and
+      78 / 45, 31 tokens 97 / 154 and 98 / 90: its multiply-adds take 16 weights where vpdpbusd
+      takes 64, about 4.8 ms a token.
+    So per thread 32, 16 and 16 tokens, up to SHORT_PREFILL_MOST (what the workspace holds)."""
+    per_thread = {"w4a8": 32 if _AVX512BW else 16, "w4a16": 16 if _AVX512F else 0}.get(precision, 0)
+    return min(per_thread * _threads[0], SHORT_PREFILL_MOST)
 
 
 # The activation quantiser's arithmetic, shared by decode (codes) and prefill (codes times scale).

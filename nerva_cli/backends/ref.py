@@ -130,6 +130,13 @@ def matvec_q4_w4a8(qs, d, m, xq, xd, xs, out):
     out[...] = terms.sum(axis=1, dtype=F32)
 
 
+def short_prefill_rows(precision: str) -> int:
+    """The longest prompt chunk at `precision` that prefill sends through the matmul_* batch
+    kernels below rather than dequantise + GEMM; 0 for none. Here a fixed choice (the cpu's on
+    one thread of an AVX-512 host), so that ref's engine runs both paths on the tiny models."""
+    return {"w4a8": 32, "w4a16": 16}.get(precision, 0)
+
+
 def matmul_q4_w4a8(qs, d, m, xq, xd, xs, out):
     """out[t] = matvec_q4_w4a8 of activation t: the rows of xq [T, cols], xd and xs [T, cols / 32]
     (a short prompt's W4A8 GEMM; out [T, rows] may be a column slice of a wider array)."""
@@ -165,6 +172,7 @@ def silu_mul(gate_up, out):
 
 
 ATT_SPLIT_MIN = 64  # positions a split of decode attention covers at least
+SHORT_PREFILL_MOST = 64  # prompt tokens a chunk may send through the matvecs' batch kernels, at most
 
 
 def attention_decode_partials(ctx, heads, head_dim):
