@@ -281,3 +281,61 @@ def test_list_show_verify_rm(tiny_models, cli):
     assert not (models_root() / "tiny").exists()
     code, _, err = cli("rm", "tiny")
     assert code == 1 and "not in the store" in err
+
+
+def test_sha256_checked_on_a_files_first_load_and_after_it_changes(tiny_models, tmp_path, monkeypatch):
+    """A file's sha256 is checked when it is first loaded; a later load of the unchanged file
+    (a new process: a fresh StoredModel) skips the hash, and one of a file changed since (even
+    with its mtime set back) hashes it again and refuses it with its name."""
+    import hashlib
+    import os
+    import types
+
+    from nerva_cli import store
+    from nerva_cli.errors import BadInput
+    from nerva_cli.pull import pull
+
+    model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+    hashed = []
+
+    def counting(data=b""):
+        hashed.append(1)
+        return hashlib.sha256(data)
+    monkeypatch.setattr(store, "hashlib", types.SimpleNamespace(sha256=counting))
+    files = list(model.meta["files"])
+    first = store.load_metadata(model.path)
+    for f in files:
+        first.read_bytes(f)
+    assert len(hashed) == len(files)
+    again = store.load_metadata(model.path)
+    for f in files:
+        again.read_bytes(f)
+    assert len(hashed) == len(files)  # nothing hashed twice
+
+    victim = model.path / "layer_001.bin"
+    st = victim.stat()
+    data = bytearray(victim.read_bytes())
+    data[5000] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size and mtime; ctime moved
+    with pytest.raises(BadInput, match="layer_001.bin: sha256 disagrees"):
+        store.load_metadata(model.path).read_bytes("layer_001.bin")
+
+
+def test_a_model_directory_that_cannot_be_written_still_loads(tiny_models, tmp_path, monkeypatch):
+    """Where the record of verified files cannot be written, loads hash every time and leave no
+    temporary file behind."""
+    import os
+
+    from nerva_cli import store
+    from nerva_cli.pull import pull
+
+    model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+
+    def refuse(src, dst):
+        raise PermissionError(13, "read-only", str(dst))
+    monkeypatch.setattr(os, "replace", refuse)
+    m = store.load_metadata(model.path)
+    m.read_bytes("layer_000.bin")
+    assert not (model.path / store.VERIFIED).exists()
+    assert not list(model.path.glob("*.tmp"))
