@@ -90,8 +90,6 @@ def scratch_elements(cfg: ModelConfig) -> int:
     return min(largest, max(DEQUANT_SLICE_BYTES // 4, f, cfg.q_dim))  # a row of any matrix fits
 
 
-
-
 class PrefillWorkspace:
     """Every buffer prefill writes for a chunk of up to `rows` prompt tokens over a cache of
     `ctx` positions: the chunk's hidden states and each projection's output, W4A8's

@@ -432,9 +432,9 @@ class Engine(EngineBase):
             np.matmul(x, self._stacked_rows(mats, r, stop).T, out=out[:, r:stop])
 
     def _short_dense(self, mats: list[Linear], x: np.ndarray, precision: str, out: np.ndarray) -> None:
-        """_dense for a short chunk (the backend's short_prefill_rows) through Q4 matrices: the matvecs'
-        batch forms, whose rows equal decode's matvecs bit for bit, fused or not; W4A8's input
-        quantised as decode quantises it. The GEMM's way dequantised every weight for a few
+        """_dense for a short chunk (the backend's short_prefill_rows) through Q4 matrices: the
+        matvecs' batch forms, whose rows equal decode's matvecs bit for bit, fused or not; W4A8's
+        input quantised as decode quantises it. The GEMM's way dequantised every weight for a few
         tokens. SmolLM2 q4_1 prefill on the 2-core Zen 4 EPYC, the best of alternating runs, GEMM
         -> batch kernel: W4A8, 1, 8 and 31 tokens 18.9 -> 8.5, 54.1 -> 19.8 and 90.8 -> 73.1 ms on
         one thread, 31.7 -> 5.6, 60.0 -> 12.5 and 96.0 -> 42.2 on two; W4A16, 1 and 8 tokens 31.1

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import time
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -148,9 +148,10 @@ class StoredModel:
     def _verified_identities(self) -> dict:
         if self._verified is None:
             try:
-                self._verified = json.loads((self.path / VERIFIED).read_text())
+                known = json.loads((self.path / VERIFIED).read_text())
             except (OSError, ValueError):  # none yet, or unreadable: every file is hashed
-                self._verified = {}
+                known = {}
+            self._verified = known if isinstance(known, dict) else {}
         return self._verified
 
     def _remember_verified(self, fname: str, st: os.stat_result) -> None:

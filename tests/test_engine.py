@@ -350,8 +350,8 @@ def test_prefill_last_logits_come_from_the_lm_head_matvec(precision, variant, ti
 @pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
 def test_short_prompts_take_the_batch_kernels(precision, variant, tiny_models, tmp_path, monkeypatch, rng):
     """A chunk of at most the backend's short_prefill_rows tokens runs the matvecs' batch
-    kernels, not dequantise + GEMM (the cpu has no W4A16 batch kernel without AVX-512F: BLAS
-    there). On the same input, each matrix's output agrees with the GEMM's: the same products
+    kernels, not dequantise + GEMM (without AVX-512F the cpu keeps W4A16 on BLAS). On the same
+    input, each matrix's output agrees with the GEMM's: the same products
     (for W4A8 the same codes, from one quantiser) summed in another order: over 100 seeds a
     case, four matrices each, at most 2.6e-7 relative (median 1.0e-7 to 1.8e-7), so 1e-5. (A
     whole W4A8 prompt is no test: an input within f32 noise of a code boundary lands on the

@@ -780,13 +780,11 @@ def _w4a16_batch(qs, d, m, x, out):
             out[t, r] = _w4a16_row_batch(qs, d, m, x, r, t, 1)[0]
 
 
-def _matmul_q4_w4a16(qs, d, m, x, out):
+def matmul_q4_w4a16(qs, d, m, x, out):
     """out[t] = matvec_q4_w4a16 of activation t, the rows of x [T, cols], bit for bit; out [T, rows]
-    may be a column slice of a wider array."""
+    may be a column slice of a wider array. It compiles only where AVX-512F runs _w4a16_row's
+    tables: elsewhere short_prefill_rows keeps prefill off it."""
     _w4a16_batch(qs, d.view(np.uint16), _bits(m), x, out)
-
-
-matmul_q4_w4a16 = _matmul_q4_w4a16  # compiles only where AVX-512F runs _w4a16_row's tables
 
 
 def short_prefill_rows(precision: str) -> int:
