@@ -617,6 +617,37 @@ W4A8_LOWERINGS = {  # name: (_AVX512VNNI, _AVX512BW, _AVX2), what the asm must s
 }
 
 
+def test_w4a8_row_batch_loads_a_rows_codes_once():
+    # The batch intrinsic generates each activation's dot in full and leaves it to LLVM to merge
+    # the identical code loads and unpacking: four activations must make four times the
+    # vpdpbusd of one, from the same broadcast loads of the codes.
+    if not (cpu._AVX512VNNI and cpu._host_has("avx512vnni")):
+        pytest.skip("this host lacks avx512vnni")
+    from numba import njit
+
+    def driver(acts):
+        @njit
+        def matmul(qs, d, m, xq, x_pairs, xd, xs, out):
+            for r in range(d.shape[0]):
+                v = cpu._w4a8_row_batch(qs, d, m, xq, x_pairs, xd, xs, r, 0, acts)
+                for t in range(acts):
+                    out[t, r] = v[t]
+        return matmul
+
+    rows, cols = 8, 576
+    qs, d, m = np.zeros((rows, cols // 2), np.uint8), np.zeros((rows, cols // 32), np.uint16), None
+    xq, xd, xs = np.zeros((4, cols), np.int8), np.zeros((4, cols // 32), np.float32), \
+        np.zeros((4, cols // 32), np.int32)
+    counts = []
+    for acts in (1, 4):
+        kernel = driver(acts)
+        kernel(qs, d, m, xq, xq.copy(), xd, xs, np.zeros((4, rows), np.float32))
+        asm = next(iter(kernel.inspect_asm().values()))
+        counts.append((len(re.findall(r"vpdpbusd\t", asm)), len(re.findall(r"vbroadcasti64x4\t", asm))))
+    (dots1, loads1), (dots4, loads4) = counts
+    assert dots1 > 0 and dots4 == 4 * dots1 and loads4 == loads1, counts
+
+
 @pytest.mark.parametrize("lowering", W4A8_LOWERINGS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_matvec_q4_w4a8_lowerings(rng, monkeypatch, kind, lowering):

@@ -645,7 +645,9 @@ def _integer_row(builder, n_blocks, code_row, code_bytes, block_dot, block_terms
     t) folds them into activation t's accumulator of that group size. Returns the accumulators'
     f32 sums, one an activation. Each activation's arithmetic is the same whatever `acts` is (so
     a batch's dots equal one-at-a-time ones bit for bit); the row's codes are loaded once for
-    them all (LLVM merges the identical loads and unpacking of the acts copies)."""
+    them all: LLVM merges the identical loads and unpacking of the acts copies (with VNNI at 576
+    columns, four activations take one's 7 vbroadcasti64x4 and 28 vpdpbusd to its 7:
+    test_w4a8_row_batch_loads_a_rows_codes_once)."""
     wide = _AVX512BW and pair_dot is not None
 
     def totals(b, n, t):
