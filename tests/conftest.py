@@ -3,6 +3,7 @@ and the bundled SmolLM2 converted once per session."""
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -45,6 +46,7 @@ def cli(capsys):
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         finally:
             sys.argv = old
+            gc.unfreeze()  # main froze what its process would keep until exit; this one goes on
         captured = capsys.readouterr()
         return code, captured.out, captured.err
 

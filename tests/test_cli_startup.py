@@ -1,0 +1,71 @@
+"""What `nerva run` and `bench` do to start quickly: the engine's long-lived objects are made with
+the cyclic collector off and then frozen out of its scans, in nerva's own process only."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from nerva_cli import cli as cli_module
+from nerva_cli.engine import Engine
+from nerva_cli.errors import NervaError
+from nerva_cli.pull import pull
+
+
+@pytest.fixture
+def q4_model(tiny_models, tmp_path):
+    return pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+
+
+@pytest.fixture
+def collector_seen(monkeypatch):
+    """Records whether the collector ran while an Engine was built, and every gc.freeze()."""
+    seen = {"enabled_in_engine": [], "freezes": 0}
+    build = Engine.__init__
+
+    def spying_init(self, *args, **kwargs):
+        seen["enabled_in_engine"].append(gc.isenabled())
+        build(self, *args, **kwargs)
+
+    real_freeze = gc.freeze
+
+    def spying_freeze():
+        seen["freezes"] += 1
+        real_freeze()
+
+    monkeypatch.setattr(Engine, "__init__", spying_init)
+    monkeypatch.setattr(gc, "freeze", spying_freeze)
+    return seen
+
+
+@pytest.mark.parametrize("command", ["run", "bench"])
+def test_nervas_process_builds_the_engine_with_the_collector_off_then_freezes(command, q4_model, cli,
+                                                                             collector_seen):
+    args = (["-p", "hi", "-n", "2", "--temperature", "0", "--raw"] if command == "run"
+            else ["--prompt-tokens", "4", "--gen-tokens", "2", "--repeat", "1"])
+    code, _, err = cli(command, q4_model.path, *args, "--no-profile", "--ctx", "64")
+    assert code == 0, err
+    assert collector_seen == {"enabled_in_engine": [False], "freezes": 1}
+    assert gc.isenabled()
+
+
+def test_outside_nervas_process_the_collector_is_left_alone(q4_model, collector_seen):
+    """A library user or a test that opens an engine: a freeze would keep the host process's
+    uncollected cyclic garbage for good."""
+    engine, _, _ = cli_module._open_engine(str(q4_model.path), "cpu", None, 64, 1, use_profile=False)
+    assert collector_seen == {"enabled_in_engine": [True], "freezes": 0}
+    assert gc.isenabled()
+    del engine
+
+
+def test_a_failed_engine_build_turns_the_collector_back_on(q4_model, cli, collector_seen, monkeypatch):
+    def refuse(self, *args, **kwargs):
+        collector_seen["enabled_in_engine"].append(gc.isenabled())
+        raise NervaError("no engine today")
+
+    monkeypatch.setattr(Engine, "__init__", refuse)
+    code, _, err = cli("run", q4_model.path, "-p", "hi", "-n", "2", "--no-profile")
+    assert code == 1 and "no engine today" in err
+    assert collector_seen["enabled_in_engine"] == [False]
+    assert gc.isenabled()
