@@ -24,6 +24,11 @@ llama.cpp gets the same ids (so a tokenizer difference cannot move its figure), 
 window from one batch. docs/perf's figures score gpl3.txt, made by
     python3 -c "t=open('/usr/share/common-licenses/GPL-3').read(); print(' '.join(t.split(' ')[:3800]), end='')"
 (4,774 tokens, 4,764 scored in 512-token windows).
+
+With --gguf FILE it compares on that file instead, converted once into the store (its own format,
+no requantised q4_0) and run with --no-profile at W4A16 and at W4A8 on every layer: for a bigger
+model of random weights from `scripts/synthetic_model.py SHAPE FILE --gguf --quant q4_1`, whose
+MCAP profile would mean nothing (decode and prefill speed do not depend on weight values).
 """
 
 from __future__ import annotations
@@ -71,11 +76,11 @@ print(json.dumps({"prefill_tok_s": float(np.median([r[0] for r in runs])),
 VARIANTS = ("q4_1", "q4_0")
 
 
-def nerva(model: str, threads: int, precision: str, n_prompt: int, n_gen: int) -> dict:
+def nerva(model: str, threads: int, precision: str, n_prompt: int, n_gen: int, profile: bool = True) -> dict:
     env = dict(os.environ, NUMBA_NUM_THREADS=str(threads))
     out = subprocess.run([sys.executable, "-m", "nerva_cli", "bench", model, "--threads", str(threads),
                           "--precision", precision, "--prompt-tokens", str(n_prompt),
-                          "--gen-tokens", str(n_gen), "--repeat", "3"],
+                          "--gen-tokens", str(n_gen), "--repeat", "3", *([] if profile else ["--no-profile"])],
                          capture_output=True, text=True, env=env)
     if out.returncode:
         sys.exit(f"nerva bench failed: {out.stderr.strip().splitlines()[-1]}")
@@ -154,24 +159,36 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds per configuration")
     ap.add_argument("--ppl", type=Path, help="also score this text file's perplexity with both engines")
     ap.add_argument("--ppl-ctx", type=int, default=512, help="perplexity window, in tokens")
+    ap.add_argument("--gguf", type=Path, help="compare on this GGUF (random weights: W4A16 and W4A8, no profile) "
+                                              "instead of the bundled SmolLM2")
     args = ap.parse_args()
+    if args.gguf is not None and args.ppl is not None:
+        sys.exit("--ppl scores the bundled SmolLM2 only (a --gguf of random weights has no perplexity to compare)")
 
     import llama_cpp as lc  # fail early, with pip's message, if it is missing
 
-    gguf = bundled_gguf("smollm2-135m")
-    for quant in VARIANTS:  # already there: pull says so and nothing changes
-        subprocess.run([sys.executable, "-m", "nerva_cli", "pull", "smollm2-135m", "--quant", quant],
-                       capture_output=True)
+    if args.gguf is None:
+        gguf, name, variants, precisions = bundled_gguf("smollm2-135m"), "smollm2-135m", VARIANTS, ("mixed", "w4a16", "w4a8")
+        for quant in variants:  # already there: pull says so and nothing changes
+            subprocess.run([sys.executable, "-m", "nerva_cli", "pull", name, "--quant", quant], capture_output=True)
+    else:
+        gguf, name, variants, precisions = args.gguf.resolve(), f"compare-{args.gguf.stem}", ("auto",), ("w4a16", "w4a8")
+        pulled = subprocess.run([sys.executable, "-m", "nerva_cli", "pull", str(gguf), "--name", name, "--force"],
+                                capture_output=True, text=True)
+        if pulled.returncode:
+            sys.exit(f"nerva pull {gguf} failed: {pulled.stderr.strip().splitlines()[-1]}")
+        variants = (pulled.stdout.split()[0].split(":")[1],)  # "name:variant  ..." : the GGUF's own format
     text = PROMPT_SEED_TEXT * (args.prompt_tokens // 40 + 2)
-    configs = [(v, p) for v in VARIANTS for p in ("mixed", "w4a16", "w4a8")]
+    configs = [(v, p) for v in variants for p in precisions]
     rows = []
     for threads in args.threads:
         samples: dict = {"llama.cpp": [], **{c: [] for c in configs}}
         for _ in range(args.rounds):
             samples["llama.cpp"].append(llama_cpp(gguf, threads, args.prompt_tokens, args.gen_tokens, text))
             for variant, precision in configs:
-                samples[variant, precision].append(nerva(f"smollm2-135m:{variant}", threads, precision,
-                                                         args.prompt_tokens, args.gen_tokens))
+                samples[variant, precision].append(nerva(f"{name}:{variant}", threads, precision,
+                                                         args.prompt_tokens, args.gen_tokens,
+                                                         profile=args.gguf is None))
         med = {k: {f: statistics.median(s[f] for s in v) for f in ("prefill_tok_s", "decode_tok_s")}
                for k, v in samples.items()}
         peer = med["llama.cpp"]
@@ -187,10 +204,13 @@ def main() -> None:
                 "prefill_ratio": round(ours["prefill_tok_s"] / peer["prefill_tok_s"], 3),
             })
             print(json.dumps(rows[-1]), flush=True)
+    what = ("nerva cpu vs llama.cpp on the bundled SmolLM2-135M-Instruct GGUF (Q4_1 layers, a Q8_0 "
+            "token table that is also the lm_head; nerva's q4_1 keeps both as they are, its q4_0 "
+            "requantises the layers)") if args.gguf is None else (
+            f"nerva cpu vs llama.cpp on {gguf.name} (random weights; nerva keeps the GGUF's formats and "
+            "runs --no-profile at W4A16, then W4A8, on every layer)")
     result = {
-        "what": "nerva cpu vs llama.cpp on the bundled SmolLM2-135M-Instruct GGUF (Q4_1 layers, a Q8_0 "
-                "token table that is also the lm_head; nerva's q4_1 keeps both as they are, its q4_0 "
-                "requantises the layers)",
+        "what": what, "commit": nerva_commit(),
         "machine": {"cpu": cpu_name(), "logical_cpus": os.cpu_count(), "simd": topology.cpu()["simd"]},
         "llama_cpp_python": lc.__version__, "llama_cpp_features": lc.llama_print_system_info().decode().strip(),
         "prompt_tokens": args.prompt_tokens,
@@ -202,6 +222,19 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
+
+
+def nerva_commit() -> str | None:
+    """The checkout's commit, with "-dirty" when files differ from it; None outside a git checkout."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("-dirty" if dirty else "")
 
 
 def perplexities(args, gguf: Path, configs: list) -> dict:

@@ -6,6 +6,13 @@ files, sha256, metadata.json); the tokenizer is a small BPE trained here.
 
     python3 scripts/synthetic_model.py llama3-8b OUT_DIR     (4.5 GB)
     python3 scripts/synthetic_model.py smollm2-135m OUT_DIR [--quant q4_1]
+
+With --gguf it writes the same kind of weights as a GGUF file instead, which both nerva (`pull`)
+and llama.cpp read, for the CPU comparison at a bigger size (scripts/compare_llamacpp.py --gguf).
+The file carries the bundled SmolLM2 GGUF's tokenizer, so only the shapes with its 49152-token
+vocabulary (the smollm2-* ones) can be written that way:
+
+    python3 scripts/synthetic_model.py smollm2-1.7b /tmp/smollm2-1.7b.gguf --gguf --quant q4_1
 """
 
 from __future__ import annotations
@@ -20,7 +27,11 @@ import numpy as np
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads, head dim, vocab, rope theta, tied
     "llama3-8b": (4096, 14336, 32, 32, 8, 128, 128256, 500000.0, False),
     "smollm2-135m": (576, 1536, 30, 9, 3, 64, 49152, 100000.0, True),
+    "smollm2-360m": (960, 2560, 32, 15, 5, 64, 49152, 100000.0, True),
+    "smollm2-1.7b": (2048, 8192, 24, 32, 32, 64, 49152, 130000.0, True),
 }
+GGUF_NAMES = {"attn_norm": "attn_norm", "mlp_norm": "ffn_norm", "q": "attn_q", "k": "attn_k", "v": "attn_v",
+              "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
 
 
 def tokenizer_files() -> dict[str, str]:
@@ -78,13 +89,90 @@ def source(shape: str, seed: int = 0, kind: str = "q4_0"):
                   tensors=tensor, tokenizer_files=tokenizer_files(), default_name=f"synthetic-{shape}")
 
 
+def gguf_blocks(qs, d, m) -> np.ndarray:
+    """nerva's planes of a Q4_0, Q4_1 (m) or Q8_0 (int8 qs) matrix -> GGUF's [rows, blocks x block
+    bytes]: each block's f16 scale (and Q4_1 offset) then its codes, byte for byte as the planes
+    hold them (nerva's Q4 nibble order is GGUF's)."""
+    rows, blocks = d.shape
+    codes = qs.view(np.uint8).reshape(rows, blocks, -1)
+    parts = [d.view(np.uint8).reshape(rows, blocks, 2)]
+    if m is not None:
+        parts.append(m.view(np.uint8).reshape(rows, blocks, 2))
+    return np.concatenate([*parts, codes], axis=2).reshape(rows, -1)
+
+
+def write_gguf(shape: str, out: Path, kind: str) -> None:
+    """source(shape)'s weights as a llama GGUF (written to a temporary name, then renamed)."""
+    import gguf
+    from nerva_cli.sources.resolve import bundled_gguf
+
+    h, f, n, heads, kvh, hd, vocab, theta, tied = SHAPES[shape]
+    vocab_from = gguf.GGUFReader(str(bundled_gguf("smollm2-135m")))
+    if len(vocab_from.fields["tokenizer.ggml.tokens"].data) != vocab or not tied:
+        sys.exit(f"{shape}: --gguf copies SmolLM2's tokenizer (49152 tokens, tied embeddings); this shape has "
+                 f"{vocab} (for Llama 3's vocabulary see shared/gpu-peers/make_gguf.py)")
+    tmp = out.with_name(out.name + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_name(f"random-{shape}-shape")
+    w.add_context_length(8192)
+    w.add_embedding_length(h)
+    w.add_block_count(n)
+    w.add_feed_forward_length(f)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kvh)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(theta)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type({"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[kind])
+    w.add_vocab_size(vocab)
+    for name, field in vocab_from.fields.items():
+        if name.startswith("tokenizer."):
+            kind_of = field.types[0]
+            if kind_of == gguf.GGUFValueType.ARRAY:
+                sub = field.types[1]
+                values = [bytes(field.parts[i]).decode("utf-8", "replace") if sub == gguf.GGUFValueType.STRING
+                          else field.parts[i].tolist()[0] for i in field.data]
+                w.add_key_value(name, values, kind_of, sub_type=sub)
+            elif kind_of == gguf.GGUFValueType.STRING:
+                w.add_key_value(name, bytes(field.parts[field.data[0]]).decode(), kind_of)
+            else:
+                w.add_key_value(name, field.parts[field.data[0]].tolist()[0], kind_of)
+    src = source(shape, kind=kind)
+    qtype = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
+             "q8_0": gguf.GGMLQuantizationType.Q8_0}
+
+    def add(gguf_name: str, nerva_name: str) -> None:
+        t = src.tensors(nerva_name)
+        if t.read_planes is None:
+            w.add_tensor(gguf_name, t.read_f32())
+        else:
+            w.add_tensor(gguf_name, gguf_blocks(*t.read_planes()), raw_dtype=qtype[t.stored_dtype])
+
+    add("token_embd.weight", "embed")
+    add("output_norm.weight", "final_norm")
+    for i in range(n):
+        for base, gguf_base in GGUF_NAMES.items():
+            add(f"blk.{i}.{gguf_base}.weight", f"layers.{i}.{base}")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.replace(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("shape", choices=sorted(SHAPES))
-    ap.add_argument("out", type=Path, help="model directory to write (the store's <name>/<variant> layout)")
+    ap.add_argument("out", type=Path, help="model directory to write (the store's <name>/<variant> layout), "
+                                            "or with --gguf the .gguf file")
     ap.add_argument("--quant", choices=("q4_0", "q4_1"), default="q4_0")
+    ap.add_argument("--gguf", action="store_true", help="write a GGUF file (smollm2-* shapes) instead")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    if args.gguf:
+        write_gguf(args.shape, args.out, args.quant)
+        print(args.out)
+        return
     from nerva_cli.convert import convert
 
     def progress(what, done, total):
