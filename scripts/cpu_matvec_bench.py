@@ -4,13 +4,14 @@
 The figures in backends/cpu.py's comments come from this.
 
     python3 scripts/cpu_matvec_bench.py [--kind q4_1 q4_0 q8_0] [--precision w4a8 w4a16]
-        [--shape 3072x576 1024x1536 131072x576] [--threads 1 2] [--dram] [--lowering host|avx2]
+        [--shape 3072x576 1024x1536 131072x576] [--threads 1 2] [--dram] [--lowering host|avx512|avx2]
 
 --dram writes a 64 MB buffer between calls, so a matrix smaller than the L3 is read from DRAM as
 in a real decode step (SmolLM2's 98 MB of weights do not stay in a 32 MB L3); without it, a
 matrix the caches hold is timed from them. --lowering avx2 compiles the kernels as if the host
-had no AVX-512 (the 256-bit integer dots, the four-row W4A16), into a scratch numba cache, so
-the two can be compared on one machine.
+had no AVX-512 (the 256-bit integer dots, the four-row W4A16), and --lowering avx512 as if it had
+AVX-512 but not AVX512-BF16 (W4A16's row tables instead of its bf16 dots), into a scratch numba
+cache, so they can be compared on one machine.
 """
 
 from __future__ import annotations
@@ -44,14 +45,17 @@ def main() -> None:
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--dram", action="store_true", help="evict the caches between calls")
     ap.add_argument("--repeat", type=int, help="calls timed per figure (default: about 50 MB read)")
-    ap.add_argument("--lowering", choices=["host", "avx2"], default="host")
+    ap.add_argument("--lowering", choices=["host", "avx512", "avx2"], default="host")
     args = ap.parse_args()
 
     if args.lowering != "host":  # cached machine code keys on the source, not on these flags
         os.environ["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="nerva-numba-")
     from nerva_cli.backends import cpu
+    if args.lowering == "avx512":
+        cpu._AVX512BF16 = False
+        cpu._w4a16_kernel = cpu._w4a16_by_row  # the row tables, chosen at import as well
     if args.lowering == "avx2":
-        cpu._AVX512F = cpu._AVX512BW = cpu._AVX512VNNI = False
+        cpu._AVX512F = cpu._AVX512BW = cpu._AVX512VNNI = cpu._AVX512BF16 = False
         cpu._LANES = 8  # the float kernels' width, set at import from the host
         cpu._w4a16_kernel = cpu._w4a16  # the four-row W4A16 kernel, chosen at import as well
 

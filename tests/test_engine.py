@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import hf_greedy
+from nerva_cli.backends import cpu
 from nerva_cli.engine import Engine
 from nerva_cli.pull import pull
 
@@ -24,6 +25,13 @@ N_TOKENS = 64
 # f32 KV cache, which computes what transformers does; the default f16 cache rounds each cached
 # value once more (test_f16_kv_cache_follows_transformers holds it to its own bound).
 LOGIT_RTOL = 1e-4
+# W4A16 where the cpu multiplies in bf16 dot products (AVX512-BF16): each activation is split into
+# two bf16 parts, 16 significant bits, rounded at most 2^-18 relative (128 times finer than an
+# f16 activation), and every matvec's input carries that. Measured against exact-activation
+# logits (ref's decode against the cpu's prefill, test_q4_decode_matches_prefill_and_ref's
+# sequences, 8 seeds): 4.5e-5 to 1.3e-4; against transformers (the q4_1 test below) 2.5e-4. So
+# 1e-3 there: a wiring fault still moves logits by their own size.
+W4A16_RTOL = 1e-3 if cpu._AVX512BF16 else LOGIT_RTOL
 
 
 def hf_model(src):
@@ -138,7 +146,7 @@ def test_q4_1_logits_equal_transformers_on_its_weights(precision, tiny_models, t
         logits = engine.decode(want[len(PROMPT) + step])
         errs.append(rel_err(logits, hf_logits[len(PROMPT) + step]))
     if precision == "w4a16":
-        assert max(errs) < LOGIT_RTOL, errs
+        assert max(errs) < W4A16_RTOL, errs
         assert got_tokens == want[len(PROMPT):]
     else:
         assert 0.001 < max(errs) < 0.2, errs
@@ -212,7 +220,8 @@ def test_q4_decode_matches_prefill_and_ref(precision, variant, tiny_models, tmp_
     implementations of the same numerics: the logits of the same positions agree, over three
     random 24-token sequences.
 
-    f32 summation order differs (per-block combine vs GEMM): ~1e-6 relative, so 1e-4. W4A8 adds
+    f32 summation order differs (per-block combine vs GEMM): ~1e-6 relative, so 1e-4 (where the
+    cpu's W4A16 multiplies in bf16, W4A16_RTOL: a short prefill takes those kernels). W4A8 adds
     a discrete step: an activation within f32 noise of a rounding boundary lands on the other
     int8 code in one path, which moves that position's logits by a few percent and, through
     the KV cache, the positions after it. Over 6000 seeded sequences, each decoded on both
@@ -236,7 +245,7 @@ def test_q4_decode_matches_prefill_and_ref(precision, variant, tiny_models, tmp_
             errs += [rel_err(e.decode(t), batch[i]) for i, t in enumerate(ids[1:], start=1)]
         errs = np.array(errs)
         if precision == "w4a16":
-            assert errs.max() < 1e-4, (backend, errs)
+            assert errs.max() < W4A16_RTOL, (backend, errs)
         else:
             assert errs.min() < 1e-5 and errs.max() < 1e-1, (backend, errs)
 

@@ -27,9 +27,10 @@ def sum_tol(k: int) -> float:
     return 4 * np.sqrt(k) * EPS
 
 
-def assert_dots_close(got, want, magnitude, k):
-    """Per row |got - want| <= 4 sqrt(k) eps * magnitude, magnitude = sum_i |a_i b_i|."""
-    assert np.all(np.abs(got.astype(np.float64) - want) <= sum_tol(k) * magnitude)
+def assert_dots_close(got, want, magnitude, k, extra=0.0):
+    """Per row |got - want| <= (4 sqrt(k) eps + extra) * magnitude, magnitude = sum_i |a_i b_i|:
+    extra for an operand rounded before the products (relative, at most extra)."""
+    assert np.all(np.abs(got.astype(np.float64) - want) <= (sum_tol(k) + extra) * magnitude)
 
 
 def rel(a, b) -> float:
@@ -285,10 +286,18 @@ def test_matvec_q4_w4a16(rng, rows, cols, kind):
     x = randn(rng, cols)
     got = np.empty(rows, np.float32)
     cpu.matvec_q4_w4a16(qs, d, m, x, got)
-    assert_w4a16_close(got, qs, d, m, x)
+    assert_w4a16_close(got, qs, d, m, x, split=cpu._AVX512BF16)
 
 
-def assert_w4a16_close(got, qs, d, m, x):
+# The bf16 lowering's activations: hi = bf16(x) and lo = bf16(x - hi), whose rounding leaves
+# at most 2^-9 |x - hi| <= 2^-18 |x| (ties to even: half an ulp of lo's 8 bits); its products
+# and sums are exact and f32.
+SPLIT_ERROR = 2.0 ** -18
+
+
+def assert_w4a16_close(got, qs, d, m, x, split=False):
+    """got within ref's bound of ref's matvec (and ref of the f64 product); `split`: got comes
+    from the bf16 lowering, whose activations carry SPLIT_ERROR."""
     want = np.empty_like(got)
     ref.matvec_q4_w4a16(qs, d, m, x, want)
     w64 = dequant_f64(qs, d, m)
@@ -296,13 +305,23 @@ def assert_w4a16_close(got, qs, d, m, x):
     if m is not None:  # one lowering sums d q x and m x apart: their magnitudes, not the weight's
         magnitude = np.abs(w64 - np.repeat(m.astype(np.float64), 32, axis=1)) @ np.abs(x) + \
             np.abs(np.repeat(m.astype(np.float64), 32, axis=1)) @ np.abs(x)
-    assert_dots_close(got, want, magnitude, x.shape[0])
+    assert_dots_close(got, want, magnitude, x.shape[0], SPLIT_ERROR if split else 0.0)
     assert_dots_close(want, w64 @ x, magnitude, x.shape[0])
 
 
-def _serial_w4a16(by_row):
-    """A fresh, uncached serial driver of one of the W4A16 intrinsics (inspect_asm needs one)."""
+def _serial_w4a16(lowering):
+    """A fresh, uncached serial driver of one of the W4A16 intrinsics (inspect_asm needs one):
+    "bf16-dots" (_w4a16_bf16_row, after _bf16_split), "row-table" or "four-row"."""
     from numba import njit
+
+    @njit
+    def bf16_dots(qs, d, m, x, out):
+        blocks = x.shape[0] // 32
+        words = np.empty((blocks + 1) // 2 * 128, np.uint16)
+        sums = np.empty(blocks, np.float32)
+        cpu._bf16_split(x, words, sums)
+        for r in range(d.shape[0]):
+            out[r] = cpu._w4a16_bf16_row(qs, d, m, words, sums, r)
 
     @njit
     def row_table(qs, d, m, x, out):
@@ -315,27 +334,36 @@ def _serial_w4a16(by_row):
         for g in range((rows + 3) // 4):
             r0, r1, r2, r3 = cpu._row_group(g, rows)
             out[r0], out[r1], out[r2], out[r3] = cpu._w4a16_rows(qs, d, m, x, r0, r1, r2, r3)
-    return row_table if by_row else four_rows
+    return {"bf16-dots": bf16_dots, "row-table": row_table, "four-row": four_rows}[lowering]
 
 
-@pytest.mark.parametrize("by_row", (True, False), ids=("row-table", "four-row"))
+W4A16_LOWERINGS = {"bf16-dots": "avx512bf16", "row-table": "avx512f", "four-row": None}  # -> the feature it needs
+
+
+def host_w4a16_lowering() -> str:
+    return "bf16-dots" if cpu._AVX512BF16 else "row-table" if cpu._AVX512F else "four-row"
+
+
+@pytest.mark.parametrize("lowering", W4A16_LOWERINGS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_matvec_q4_w4a16_kernels(rng, kind, by_row):
-    # Both W4A16 kernels where the host can run them (the row kernel's table lookups need
-    # AVX-512F); they round differently, so each is held to ref's bound, not to the other's bits,
-    # and the host's matvec must be its own kernel's bits.
-    if by_row and not cpu._host_has("avx512f"):
-        pytest.skip("this host lacks avx512f")
-    rows, cols = 37, 352 + 576  # 29 blocks: a span of 16 and 13 left over
+def test_matvec_q4_w4a16_kernels(rng, kind, lowering):
+    # Every W4A16 lowering the host can run (the row tables need AVX-512F, the dots AVX512-BF16);
+    # they round differently, so each is held to ref's bound, not to the others' bits, and the
+    # host's matvec must be its own lowering's bits.
+    needs = W4A16_LOWERINGS[lowering]
+    if needs is not None and not cpu._host_has(needs):
+        pytest.skip(f"this host lacks {needs}")
+    rows, cols = 37, 352 + 576  # 29 blocks: a span of 16 and 13 left over (6 pairs and one)
     qs, d, m = random_q4(rng, rows, cols, kind)
     x = randn(rng, cols)
     got, host = np.empty(rows, np.float32), np.empty(rows, np.float32)
-    kernel = _serial_w4a16(by_row)
+    kernel = _serial_w4a16(lowering)
     kernel(qs, d.view(np.uint16), None if m is None else m.view(np.uint16), x, got)
     asm = next(iter(kernel.inspect_asm().values()))
-    assert ("vcvtdq2ps" in asm) != by_row  # the table's lookups (vpermd/vpermps) convert nothing
-    assert_w4a16_close(got, qs, d, m, x)
-    if by_row == cpu._AVX512F:
+    assert ("vcvtdq2ps" in asm) == (lowering == "four-row")  # the lookups (vpermd/vpermps/vpermw) convert nothing
+    assert ("vdpbf16ps" in asm) == (lowering == "bf16-dots")
+    assert_w4a16_close(got, qs, d, m, x, split=lowering == "bf16-dots")
+    if lowering == host_w4a16_lowering():
         cpu.matvec_q4_w4a16(qs, d, m, x, host)
         assert np.array_equal(host, got)
 
@@ -429,6 +457,23 @@ def test_matmul_q4_w4a16_is_the_matvec_of_each_activation(rng, acts, cols, kind)
         assert np.isnan(wide[:, :3]).all() and np.isnan(wide[:, 3 + rows:]).all()
 
 
+@pytest.mark.skipif(not cpu._AVX512BF16, reason="this host lacks avx512bf16")
+def test_w4a16_wider_than_the_bf16_scratch_takes_the_tables(rng):
+    # The bf16 matvec splits its activation on its stack, which holds _BF16_MOST_COLS; a wider
+    # one takes the float tables, and the batch form does the same (so it still equals the matvec).
+    rows, cols = 5, cpu._BF16_MOST_COLS + 32
+    qs, d, m = random_q4(rng, rows, cols, "q4_1")
+    x = randn(rng, 2, cols)
+    got, tables = np.empty(rows, np.float32), np.empty(rows, np.float32)
+    cpu.matvec_q4_w4a16(qs, d, m, x[0], got)
+    _serial_w4a16("row-table")(qs, d.view(np.uint16), m.view(np.uint16), x[0], tables)
+    assert np.array_equal(got, tables)
+    batch = np.empty((2, rows), np.float32)
+    cpu.matmul_q4_w4a16(qs, d, m, x, batch)
+    assert np.array_equal(batch[0], got)
+    assert_w4a16_close(got, qs, d, m, x[0])
+
+
 def random_q8(rng, rows, cols):
     """Q8_0 planes: codes over the whole int8 range (-128 too, which llama.cpp's quantiser does not
     write but a file may hold) and signed scales of a token table's size."""
@@ -482,7 +527,7 @@ def test_float_kernels_at_either_width(rng, monkeypatch, kind, lanes):
             cpu._dequantize_q4_row(qs, d, m, out, r)
     qs, d, m = random_q4(rng, rows, cols, kind)
     bits = (d.view(np.uint16), None if m is None else m.view(np.uint16))
-    kernel = _serial_w4a16(by_row=False)
+    kernel = _serial_w4a16("four-row")
     kernel(qs, *bits, x, got)
     llvm = next(iter(kernel.inspect_llvm().values()))
     assert f"load <{lanes} x i8>" in llvm and f"load <{24 - lanes} x i8>" not in llvm  # the codes, a vector a load
@@ -953,6 +998,10 @@ def test_decode_kernels_do_not_allocate(rng):
                            np.stack([xs] * 5), np.empty((5, 40), np.float32)[:, 2:39])),
         *([(cpu._w4a16_batch, (qs, d16, m16, np.stack([x] * 5), np.empty((5, 40), np.float32)[:, 2:39]))]
           if cpu._AVX512F else []),
+        *([(cpu._w4a16_bf16, (qs, d16, None, x, mv)), (cpu._w4a16_bf16, (qs, d16, m16, x, mv)),
+           (cpu._w4a16_bf16_batch, (qs, d16, m16, np.stack([x] * 5), np.empty((5, (n // 32 + 1) // 2 * 128), np.uint16),
+                                    np.empty((5, n // 32), np.float32), np.empty((5, 40), np.float32)[:, 2:39]))]
+          if cpu._AVX512BF16 else []),
         (cpu.silu_mul, (np.concatenate([x, w]), out)),
         (cpu._attention_decode, (q[0], kc, vc, 9, att, part, 2)),
         (cpu._attention_decode, (q[0], kc.astype(np.float16).view(np.uint16), vc.astype(np.float16).view(np.uint16),
