@@ -1000,13 +1000,16 @@ def _bits(a):
 
 @njit(cache=True, nogil=True, parallel=True)
 def _w4a16_bf16(qs, d, m, x, out):
-    # The split activation lives on this call's stack (no allocation in decode); an activation
-    # wider than that takes the float tables.
+    # The split activation lives on this call's stack, so decode allocates nothing; an activation
+    # wider than it holds (wider than any model's so far) takes a heap buffer a call instead,
+    # where a second kernel for it (the float tables) cost every first run 0.6 s of compiling.
     if x.shape[0] > _BF16_MOST_COLS:
-        _w4a16_by_row(qs, d, m, x, out)
-        return
-    words = numba.carray(_stack_u16(_BF16_STACK_WORDS), _BF16_STACK_WORDS)
-    sums = numba.carray(_stack_f32(_BF16_STACK_SUMS), _BF16_STACK_SUMS)
+        blocks = x.shape[0] // 32
+        words = np.empty((blocks + 1) // 2 * _BF16_WORDS_A_PAIR, np.uint16)
+        sums = np.empty(blocks, np.float32)
+    else:
+        words = numba.carray(_stack_u16(_BF16_STACK_WORDS), _BF16_STACK_WORDS)
+        sums = numba.carray(_stack_f32(_BF16_STACK_SUMS), _BF16_STACK_SUMS)
     _bf16_split(x, words, sums)
     for r in prange(d.shape[0]):
         out[r] = _w4a16_bf16_row(qs, d, m, words, sums, r)
@@ -1059,7 +1062,7 @@ def matmul_q4_w4a16(qs, d, m, x, out):
     """out[t] = matvec_q4_w4a16 of activation t, the rows of x [T, cols], bit for bit; out [T, rows]
     may be a column slice of a wider array. It compiles only where AVX-512F runs _w4a16_row's
     tables (or AVX512-BF16 its dots): elsewhere short_prefill_rows keeps prefill off it."""
-    if not _AVX512BF16 or x.shape[1] > _BF16_MOST_COLS:  # as the matvec picks its kernel
+    if not _AVX512BF16:  # as the matvec picks its kernel
         _w4a16_batch(qs, d.view(np.uint16), _bits(m), x, out)
         return
     acts, cols = x.shape
