@@ -25,8 +25,8 @@ window from one batch. docs/perf's figures score gpl3.txt, made by
     python3 -c "t=open('/usr/share/common-licenses/GPL-3').read(); print(' '.join(t.split(' ')[:3800]), end='')"
 (4,774 tokens, 4,764 scored in 512-token windows).
 
-With --gguf FILE it compares on that file instead, converted once into the store (its own format,
-no requantised q4_0) and run with --no-profile at W4A16 and at W4A8 on every layer: for a bigger
+With --gguf FILE it compares on that file instead, converted into the store as compare-<file stem>
+(in its own format, no requantised q4_0; `nerva rm` it after) and run with --no-profile at W4A16 and at W4A8 on every layer: for a bigger
 model of random weights from `scripts/synthetic_model.py SHAPE FILE --gguf --quant q4_1`, whose
 MCAP profile would mean nothing (decode and prefill speed do not depend on weight values).
 """
@@ -168,16 +168,17 @@ def main() -> None:
     import llama_cpp as lc  # fail early, with pip's message, if it is missing
 
     if args.gguf is None:
-        gguf, name, variants, precisions = bundled_gguf("smollm2-135m"), "smollm2-135m", VARIANTS, ("mixed", "w4a16", "w4a8")
+        gguf, name = bundled_gguf("smollm2-135m"), "smollm2-135m"
+        variants, precisions = VARIANTS, ("mixed", "w4a16", "w4a8")
         for quant in variants:  # already there: pull says so and nothing changes
             subprocess.run([sys.executable, "-m", "nerva_cli", "pull", name, "--quant", quant], capture_output=True)
     else:
-        gguf, name, variants, precisions = args.gguf.resolve(), f"compare-{args.gguf.stem}", ("auto",), ("w4a16", "w4a8")
+        gguf, name, precisions = args.gguf.resolve(), f"compare-{args.gguf.stem}", ("w4a16", "w4a8")
         pulled = subprocess.run([sys.executable, "-m", "nerva_cli", "pull", str(gguf), "--name", name, "--force"],
                                 capture_output=True, text=True)
         if pulled.returncode:
             sys.exit(f"nerva pull {gguf} failed: {pulled.stderr.strip().splitlines()[-1]}")
-        variants = (pulled.stdout.split()[0].split(":")[1],)  # "name:variant  ..." : the GGUF's own format
+        variants = (pulled.stdout.split()[0].split(":")[1],)  # "name:variant  ...": the GGUF's own format
     text = PROMPT_SEED_TEXT * (args.prompt_tokens // 40 + 2)
     configs = [(v, p) for v in variants for p in precisions]
     rows = []

@@ -623,9 +623,19 @@ def _as_f32(typingctx, bits):
     return types.float32(types.uint32), codegen
 
 
+@intrinsic
+def _f32_bits(typingctx, value):
+    """A float32's bits as uint32."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], _I32)
+    return types.uint32(types.float32), codegen
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _bf16_round(bits):
-    # a float32's bits to the nearest bf16's (ties to even): inf and NaN stay inf and NaN
+    # a float32's bits to the nearest bf16's (ties to even). A NaN's lo part is NaN (NaN - hi), so
+    # NaN carries through; an infinite activation's lo is inf - inf, so it gives NaN, where the
+    # float lowerings give inf or NaN (NaN wherever its row has a zero weight)
     return (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
 
 
@@ -655,14 +665,6 @@ def _bf16_split(x, words, sums):
         sums[b] = total
 
 
-@intrinsic
-def _f32_bits(typingctx, value):
-    """A float32's bits as uint32."""
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], _I32)
-    return types.uint32(types.float32), codegen
-
-
 def _w4a16_bf16_codegen(acts):
     """Rows . activations for Q4 rows and split activations (words, sums: 1-D for one activation,
     or `acts` rows from t0 of 2-D ones); each block's weights made once for them all."""
@@ -681,8 +683,9 @@ def _w4a16_bf16_codegen(acts):
         v32w, v16f = _vec(_I16, 32), _vec(_F32, 16)
         permw = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32w, [v32w, v32w]),
                                                "llvm.x86.avx512.permvar.hi.512")
-        # vpermw reads an index's low 5 bits: a low nibble's lane holds its byte, high nibble's low bit above it
-        table = ir.Constant(v32w, [ir.Constant(_I16, _bf16_bits((i & 15) if q4_1 else (i & 15) - 8)) for i in range(32)])
+        # vpermw reads an index's low 5 bits; a low nibble's word is its whole byte, so bit 4 (the
+        # high nibble's lowest) may be set: the 16 values twice, and no mask
+        table = ir.Constant(v32w, [ir.Constant(_I16, _bf16_bits((i & 15) - (0 if q4_1 else 8))) for i in range(32)])
         acc = [[cgutils.alloca_once_value(builder, _splat(_F32, 16, 0.0)) for _ in range(4)] for _ in words]
         offsets = [cgutils.alloca_once_value(builder, _splat(_F32, 16, 0.0)) for _ in words] if q4_1 else None
 
@@ -691,7 +694,8 @@ def _w4a16_bf16_codegen(acts):
             scales in lanes 0-7 and 8-15 of `scales`."""
             if one_block:  # 16 code bytes; the partner's words are zeros, as its activations are
                 raw = _load(builder, q_row, builder.mul(b, ir.Constant(_I64, 16)), _vec(_I8, 16))
-                raw = builder.shuffle_vector(raw, ir.Constant(_vec(_I8, 16), [ir.Constant(_I8, 0)] * 16), _lanes(range(32)))
+                zeros = ir.Constant(_vec(_I8, 16), [ir.Constant(_I8, 0)] * 16)
+                raw = builder.shuffle_vector(raw, zeros, _lanes(range(32)))
             else:
                 raw = _load(builder, q_row, builder.mul(b, ir.Constant(_I64, 16)), _vec(_I8, 32))
             codes = builder.zext(raw, v32w)
