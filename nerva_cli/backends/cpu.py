@@ -387,6 +387,42 @@ class _Operands:
             _prefetch(builder, row, at)
 
 
+_SCALE_SPAN = 16  # blocks whose scales the W4A16 row codegens load as one vector
+
+
+def _scale_groups(builder, q_row, d_row, m_row, blocks, body):
+    """body(b0, d16, m16) for each group of _SCALE_SPAN blocks from b0 of a row, the group's codes
+    prefetched PREFETCH_BYTES ahead and its scales (and Q4_1 offsets; else m16 None) loaded as
+    one vector each. -> the first block after the groups."""
+    span = ir.Constant(_I64, _SCALE_SPAN)
+    groups = builder.udiv(blocks, span)
+    with cgutils.for_range(builder, groups) as loop:
+        b0 = builder.mul(loop.index, span)
+        codes_at = builder.mul(b0, ir.Constant(_I64, 16))
+        for line in range(0, _SCALE_SPAN * 16, 64):
+            _prefetch(builder, q_row, builder.add(codes_at, ir.Constant(_I64, PREFETCH_BYTES + line)))
+        d16 = _planes_at(builder, d_row, b0, _SCALE_SPAN, ir.HalfType(), 2)
+        m16 = None if m_row is None else _planes_at(builder, m_row, b0, _SCALE_SPAN, ir.HalfType(), 2)
+        body(b0, d16, m16)
+    return builder.mul(groups, span)
+
+
+def _dot_operands(context, builder, sig, args, n, acts):
+    """A row-dot intrinsic's operands: n arrays (qs, d, m, then the activation's), the row r, and
+    for a batch t0. -> (the _Operands, q_row, d_row, m_row (None for Q4_0), and for each activation
+    array its pointers: [its data] where it is 1-D (one activation), else rows t0 .. t0 + acts - 1)."""
+    a = _Operands(context, builder, sig.args[:n], args[:n])
+    r = args[n]
+    m_row = None if a.arrays[2] is None else a.row(2, r)
+    if sig.args[3].ndim == 1:
+        activations = [[a.data(i)] for i in range(3, n)]
+    else:
+        t0 = context.cast(builder, args[n + 1], sig.args[n + 1], types.intp)
+        at = [builder.add(t0, ir.Constant(_I64, t)) for t in range(acts)]
+        activations = [[a.row(i, t) for t in at] for i in range(3, n)]
+    return a, a.row(0, r), a.row(1, r), m_row, activations
+
+
 def _prefetch(builder, base, offset):
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8")
@@ -473,15 +509,8 @@ def _w4a16_codegen(acts):
     activation (1-D x) or `acts` rows t0.. of a 2-D x, each block's weight table built once for
     them all."""
     def codegen(context, builder, sig, args):
-        a = _Operands(context, builder, sig.args[:4], args[:4])
-        q_row, d_row = a.row(0, args[4]), a.row(1, args[4])
-        q4_1 = a.arrays[2] is not None
-        m_row = a.row(2, args[4]) if q4_1 else None
-        if sig.args[3].ndim == 1:
-            x = [a.data(3)]
-        else:
-            t0 = context.cast(builder, args[5], sig.args[5], types.intp)
-            x = [a.row(3, builder.add(t0, ir.Constant(_I64, t))) for t in range(acts)]
+        a, q_row, d_row, m_row, (x,) = _dot_operands(context, builder, sig, args, 4, acts)
+        q4_1 = m_row is not None
         v16 = _vec(_F32, 16)
         permps = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, _vec(_I32, 16)]),
                                                 "llvm.x86.avx512.permvar.sf.512")
@@ -500,34 +529,35 @@ def _w4a16_codegen(acts):
                     slot = acc[t][2 * parity + k]
                     builder.store(_fmuladd(builder, weights[k], xs[k], builder.load(slot)), slot)
 
-        span = 16
-        groups = builder.udiv(a.cols(1), ir.Constant(_I64, span))
-        with cgutils.for_range(builder, groups) as loop:
-            b0 = builder.mul(loop.index, ir.Constant(_I64, span))
-            codes_at = builder.mul(b0, ir.Constant(_I64, 16))
-            for line in range(0, span * 16, 64):
-                _prefetch(builder, q_row, builder.add(codes_at, ir.Constant(_I64, PREFETCH_BYTES + line)))
-            d16 = _planes_at(builder, d_row, b0, span, ir.HalfType(), 2)
-            m16 = _planes_at(builder, m_row, b0, span, ir.HalfType(), 2) if q4_1 else None
-            for j in range(span):
+        def group(b0, d16, m16):
+            for j in range(_SCALE_SPAN):
                 dw = builder.shuffle_vector(d16, d16, _lanes([j] * 16))
                 mw = builder.shuffle_vector(m16, m16, _lanes([j] * 16)) if q4_1 else None
                 block(builder.add(b0, ir.Constant(_I64, j)), j % 2, dw, mw)
-        first = builder.mul(groups, ir.Constant(_I64, span))
+
+        first = _scale_groups(builder, q_row, d_row, m_row, a.cols(1), group)
         with cgutils.for_range(builder, builder.sub(a.cols(1), first)) as loop:
             b = builder.add(first, loop.index)
             mw = _broadcast(builder, _half_at(builder, m_row, b), 16) if q4_1 else None
             block(b, 0, _broadcast(builder, _half_at(builder, d_row, b), 16), mw)
-        sums = []
-        for slots in acc:
-            total = builder.fadd(builder.fadd(builder.load(slots[0]), builder.load(slots[1])),
-                                 builder.fadd(builder.load(slots[2]), builder.load(slots[3])))
-            sums.append(_hsum(builder, total))
-        if sig.args[3].ndim == 1:
-            return sums[0]
-        return context.make_tuple(builder, sig.return_type, sums)
+        return _row_results(context, builder, sig, acc)
 
     return codegen
+
+
+def _row_results(context, builder, sig, acc, offsets=None):
+    """A W4A16 row codegen's value: each activation's four accumulators (and its offset sums, where
+    there are) added, their lanes summed; one float for a 1-D activation (operand 3), else the tuple."""
+    sums = []
+    for t, slots in enumerate(acc):
+        total = builder.fadd(builder.fadd(builder.load(slots[0]), builder.load(slots[1])),
+                             builder.fadd(builder.load(slots[2]), builder.load(slots[3])))
+        if offsets is not None:
+            total = builder.fadd(total, builder.load(offsets[t]))
+        sums.append(_hsum(builder, total))
+    if sig.args[3].ndim == 1:
+        return sums[0]
+    return context.make_tuple(builder, sig.return_type, sums)
 
 
 @intrinsic
@@ -669,17 +699,8 @@ def _w4a16_bf16_codegen(acts):
     """Rows . activations for Q4 rows and split activations (words, sums: 1-D for one activation,
     or `acts` rows from t0 of 2-D ones); each block's weights made once for them all."""
     def codegen(context, builder, sig, args):
-        a = _Operands(context, builder, sig.args[:5], args[:5])
-        r = args[5]
-        q_row, d_row = a.row(0, r), a.row(1, r)
-        q4_1 = a.arrays[2] is not None
-        m_row = a.row(2, r) if q4_1 else None
-        if sig.args[3].ndim == 1:
-            words, sums = [a.data(3)], [a.data(4)]
-        else:
-            t0 = context.cast(builder, args[6], sig.args[6], types.intp)
-            at = [builder.add(t0, ir.Constant(_I64, t)) for t in range(acts)]
-            words, sums = [a.row(3, t) for t in at], [a.row(4, t) for t in at]
+        a, q_row, d_row, m_row, (words, sums) = _dot_operands(context, builder, sig, args, 5, acts)
+        q4_1 = m_row is not None
         v32w, v16f = _vec(_I16, 32), _vec(_F32, 16)
         permw = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32w, [v32w, v32w]),
                                                "llvm.x86.avx512.permvar.hi.512")
@@ -710,24 +731,17 @@ def _w4a16_bf16_codegen(acts):
                 dots = _dpbf16(builder, dots, high, x[3])
                 builder.store(_fmuladd(builder, dots, scales, builder.load(acc[t][slot])), acc[t][slot])
 
-        span = 16
-        blocks = a.cols(1)
-        groups = builder.udiv(blocks, ir.Constant(_I64, span))
-        with cgutils.for_range(builder, groups) as loop:
-            b0 = builder.mul(loop.index, ir.Constant(_I64, span))
-            codes_at = builder.mul(b0, ir.Constant(_I64, 16))
-            for line in range(0, span * 16, 64):
-                _prefetch(builder, q_row, builder.add(codes_at, ir.Constant(_I64, PREFETCH_BYTES + line)))
-            d16 = _planes_at(builder, d_row, b0, span, ir.HalfType(), 2)
+        def group(b0, d16, m16):
             if q4_1:
-                m16 = _planes_at(builder, m_row, b0, span, ir.HalfType(), 2)
                 for t, base in enumerate(sums):
                     s16 = _load(builder, base, builder.mul(b0, ir.Constant(_I64, 4)), v16f)
                     builder.store(_fmuladd(builder, m16, s16, builder.load(offsets[t])), offsets[t])
-            for j in range(0, span, 2):
+            for j in range(0, _SCALE_SPAN, 2):
                 scales = builder.shuffle_vector(d16, d16, _lanes([j] * 8 + [j + 1] * 8))
                 pair(builder.add(b0, ir.Constant(_I64, j)), False, scales, (j // 2) % 4)
-        first = builder.mul(groups, ir.Constant(_I64, span))
+
+        blocks = a.cols(1)
+        first = _scale_groups(builder, q_row, d_row, m_row, blocks, group)
         left = builder.sub(blocks, first)
         zero16 = ir.Constant(_vec(_F32, 16), [ir.Constant(_F32, 0.0)] * 16)
 
@@ -752,16 +766,7 @@ def _w4a16_bf16_codegen(acts):
             b = builder.sub(blocks, ir.Constant(_I64, 1))
             pair(b, True, _broadcast(builder, _half_at(builder, d_row, b), 16), 1)
             tail_offsets(b)
-        results = []
-        for t, slots in enumerate(acc):
-            total = builder.fadd(builder.fadd(builder.load(slots[0]), builder.load(slots[1])),
-                                 builder.fadd(builder.load(slots[2]), builder.load(slots[3])))
-            if q4_1:
-                total = builder.fadd(total, builder.load(offsets[t]))
-            results.append(_hsum(builder, total))
-        if sig.args[3].ndim == 1:
-            return results[0]
-        return context.make_tuple(builder, sig.return_type, results)
+        return _row_results(context, builder, sig, acc, offsets)
 
     return codegen
 
@@ -927,17 +932,8 @@ def _w4a8_codegen(acts):
     rows t0.. of 2-D ones. Per block, as ref: the integer dot of the codes with xq (exact in
     int32), minus 8 xs for Q4_0, times d_w d_x, plus m_w d_x xs for Q4_1."""
     def codegen(context, builder, sig, args):
-        a = _Operands(context, builder, sig.args[:7], args[:7])
-        r = args[7]
-        q_row, d_row = a.row(0, r), a.row(1, r)
-        q4_1 = a.arrays[2] is not None
-        m_row = a.row(2, r) if q4_1 else None
-        if sig.args[3].ndim == 1:
-            xq, x_pairs, xd, xs = [[a.data(i)] for i in (3, 4, 5, 6)]
-        else:
-            t0 = context.cast(builder, args[8], sig.args[8], types.intp)
-            at = [builder.add(t0, ir.Constant(_I64, t)) for t in range(acts)]
-            xq, x_pairs, xd, xs = [[a.row(i, t) for t in at] for i in (3, 4, 5, 6)]
+        a, q_row, d_row, m_row, (xq, x_pairs, xd, xs) = _dot_operands(context, builder, sig, args, 7, acts)
+        q4_1 = m_row is not None
 
         def block_dot(b, t):
             x = _load(builder, xq[t], builder.mul(b, ir.Constant(_I64, 32)), _vec(_I8, 32))
