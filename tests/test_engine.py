@@ -26,7 +26,7 @@ N_TOKENS = 64
 # value once more (test_f16_kv_cache_follows_transformers holds it to its own bound).
 LOGIT_RTOL = 1e-4
 # W4A16 where the cpu multiplies in bf16 dot products (AVX512-BF16): each activation is split into
-# two bf16 parts, 16 significant bits, rounded at most 2^-18 relative (128 times finer than an
+# two bf16 parts, 16 significant bits, rounded at most 2^-16 relative (32 times finer than an
 # f16 activation), and every matvec's input carries that. Measured against exact-activation
 # logits (ref's decode against the cpu's prefill, test_q4_decode_matches_prefill_and_ref's
 # sequences, 8 seeds): 4.5e-5 to 1.3e-4; against transformers (the q4_1 test below) 2.5e-4. So

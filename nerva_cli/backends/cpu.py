@@ -593,9 +593,10 @@ def _w4a16_row_batch(typingctx, qs, d, m, x, r, t0, acts):
 # vdpbf16ps: 32 products a call, summed in pairs into 16 f32 lanes. The codes are exact in bf16
 # (their 16 values, q or q - 8, looked up by vpermw); each activation is split once a call into
 # hi = bf16(x) and lo = bf16(x - hi), 16 significant bits between them, so every product is
-# exact and x's only error is lo's rounding, at most 2^-18 |x| (f16 activations would keep 11
-# bits). The sums are f32, as the other lowerings'; vdpbf16ps treats bf16 subnormals (|lo| below
-# 1.2e-38) as zero. Per pair of blocks: a load of their 32 code bytes widened to words, a
+# exact and x's only error is lo's rounding: at most 2^-8 of |x - hi|, itself at most 2^-8 |x|,
+# so 2^-16 |x| (2^-17 the most over 10^7 normal samples; an f16 activation carries 2^-11). The
+# sums are f32, as the other lowerings'; vdpbf16ps treats bf16 subnormals (|lo| below 1.2e-38)
+# as zero. Per pair of blocks: a load of their 32 code bytes widened to words, a
 # shift, two vpermw, four vdpbf16ps (hi and lo of each half) and one multiply-add by the blocks'
 # scales, where the float tables take two lookups, two multiply-adds and a table a block. Against
 # the float tables (`scripts/cpu_matvec_bench.py --lowering avx512` against the host's, the two
