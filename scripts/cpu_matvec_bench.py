@@ -52,6 +52,8 @@ def main() -> None:
         os.environ["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="nerva-numba-")
     from nerva_cli.backends import cpu
     if args.lowering == "avx512":
+        if not cpu._AVX512F:  # the row tables' lookups are AVX-512 instructions
+            sys.exit("--lowering avx512 needs a host with AVX-512F; this one has none")
         cpu._AVX512BF16 = False
         cpu._w4a16_kernel = cpu._w4a16_by_row  # the row tables, chosen at import as well
     if args.lowering == "avx2":
