@@ -307,9 +307,11 @@ def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau
     return engine, tokenizer, threads
 
 
-@app.command(epilog='Examples: nerva run smollm2-135m -p "Why is the sky blue?" | echo "hi" | nerva run smollm2-135m')
+@app.command(epilog='Examples: nerva run smollm2-135m -p "Why is the sky blue?" | nerva run smollm2-135m Why is the sky blue? | '
+                     'echo "hi" | nerva run smollm2-135m')
 def run(
     model: Annotated[str, typer.Argument(help="name[:variant] in the store, a model directory, or a source to pull first (smollm2-135m).")],
+    words: Annotated[Optional[list[str]], typer.Argument(metavar="[PROMPT]...", show_default=False, help="The prompt as ollama takes it: the words after the model, joined by spaces (the same as -p).")] = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="One prompt, answer, exit. Without it: interactive chat (or the prompt from stdin when piped).")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
     system: Annotated[Optional[str], typer.Option(help="System message for the chat template.")] = None,
@@ -347,6 +349,10 @@ def run(
                            repeat_penalty=repeat_penalty, seed=seed)
     if max_tokens < 1:
         raise NervaError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if words:
+        if prompt is not None:
+            raise NervaError(f"give the prompt once: -p or the words after the model, not both ({' '.join(words)!r})")
+        prompt = " ".join(words)
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
     engine, tokenizer, _ = _open_engine(model, backend, precision, ctx, threads, tau, not no_profile, mode,

@@ -128,6 +128,13 @@ def test_unknown_kv_cache_type(tiny_models, cli, tmp_path):
                    "--kv-cache q8", "f16, f32")
 
 
+def test_a_prompt_given_twice(tiny_models, cli, tmp_path):
+    from nerva_cli.pull import pull
+
+    model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+    assert_refused(cli, ["run", model.path, "why", "blue", "-p", "hi", "--no-profile"], "-p", "'why blue'")
+
+
 def test_target_exists_needs_force(tiny_models, cli):
     src = tiny_models("llama")
     assert cli("convert", src, "--name", "tiny", "--quant", "f16")[0] == 0

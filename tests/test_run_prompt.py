@@ -1,0 +1,19 @@
+"""How `nerva run` takes its one prompt: -p (llama.cpp's way) or the words after the model
+(ollama's: `nerva run smollm2-135m Why is the sky blue?`)."""
+
+from __future__ import annotations
+
+from nerva_cli.pull import pull
+
+
+def test_the_words_after_the_model_are_the_prompt_as_with_p(tiny_models, cli, tmp_path):
+    model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+    greedy = ["-n", "6", "--temperature", "0", "--raw", "--no-profile", "--ctx", "64", "--backend", "cpu"]
+    code, with_p, err = cli("run", model.path, "-p", "the quick brown fox", *greedy)
+    assert code == 0, err
+    code, with_words, err = cli("run", model.path, "the", "quick", "brown", "fox", *greedy)
+    assert code == 0, err
+    code, other, err = cli("run", model.path, "-p", "a license", *greedy)
+    assert code == 0, err
+    # the same answer, and not one every prompt gets (the tiny model's greedy text depends on it)
+    assert with_words == with_p and with_p.strip() and other != with_p
