@@ -82,6 +82,9 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
     allocs = hot_path_allocations(engine, prompt[:8], steps=16)
     best = max(runs, key=lambda s: s.decode_tok_s)
     gpu = getattr(engine, "gpu_plan", None)
+    # the disk's rate while the pager read (open to close), and the decode rate it allows if every
+    # paged byte came at it: a shared, bursty disk is judged against itself, in the same run
+    read_rate = pager[0] / pager[5] * 1e9 if pager[5] else None
     result = {
         "model": engine.model.name, "variant": engine.model.variant, "backend": engine.backend,
         "device": engine.dev.name if gpu else cpu_name(), "threads": threads,
@@ -93,6 +96,8 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
         "resident_layers": len(engine.plan.resident_layers), "paged_layers": len(engine.plan.paged_layers),
         "disk_bytes_per_token": round(pager[0] / passes), "hit_rate": round(pager[1] / (pager[1] + pager[2]), 4)
         if pager[1] + pager[2] else 1.0, "stall_ms_per_token": round(pager[3] / 1e6 / passes, 3),
+        "disk_read_bytes_per_s": None if read_rate is None else round(read_rate),
+        "disk_bound_tok_s": None if read_rate is None else round(read_rate / (pager[0] / passes), 2),
         "h2d_bytes_per_token": round(pager[4] / passes),
         "direct_io": engine.weights.direct_io,
         **({"gpudirect_storage": engine.gds} if gpu else {}),
@@ -132,7 +137,7 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
 
 def _pager_counters(engine) -> list[int]:
     s = engine.weights.stats
-    return [0] * 5 if s is None else [s.disk_bytes, s.hits, s.faults, s.stall_ns, s.h2d_bytes]
+    return [0] * 6 if s is None else [s.disk_bytes, s.hits, s.faults, s.stall_ns, s.h2d_bytes, s.read_ns]
 
 
 def hot_path_allocations(engine, prompt: list[int], steps: int) -> int:

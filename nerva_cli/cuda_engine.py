@@ -484,7 +484,9 @@ class CudaEngine(EngineBase):
             # disk-bound, and overlapping it needs a reader thread)
             if visit >= len(self.slots):
                 self._sync("staging", self.free[slot])
+            t = perf_counter_ns()
             stats.disk_bytes += self.gds_reader.read(layer_file(layer), self.slots[slot])
+            stats.read_ns += perf_counter_ns() - t
             stats.reads += 1
             self.ready[slot].record(c)
             return

@@ -26,6 +26,7 @@ class TokenRecord:
     kernel_launches: int
     syncs: dict  # kind -> host waits for the GPU during this token (state, logits, token, staging)
     disk_bytes: int
+    disk_read_us: float  # inside disk reads (ring: the reader thread's, which runs ahead of compute)
     h2d_bytes: int
     d2h_bytes: int
     hits: int
@@ -73,7 +74,7 @@ class Ledger:
         return (None if phases is None else dict(phases), self.counting.calls,
                 {} if syncs is None else dict(syncs),
                 None if s is None else (s.disk_bytes, s.hits, s.faults, s.stall_ns, s.prefetched, s.evicted,
-                                        s.h2d_bytes, s.d2h_bytes))
+                                        s.h2d_bytes, s.d2h_bytes, s.read_ns))
 
     def step(self, decode, sampler, token: int):
         """Runs one decode + sample under measurement; returns the next token."""
@@ -88,7 +89,7 @@ class Ledger:
         phases, calls, syncs, pager = self._snapshot()
         d = {k: None if phases is None else (phases[k] - before[0][k]) / 1000
              for k in ("embed", "attention", "mlp", "lm_head")}
-        p = [0] * 8 if pager is None else [a - b for a, b in zip(pager, before[3])]
+        p = [0] * 9 if pager is None else [a - b for a, b in zip(pager, before[3])]
         counts = self.engine.precision_counts
         rec = TokenRecord(
             index=len(self.records), token_id=nxt, piece=self.tok.decode([nxt]) if self.tok else "",
@@ -96,7 +97,7 @@ class Ledger:
             lm_head_us=d["lm_head"], sample_us=(t2 - t1) / 1000, stall_us=p[3] / 1000,
             kernel_launches=calls - before[1],
             syncs={k: v - before[2][k] for k, v in syncs.items() if v > before[2][k]}, disk_bytes=p[0],
-            h2d_bytes=p[6],
+            disk_read_us=p[8] / 1000, h2d_bytes=p[6],
             d2h_bytes=p[7],
             hits=p[1], faults=p[2], prefetched=p[4], evicted=p[5], w4a8_layers=counts["w4a8"],
             w4a16_layers=counts["w4a16"], exact_layers=counts["exact"],
@@ -133,6 +134,8 @@ class Ledger:
                               sorted({k for r in self.records for k in r.syncs})},
             "h2d_bytes_per_token": col("h2d_bytes").mean(), "d2h_bytes_per_token": col("d2h_bytes").mean(),
             "disk_bytes_per_token": col("disk_bytes").mean(),
+            "disk_read_bytes_per_s": col("disk_bytes").sum() / col("disk_read_us").sum() * 1e6
+            if col("disk_read_us").sum() else None,
             "hit_rate": hits / (hits + faults) if hits + faults else 1.0,
             "resident_layers": len(e.plan.resident_layers), "paged_layers": len(e.plan.paged_layers),
             "hot_path_allocations": int(col("hot_path_allocations").sum()),
@@ -181,6 +184,8 @@ class Ledger:
         if s["tokens"]:
             direct = {True: "O_DIRECT", False: "buffered (page cache hits are not disk reads)",
                       None: "no reads"}[s["direct_io"]]
+            rate = "" if s["disk_read_bytes_per_s"] is None else \
+                f", {human_bytes(s['disk_read_bytes_per_s'])}/s while reading"
             phases = ("per phase: inside CUDA graphs" if s["attention_us_mean"] is None else
                       f"attention {s['attention_us_mean']:.0f}, mlp {s['mlp_us_mean']:.0f}, "
                       f"lm_head {s['lm_head_us_mean']:.0f}")
@@ -191,7 +196,7 @@ class Ledger:
                 f"{s['kernel_launches_per_token']:.0f} launches or graph replays and {s['syncs_per_token']:.1f} "
                 f"syncs/token{self._sync_kinds(s)}\n"
                 f"residency: policy {s['policy']}, {s['resident_layers']} layers resident, {s['paged_layers']} paged "
-                f"through slots; disk {human_bytes(s['disk_bytes_per_token'])}/token ({direct}), host->GPU "
+                f"through slots; disk {human_bytes(s['disk_bytes_per_token'])}/token ({direct}{rate}), host->GPU "
                 f"{human_bytes(s['h2d_bytes_per_token'])}/token; hit rate "
                 f"{s['hit_rate']:.2%}; hot-path allocations {s['hot_path_allocations']} (the first step's "
                 "one-time work included)")

@@ -39,6 +39,7 @@ class PagerStats:
     hits: int = 0
     faults: int = 0  # a layer needed and not (yet) there
     stall_ns: int = 0  # time compute waited for a read
+    read_ns: int = 0  # time inside disk reads (open to close): disk_bytes / read_ns is the disk's rate as read
     prefetched: int = 0
     evicted: int = 0
     h2d_bytes: int = 0  # host -> GPU copies of paged layers (the cuda backend)
@@ -163,7 +164,9 @@ class PagedWeights:
                     slot.block.move(State.ALLOCATED)
                     self.stats.evicted += 1
                 slot.block.move(State.PREFETCHING)
+                t = time.perf_counter_ns()
                 got = self.reader.read(self.files[self.paged[n % len(self.paged)]], slot.iov)
+                self.stats.read_ns += time.perf_counter_ns() - t
                 slot.refresh()
                 slot.block.move(State.READY)
                 self.stats.disk_bytes += got
@@ -215,6 +218,7 @@ class PagedWeights:
             t = time.perf_counter_ns()
             slot.block.move(State.PREFETCHING)
             self.stats.disk_bytes += self.reader.read(self.files[layer_index], slot.iov)
+            self.stats.read_ns += time.perf_counter_ns() - t
             slot.refresh()
             self.stats.reads += 1
             slot.block.move(State.READY)

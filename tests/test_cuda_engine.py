@@ -310,6 +310,7 @@ def test_bench_json_on_the_cuda_backend(stored, cuda_device):
     assert r["h2d_bytes_per_token"] == pytest.approx(sum(model.meta["files"][layer_file(i)]["size"] for i in range(3)),
                                                      rel=0.01)
     assert r["hot_path_allocations"] == 0 and r["peak_vram_bytes"] > 0 and r["decode_tok_s"] > 0
+    assert r["disk_read_bytes_per_s"] is None and r["disk_bound_tok_s"] is None  # paged from pinned RAM, not disk
     # one token is prefill's alone (gpu_check.sh profiles prefill so): no decode figures, not zeros
     r = run_bench(engine, TextTokenizer(model.path), BenchOptions(prompt_tokens=12, gen_tokens=1, repeat=1), 1)
     assert r["prefill_tok_s"] > 0 and r["ttft_ms"] > 0

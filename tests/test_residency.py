@@ -106,6 +106,8 @@ def test_paged_decode_equals_resident_at_30_percent(variant, policy, deep_tiny, 
         extra = s.disk_bytes - passes * paged.plan.paged_bytes_per_token
         # exactly the paged bytes per pass; the ring may have read up to its slots ahead
         assert 0 <= extra <= paged.plan.slots * paged.plan.slot_bytes * (policy == "ring"), s
+        # the reads are timed: lru reads inside compute's wait, so within its stall
+        assert s.read_ns > 0 and (policy == "ring" or s.read_ns <= s.stall_ns), s
         full.reset(), paged.reset()  # unfused (paged) and fused (resident) matrices: the same GEMMs
         assert np.array_equal(paged.prefill(prompt), full.prefill(prompt))
     finally:
@@ -135,6 +137,8 @@ def test_paged_smollm2_equals_resident_and_reads_exactly_the_paged_bytes(smollm2
     assert abs(r["disk_bytes_per_token"] / nonresident - 1) < 0.01, (r, nonresident)
     assert r["hot_path_allocations"] == 0
     assert 0 <= r["hit_rate"] <= 1 and r["stall_ms_per_token"] >= 0
+    assert r["disk_read_bytes_per_s"] > 0
+    assert r["disk_bound_tok_s"] == pytest.approx(r["disk_read_bytes_per_s"] / r["disk_bytes_per_token"], rel=1e-3)
 
 
 def test_paged_decode_allocates_nothing_after_warmup(deep_tiny, tmp_path):
@@ -188,5 +192,6 @@ def test_run_ledger_table_and_file(deep_tiny, tmp_path, cli):
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert 1 <= len(rows) <= 10
     assert all(r["disk_bytes"] > 0 and r["kernel_launches"] > 0 and r["wall_us"] > 0 for r in rows)
+    assert sum(r["disk_read_us"] for r in rows) > 0 and "/s while reading" in err
     assert rows[-1]["w4a16_layers"] == 12
     assert "ledger" in err and "summary" in err and ("O_DIRECT" in err or "buffered" in err)
