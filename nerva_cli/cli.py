@@ -244,6 +244,16 @@ def _long_lived_objects():
         gc.enable()
 
 
+def _check_ram_budget(model, backend: str, ctx, budget, mode: str, kv_cache: str = "f16") -> None:
+    """A RAM budget too small for the fixed part is refused before the MCAP profile is computed
+    (minutes on a large model); the plan from sizes alone says so. The cpu backend's, where every
+    layer runs (hot-only runs fewer, which may need less)."""
+    if budget is not None and backend != "cuda" and mode == "full":
+        from nerva_cli.engine import residency_plan
+
+        residency_plan(model, ctx, budget, kv_cache=kv_cache)
+
+
 def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau: float = 0.7,
                  use_profile: bool = True, mode: str = "full", active_fraction: float = 1.0,
                  ram_budget: Optional[str] = None, vram_budget: Optional[str] = None, policy: str = "ring",
@@ -264,6 +274,7 @@ def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau
         output.note(f"--vram-budget {vram_budget} is ignored: the {backend} backend holds everything in RAM")
     if kv_cache != "f16" and backend == "cuda":
         raise NervaError(f"--kv-cache {kv_cache}: the cuda backend keeps its KV cache in f16 (--backend cpu for f32)")
+    _check_ram_budget(model, backend, ctx, budget, mode, kv_cache)
     plan = _layer_plan(model, precision, tau, use_profile, mode, active_fraction, _profiling_backend(backend))
     from nerva_cli.tokenizer import open_tokenizer
 
@@ -446,6 +457,7 @@ def topology(
     if model is not None:
         stored = _find_or_pull(model)
         backend = backends.resolve(backend)
+        _check_ram_budget(stored, backend, ctx, budget, mode)
         layers = _layer_plan(stored, precision, tau, not no_profile, mode, active_fraction,
                              _profiling_backend(backend))
         importance = getattr(layers, "importance", None)

@@ -25,12 +25,12 @@ import numpy as np
 from nerva_cli import rope
 from nerva_cli.backends.cuda import (RECENT, Kernels, attention_splits, most_prefill_partials, prefill_splits,
                                      unsupported_shapes)
-from nerva_cli.engine import EngineBase, context_length, default_precision
+from nerva_cli.engine import EngineBase, context_length, ctx_hint, default_precision
 from nerva_cli.errors import NervaError
 from nerva_cli.layout import layer_file
 from nerva_cli.output import human_bytes
 from nerva_cli.pager import LayerFileReader, PagedWeights, PagerStats
-from nerva_cli.residency import Plan, plan
+from nerva_cli.residency import BudgetTooSmall, Plan, plan
 from nerva_cli.store import StoredModel, tensors_in
 
 SCRATCH_BYTES = 64 << 20  # prefill's dequantised weight rows (f16), a slice of a matrix at a time
@@ -75,21 +75,26 @@ def gpu_residency_plan(model: StoredModel, ctx: int | None, vram_budget: int | N
     """From sizes alone: nothing is allocated or read (topology --model shows the same plan)."""
     cfg, files = model.config, model.meta["files"]
     ctx = context_length(cfg, ctx)
-    kv, arena = arena_sizes(cfg, ctx, attention_splits(cfg.num_heads, ctx, sms)[1], sms)
     # all-position logits rows and their normed input (perplexity), or q/k norms' copies, come
     # from CuPy's pool as prefill runs: room is kept for them
     temporaries = 4 * PREFILL_CHUNK * (cfg.vocab_size + max(cfg.hidden_size, cfg.q_dim))
-    fixed = {"kv_cache": ("kv_cache", kv), "workspace": ("workspace", arena - kv),
-             "prefill_temporaries": ("workspace", temporaries),
-             "embed": ("embed", files["embed.bin"]["size"]), "norms": ("norms", files["final_norm.bin"]["size"])}
-    if "lm_head.bin" in files:
-        fixed["lm_head"] = ("lm_head", files["lm_head.bin"]["size"])
+
+    def fixed_at(n: int) -> dict:
+        kv, arena = arena_sizes(cfg, n, attention_splits(cfg.num_heads, n, sms)[1], sms)
+        fixed = {"kv_cache": ("kv_cache", kv), "workspace": ("workspace", arena - kv),
+                 "prefill_temporaries": ("workspace", temporaries),
+                 "embed": ("embed", files["embed.bin"]["size"]), "norms": ("norms", files["final_norm.bin"]["size"])}
+        if "lm_head.bin" in files:
+            fixed["lm_head"] = ("lm_head", files["lm_head.bin"]["size"])
+        return fixed
+
     active = range(cfg.num_layers) if active_layers is None else sorted(set(active_layers))
     layer_bytes = {i: files[layer_file(i)]["size"] for i in active}
     try:
-        vram = plan(fixed, layer_bytes, vram_budget, importance)
-    except NervaError as e:
-        raise NervaError(str(e).replace("RAM budget", "VRAM budget (--vram-budget)")) from None
+        vram = plan(fixed_at(ctx), layer_bytes, vram_budget, importance)
+    except BudgetTooSmall as e:
+        raise NervaError(str(e).replace("RAM budget", "VRAM budget (--vram-budget)")
+                         + ctx_hint(fixed_at, vram_budget, e.slots_bytes, ctx)) from None
     for b in vram.fixed:
         b.tier = "gpu"
     paged = {i: layer_bytes[i] for i in vram.paged_layers}

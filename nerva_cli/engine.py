@@ -167,21 +167,38 @@ def residency_plan(model: StoredModel, ctx: int | None, ram_budget: int | None,
                    kv_cache: str = "f16", prefill_rows: int = PREFILL_CHUNK):
     """The residency plan (ARCHITECTURE 8) that Engine uses, computed from sizes alone: nothing is
     allocated or read, so `nerva topology --model` shows exactly what `run` will do."""
-    from nerva_cli.residency import plan
+    from nerva_cli.residency import BudgetTooSmall, plan
 
     cfg, files = model.config, model.meta["files"]
     ctx = context_length(cfg, ctx)
-    kv, arena = Arena.sizes(cfg, ctx, kv_cache)
-    prefill = PrefillWorkspace.size(cfg, min(prefill_rows, ctx), ctx)
-    fixed = {"kv_cache": ("kv_cache", kv),
-             "workspace": ("workspace", arena - kv + prefill),
-             "embed": ("embed", files["embed.bin"]["size"]),
-             "norms": ("norms", files["final_norm.bin"]["size"])}
-    if "lm_head.bin" in files:
-        fixed["lm_head"] = ("lm_head", files["lm_head.bin"]["size"])
+
+    def fixed_at(n: int) -> dict:
+        kv, arena = Arena.sizes(cfg, n, kv_cache)
+        prefill = PrefillWorkspace.size(cfg, min(prefill_rows, n), n)
+        fixed = {"kv_cache": ("kv_cache", kv),
+                 "workspace": ("workspace", arena - kv + prefill),
+                 "embed": ("embed", files["embed.bin"]["size"]),
+                 "norms": ("norms", files["final_norm.bin"]["size"])}
+        if "lm_head.bin" in files:
+            fixed["lm_head"] = ("lm_head", files["lm_head.bin"]["size"])
+        return fixed
+
     active = range(cfg.num_layers) if active_layers is None else sorted(set(active_layers))
     layer_bytes = {i: files[layer_file(i)]["size"] for i in active}
-    return plan(fixed, layer_bytes, ram_budget, importance)
+    try:
+        return plan(fixed_at(ctx), layer_bytes, ram_budget, importance)
+    except BudgetTooSmall as e:
+        raise NervaError(f"{e}{ctx_hint(fixed_at, ram_budget, e.slots_bytes, ctx)}") from None
+
+
+def ctx_hint(fixed_at, budget: int, slots_bytes: int, ctx: int) -> str:
+    """What a budget error adds: the context it was for and, where a shorter one's fixed part
+    (fixed_at(n): name -> (kind, bytes)) and the staging slots fit the budget, the longest such."""
+    from nerva_cli.output import human_bytes
+    from nerva_cli.residency import fitting_ctx
+
+    fits = fitting_ctx(lambda n: sum(b for _, b in fixed_at(n).values()), budget - slots_bytes, ctx)
+    return f" at --ctx {ctx}" + ("" if fits is None else f"; --ctx {fits} fits {human_bytes(budget)}")
 
 
 def default_precision(model: StoredModel, precision: str | None) -> str:

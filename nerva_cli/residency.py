@@ -116,6 +116,31 @@ class Plan:
 
 
 MIN_SLOTS = 2
+FIXED_NAMES = {"kv_cache": "KV cache", "workspace": "workspaces", "embed": "token table", "lm_head": "lm_head",
+               "norms": "norms"}  # kind -> what the budget errors call it
+
+
+class BudgetTooSmall(NervaError):
+    """The budget cannot hold the fixed blocks and the staging slots (`slots_bytes` of them)."""
+
+    def __init__(self, message: str, slots_bytes: int):
+        super().__init__(message)
+        self.slots_bytes = slots_bytes
+
+
+def fitting_ctx(fixed_bytes_at, budget: int, ctx: int, step: int = 256) -> int | None:
+    """The longest context under `ctx`, a multiple of `step`, whose fixed part (fixed_bytes_at(n):
+    the KV cache and the workspaces grow with the context) fits `budget`; None if not even `step`."""
+    lo, hi = 1, (ctx - 1) // step  # in steps: lo fits, nothing past hi is under ctx
+    if hi < 1 or fixed_bytes_at(step) > budget:
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fixed_bytes_at(mid * step) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * step
 
 
 def plan(fixed: dict[str, tuple[str, int]], layer_bytes: dict[int, int], budget: int | None,
@@ -134,10 +159,14 @@ def plan(fixed: dict[str, tuple[str, int]], layer_bytes: dict[int, int], budget:
     if budget < minimum:
         from nerva_cli.output import human_bytes
 
-        raise NervaError(f"RAM budget {human_bytes(budget)} cannot hold the fixed part "
-                         f"(KV cache, workspaces, embeddings: {human_bytes(fixed_bytes)}) plus {slots} "
-                         f"staging slots of {human_bytes(slot)}; the smallest budget that works is "
-                         f"{human_bytes(minimum)} ({minimum} bytes)")
+        by_kind: dict[str, int] = {}
+        for b in blocks:
+            by_kind[b.kind] = by_kind.get(b.kind, 0) + b.nbytes
+        parts = ", ".join(f"{FIXED_NAMES.get(k, k)} {human_bytes(n)}" for k, n in by_kind.items())
+        holds = f"the fixed part ({parts}: {human_bytes(fixed_bytes)}) plus " if blocks else ""
+        raise BudgetTooSmall(f"RAM budget {human_bytes(budget)} cannot hold {holds}{slots} staging slots of "
+                             f"{human_bytes(slot)}; the smallest budget that works is {human_bytes(minimum)} "
+                             f"({minimum} bytes)", slots * slot)
     order = sorted(layer_bytes, key=lambda i: (-(importance or {}).get(i, 0.0), i))
     room = budget - minimum
     resident = []

@@ -269,8 +269,13 @@ def test_no_hot_path_allocations(stored, cuda_device, paged):
 
 def test_budget_errors_name_the_budget(stored, cuda_device):
     model = stored("llama", "q4_0")
-    with pytest.raises(NervaError, match=r"VRAM budget \(--vram-budget\).*smallest budget that works"):
+    with pytest.raises(NervaError, match=r"VRAM budget \(--vram-budget\).*smallest budget that works .* at --ctx 96$"):
         CudaEngine(model, device=cuda_device, ctx=96, vram_budget=fixed_bytes(model, 96, cuda_device.sms))
+    # a longer context's budget error names the longest one that fits
+    at = {n: fixed_bytes(model, n, cuda_device.sms) for n in (256, 512)}
+    slots = 2 * model.meta["files"][layer_file(0)]["size"]
+    with pytest.raises(NervaError, match=r"at --ctx 512; --ctx 256 fits"):
+        CudaEngine(model, device=cuda_device, ctx=512, vram_budget=at[256] + slots + (at[512] - at[256]) // 2)
 
 
 def test_out_of_memory_is_one_line_with_a_budget(stored, monkeypatch):

@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from nerva_cli.engine import Engine
+from nerva_cli.engine import Engine, residency_plan
 from nerva_cli.errors import NervaError
 from nerva_cli.pull import pull
-from nerva_cli.residency import IllegalTransition, ResidentBlock, State, parse_budget, plan
+from nerva_cli.residency import IllegalTransition, ResidentBlock, State, fitting_ctx, parse_budget, plan
 
 
 def test_block_state_machine_refuses_illegal_transitions():
@@ -175,10 +175,41 @@ def test_layer_file_changed_after_load_stops_the_run(damage, deep_tiny, tmp_path
         paged.weights.close()
 
 
-def test_budget_too_small_is_refused_before_any_work(deep_tiny, tmp_path, cli):
+def test_budget_too_small_is_refused_before_any_work(deep_tiny, tmp_path, cli, monkeypatch):
+    from nerva_cli import cli as cli_module
+
     model = pull(str(deep_tiny("llama")), variant="q4_0", out=tmp_path / "m")
     code, out, err = cli("run", model.path, "-p", "hi", "--ram-budget", "64K", "--no-profile")
     assert code == 1 and "smallest budget that works" in err and out == ""
+
+    def no_profiling(*args, **kwargs):  # the MCAP profile takes minutes on a large model
+        raise AssertionError("profiled before refusing the budget")
+
+    monkeypatch.setattr(cli_module, "_layer_plan", no_profiling)
+    for command in (["run", model.path, "-p", "hi"], ["topology", "--model", model.path]):
+        code, out, err = cli(*command, "--ram-budget", "64K")
+        assert code == 1 and "smallest budget that works" in err and "profiled" not in err, err
+
+
+def test_fitting_ctx_is_the_longest_context_that_fits(rng):
+    for _ in range(200):
+        per_position, rest = int(rng.integers(1, 1000)), int(rng.integers(0, 10**6))
+        ctx, budget = int(rng.integers(1, 9000)), int(rng.integers(0, 10**7))
+        at = lambda n: rest + per_position * n + n * n // 64  # noqa: E731  grows with n, as the workspaces do
+        want = max((n for n in range(256, ctx, 256) if at(n) <= budget), default=None)
+        assert fitting_ctx(at, budget, ctx) == want, (per_position, rest, ctx, budget)
+
+
+def test_a_budget_too_small_at_this_context_names_one_that_fits(deep_tiny, tmp_path):
+    model = pull(str(deep_tiny("llama")), variant="q4_0", out=tmp_path / "m")
+    fixed = {n: sum(b.nbytes for b in residency_plan(model, n, None).fixed) for n in (256, 512)}
+    slots = 2 * max(residency_plan(model, 512, None).layer_bytes.values())
+    budget = fixed[256] + slots + (fixed[512] - fixed[256]) // 2
+    with pytest.raises(NervaError, match=r"^RAM budget .* \(KV cache .*, workspaces .*, token table .*\) plus 2 "
+                                         r"staging slots .* at --ctx 512; --ctx 256 fits"):
+        Engine(model, ctx=512, ram_budget=budget)
+    p = Engine(model, ctx=256, ram_budget=budget).plan
+    assert p.used_bytes <= budget and p.paged_layers
 
 
 def test_run_ledger_table_and_file(deep_tiny, tmp_path, cli):
