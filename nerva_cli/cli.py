@@ -154,7 +154,7 @@ Mode = Annotated[str, typer.Option("--mode", help="full: every layer runs; hot-o
                                                   "of layers by MCAP score run, the others pass the residual "
                                                   "through (outputs differ from the full model).")]
 ActiveFraction = Annotated[float, typer.Option("--active-fraction", help="hot-only: fraction of layers that run, in (0, 1] (at least one layer).")]
-RamBudget = Annotated[Optional[str], typer.Option("--ram-budget", help="RAM for weights, KV cache and workspaces (512M, 4G, auto); layers that do not fit stream from disk.")]
+RamBudget = Annotated[Optional[str], typer.Option("--ram-budget", help="RAM for weights, KV cache and workspaces (512M, 4G, auto = 90% of what is available); layers that do not fit stream from disk. Default on the cpu: everything in RAM if it fits auto, else auto.")]
 VramBudget = Annotated[Optional[str], typer.Option("--vram-budget", help="GPU memory for weights, KV cache and workspaces (2G, auto = 90% of what is free); layers that do not fit stream from pinned RAM (up to --ram-budget) or disk. The cuda backend only.")]
 Policy = Annotated[str, typer.Option("--policy", help="Paging: ring (fixed resident set + exact-lookahead ring of slots) or lru (seed 002's cache).")]
 Ctx = Annotated[Optional[int], typer.Option("--ctx", help="Context length in tokens (default: min(model max, 4096)).")]
@@ -244,14 +244,30 @@ def _long_lived_objects():
         gc.enable()
 
 
-def _check_ram_budget(model, backend: str, ctx, budget, mode: str, kv_cache: str = "f16") -> None:
-    """A RAM budget too small for the fixed part is refused before the MCAP profile is computed
-    (minutes on a large model); the plan from sizes alone says so. The cpu backend's, where every
-    layer runs (hot-only runs fewer, which may need less)."""
-    if budget is not None and backend != "cuda" and mode == "full":
-        from nerva_cli.engine import residency_plan
+def _ram_budget(model, backend: str, ctx, budget, mode: str, kv_cache: str = "f16"):
+    """The cpu backend's RAM budget, checked before the MCAP profile is computed (minutes on a
+    large model) from the plan's sizes alone. Without --ram-budget: none while the whole model,
+    KV cache and workspaces fit 90% of the RAM available now, else that much (`auto`), said in
+    a note, so a model that does not fit pages instead of swapping or being killed. Hot-only
+    runs fewer layers, which may need less: the default counts them all, the check skips them."""
+    if backend == "cuda":
+        return budget
+    from nerva_cli import output
+    from nerva_cli.engine import residency_plan
+    from nerva_cli.residency import available_ram
 
+    if budget is None:
+        need = residency_plan(model, ctx, None, kv_cache=kv_cache).used_bytes
+        room = int(available_ram() * 0.9)
+        if need <= room:
+            return None
+        output.note(f"{model.name} needs {output.human_bytes(need)} of RAM here and "
+                    f"{output.human_bytes(room)} is available: layers that do not fit stream from disk "
+                    "(--ram-budget sets the budget)")
+        budget = room
+    if mode == "full":
         residency_plan(model, ctx, budget, kv_cache=kv_cache)
+    return budget
 
 
 def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau: float = 0.7,
@@ -274,7 +290,7 @@ def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau
         output.note(f"--vram-budget {vram_budget} is ignored: the {backend} backend holds everything in RAM")
     if kv_cache != "f16" and backend == "cuda":
         raise NervaError(f"--kv-cache {kv_cache}: the cuda backend keeps its KV cache in f16 (--backend cpu for f32)")
-    _check_ram_budget(model, backend, ctx, budget, mode, kv_cache)
+    budget = _ram_budget(model, backend, ctx, budget, mode, kv_cache)
     plan = _layer_plan(model, precision, tau, use_profile, mode, active_fraction, _profiling_backend(backend))
     from nerva_cli.tokenizer import open_tokenizer
 
@@ -457,7 +473,7 @@ def topology(
     if model is not None:
         stored = _find_or_pull(model)
         backend = backends.resolve(backend)
-        _check_ram_budget(stored, backend, ctx, budget, mode)
+        budget = _ram_budget(stored, backend, ctx, budget, mode)
         layers = _layer_plan(stored, precision, tau, not no_profile, mode, active_fraction,
                              _profiling_backend(backend))
         importance = getattr(layers, "importance", None)

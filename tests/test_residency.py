@@ -191,6 +191,27 @@ def test_budget_too_small_is_refused_before_any_work(deep_tiny, tmp_path, cli, m
         assert code == 1 and "smallest budget that works" in err and "profiled" not in err, err
 
 
+def test_without_a_budget_a_model_larger_than_the_ram_available_pages(deep_tiny, tmp_path, cli, monkeypatch):
+    from nerva_cli import residency
+
+    model = pull(str(deep_tiny("llama")), variant="q4_0", out=tmp_path / "m")
+    need = residency_plan(model, 64, None).used_bytes
+    greedy_run = ["run", model.path, "-p", "the quick brown fox", "-n", "6", "--temperature", "0", "--raw",
+                  "--no-profile", "--ctx", "64"]
+    code, resident, err = cli(*greedy_run)
+    assert code == 0 and "stream from disk" not in err, err
+    monkeypatch.setattr(residency, "available_ram", lambda: int(need * 0.7 / 0.9))  # 70% of it is free
+    code, paged, err = cli(*greedy_run)
+    assert code == 0, err
+    assert "needs" in err and "layers that do not fit stream from disk" in err and "layers resident" in err
+    assert paged == resident
+    code, _, err = cli(*greedy_run, "--ram-budget", str(need))  # a budget given is the budget
+    assert code == 0 and "stream from disk" not in err, err
+    monkeypatch.setattr(residency, "available_ram", lambda: 4096)  # not even the fixed part
+    code, _, err = cli(*greedy_run)
+    assert code == 1 and "smallest budget that works" in err
+
+
 def test_fitting_ctx_is_the_longest_context_that_fits(rng):
     for _ in range(200):
         per_position, rest = int(rng.integers(1, 1000)), int(rng.integers(0, 10**6))
