@@ -10,9 +10,17 @@ import numpy as np
 
 from nerva_cli.backends.ref import SHORT_PREFILL_MOST, attention_decode_partials, attention_prefill_work
 from nerva_cli.config import ModelConfig
+from nerva_cli.errors import NervaError
 from nerva_cli.quant import QK
 
 KV_CACHE_TYPES = {"f16": np.float16, "f32": np.float32}
+
+
+def kv_cache_type(kv_cache: str):
+    """--kv-cache's dtype, or the one-line error that names the choices."""
+    if kv_cache not in KV_CACHE_TYPES:
+        raise NervaError(f"--kv-cache {kv_cache}: choose one of {', '.join(KV_CACHE_TYPES)}")
+    return KV_CACHE_TYPES[kv_cache]
 
 
 class Arena:
@@ -49,7 +57,7 @@ class Arena:
         self.xq16, self.xd16 = np.zeros(h, dtype=np.int16), z(h // QK)
         self.act_q16 = {h: (self.xq16, self.xd16)}
         self.att_part = z(*attention_decode_partials(ctx, cfg.num_heads, cfg.head_dim))
-        kv_type = KV_CACHE_TYPES[kv_cache]
+        kv_type = kv_cache_type(kv_cache)
         self.k_cache = [np.zeros((ctx, cfg.num_kv_heads, cfg.head_dim), kv_type) for _ in range(cfg.num_layers)]
         self.v_cache = [np.zeros((ctx, cfg.num_kv_heads, cfg.head_dim), kv_type) for _ in range(cfg.num_layers)]
 
@@ -69,7 +77,7 @@ class Arena:
         widest = max(h, f, cfg.q_dim)
         f32 = (2 * h + cfg.q_dim + 2 * cfg.kv_dim + cfg.num_heads * cfg.head_dim + h + 3 * f + h
                + cfg.vocab_size + widest // QK + h // QK)  # ... xd, xd16
-        kv = cfg.num_layers * 2 * ctx * cfg.num_kv_heads * cfg.head_dim * np.dtype(KV_CACHE_TYPES[kv_cache]).itemsize
+        kv = cfg.num_layers * 2 * ctx * cfg.num_kv_heads * cfg.head_dim * np.dtype(kv_cache_type(kv_cache)).itemsize
         f32 += prod(attention_decode_partials(ctx, cfg.num_heads, cfg.head_dim))
         # + xq (int8), xs (int32), xq16 (int16), pos (int64)
         return kv, 4 * f32 + widest + 4 * (widest // QK) + 2 * h + 8 + kv

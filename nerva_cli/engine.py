@@ -15,7 +15,7 @@ from time import perf_counter_ns
 import numpy as np
 
 from nerva_cli import rope
-from nerva_cli.arena import KV_CACHE_TYPES, Arena, PrefillWorkspace
+from nerva_cli.arena import Arena, PrefillWorkspace
 from nerva_cli.config import ModelConfig
 from nerva_cli.errors import NervaError
 from nerva_cli.layout import MATRICES, layer_file
@@ -270,10 +270,8 @@ class Engine(EngineBase):
         per_layer = layer_precisions or [self.precision] * cfg.num_layers
         self.active = sorted(set(range(cfg.num_layers) if active_layers is None else active_layers))
         self.layer_precision = {i: per_layer[i] for i in self.active}
-        if kv_cache not in KV_CACHE_TYPES:
-            raise NervaError(f"--kv-cache {kv_cache}: choose one of {', '.join(KV_CACHE_TYPES)}")
         self.kv_cache = kv_cache
-        self.a = Arena(cfg, self.ctx, kv_cache)
+        self.a = Arena(cfg, self.ctx, kv_cache)  # refuses an unknown kv_cache in one line
         self.pw = PrefillWorkspace(cfg, min(prefill_rows, self.ctx), self.ctx)
         self.n_past = 0
         self.phase_ns = dict.fromkeys(PHASES, 0)
