@@ -423,12 +423,14 @@ def _dot_operands(context, builder, sig, args, n, acts):
     return a, a.row(0, r), a.row(1, r), m_row, activations
 
 
-def _prefetch(builder, base, offset):
+def _prefetch(builder, base, offset, locality=3):
+    """A read prefetch of data; locality 3 (prefetcht0) keeps it in every cache level, 1
+    (prefetcht2) from L2 outward. Past the matrix's end it asks for nothing harmful: a prefetch
+    never faults."""
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8")
-    # read, keep in all cache levels, data; past the matrix's end it asks for nothing harmful: a
-    # prefetch never faults
-    builder.call(fn, [builder.gep(base, [offset]), ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+    builder.call(fn, [builder.gep(base, [offset]), ir.Constant(_I32, 0), ir.Constant(_I32, locality),
+                      ir.Constant(_I32, 1)])
 
 
 # How far ahead the matvecs ask the cache for codes. The hardware prefetcher does not ramp up over
@@ -1536,6 +1538,15 @@ _ATT_SCORES = _geometry["_ATT_SCORES"]
 # 64 54.6, 96 56.6, 128 59.7; by bytes, 12, 16, 20 and 24 KB: 60.2, 56.5, 56.1, 58.1. Before a
 # split interleaved its kv heads: no prefetch 98, and 88 without the V rows where 65 with them.
 _ATT_AHEAD_BYTES = 16 << 10
+# Both into L2 (prefetcht2), not L1 as the matvecs' (t0): a pass reads a kv head's 128 bytes of
+# each 384-byte row, a stride the hardware prefetchers do not follow, and prefetches into L1 held
+# the misses to L1's few fill buffers. 30 layers' caches at 1800 positions on the 2-core Zen 4
+# EPYC, one and two threads, us a layer (scripts/cpu_attention_bench.py, alternating, two rounds):
+# K and V into L1 200-212 and 96-118, K into L2 130-149 and 67-103, V into L2 154-165 and 81-83,
+# both 114-130 and 61-71; at 4000 positions 437 and 247 -> 251 and 174; 300 positions (in cache)
+# 16.9 and 10.2 -> 14.3 and 12.3. The matvecs' row streams, by contrast, lose with t2: W4A8 from
+# DRAM 131072 x 576 16.1-18.3 -> 12.0 GB/s on one thread.
+_ATT_PREFETCH_LOCALITY = 1
 
 
 def _intp(context, builder, sig, args, i):
@@ -1682,8 +1693,8 @@ def _att_scores(typingctx, q, h0, pack, k_cache, v_cache, kv, c0, n, scale, s, p
                 qv = [_floats_at(builder, row, c, _F32, mask) for row in q_rows]
                 at = builder.mul(c, chunk_bytes)
                 for p in range(_ATT_BLOCK):
-                    _prefetch(builder, rows[p], builder.add(at, ahead))
-                    _prefetch(builder, v_rows[p], at)
+                    _prefetch(builder, rows[p], builder.add(at, ahead), _ATT_PREFETCH_LOCALITY)
+                    _prefetch(builder, v_rows[p], at, _ATT_PREFETCH_LOCALITY)
                     k = _floats_at(builder, rows[p], c, cache.elt, mask)
                     for j in range(heads):
                         builder.store(_fmuladd(builder, qv[j], k, builder.load(acc[j][p])), acc[j][p])
