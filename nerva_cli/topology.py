@@ -16,6 +16,7 @@ from nerva_cli import store
 from nerva_cli.machine import cpu_name, physical_cores
 
 SIMD = {"avx2": ("avx2",), "avx512f": ("avx512f",), "vnni": ("avx512_vnni", "avx_vnni"),
+        "avx512bf16": ("avx512_bf16",),  # the cpu backend's W4A16 runs bf16 dot products with it
         "amx": ("amx_tile",), "neon": ("asimd", "neon")}
 CHUNK = 4 << 20  # O_DIRECT reads: 4 MB preadv calls into one aligned buffer
 

@@ -27,7 +27,7 @@ SCHEMA = {
         "cpu": {"type": "object", "required": ["model", "physical_cores", "logical_cores", "simd"],
                 "properties": {"model": {"type": "string"}, "physical_cores": {"type": "integer", "minimum": 1},
                                "logical_cores": {"type": "integer", "minimum": 1},
-                               "simd": {"type": "object", "required": ["avx2", "avx512f", "vnni", "amx", "neon"],
+                               "simd": {"type": "object", "required": ["avx2", "avx512f", "vnni", "avx512bf16", "amx", "neon"],
                                         "additionalProperties": {"type": "boolean"}}}},
         "memory": {"type": "object", "required": ["total_bytes", "available_bytes"],
                    "properties": {"total_bytes": {"type": "integer", "minimum": 1},
