@@ -4,6 +4,7 @@ and the bundled SmolLM2 converted once per session."""
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -28,6 +29,16 @@ def nerva_home(tmp_path, monkeypatch):
     home = tmp_path / "nerva-home"
     monkeypatch.setenv("NERVA_HOME", str(home))
     return home
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a fresh module (the scripts are not a package; tests may change a
+    module's globals, so none is shared)."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture

@@ -633,15 +633,11 @@ def test_gpu_attention_bench_script_times_each_shape(cuda_device, monkeypatch, t
     """scripts/gpu_attention_bench.py, which gpu_check.sh's extra stage runs: its launches go
     through the engine's own launch code, one JSON row a shape. The emulation times nothing and
     CI's torch has no CUDA, so only the rows' shape and the peer's absence are checked here."""
-    import importlib.util
-
+    from conftest import load_script
     from nerva_cli.backends import cuda
     from nerva_cli.backends.cuda import prefill_splits
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_attention_bench.py"
-    spec = importlib.util.spec_from_file_location("gpu_attention_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("gpu_attention_bench")
     bench.SHAPES = {"gqa": (4, 2, 64, 40, 0), "gqa after 300": (4, 2, 64, 9, 300)}
     monkeypatch.setattr(cuda, "CupyDevice", lambda: cuda_device)
     out = tmp_path / "attention.json"
@@ -665,14 +661,10 @@ def test_gpu_matvec_sweep_script_launches_through_the_engine(cuda_device, precis
     which once broke unseen when the matvec's arguments changed: its launches go through
     Kernels.matvec with MV_ROWS and MV_THREADS set to each pair, restored after. On the emulation
     (the kernels as compiled here, 8 rows by up to 128 threads) only that it runs is checked."""
-    import importlib.util
-
+    from conftest import load_script
     from nerva_cli.backends import cuda
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_matvec_sweep.py"
-    spec = importlib.util.spec_from_file_location("gpu_matvec_sweep", path)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = load_script("gpu_matvec_sweep")
     name = sweep.kernel_name(precision, kind)
     stem = {"q4_0": "q4", "q4_1": "q4_1", "q8_0": "q8_0"}[kind]
     assert name == f"matvec_{stem}_{precision.replace('w4', 'w8') if kind == 'q8_0' else precision}"

@@ -3,23 +3,16 @@ must stay in RAM) plus a fraction of the layers, so the engine accepts it and pa
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
+from conftest import load_script
 from nerva_cli.engine import Engine
 from nerva_cli.pull import pull
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "paged_bench.py"
 
 
 @pytest.fixture(scope="module")
 def paged_bench():
-    spec = importlib.util.spec_from_file_location("paged_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("paged_bench")
 
 
 @pytest.mark.parametrize("variant", ["q4_0", "q4_1"])

@@ -3,23 +3,17 @@ reads (scripts/compare_llamacpp.py --gguf): gguf-py, not nerva, decodes what it 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")
+from conftest import load_script
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "synthetic_model.py"
+gguf = pytest.importorskip("gguf")
 
 
 @pytest.fixture(scope="module")
 def synthetic():
-    spec = importlib.util.spec_from_file_location("synthetic_model", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("synthetic_model")
 
 
 def weights_from_planes(qs, d, m):
