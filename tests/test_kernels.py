@@ -862,16 +862,17 @@ def test_attention_decode_in_splits_of_the_positions(rng, splits, n, cache):
     want, got = np.empty_like(q), np.empty_like(q)
     ref.attention_decode(q, k, v, n, want)
     part = np.full((splits, heads, dim + 2), np.nan, np.float32)  # the kernel writes all it reads
-    cpu._attention_decode(q, cpu._cache_operand(k), cpu._cache_operand(v), n, got, part, 16)
+    cpu.attention_kernel(heads, kv_heads)(q, cpu._cache_operand(k), cpu._cache_operand(v), n, got, part, 16)
     assert rel(got, want) < ATT_TOL
 
 
-def _serial_attention():
+def _serial_attention(heads, kv_heads):
     """A fresh, uncached, serial build of the cpu decode attention: it lowers the IR as the
     module's settings stand when it is first called."""
     from numba import njit
 
-    return njit(nogil=True, fastmath=cpu._FAST)(cpu._attention_decode.py_func)
+    kernel = cpu._attention_decode_for(*cpu.pack_sizes(heads, kv_heads))
+    return njit(nogil=True, fastmath=cpu._FAST)(kernel.py_func)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (14, 2, 40), (5, 5, 18)])
@@ -888,7 +889,7 @@ def test_attention_decode_avx2_geometry(rng, monkeypatch, heads, kv_heads, head_
     ref.attention_decode(q, k, v, n, want)
     for name, value in cpu.attention_geometry(avx512=False).items():
         monkeypatch.setattr(cpu, name, value)
-    kernel = _serial_attention()
+    kernel = _serial_attention(heads, kv_heads)
     part = np.full((3, heads, head_dim + 2), np.nan, np.float32)
     kernel(q, cpu._cache_operand(k), cpu._cache_operand(v), n, got, part, 2)
     llvm = next(iter(kernel.inspect_llvm().values()))
@@ -1001,9 +1002,9 @@ def test_decode_kernels_do_not_allocate(rng):
                                     np.empty((5, n // 32), np.float32), np.empty((5, 40), np.float32)[:, 2:39]))]
           if cpu._AVX512BF16 else []),
         (cpu.silu_mul, (np.concatenate([x, w]), out)),
-        (cpu._attention_decode, (q[0], kc, vc, 9, att, part, 2)),
-        (cpu._attention_decode, (q[0], kc.astype(np.float16).view(np.uint16), vc.astype(np.float16).view(np.uint16),
-                                 9, att, part, 2)),
+        (cpu.attention_kernel(heads, kv), (q[0], kc, vc, 9, att, part, 2)),
+        (cpu.attention_kernel(heads, kv), (q[0], kc.astype(np.float16).view(np.uint16),
+                                           vc.astype(np.float16).view(np.uint16), 9, att, part, 2)),
         (cpu._embed_q4, (qs, d16, None, 5, out)),
         (cpu._embed_q4, (qs, d16, m16, 5, out)),
         (cpu._w8a16, (q8, d8, *act_q16(cpu, x), mv)),

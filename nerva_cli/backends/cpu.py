@@ -1784,7 +1784,8 @@ def _att_values(typingctx, s, pack, v_cache, kv, c0, n, acc, h0):
 def attention_decode(q, k_cache, v_cache, n_ctx, out, part):
     """k_cache, v_cache: the layer's whole cache [ctx, kv_heads, head_dim], of which n_ctx rows
     count; part: attention_decode_partials(ctx, heads, head_dim) floats, the splits' partials."""
-    _attention_decode(q, _cache_operand(k_cache), _cache_operand(v_cache), n_ctx, out, part, _threads[0])
+    attention_kernel(q.shape[0], k_cache.shape[1])(q, _cache_operand(k_cache), _cache_operand(v_cache), n_ctx, out,
+                                                   part, _threads[0])
 
 
 @njit(cache=True)
@@ -1799,103 +1800,119 @@ def decode_splits(n_ctx, row_bytes, threads):
     return max(1, min(most, (n_ctx + _ATT_CHUNK - 1) // _ATT_CHUNK))
 
 
-@njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
-def _att_pack_scores(q, h0, size, k_cache, v_cache, kv, c0, n, scale, s, peaks):
-    if size == 3:  # the pack sizes as literals: each compiles with its own registers
-        _att_scores(q, h0, 3, k_cache, v_cache, kv, c0, n, scale, s, peaks)
-    elif size == 2:
-        _att_scores(q, h0, 2, k_cache, v_cache, kv, c0, n, scale, s, peaks)
-    else:
-        _att_scores(q, h0, 1, k_cache, v_cache, kv, c0, n, scale, s, peaks)
+def _attention_decode_for(big: int, small: int):
+    """The decode attention kernel for query-head packs of `big` and `small` heads
+    (pack_sizes), their score and value steps compiled for those sizes alone: compiling every
+    size up to _ATT_PACK took 5.1 s of a machine's first run where SmolLM2's one size takes 3.1
+    (the 2-core Zen 4 EPYC). numba caches each pair's kernel apart (the closure's values are
+    part of its cache key)."""
+
+    @njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
+    def _attention_decode(q, k_cache, v_cache, n_ctx, out, part, threads):
+        # A unit of work is a split of the positions. It runs an online softmax over them in chunks
+        # of 64, taking every kv head's query heads in turn on a chunk (in packs of at most
+        # _ATT_PACK heads, as even as they divide), so a chunk's K and V rows are read whole while
+        # they are in cache: _att_scores writes a pack's scores and their max, each head's max m
+        # rescales what it accumulated by exp(m_old - m), its weights exp(s - m) are taken in one
+        # vectorised loop, and _att_values adds the weighted V rows. A split accumulates in its
+        # `part` rows: per head sum_t exp(s_t - m) v_t, then m and sum_t exp(s_t - m), which the merge
+        # rescales to the largest m. The cache is f16 (uint16 bits) or f32, one compiled version each.
+        #
+        # Against the kernel before (a query head at a time, its K and V rows widened for each head,
+        # sums reduced a position at a time), on the 2-core AMD EPYC, scripts/cpu_attention_bench.py,
+        # the two alternating over two rounds (SmolLM2's shape: 9 heads, 3 kv heads, 64 dims, f16; 30
+        # layers' caches): 1800 positions 111-113 -> 53-58 us a layer on one thread and 60-61 -> 30-34
+        # on two, 300 positions 15.5-16.7 -> 8.5-8.6 and 12.1-12.4 -> 6.7-7.3; one cache of 900
+        # positions (in L2) 38.5-40.0 -> 19.8-20.3. Compiled for AVX2 alone (NUMBA_CPU_NAME=haswell,
+        # before the value steps took 4 vectors) 147 -> 99 and 77 -> 51 at 1800, 17.4 -> 15.8 and
+        # 12.2 -> 11.8 at 300. Taking a split's kv heads one after another instead, each reading its
+        # 128 bytes of every 384-byte row, measured 64-67 us at 1800 on one thread where interleaving
+        # them measured 55, the same session.
+        heads, dim = q.shape
+        kv_heads = k_cache.shape[1]
+        group = heads // kv_heads
+        packs = (group + _ATT_PACK - 1) // _ATT_PACK
+        scale = F32(1) / np.sqrt(F32(dim))
+        splits = min(decode_splits(n_ctx, 2 * kv_heads * dim * k_cache.itemsize, threads), part.shape[0])
+        per_split = ((n_ctx + splits - 1) // splits + 3) // 4 * 4  # even shares, whole 4-position steps
+        for sp in prange(splits):
+            lo, hi = sp * per_split, min(n_ctx, (sp + 1) * per_split)
+            acc = part[sp]
+            s = numba.carray(_stack_f32(_ATT_SCORES), _ATT_SCORES)
+            peaks = numba.carray(_stack_f32(_ATT_PACK), _ATT_PACK)
+            for h in range(heads):
+                for i in range(dim):
+                    acc[h, i] = 0
+                acc[h, dim], acc[h, dim + 1] = -np.inf, 0
+            for c0 in range(lo, hi, _ATT_CHUNK):
+                n = min(_ATT_CHUNK, hi - c0)
+                for unit in range(kv_heads * packs):
+                    kv, pk = unit // packs, unit % packs
+                    size = group // packs + (1 if pk < group % packs else 0)
+                    h0 = kv * group + pk * (group // packs) + min(pk, group % packs)
+                    if size == big:  # the sizes as literals: each compiles with its own registers
+                        _att_scores(q, h0, big, k_cache, v_cache, kv, c0, n, scale, s, peaks)
+                    else:
+                        _att_scores(q, h0, small, k_cache, v_cache, kv, c0, n, scale, s, peaks)
+                    for j in range(size):
+                        h, sj = h0 + j, j * _ATT_CHUNK
+                        m = acc[h, dim]
+                        chunk_max = max(m, peaks[j])
+                        if m > F32(-np.inf):
+                            alpha = _exp_nonpositive(m - chunk_max)
+                            acc[h, dim + 1] *= alpha
+                            for i in range(dim):
+                                acc[h, i] *= alpha
+                        acc[h, dim] = chunk_max
+                        weights = F32(0)
+                        for u in range(n):
+                            e = _exp_nonpositive(s[sj + u] - chunk_max)
+                            s[sj + u] = e
+                            weights += e
+                        acc[h, dim + 1] += weights
+                    if size == big:
+                        _att_values(s, big, v_cache, kv, c0, n, acc, h0)
+                    else:
+                        _att_values(s, small, v_cache, kv, c0, n, acc, h0)
+        for h in range(heads):  # plain loops: an array expression here would be a parfor (a launch) a head
+            m = part[0, h, dim]
+            for sp in range(1, splits):
+                m = max(m, part[sp, h, dim])
+            total = F32(0)
+            acc = out[h]
+            for i in range(dim):
+                acc[i] = 0
+            for sp in range(splits):
+                weight = _exp_nonpositive(part[sp, h, dim] - m)  # a split that saw no position holds zeros
+                total += weight * part[sp, h, dim + 1]
+                for i in range(dim):
+                    acc[i] += weight * part[sp, h, i]
+            inv = F32(1) / total
+            for i in range(dim):
+                acc[i] *= inv
+
+    return _attention_decode
 
 
-@njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
-def _att_pack_values(s, size, v_cache, kv, c0, n, acc, h0):
-    if size == 3:
-        _att_values(s, 3, v_cache, kv, c0, n, acc, h0)
-    elif size == 2:
-        _att_values(s, 2, v_cache, kv, c0, n, acc, h0)
-    else:
-        _att_values(s, 1, v_cache, kv, c0, n, acc, h0)
+_attention_kernels: dict = {}  # (big, small) -> its kernel, made once
 
 
-@njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
-def _attention_decode(q, k_cache, v_cache, n_ctx, out, part, threads):
-    # A unit of work is a split of the positions. It runs an online softmax over them in chunks
-    # of 64, taking every kv head's query heads in turn on a chunk (in packs of at most
-    # _ATT_PACK heads, as even as they divide), so a chunk's K and V rows are read whole while
-    # they are in cache: _att_scores writes a pack's scores and their max, each head's max m
-    # rescales what it accumulated by exp(m_old - m), its weights exp(s - m) are taken in one
-    # vectorised loop, and _att_values adds the weighted V rows. A split accumulates in its
-    # `part` rows: per head sum_t exp(s_t - m) v_t, then m and sum_t exp(s_t - m), which the merge
-    # rescales to the largest m. The cache is f16 (uint16 bits) or f32, one compiled version each.
-    #
-    # Against the kernel before (a query head at a time, its K and V rows widened for each head,
-    # sums reduced a position at a time), on the 2-core AMD EPYC, scripts/cpu_attention_bench.py,
-    # the two alternating over two rounds (SmolLM2's shape: 9 heads, 3 kv heads, 64 dims, f16; 30
-    # layers' caches): 1800 positions 111-113 -> 53-58 us a layer on one thread and 60-61 -> 30-34
-    # on two, 300 positions 15.5-16.7 -> 8.5-8.6 and 12.1-12.4 -> 6.7-7.3; one cache of 900
-    # positions (in L2) 38.5-40.0 -> 19.8-20.3. Compiled for AVX2 alone (NUMBA_CPU_NAME=haswell,
-    # before the value steps took 4 vectors) 147 -> 99 and 77 -> 51 at 1800, 17.4 -> 15.8 and
-    # 12.2 -> 11.8 at 300. Taking a split's kv heads one after another instead, each reading its
-    # 128 bytes of every 384-byte row, measured 64-67 us at 1800 on one thread where interleaving
-    # them measured 55, the same session.
-    heads, dim = q.shape
-    kv_heads = k_cache.shape[1]
+def attention_kernel(heads: int, kv_heads: int):
+    """The decode attention kernel for heads query heads over kv_heads kv heads:
+    kernel(q, k_cache, v_cache, n_ctx, out, part, threads), caches as _cache_operand gives them."""
+    sizes = pack_sizes(heads, kv_heads)
+    kernel = _attention_kernels.get(sizes)
+    if kernel is None:
+        kernel = _attention_kernels[sizes] = _attention_decode_for(*sizes)
+    return kernel
+
+
+def pack_sizes(heads: int, kv_heads: int) -> tuple[int, int]:
+    """The sizes a kv head's query heads split into: packs of at most _ATT_PACK, as even as they
+    divide (SmolLM2's groups of 3: 3 and 3; groups of 7: 3 and 2)."""
     group = heads // kv_heads
     packs = (group + _ATT_PACK - 1) // _ATT_PACK
-    scale = F32(1) / np.sqrt(F32(dim))
-    splits = min(decode_splits(n_ctx, 2 * kv_heads * dim * k_cache.itemsize, threads), part.shape[0])
-    per_split = ((n_ctx + splits - 1) // splits + 3) // 4 * 4  # even shares, whole 4-position steps
-    for sp in prange(splits):
-        lo, hi = sp * per_split, min(n_ctx, (sp + 1) * per_split)
-        acc = part[sp]
-        s = numba.carray(_stack_f32(_ATT_SCORES), _ATT_SCORES)
-        peaks = numba.carray(_stack_f32(_ATT_PACK), _ATT_PACK)
-        for h in range(heads):
-            for i in range(dim):
-                acc[h, i] = 0
-            acc[h, dim], acc[h, dim + 1] = -np.inf, 0
-        for c0 in range(lo, hi, _ATT_CHUNK):
-            n = min(_ATT_CHUNK, hi - c0)
-            for unit in range(kv_heads * packs):
-                kv, pk = unit // packs, unit % packs
-                size = group // packs + (1 if pk < group % packs else 0)
-                h0 = kv * group + pk * (group // packs) + min(pk, group % packs)
-                _att_pack_scores(q, h0, size, k_cache, v_cache, kv, c0, n, scale, s, peaks)
-                for j in range(size):
-                    h, sj = h0 + j, j * _ATT_CHUNK
-                    m = acc[h, dim]
-                    chunk_max = max(m, peaks[j])
-                    if m > F32(-np.inf):
-                        alpha = _exp_nonpositive(m - chunk_max)
-                        acc[h, dim + 1] *= alpha
-                        for i in range(dim):
-                            acc[h, i] *= alpha
-                    acc[h, dim] = chunk_max
-                    weights = F32(0)
-                    for u in range(n):
-                        e = _exp_nonpositive(s[sj + u] - chunk_max)
-                        s[sj + u] = e
-                        weights += e
-                    acc[h, dim + 1] += weights
-                _att_pack_values(s, size, v_cache, kv, c0, n, acc, h0)
-    for h in range(heads):  # plain loops: an array expression here would be a parfor (a launch) a head
-        m = part[0, h, dim]
-        for sp in range(1, splits):
-            m = max(m, part[sp, h, dim])
-        total = F32(0)
-        acc = out[h]
-        for i in range(dim):
-            acc[i] = 0
-        for sp in range(splits):
-            weight = _exp_nonpositive(part[sp, h, dim] - m)  # a split that saw no position holds zeros
-            total += weight * part[sp, h, dim + 1]
-            for i in range(dim):
-                acc[i] += weight * part[sp, h, i]
-        inv = F32(1) / total
-        for i in range(dim):
-            acc[i] *= inv
+    return (group + packs - 1) // packs, group // packs
 
 
 # -- a decode layer in a few calls ----------------------------------------------------------------
@@ -2014,13 +2031,14 @@ def decode_layer_halves(layer, a, cfg, cos, sin):
     inputs = (a.x, layer.attn_norm, cfg.rms_eps, a.xn, a.xq, x_pairs, a.xd, a.xs, w4a8, *planes(m["qkv"]),
               layer.qkv_bias, layer.q_norm, layer.k_norm, a.qkv, cfg.num_heads, cfg.num_kv_heads, a.pos,
               cos, sin, k_cache, v_cache)
+    attend = attention_kernel(cfg.num_heads, cfg.num_kv_heads)
     o = (*planes(m["o"]), a.attn_flat, a.xq, x_pairs, a.xd, a.xs, w4a8, a.o)
     mlp = (a.o, a.x, layer.mlp_norm, cfg.rms_eps, a.xn, a.xq, x_pairs, a.xd, a.xs, w4a8, *planes(m["gate_up"]),
            a.gate_up, a.act, *planes(m["down"]), a.down)
 
     def attention(n_ctx):
         _attention_inputs(*inputs)
-        _attention_decode(a.q, k_cache, v_cache, n_ctx, a.attn, a.att_part, _threads[0])
+        attend(a.q, k_cache, v_cache, n_ctx, a.attn, a.att_part, _threads[0])
         _matvec_q4(*o)
 
     return attention, lambda: _mlp(*mlp)
