@@ -1803,9 +1803,9 @@ def decode_splits(n_ctx, row_bytes, threads):
 def _attention_decode_for(big: int, small: int):
     """The decode attention kernel for query-head packs of `big` and `small` heads
     (pack_sizes), their score and value steps compiled for those sizes alone: compiling every
-    size up to _ATT_PACK took 5.1 s of a machine's first run where SmolLM2's one size takes 3.1
-    (the 2-core Zen 4 EPYC). numba caches each pair's kernel apart (the closure's values are
-    part of its cache key)."""
+    size up to _ATT_PACK took 5.1 s of a machine's first run where SmolLM2's one size takes 3.5
+    (the 2-core Zen 4 EPYC; its first `nerva run` 16.3-16.5 -> 13.7-14.9 s). numba caches each
+    pair's kernel apart (the closure's values are part of its cache key)."""
 
     @njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
     def _attention_decode(q, k_cache, v_cache, n_ctx, out, part, threads):
