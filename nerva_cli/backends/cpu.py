@@ -1803,7 +1803,7 @@ def decode_splits(n_ctx, row_bytes, threads):
 def _attention_decode_for(big: int, small: int):
     """The decode attention kernel for query-head packs of `big` and `small` heads
     (pack_sizes), their score and value steps compiled for those sizes alone: compiling every
-    size up to _ATT_PACK took 5.1 s of a machine's first run where SmolLM2's one size takes 3.5
+    size up to _ATT_PACK took 5.1 s of a machine's first run where SmolLM2's one size takes 3.0-3.2
     (the 2-core Zen 4 EPYC; its first `nerva run` 16.3-16.5 -> 13.7-14.9 s). numba caches each
     pair's kernel apart (the closure's values are part of its cache key)."""
 
@@ -1850,7 +1850,9 @@ def _attention_decode_for(big: int, small: int):
                     kv, pk = unit // packs, unit % packs
                     size = group // packs + (1 if pk < group % packs else 0)
                     h0 = kv * group + pk * (group // packs) + min(pk, group % packs)
-                    if size == big:  # the sizes as literals: each compiles with its own registers
+                    # the sizes as literals, each compiled with its own registers; big == small is
+                    # a constant, so one size compiles one step
+                    if big == small or size == big:
                         _att_scores(q, h0, big, k_cache, v_cache, kv, c0, n, scale, s, peaks)
                     else:
                         _att_scores(q, h0, small, k_cache, v_cache, kv, c0, n, scale, s, peaks)
@@ -1870,7 +1872,7 @@ def _attention_decode_for(big: int, small: int):
                             s[sj + u] = e
                             weights += e
                         acc[h, dim + 1] += weights
-                    if size == big:
+                    if big == small or size == big:
                         _att_values(s, big, v_cache, kv, c0, n, acc, h0)
                     else:
                         _att_values(s, small, v_cache, kv, c0, n, acc, h0)
