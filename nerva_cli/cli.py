@@ -329,7 +329,7 @@ def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau
     if hasattr(engine.k, "set_threads"):
         engine.k.set_threads(threads)
     if engine.compiled_layers and not engine.k.compiled_before(decodes):
-        took = "about 20 s" if decodes else "a few seconds"
+        took = "about 15 s" if decodes else "a few seconds"
         output.info(f"compiling the CPU kernels for this machine: once, {took} on 2 cores; later runs reuse them")
     return engine, tokenizer, threads
 

@@ -2010,8 +2010,8 @@ def compiled_before(decodes: bool = True) -> bool:
     """Whether the disk cache holds compiled code for this source and the kernels a run needs:
     numba's index for `_mlp`, which only a decode compiles, standing for all of them, or for
     `_causal_softmax` when the run only prefills (`-n 1`). False on a machine's first run, when
-    compiling them takes a while (SmolLM2 on the 2-core Zen 4 EPYC, the run's wall time: 6 s for a
-    prefill's, 10 s more for a decode's)."""
+    compiling them takes a while (SmolLM2 on the 2-core Zen 4 EPYC, the run's wall time: 5.5 s for
+    a prefill's, 8 s more for a decode's)."""
     kernel = _mlp if decodes else _causal_softmax
     try:
         return bool(kernel._cache._cache_file._load_index())
