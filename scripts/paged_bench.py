@@ -51,6 +51,8 @@ def ram_budget(model, ctx: int, layer_fraction: float) -> int:
 
 def main() -> None:
     from compare_llamacpp import nerva_commit
+    from nerva_cli.engine import residency_plan
+    from nerva_cli.layout import layer_file
     from nerva_cli.machine import cpu_name
     from nerva_cli.store import find_model
 
@@ -66,9 +68,6 @@ def main() -> None:
         sys.exit(pulled.stderr.strip().splitlines()[-1])
     model = find_model(ref)
     budget = ram_budget(model, CTX, LAYER_FRACTION)
-    from nerva_cli.engine import residency_plan
-    from nerva_cli.layout import layer_file
-
     # the probes read what the pager reads, in its order
     layer_files = [model.path / layer_file(i) for i in residency_plan(model, CTX, budget).paged_layers]
     rows, probes = {}, {}
