@@ -257,8 +257,11 @@ def _ram_budget(model, backend: str, ctx, budget, mode: str, kv_cache: str = "f1
     from nerva_cli.residency import available_ram
 
     if budget is None:
+        try:
+            room = int(available_ram() * 0.9)
+        except (OSError, ValueError):  # no MemAvailable and no SC_AVPHYS_PAGES (macOS): no default
+            return None
         need = residency_plan(model, ctx, None, kv_cache=kv_cache).used_bytes
-        room = int(available_ram() * 0.9)
         if need <= room:
             return None
         output.note(f"{model.name} needs {output.human_bytes(need)} of RAM here and "

@@ -211,6 +211,13 @@ def test_without_a_budget_a_model_larger_than_the_ram_available_pages(deep_tiny,
     code, _, err = cli(*greedy_run)
     assert code == 1 and "smallest budget that works" in err
 
+    def unknown():  # a system without MemAvailable or SC_AVPHYS_PAGES
+        raise ValueError("unrecognized configuration name")
+
+    monkeypatch.setattr(residency, "available_ram", unknown)
+    code, out, err = cli(*greedy_run)
+    assert code == 0 and out == resident and "stream from disk" not in err, err
+
 
 def test_fitting_ctx_is_the_longest_context_that_fits(rng):
     for _ in range(200):
