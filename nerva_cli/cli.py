@@ -369,7 +369,7 @@ def run(
     ledger_every: Annotated[int, typer.Option("--ledger-every", help="With --ledger: show every Nth token (the summary counts all).")] = 1,
     ledger_file: Annotated[Optional[Path], typer.Option("--ledger-file", help="Write the ledger as JSON lines to this file.")] = None,
 ):
-    """Chat with a model, or answer one prompt (-p)."""
+    """Chat with a model (in the chat, /? lists its commands), or answer one prompt (-p)."""
     threads = _threads(threads)
     from nerva_cli import output
     from nerva_cli.chat import ChatSession
@@ -392,7 +392,7 @@ def run(
 
     book = Ledger(engine, tokenizer, ledger_file) if ledger or ledger_file else None
     session = ChatSession(engine, tokenizer, opts, max_tokens=max_tokens, raw=raw, system=system,
-                          stops=stop or [], ledger=book)
+                          stops=stop or [], ledger=book, note=output.note)
     try:
         if prompt is not None:
             stats = session.answer(prompt, write=_write_stdout)
@@ -402,7 +402,11 @@ def run(
             if ledger:
                 book.print_table(output.err, ledger_every)
             return
-        _chat_loop(session, verbose, book if ledger else None, ledger_every)
+        from nerva_cli.repl import chat_loop
+
+        gpu = getattr(engine, "dev", None)
+        runtime = f"cuda on {gpu.name}" if gpu else f"{engine.backend}, {threads} threads"
+        chat_loop(session, _write_stdout, runtime, verbose, _stats_line, book if ledger else None, ledger_every)
     finally:
         if book:
             book.close()
@@ -418,36 +422,6 @@ def _stats_line(stats) -> str:
     return (f"prompt {stats.prompt_tokens} tok, {stats.prefill_tok_s:.1f} tok/s | "
             f"answer {stats.gen_tokens} tok, {stats.decode_tok_s:.1f} tok/s | "
             f"ttft {stats.ttft_s * 1000:.0f} ms | stop: {stats.stop_reason}")
-
-
-def _chat_loop(session, verbose: bool, book=None, every: int = 1) -> None:
-    from nerva_cli import output
-
-    output.info("Type a message; /bye or Ctrl-D to leave, Ctrl-C stops an answer, /clear forgets the chat.")
-    while True:
-        try:
-            line = input(">>> ")
-        except EOFError:
-            _write_stdout("\n")
-            return
-        except KeyboardInterrupt:
-            _write_stdout("\nUse Ctrl-D or /bye to exit.\n")
-            continue
-        if line.strip() in ("/bye", "/exit", "/quit"):
-            return
-        if line.strip() == "/clear":
-            session.clear()
-            output.info("chat cleared")
-            continue
-        if not line.strip():
-            continue
-        stats = session.answer(line, write=_write_stdout)
-        _write_stdout("\n\n" if stats.stop_reason != "interrupted" else "\n^C\n\n")
-        if verbose:
-            output.info(_stats_line(stats))
-        if book is not None:
-            book.print_table(output.err, every)
-            book.records.clear()
 
 
 @app.command(epilog="Examples: nerva topology | nerva topology --probe --json | "

@@ -132,8 +132,10 @@ def measure(model: StoredModel, prompts: list[str], backend: str = "cpu", progre
     from nerva_cli.layout import layer_file
 
     t0 = time.perf_counter()
-    ids = calibration_ids(model, prompts)
     cfg = model.config
+    if progress:  # before the engine, whose first build compiles the prefill kernels
+        progress("starting", 0, cfg.num_layers)
+    ids = calibration_ids(model, prompts)
     precision = profiling_precision(model)
     # the f32 KV cache: a profile is computed once and cached, so it takes the exact arithmetic
     longest = max(map(len, ids))  # a prompt goes through a layer in one pass

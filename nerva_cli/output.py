@@ -35,18 +35,26 @@ def info(msg: str) -> None:
 
 @contextmanager
 def step_progress(title: str):
-    """Yields a callback (what, done, total); a bar on a terminal, one line per 25% when piped."""
+    """Yields a callback (what, done, total); a bar on a terminal, one line per 25% when piped.
+    Nothing shows before the first call: a step found done (a cached profile) shows nothing."""
     if err.is_terminal:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        with Progress(TextColumn(f"{title} [bold]{{task.description}}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=err, transient=True) as bar:
-            task = bar.add_task("", total=None)
+        bar = Progress(TextColumn(f"{title} [bold]{{task.description}}"), BarColumn(), MofNCompleteColumn(),
+                       TimeElapsedColumn(), console=err, transient=True)
+        task = []
 
-            def update(what: str, done: int, total: int) -> None:
-                bar.update(task, description=what, completed=done, total=total)
+        def update(what: str, done: int, total: int) -> None:
+            if not task:
+                bar.start()
+                task.append(bar.add_task("", total=None))
+            bar.update(task[0], description=what, completed=done, total=total)
 
+        try:
             yield update
+        finally:
+            if task:
+                bar.stop()
     else:
         last = [-1]
 

@@ -22,7 +22,7 @@ class SamplingOptions:
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN too
             raise NervaError(f"--temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise NervaError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}")
@@ -30,7 +30,7 @@ class SamplingOptions:
             raise NervaError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.repeat_last_n < 0:
             raise NervaError(f"repeat_last_n must be >= 0 (0 disables the penalty), got {self.repeat_last_n}")
-        if self.repeat_penalty <= 0:
+        if not self.repeat_penalty > 0:
             raise NervaError(f"--repeat-penalty must be > 0, got {self.repeat_penalty}")
 
 

@@ -38,3 +38,28 @@ def test_chat_turns_bye_and_ctrl_d(tiny_models, tmp_path, nerva_home):
     chat.expect(pexpect.EOF)
     chat.close()
     assert chat.exitstatus == 0
+
+
+def test_chat_commands_and_a_multi_line_message(tiny_models, tmp_path, nerva_home):
+    model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+    chat = spawn(model.path, nerva_home)
+    chat.expect(">>> ")
+    chat.sendline("/?")
+    chat.expect(">>> ")
+    assert "/set parameter NAME VALUE" in chat.before and '"""' in chat.before
+    chat.sendline("/set parameter top_p 7")  # refused in one line; the chat goes on
+    chat.expect(">>> ")
+    assert "error: /set parameter top_p" in chat.before
+    chat.sendline('"""the quick')
+    chat.expect(r"\.\.\. ")
+    chat.sendline('brown fox"""')
+    chat.expect(">>> ")
+    chat.sendline("/show info")
+    chat.expect(">>> ")
+    assert "tokens in use" in chat.before and "Traceback" not in chat.before
+    used = int(chat.before.split("context")[1].split()[0])
+    assert used > 0  # the two-line message was answered
+    chat.sendline("/bye")
+    chat.expect(pexpect.EOF)
+    chat.close()
+    assert chat.exitstatus == 0

@@ -1,0 +1,185 @@
+"""The interactive chat of `nerva run`, as ollama's: line editing and history where Python has
+readline, \"\"\" around a message of several lines, and slash commands that change the chat
+without leaving it. A bad command or a message that cannot fit prints one error line; the chat
+goes on."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+from nerva_cli import output
+from nerva_cli.errors import NervaError
+from nerva_cli.sampling import SamplingOptions
+
+# ollama's parameter names, each with the type its value is read as
+PARAMETERS = {"temperature": float, "top_k": int, "top_p": float, "repeat_penalty": float, "repeat_last_n": int,
+              "seed": int, "num_predict": int, "stop": str}
+
+COMMANDS = (
+    ("/set parameter NAME VALUE", f"change a sampling parameter ({', '.join(PARAMETERS)})"),
+    ("/set system TEXT", "the system message from the next message on (no TEXT: none)"),
+    ("/show info", "the model, each layer's precision, the context, the backend"),
+    ("/show parameters", "the sampling parameters in force"),
+    ("/clear", "forget the conversation"),
+    ("/bye", "leave (Ctrl-D too)"),
+    ('"""', 'begin and end a message of several lines'),
+    ("/?", "this list"),
+)
+
+BLOCK = '"""'
+
+
+def read_message(read=input) -> str:
+    """One message: a line, or the lines from one that starts with \"\"\" to one that ends with
+    it. EOFError at the end of input; KeyboardInterrupt (Ctrl-C) drops a half-typed block."""
+    line = read(">>> ")
+    if not line.lstrip().startswith(BLOCK):
+        return line
+    text = line.lstrip()[len(BLOCK):]
+    lines = []
+    while not text.rstrip().endswith(BLOCK):
+        lines.append(text)
+        text = read("... ")
+    lines.append(text.rstrip()[: -len(BLOCK)])
+    return "\n".join(lines).strip("\n")
+
+
+def chat_loop(session, write, runtime: str, verbose: bool = False, stats_line=None, book=None,
+              every: int = 1) -> None:
+    """`runtime`: the backend and threads, as /show info tells them."""
+    _line_editing()
+    output.info("Type a message; /? lists the commands, /bye or Ctrl-D leaves, Ctrl-C stops an answer.")
+    while True:
+        try:
+            text = read_message()
+        except EOFError:
+            write("\n")
+            return
+        except KeyboardInterrupt:
+            write("\nUse Ctrl-D or /bye to exit.\n")
+            continue
+        if not text.strip():
+            continue
+        try:
+            if text.lstrip().startswith("/") and "\n" not in text:  # a """ block is always a message
+                if command(session, text.strip(), write, runtime) == "bye":
+                    return
+                continue
+            stats = session.answer(text, write=write)
+        except NervaError as e:
+            output.err.print(f"error: {e}", markup=False, highlight=False)
+            continue
+        write("\n\n" if stats.stop_reason != "interrupted" else "\n^C\n\n")
+        if verbose and stats_line:
+            output.info(stats_line(stats))
+        if book is not None:
+            book.print_table(output.err, every)
+            book.records.clear()
+
+
+def command(session, line: str, write, runtime: str = "") -> str | None:
+    """Runs one slash command; "bye" when the chat should end. NervaError for a bad one."""
+    words = line.split()
+    head = words[0]
+    if head in ("/bye", "/exit", "/quit"):
+        return "bye"
+    if head in ("/?", "/help"):
+        width = max(len(c) for c, _ in COMMANDS)
+        write("".join(f"  {c.ljust(width)}  {what}\n" for c, what in COMMANDS))
+    elif head == "/clear":
+        session.clear()
+        output.info("chat cleared")
+    elif head == "/set" and len(words) >= 2 and words[1] == "system":
+        text = line.split(None, 2)[2] if len(words) > 2 else None
+        if session.raw:
+            raise NervaError("/set system: --raw sends no chat template, so no system message")
+        session.set_system(text)
+        output.info("system message set" if text else "system message removed")
+    elif head == "/set" and len(words) >= 3 and words[1] == "parameter":
+        _set_parameter(session, words[2], words[3:])
+    elif head == "/show" and len(words) == 2 and words[1] == "info":
+        write("".join(f"  {k.ljust(12)}  {v}\n" for k, v in info(session, runtime)))
+    elif head == "/show" and len(words) == 2 and words[1] == "parameters":
+        write("".join(f"  {k.ljust(14)}  {v}\n" for k, v in parameters(session)))
+    else:
+        raise NervaError(f"unknown command {line!r}: /? lists the commands")
+    return None
+
+
+def _set_parameter(session, name: str, values: list[str]) -> None:
+    kind = PARAMETERS.get(name)
+    if kind is None:
+        raise NervaError(f"/set parameter: unknown parameter {name!r} (known: {', '.join(PARAMETERS)})")
+    if name == "stop":
+        session.stops = values  # none: no stop strings
+        output.info(f"stop set to {values}")
+        return
+    if len(values) != 1:
+        raise NervaError(f"/set parameter {name}: give one value")
+    try:
+        value = kind(values[0])
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise NervaError(f"/set parameter {name}: {values[0]!r} is not {what}") from None
+    if name == "num_predict":
+        if value < 1:
+            raise NervaError(f"/set parameter num_predict must be >= 1, got {value}")
+        session.max_tokens = value
+    else:
+        try:
+            opts = replace(session.opts, **{name: value})  # validated by SamplingOptions
+        except NervaError as e:
+            raise NervaError(f"/set parameter {name}: {e}") from None
+        session.set_options(opts)
+    output.info(f"{name} set to {value}")
+
+
+def parameters(session) -> list[tuple[str, str]]:
+    o: SamplingOptions = session.opts
+    return [("temperature", f"{o.temperature:g}"), ("top_k", str(o.top_k)), ("top_p", f"{o.top_p:g}"),
+            ("repeat_penalty", f"{o.repeat_penalty:g}"), ("repeat_last_n", str(o.repeat_last_n)),
+            ("seed", "random" if o.seed is None else str(o.seed)), ("num_predict", str(session.max_tokens)),
+            ("stop", ", ".join(map(repr, session.stops)) or "none")]
+
+
+def info(session, runtime: str) -> list[tuple[str, str]]:
+    e = session.engine
+    m, cfg = e.model, e.cfg
+    plan = e.plan
+    rows = [("model", f"{m.name}:{m.variant}  {m.path}"),
+            ("architecture", f"{cfg.family}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+                             f"{cfg.num_heads} heads ({cfg.num_kv_heads} KV), vocab {cfg.vocab_size}"),
+            ("precision", _precisions(e.layer_precision, cfg.num_layers)),
+            ("context", f"{e.n_past} of {e.ctx} tokens in use (model max {cfg.max_context})"),
+            ("backend", runtime),
+            ("residency", f"{len(plan.resident_layers)} layers resident"
+                          + (f", {len(plan.paged_layers)} paged through {plan.slots} slots"
+                             if plan.paged_layers else ""))]
+    if session.system:
+        rows.append(("system", session.system))
+    return rows
+
+
+def _precisions(per_layer: dict[int, str], n_layers: int) -> str:
+    """'w4a16 on 11, 28, 29; w4a8 on the other 27', as the run's first line says it."""
+    groups: dict[str, list[int]] = {}
+    for i, p in sorted(per_layer.items()):
+        groups.setdefault(p, []).append(i)
+    parts = sorted(groups.items(), key=lambda kv: len(kv[1]))
+    if len(parts) == 1:
+        text = f"{parts[0][0]} on all {len(parts[0][1])} layers"
+    else:
+        *small, (most, ids) = parts
+        text = "; ".join(f"{p} on {', '.join(map(str, ids))}" for p, ids in small) + f"; {most} on the other {len(ids)}"
+    skipped = n_layers - len(per_layer)
+    return text + (f"; {skipped} layers skipped (hot-only)" if skipped else "")
+
+
+def _line_editing() -> None:
+    """Arrow keys and a history for input(), where Python was built with readline."""
+    if sys.stdin.isatty():
+        try:
+            import readline  # noqa: F401  (importing it is what turns it on)
+        except ImportError:
+            pass

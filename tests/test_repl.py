@@ -1,0 +1,123 @@
+"""The chat's commands and its context handling: ChatSession over a real engine on a tiny model,
+and the slash commands of nerva_cli.repl, which must change what the next answer uses."""
+
+from __future__ import annotations
+
+import pytest
+
+from nerva_cli.chat import ChatSession
+from nerva_cli.engine import Engine
+from nerva_cli.errors import NervaError
+from nerva_cli.pull import pull
+from nerva_cli.repl import _precisions, command, info, read_message
+from nerva_cli.sampling import SamplingOptions
+from nerva_cli.tokenizer import open_tokenizer
+
+# the roles must alternate user/assistant after an optional system message, as many Hub
+# templates demand (they raise_exception otherwise): dropping old turns must keep them so
+STRICT = ("{% for m in messages %}{% if m['role'] != 'system' and (m['role'] == 'user') != "
+          "(loop.index0 % 2 == (1 if messages[0]['role'] == 'system' else 0)) %}"
+          "{{ raise_exception('roles must alternate') }}{% endif %}<s>{{ m['role'] }}: {{ m['content'] }}</s>"
+          "{% endfor %}{% if add_generation_prompt %}<s>assistant:{% endif %}")
+
+
+@pytest.fixture
+def session(tiny_models, tmp_path):
+    def make(ctx=96, max_tokens=6, system=None, raw=False):
+        model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+        engine = Engine(model, ctx=ctx)
+        tok = open_tokenizer(model.path)
+        tok.template = STRICT
+        notes = []
+        s = ChatSession(engine, tok, SamplingOptions(temperature=0), max_tokens=max_tokens, system=system,
+                        raw=raw, note=notes.append)
+        return s, notes
+    return make
+
+
+def quiet(_text):
+    pass
+
+
+def test_old_turns_are_dropped_whole_and_the_system_message_stays(session):
+    s, notes = session(ctx=96, max_tokens=6, system="be brief")
+    words = "the quick brown fox jumps over the lazy dog"
+    for _ in range(12):
+        s.answer(words, quiet)  # renders through STRICT: a broken alternation would raise here
+    assert notes, "a 96-token context cannot hold 12 turns: older ones must have been dropped"
+    assert s.messages[0] == {"role": "system", "content": "be brief"}
+    roles = [m["role"] for m in s.messages[1:]]
+    assert roles == ["user", "assistant"] * (len(roles) // 2) and len(roles) >= 2
+    assert s.engine.n_past <= s.engine.ctx
+
+
+def test_a_message_that_cannot_fit_leaves_the_conversation_as_it_was(session):
+    s, _ = session(ctx=160)
+    s.answer("the quick brown fox", quiet)
+    before = list(s.messages)
+    with pytest.raises(NervaError, match="context holds 160: raise --ctx"):
+        s.answer("fox " * 200, quiet)
+    assert s.messages == before
+    s.answer("the lazy dog", quiet)  # and the chat goes on
+    assert [m["role"] for m in s.messages] == ["user", "assistant", "user", "assistant"]
+
+
+def test_raw_one_prompt_too_long_says_raise_ctx(session):
+    s, _ = session(ctx=32, raw=True)
+    with pytest.raises(NervaError, match="the prompt takes .* tokens and the context holds 32: raise --ctx"):
+        s.answer("fox " * 100, quiet)
+
+
+def test_set_parameter_changes_the_sampler_and_rejects_bad_values(session):
+    s, _ = session()
+    command(s, "/set parameter temperature 0.5", quiet)
+    command(s, "/set parameter top_k 7", quiet)
+    command(s, "/set parameter seed 11", quiet)
+    command(s, "/set parameter num_predict 3", quiet)
+    command(s, "/set parameter stop </s> END", quiet)
+    assert (s.opts.temperature, s.opts.top_k, s.opts.seed) == (0.5, 7, 11)
+    assert s.sampler.o is s.opts and s.max_tokens == 3 and s.stops == ["</s>", "END"]
+    stats = s.answer("the quick brown fox", quiet)
+    assert stats.gen_tokens <= 3
+    for bad, why in [("/set parameter temperature -1", "must be >= 0"), ("/set parameter top_k x", "not an integer"),
+                     ("/set parameter top_p 2", r"\(0, 1\]"),
+                     ("/set parameter temperature nan", "must be >= 0"), ("/set parameter num_predict 0", ">= 1"),
+                     ("/set parameter warmth 1", "unknown parameter 'warmth'"), ("/set parameter seed", "one value"),
+                     ("/frobnicate", "unknown command")]:
+        with pytest.raises(NervaError, match=why):
+            command(s, bad, quiet)
+    assert (s.opts.temperature, s.opts.top_k) == (0.5, 7)  # a refused value changed nothing
+
+
+def test_set_system_replaces_the_system_message_and_show_tells_it(session):
+    s, _ = session(system="first")
+    s.answer("the quick brown fox", quiet)
+    command(s, "/set system talk like a pirate", quiet)
+    assert s.messages[0] == {"role": "system", "content": "talk like a pirate"} and len(s.messages) == 3
+    command(s, "/set system", quiet)
+    assert s.messages[0]["role"] == "user" and s.system is None
+    shown = []
+    command(s, "/show parameters", shown.append)
+    assert "temperature     0\n" in shown[0] and "seed            random\n" in shown[0]
+    rows = dict(info(s, "cpu, 2 threads"))
+    assert rows["backend"] == "cpu, 2 threads"
+    assert rows["context"].startswith(f"{s.engine.n_past} of 96 tokens")
+    assert rows["precision"] == f"{s.engine.precision} on all 3 layers"
+    assert command(s, "/bye", quiet) == "bye"
+
+
+@pytest.mark.parametrize("lines,want", [
+    (['"""one', "two", 'three"""'], "one\ntwo\nthree"),
+    (['"""', "a", '"""'], "a"),
+    (['"""single"""'], "single"),
+    (["plain line"], "plain line"),
+])
+def test_read_message_joins_a_triple_quoted_block(lines, want):
+    feed = iter(lines)
+    assert read_message(lambda prompt: next(feed)) == want
+
+
+def test_precisions_names_the_smaller_groups_layer_by_layer():
+    assert _precisions({0: "w4a8", 1: "w4a16", 2: "w4a8", 3: "w4a8"}, 4) == "w4a16 on 1; w4a8 on the other 3"
+    assert (_precisions({0: "w4a8", 2: "w4a16", 3: "w4a16"}, 5)
+            == "w4a8 on 0; w4a16 on the other 2; 2 layers skipped (hot-only)")
