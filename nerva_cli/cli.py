@@ -167,7 +167,7 @@ def _threads(threads: Optional[int]) -> int:
     (machine.reuse_freed_memory); call before anything imports numpy."""
     from nerva_cli.machine import limit_blas_threads, physical_cores, reuse_freed_memory
 
-    threads = threads or physical_cores()
+    threads = physical_cores() if threads is None else threads
     if threads < 1:
         raise NervaError(f"--threads must be >= 1, got {threads}")
     limit_blas_threads(threads)
@@ -289,6 +289,9 @@ def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau
     budget = parse_budget(ram_budget, "ram-budget")
     backend = backends.resolve(backend)
     model = _find_or_pull(model_ref)
+    if ctx is not None and ctx > model.config.max_context:
+        output.note(f"--ctx {ctx} is past the {model.config.max_context} tokens {model.name} was trained on; "
+                    f"using {model.config.max_context}")
     if vram_budget is not None and backend != "cuda":
         output.note(f"--vram-budget {vram_budget} is ignored: the {backend} backend holds everything in RAM")
     if kv_cache != "f16" and backend == "cuda":
@@ -379,6 +382,8 @@ def run(
                            repeat_penalty=repeat_penalty, seed=seed)
     if max_tokens < 1:
         raise NervaError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if ledger_every < 1:
+        raise NervaError(f"--ledger-every must be >= 1, got {ledger_every}")
     if words:
         if prompt is not None:
             raise NervaError(f"give the prompt once: -p or the words after the model, not both ({' '.join(words)!r})")

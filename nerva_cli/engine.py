@@ -159,6 +159,8 @@ class ResidentWeights:
 
 def context_length(cfg: ModelConfig, ctx: int | None) -> int:
     """--ctx, or min(model max, 4096) when not given; never past the model's max."""
+    if ctx is not None and ctx < 1:
+        raise NervaError(f"--ctx must be >= 1 (tokens), got {ctx}")
     return min(ctx or min(cfg.max_context, 4096), cfg.max_context)
 
 

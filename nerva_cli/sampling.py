@@ -5,6 +5,7 @@ rule ref.sampling_candidates defines, the one the cuda sampler draws by too."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,16 +23,18 @@ class SamplingOptions:
     seed: int | None = None
 
     def __post_init__(self):
-        if not self.temperature >= 0:  # NaN too
-            raise NervaError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # NaN too
+            raise NervaError(f"--temperature must be a number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise NervaError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise NervaError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.repeat_last_n < 0:
             raise NervaError(f"repeat_last_n must be >= 0 (0 disables the penalty), got {self.repeat_last_n}")
-        if not self.repeat_penalty > 0:
-            raise NervaError(f"--repeat-penalty must be > 0, got {self.repeat_penalty}")
+        if not 0 < self.repeat_penalty < math.inf:
+            raise NervaError(f"--repeat-penalty must be a number > 0, got {self.repeat_penalty}")
+        if self.seed is not None and self.seed < 0:
+            raise NervaError(f"--seed must be >= 0 (without it, a random seed), got {self.seed}")
 
 
 class Sampler:

@@ -135,6 +135,19 @@ def test_a_prompt_given_twice(tiny_models, cli, tmp_path):
     assert_refused(cli, ["run", model.path, "why", "blue", "-p", "hi", "--no-profile"], "-p", "'why blue'")
 
 
+@pytest.mark.parametrize("option,needle", [
+    (["--ctx", "0"], "--ctx must be >= 1"), (["--ctx", "-5"], "--ctx must be >= 1"),
+    (["--threads", "0"], "--threads must be >= 1"), (["--seed", "-1"], "--seed must be >= 0"),
+    (["--temperature", "inf"], "--temperature must be a number >= 0"),
+    (["--repeat-penalty", "nan"], "--repeat-penalty must be a number > 0"),
+    (["--ledger-every", "0"], "--ledger-every must be >= 1")])
+def test_run_refuses_an_out_of_range_option(tiny_models, cli, tmp_path, option, needle):
+    from nerva_cli.pull import pull
+
+    model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+    assert_refused(cli, ["run", model.path, "-p", "hi", "--no-profile", *option], needle)
+
+
 def test_target_exists_needs_force(tiny_models, cli):
     src = tiny_models("llama")
     assert cli("convert", src, "--name", "tiny", "--quant", "f16")[0] == 0

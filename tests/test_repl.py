@@ -79,9 +79,9 @@ def test_set_parameter_changes_the_sampler_and_rejects_bad_values(session):
     assert s.sampler.o is s.opts and s.max_tokens == 3 and s.stops == ["</s>", "END"]
     stats = s.answer("the quick brown fox", quiet)
     assert stats.gen_tokens <= 3
-    for bad, why in [("/set parameter temperature -1", "must be >= 0"), ("/set parameter top_k x", "not an integer"),
+    for bad, why in [("/set parameter temperature -1", "a number >= 0"), ("/set parameter top_k x", "not an integer"),
                      ("/set parameter top_p 2", r"\(0, 1\]"),
-                     ("/set parameter temperature nan", "must be >= 0"), ("/set parameter num_predict 0", ">= 1"),
+                     ("/set parameter temperature nan", "a number >= 0"), ("/set parameter num_predict 0", ">= 1"),
                      ("/set parameter warmth 1", "unknown parameter 'warmth'"), ("/set parameter seed", "one value"),
                      ("/frobnicate", "unknown command")]:
         with pytest.raises(NervaError, match=why):

@@ -17,3 +17,11 @@ def test_the_words_after_the_model_are_the_prompt_as_with_p(tiny_models, cli, tm
     assert code == 0, err
     # the same answer, and not one every prompt gets (the tiny model's greedy text depends on it)
     assert with_words == with_p and with_p.strip() and other != with_p
+
+
+def test_a_ctx_past_the_models_is_cut_to_it_with_a_note(tiny_models, cli, tmp_path):
+    model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+    most = model.config.max_context
+    code, out, err = cli("run", model.path, "-p", "hi", "-n", "2", "--no-profile", "--ctx", str(most + 1))
+    assert code == 0, err
+    assert f"note: --ctx {most + 1} is past the {most} tokens" in err and f"using {most}" in err
