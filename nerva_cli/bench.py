@@ -31,6 +31,19 @@ class BenchOptions:
     ppl_file: Path | None = None
     ppl_ctx: int = 512
 
+    def __post_init__(self):
+        self.ppl_text = None if self.ppl_file is None else read_ppl_text(self.ppl_file)  # before any run
+
+
+def read_ppl_text(path: Path) -> str:
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError as e:
+        raise NervaError(f"{path}: {e.strerror}") from None
+    if not text.strip():
+        raise NervaError(f"{path}: no text for a perplexity")
+    return text
+
 
 def synthetic_prompt(tokenizer, n: int) -> list[int]:
     ids = tokenizer.encode(PROMPT_SEED_TEXT * (n // 40 + 2), add_special=False)
@@ -59,8 +72,15 @@ def perplexity(engine, ids: list[int], window: int) -> tuple[float, int]:
 
 def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s: None) -> dict:
     if opts.prompt_tokens + opts.gen_tokens + 1 > engine.ctx:
-        raise NervaError(f"prompt {opts.prompt_tokens} + gen {opts.gen_tokens} tokens exceed the "
-                         f"context ({engine.ctx}); raise --ctx")
+        most = engine.cfg.max_context
+        raise NervaError(f"prompt {opts.prompt_tokens} + gen {opts.gen_tokens} tokens exceed the context "
+                         f"({engine.ctx}); " + ("raise --ctx" if engine.ctx < most else
+                                                f"{engine.model.name} was trained on {most} positions"))
+    ppl_ids = None
+    if opts.ppl_text is not None:
+        ppl_ids = tokenizer.encode(opts.ppl_text, add_special=False)
+        if len(ppl_ids) < 2:
+            raise NervaError(f"{opts.ppl_file}: too little text for a perplexity ({len(ppl_ids)} token)")
     prompt = synthetic_prompt(tokenizer, opts.prompt_tokens)
     greedy = SamplingOptions(temperature=0.0)
     log("warm-up (compiles kernels on first use)")
@@ -117,18 +137,11 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
         "peak_vram_bytes": engine.peak_vram_bytes if gpu else 0,
         "nerva_version": __version__,
     }
-    if opts.ppl_file is not None:
+    if ppl_ids is not None:
         log(f"perplexity over {opts.ppl_file}")
-        try:
-            text = Path(opts.ppl_file).read_text(errors="replace")
-        except OSError as e:
-            raise NervaError(f"{opts.ppl_file}: {e.strerror}") from None
-        ids = tokenizer.encode(text, add_special=False)
-        if len(ids) < 2:
-            raise NervaError(f"{opts.ppl_file}: too little text for a perplexity")
         window = min(opts.ppl_ctx, engine.ctx)
         t = time.perf_counter()
-        result["perplexity"], result["ppl_tokens"] = perplexity(engine, ids, window)
+        result["perplexity"], result["ppl_tokens"] = perplexity(engine, ppl_ids, window)
         result["perplexity"] = round(result["perplexity"], 4)
         result["ppl_window"] = window
         result["ppl_seconds"] = round(time.perf_counter() - t, 2)

@@ -276,10 +276,11 @@ def _ram_budget(model, backend: str, ctx, budget, mode: str, kv_cache: str = "f1
 def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau: float = 0.7,
                  use_profile: bool = True, mode: str = "full", active_fraction: float = 1.0,
                  ram_budget: Optional[str] = None, vram_budget: Optional[str] = None, policy: str = "ring",
-                 kv_cache: str = "f16", decodes: bool = True):
+                 kv_cache: str = "f16", decodes: bool = True, ctx_given: bool = True):
     """-> (engine, tokenizer, threads); the MCAP profile (computed if missing) picks each layer's
     precision and, in hot-only mode, which layers run. `decodes`: whether the caller will decode
-    (not a `-n 1` run), so that the first-run note counts the kernels it will compile."""
+    (not a `-n 1` run), so that the first-run note counts the kernels it will compile. `ctx_given`:
+    whether `ctx` is the user's --ctx (noted when past the model's), not one bench chose."""
     from nerva_cli import backends, mcap, output
 
     from nerva_cli.residency import parse_budget
@@ -289,7 +290,7 @@ def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau
     budget = parse_budget(ram_budget, "ram-budget")
     backend = backends.resolve(backend)
     model = _find_or_pull(model_ref)
-    if ctx is not None and ctx > model.config.max_context:
+    if ctx_given and ctx is not None and ctx > model.config.max_context:
         output.note(f"--ctx {ctx} is past the {model.config.max_context} tokens {model.name} was trained on; "
                     f"using {model.config.max_context}")
     if vram_budget is not None and backend != "cuda":
@@ -514,14 +515,18 @@ def bench(
     from nerva_cli import output
     from nerva_cli.bench import BenchOptions, run_bench
 
-    if min(prompt_tokens, gen_tokens, repeat, ppl_ctx) < 1:
-        raise NervaError("--prompt-tokens, --gen-tokens, --repeat and --ppl-ctx must be >= 1")
-    if ctx is None:  # room for the runs, the allocation check's 26 positions, and --ppl's window
+    if min(prompt_tokens, gen_tokens, repeat) < 1:
+        raise NervaError("--prompt-tokens, --gen-tokens and --repeat must be >= 1")
+    if ppl_ctx < 2:
+        raise NervaError(f"--ppl-ctx must be >= 2 (a window's first token is context only), got {ppl_ctx}")
+    opts = BenchOptions(prompt_tokens, gen_tokens, repeat, ppl, ppl_ctx)  # reads --ppl's file
+    chosen = ctx is None
+    if chosen:  # room for the runs, the allocation check's 26 positions, and --ppl's window
         ctx = max(prompt_tokens + gen_tokens + 1, 32, ppl_ctx if ppl else 0)
     engine, tokenizer, threads = _open_engine(model, backend, precision, ctx, threads, tau, not no_profile,
-                                              mode, active_fraction, ram_budget, vram_budget, policy, kv_cache)
-    result = run_bench(engine, tokenizer, BenchOptions(prompt_tokens, gen_tokens, repeat, ppl, ppl_ctx),
-                       threads, log=output.info)
+                                              mode, active_fraction, ram_budget, vram_budget, policy, kv_cache,
+                                              ctx_given=not chosen)
+    result = run_bench(engine, tokenizer, opts, threads, log=output.info)
     output.print_json(result)
 
 

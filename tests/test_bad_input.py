@@ -148,6 +148,22 @@ def test_run_refuses_an_out_of_range_option(tiny_models, cli, tmp_path, option, 
     assert_refused(cli, ["run", model.path, "-p", "hi", "--no-profile", *option], needle)
 
 
+@pytest.mark.parametrize("option,needle", [
+    (["--ppl-ctx", "1", "--ppl", "TEXT"], "--ppl-ctx must be >= 2"),
+    (["--ppl", "MISSING"], "No such file"), (["--ppl", "EMPTY"], "no text for a perplexity"),
+    (["--repeat", "0"], "must be >= 1")])
+def test_bench_refuses_bad_options_before_it_runs(tiny_models, cli, tmp_path, option, needle):
+    from nerva_cli.pull import pull
+
+    model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+    files = {"TEXT": tmp_path / "t.txt", "MISSING": tmp_path / "none.txt", "EMPTY": tmp_path / "e.txt"}
+    files["TEXT"].write_text("the quick brown fox jumps over the lazy dog " * 20)
+    files["EMPTY"].write_text("")
+    args = [str(files.get(a, a)) for a in option]
+    assert_refused(cli, ["bench", model.path, "--no-profile", "--prompt-tokens", "8", "--gen-tokens", "4", *args],
+                   needle, *([str(files[option[-1]])] if option[-1] in ("MISSING", "EMPTY") else []))
+
+
 def test_target_exists_needs_force(tiny_models, cli):
     src = tiny_models("llama")
     assert cli("convert", src, "--name", "tiny", "--quant", "f16")[0] == 0
