@@ -342,11 +342,11 @@ def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau
 
 
 @app.command(epilog='Examples: nerva run smollm2-135m -p "Why is the sky blue?" | nerva run smollm2-135m Why is the sky blue? | '
-                     'echo "hi" | nerva run smollm2-135m')
+                     'echo "hi" | nerva run smollm2-135m | cat notes.txt | nerva run smollm2-135m summarise this')
 def run(
     model: Annotated[str, typer.Argument(help="name[:variant] in the store, a model directory, or a source to pull first (smollm2-135m).")],
-    words: Annotated[Optional[list[str]], typer.Argument(metavar="[PROMPT]...", show_default=False, help="The prompt as ollama takes it: the words after the model, joined by spaces (the same as -p).")] = None,
-    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="One prompt, answer, exit. Without it: interactive chat (or the prompt from stdin when piped).")] = None,
+    words: Annotated[Optional[list[str]], typer.Argument(metavar="[PROMPT]...", show_default=False, help="The prompt as ollama takes it: the words after the model, joined by spaces, after the text piped to stdin if any.")] = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="One prompt, answer, exit; stdin is not read. Without it or words: interactive chat (or the prompt from stdin when piped).")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
     system: Annotated[Optional[str], typer.Option(help="System message for the chat template.")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate per answer.")] = 512,
@@ -389,7 +389,10 @@ def run(
         if prompt is not None:
             raise NervaError(f"give the prompt once: -p or the words after the model, not both ({' '.join(words)!r})")
         prompt = " ".join(words)
-    if prompt is None and not sys.stdin.isatty():
+        if not sys.stdin.isatty():  # ollama's way: `cat notes.txt | nerva run MODEL summarise this`
+            piped = sys.stdin.read().rstrip()
+            prompt = f"{piped}\n\n{prompt}" if piped.strip() else prompt
+    elif prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
     engine, tokenizer, _ = _open_engine(model, backend, precision, ctx, threads, tau, not no_profile, mode,
                                         active_fraction, ram_budget, vram_budget, policy, kv_cache,

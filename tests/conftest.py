@@ -43,20 +43,23 @@ def load_script(name: str):
 
 @pytest.fixture
 def cli(capsys):
-    """Runs `nerva ARGS` in-process; returns (exit code, stdout, stderr)."""
+    """Runs `nerva ARGS` in-process, its stdin a pipe that holds `stdin` (empty: as from a script
+    or CI); returns (exit code, stdout, stderr)."""
+    import io
+
     from nerva_cli.cli import main
 
-    def run(*args: str):
+    def run(*args: str, stdin: str = ""):
         capsys.readouterr()  # drop what fixtures printed before the command
-        old = sys.argv
-        sys.argv = ["nerva", *map(str, args)]
+        old, old_stdin = sys.argv, sys.stdin
+        sys.argv, sys.stdin = ["nerva", *map(str, args)], io.StringIO(stdin)
         code = 0
         try:
             main()
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         finally:
-            sys.argv = old
+            sys.argv, sys.stdin = old, old_stdin
             gc.unfreeze()  # main froze what its process would keep until exit; this one goes on
         captured = capsys.readouterr()
         return code, captured.out, captured.err

@@ -25,3 +25,20 @@ def test_a_ctx_past_the_models_is_cut_to_it_with_a_note(tiny_models, cli, tmp_pa
     code, out, err = cli("run", model.path, "-p", "hi", "-n", "2", "--no-profile", "--ctx", str(most + 1))
     assert code == 0, err
     assert f"note: --ctx {most + 1} is past the {most} tokens" in err and f"using {most}" in err
+
+
+def test_piped_text_comes_before_the_words_as_in_ollama_and_p_reads_no_stdin(tiny_models, cli, tmp_path,
+                                                                            monkeypatch):
+    from nerva_cli.chat import ChatSession
+
+    asked = []
+    answer = ChatSession.answer
+    monkeypatch.setattr(ChatSession, "answer",
+                        lambda self, text, write: asked.append(text) or answer(self, text, write))
+    model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+    args = ["-n", "2", "--no-profile", "--ctx", "128"]
+    assert cli("run", model.path, "summarise", "this", *args, stdin="the quick brown fox\n")[0] == 0
+    assert cli("run", model.path, "summarise", "this", *args, stdin="")[0] == 0
+    assert cli("run", model.path, "-p", "summarise this", *args, stdin="not read")[0] == 0
+    assert cli("run", model.path, *args, stdin="all of it\n")[0] == 0
+    assert asked == ["the quick brown fox\n\nsummarise this", "summarise this", "summarise this", "all of it\n"]
