@@ -394,6 +394,8 @@ def run(
             prompt = f"{piped}\n\n{prompt}" if piped.strip() else prompt
     elif prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
+        if not prompt.strip():
+            raise NervaError("stdin is not a terminal and held no prompt: pipe text in, or give -p or the words")
     engine, tokenizer, _ = _open_engine(model, backend, precision, ctx, threads, tau, not no_profile, mode,
                                         active_fraction, ram_budget, vram_budget, policy, kv_cache,
                                         decodes=max_tokens > 1)

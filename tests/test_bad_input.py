@@ -140,12 +140,13 @@ def test_a_prompt_given_twice(tiny_models, cli, tmp_path):
     (["--threads", "0"], "--threads must be >= 1"), (["--seed", "-1"], "--seed must be >= 0"),
     (["--temperature", "inf"], "--temperature must be a number >= 0"),
     (["--repeat-penalty", "nan"], "--repeat-penalty must be a number > 0"),
-    (["--ledger-every", "0"], "--ledger-every must be >= 1")])
+    (["--ledger-every", "0"], "--ledger-every must be >= 1"), ([], "held no prompt")])
 def test_run_refuses_an_out_of_range_option(tiny_models, cli, tmp_path, option, needle):
     from nerva_cli.pull import pull
 
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
-    assert_refused(cli, ["run", model.path, "-p", "hi", "--no-profile", *option], needle)
+    prompt = ["-p", "hi"] if option else []  # none, and stdin (the fixture's) empty
+    assert_refused(cli, ["run", model.path, *prompt, "--no-profile", *option], needle)
 
 
 @pytest.mark.parametrize("option,needle", [
