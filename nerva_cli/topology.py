@@ -18,6 +18,7 @@ from nerva_cli.machine import cpu_name, physical_cores
 SIMD = {"avx2": ("avx2",), "avx512f": ("avx512f",), "vnni": ("avx512_vnni", "avx_vnni"),
         "avx512bf16": ("avx512_bf16",),  # the cpu backend's W4A16 runs bf16 dot products with it
         "amx": ("amx_tile",), "neon": ("asimd", "neon")}
+SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}  # sysfs cache sizes: "32K", "1024K"
 CHUNK = 4 << 20  # O_DIRECT reads: 4 MB preadv calls into one aligned buffer
 
 
@@ -47,7 +48,25 @@ def cpu() -> dict:
     allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"model": cpu_name(), "physical_cores": physical_cores(), "logical_cores": os.cpu_count(),
             "usable_logical_cores": allowed, "flags_source": source,
-            "simd": {name: any(f in flags for f in names) for name, names in SIMD.items()}}
+            "simd": {name: any(f in flags for f in names) for name, names in SIMD.items()},
+            "caches": cpu_caches()}
+
+
+def cpu_caches(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> dict:
+    """cpu0's caches as Linux's sysfs lists them: level, type, size and the cpus sharing each
+    (whether a model's layers or a KV cache stay in L2 or L3 decides its kernels' speed)."""
+    caches = []
+    for d in sorted(root.glob("index[0-9]*"), key=lambda p: int(p.name[5:])):
+        try:
+            level, kind, size = ((d / f).read_text().strip() for f in ("level", "type", "size"))
+            shared = (d / "shared_cpu_list").read_text().strip() if (d / "shared_cpu_list").exists() else None
+            size_bytes = int(size[:-1]) * SIZE_UNITS[size[-1]] if size[-1] in SIZE_UNITS else int(size)
+        except (OSError, ValueError) as e:
+            return no(f"{d}: {e}", levels=[])
+        caches.append({"level": int(level), "type": kind.lower(), "size_bytes": size_bytes, "shared_cpus": shared})
+    if not caches:
+        return no(f"{root} lists no caches", levels=[])
+    return {"available": True, "reason": None, "levels": caches}
 
 
 def memory() -> dict:
@@ -333,6 +352,19 @@ def gpu_plan_report(model, gp, device: str, probe: dict | None) -> dict:
 
 
 # -- text --------------------------------------------------------------------------------------
+def _caches_line(caches: dict, human_bytes) -> str:
+    """'L1d 32.0 KB, L1i 32.0 KB, L2 1.0 MB, L3 32.0 MB (cpus 0-1)': a cache's sharers are named
+    where it has more than one."""
+    short = {"data": "d", "instruction": "i", "unified": ""}
+    parts = []
+    for c in caches["levels"]:
+        shared = c["shared_cpus"] or ""
+        several = "," in shared or "-" in shared
+        parts.append(f"L{c['level']}{short.get(c['type'], c['type'])} {human_bytes(c['size_bytes'])}"
+                     + (f" (cpus {shared})" if several else ""))
+    return ", ".join(parts)
+
+
 def describe(info: dict) -> list[tuple[str, str]]:
     """(what, value) rows for the human output; the JSON holds the same facts."""
     from nerva_cli.output import human_bytes
@@ -348,6 +380,8 @@ def describe(info: dict) -> list[tuple[str, str]]:
                            f"({c['usable_logical_cores']} usable)"),
                  ("simd", ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in c["simd"].items())
                   + f" (from {c['flags_source']})"),
+                 ("caches", _caches_line(c["caches"], human_bytes) if c["caches"]["available"]
+                  else avail(c["caches"])),
                  ("ram", f"{human_bytes(m['total_bytes'] or 0)} total, {human_bytes(m['available_bytes'] or 0)} "
                          "available"),
                  ("numa nodes", ", ".join(f"node{n['node']}: cpus {n['cpus']}" for n in info["numa_nodes"])

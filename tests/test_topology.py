@@ -24,9 +24,10 @@ SCHEMA = {
     "type": "object",
     "required": ["cpu", "memory", "numa_nodes", "storage", "gpus", "gpudirect_storage", "peer_memory", "probe"],
     "properties": {
-        "cpu": {"type": "object", "required": ["model", "physical_cores", "logical_cores", "simd"],
+        "cpu": {"type": "object", "required": ["model", "physical_cores", "logical_cores", "simd", "caches"],
                 "properties": {"model": {"type": "string"}, "physical_cores": {"type": "integer", "minimum": 1},
                                "logical_cores": {"type": "integer", "minimum": 1},
+                               "caches": {"allOf": [AVAIL, {"required": ["levels"]}]},
                                "simd": {"type": "object", "required": ["avx2", "avx512f", "vnni", "avx512bf16", "amx", "neon"],
                                         "additionalProperties": {"type": "boolean"}}}},
         "memory": {"type": "object", "required": ["total_bytes", "available_bytes"],
@@ -153,3 +154,23 @@ def test_bad_budget_is_one_error_line(budget, says, tiny_models, tmp_path, cli):
     assert code == 1 and out == ""
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and says in errors[0] and err.strip().endswith(errors[0]), err
+
+
+def test_caches_come_from_sysfs_and_a_broken_entry_says_why(tmp_path):
+    from nerva_cli.output import human_bytes
+    from nerva_cli.topology import _caches_line, cpu_caches
+
+    for i, (level, kind, size, shared) in enumerate([(1, "Data", "48K", "0"), (2, "Unified", "2048K", "0"),
+                                                     (3, "Unified", "96M", "0-7,16-23")]):
+        d = tmp_path / f"index{i}"
+        d.mkdir()
+        for name, value in (("level", level), ("type", kind), ("size", size), ("shared_cpu_list", shared)):
+            (d / name).write_text(f"{value}\n")
+    caches = cpu_caches(tmp_path)
+    assert [(c["level"], c["type"], c["size_bytes"]) for c in caches["levels"]] == [
+        (1, "data", 48 << 10), (2, "unified", 2 << 20), (3, "unified", 96 << 20)]
+    assert _caches_line(caches, human_bytes) == "L1d 48.0 KB, L2 2.0 MB, L3 96.0 MB (cpus 0-7,16-23)"
+    (tmp_path / "index1" / "size").write_text("lots\n")
+    broken = cpu_caches(tmp_path)
+    assert not broken["available"] and "index1" in broken["reason"]
+    assert not cpu_caches(tmp_path / "none")["available"]
