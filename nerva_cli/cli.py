@@ -25,14 +25,14 @@ Json = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 
 
 def _pull(spec: str, quant: str, name: Optional[str], out: Optional[Path], force: bool,
-          revision: Optional[str] = None, report=None):
+          revision: Optional[str] = None, report=None, keep_existing: bool = False):
     from nerva_cli import output
     from nerva_cli.pull import pull
 
     notes: list[str] = []
     with output.step_progress("converting") as progress:
         model = pull(spec, variant=quant, name=name, out=out, force=force, revision=revision,
-                     progress=progress, notes=notes)
+                     progress=progress, notes=notes, keep_existing=keep_existing)
     for n in notes:
         output.note(n)
     cfg = model.config
@@ -49,8 +49,9 @@ def pull(
     revision: Annotated[Optional[str], typer.Option(help="HF branch, tag or commit.")] = None,
     force: Force = False,
 ):
-    """Fetch a model (HF Hub, local directory or GGUF) and convert it into the store."""
-    _pull(source, quant, name, None, force, revision)
+    """Fetch a model (HF Hub, local directory or GGUF) and convert it into the store; one already
+    there is kept (--force converts it again)."""
+    _pull(source, quant, name, None, force, revision, keep_existing=True)
 
 
 @app.command(epilog="Example: nerva convert ./SmolLM2-135M-Instruct --quant f16 --out /tmp/smol-f16")

@@ -11,7 +11,10 @@ from nerva_cli.store import VARIANTS, StoredModel, load_metadata, models_root, p
 
 def pull(spec: str, variant: str = "auto", name: str | None = None, out: Path | None = None,
          force: bool = False, revision: str | None = None, progress: Progress | None = None,
-         notes: list[str] | None = None) -> StoredModel:
+         notes: list[str] | None = None, keep_existing: bool = False) -> StoredModel:
+    """The source converted into the store (or `out`). `keep_existing` (nerva pull's way, as
+    ollama's pull: a script may pull before every run): a model already there is kept and
+    returned, not refused; --force converts it again either way."""
     from nerva_cli.sources.resolve import open_source
 
     if variant != "auto" and variant not in VARIANTS:  # before a download, not after
@@ -25,6 +28,10 @@ def pull(spec: str, variant: str = "auto", name: str | None = None, out: Path | 
         else:
             model_name, _ = parse_ref(name or source.default_name)
             target = models_root() / model_name / variant
+        if keep_existing and not force and target.exists():
+            if notes is not None:
+                notes.append(f"{target} is already in the store: kept (--force converts it again)")
+            return load_metadata(target)
         if notes is not None:
             notes.extend(conversion_notes(source, variant))
         convert(source, variant, target, force=force, progress=progress)

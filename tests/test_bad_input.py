@@ -176,6 +176,18 @@ def test_target_exists_needs_force(tiny_models, cli):
     assert sorted(p.name for p in (models_root() / "tiny").iterdir()) == ["f16"]
 
 
+def test_pull_keeps_a_model_already_in_the_store_and_force_converts_it_again(tiny_models, cli):
+    src = tiny_models("llama")
+    assert cli("pull", src, "--name", "tiny", "--quant", "q4_0")[0] == 0
+    meta = models_root() / "tiny" / "q4_0" / "metadata.json"
+    before = meta.stat().st_mtime_ns
+    code, out, err = cli("pull", src, "--name", "tiny", "--quant", "q4_0")  # a script's pull before each run
+    assert code == 0 and "already in the store: kept" in err and "tiny:q4_0" in out
+    assert meta.stat().st_mtime_ns == before
+    assert cli("pull", src, "--name", "tiny", "--quant", "q4_0", "--force")[0] == 0
+    assert meta.stat().st_mtime_ns != before
+
+
 def test_no_space_left(tiny_models, cli, monkeypatch):
     from nerva_cli import store
 
