@@ -19,6 +19,20 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
+
+def _print_version(value: bool) -> None:
+    if value:
+        from nerva_cli import __version__
+
+        print(f"nerva {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: Annotated[bool, typer.Option("--version", "-V", callback=_print_version, is_eager=True,
+                                                   help="Print nerva's version and exit.")] = False) -> None:
+    pass
+
 Quant = Annotated[str, typer.Option("--quant", "-q", help="Variant to write: auto (a Q4_0 or Q4_1 GGUF keeps its format bit for bit, anything else becomes q4_0), q4_0, q4_1, f16 or bf16.")]
 Force = Annotated[bool, typer.Option("--force", help="Replace an existing model of the same name and variant.")]
 Json = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
@@ -41,7 +55,8 @@ def _pull(spec: str, quant: str, name: Optional[str], out: Optional[Path], force
     return model
 
 
-@app.command(epilog="Examples: nerva pull smollm2-135m | nerva pull Qwen/Qwen3-0.6B --quant f16")
+@app.command(short_help="Fetch a model (HF Hub, local directory or GGUF) and convert it into the store.",
+             epilog="Examples: nerva pull smollm2-135m | nerva pull Qwen/Qwen3-0.6B --quant f16")
 def pull(
     source: Annotated[str, typer.Argument(help="HF repo id, local HF directory, .gguf file, or alias (smollm2-135m).")],
     name: Annotated[Optional[str], typer.Option(help="Store name (default: from the source).")] = None,
@@ -536,7 +551,8 @@ def bench(
     output.print_json(result)
 
 
-@app.command(epilog="Examples: nerva profile smollm2-135m | nerva profile qwen3-8b --prompts code.txt --json")
+@app.command(short_help="MCAP per-layer importance (what run's mixed precision and hot-only mode use).",
+             epilog="Examples: nerva profile smollm2-135m | nerva profile qwen3-8b --prompts code.txt --json")
 def profile(
     model: Annotated[str, typer.Argument(help="name[:variant] in the store, a model directory, or a source to pull first (smollm2-135m).")],
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Calibration prompts instead of the 12 built-in ones: one per line, or a JSON array of strings.")] = None,

@@ -1,5 +1,6 @@
 """What `nerva run` and `bench` do to start quickly: the engine's long-lived objects are made with
-the cyclic collector off and then frozen out of its scans, in nerva's own process only."""
+the cyclic collector off and then frozen out of its scans, in nerva's own process only; and the
+options nerva itself takes (--version)."""
 
 from __future__ import annotations
 
@@ -69,3 +70,11 @@ def test_a_failed_engine_build_turns_the_collector_back_on(q4_model, cli, collec
     assert code == 1 and "no engine today" in err
     assert collector_seen["enabled_in_engine"] == [False]
     assert gc.isenabled()
+
+
+def test_version(cli):
+    from nerva_cli import __version__
+
+    for flag in ("--version", "-V"):
+        code, out, _ = cli(flag)
+        assert code == 0 and out == f"nerva {__version__}\n"
