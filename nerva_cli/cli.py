@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
@@ -384,12 +385,13 @@ def run(
     policy: Policy = "ring",
     kv_cache: KvCache = "f16",
     backend: Backend = "auto",
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print timings after each answer.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print the load time, then timings after each answer.")] = False,
     ledger: Annotated[bool, typer.Option("--ledger", help="Print the per-token ledger (time per phase, bytes per tier) after each answer.")] = False,
     ledger_every: Annotated[int, typer.Option("--ledger-every", help="With --ledger: show every Nth token (the summary counts all).")] = 1,
     ledger_file: Annotated[Optional[Path], typer.Option("--ledger-file", help="Write the ledger as JSON lines to this file.")] = None,
 ):
     """Chat with a model (in the chat, /? lists its commands), or answer one prompt (-p)."""
+    started = time.perf_counter()
     threads = _threads(threads)
     from nerva_cli import output
     from nerva_cli.chat import ChatSession
@@ -415,6 +417,8 @@ def run(
     engine, tokenizer, _ = _open_engine(model, backend, precision, ctx, threads, tau, not no_profile, mode,
                                         active_fraction, ram_budget, vram_budget, policy, kv_cache,
                                         decodes=max_tokens > 1)
+    if verbose:  # ollama's "load duration": model, profile, tokenizer and arena, kernels not yet called
+        output.info(f"loaded in {time.perf_counter() - started:.2f} s")
     from nerva_cli.ledger import Ledger
 
     book = Ledger(engine, tokenizer, ledger_file) if ledger or ledger_file else None

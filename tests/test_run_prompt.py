@@ -22,9 +22,10 @@ def test_the_words_after_the_model_are_the_prompt_as_with_p(tiny_models, cli, tm
 def test_a_ctx_past_the_models_is_cut_to_it_with_a_note(tiny_models, cli, tmp_path):
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
     most = model.config.max_context
-    code, out, err = cli("run", model.path, "-p", "hi", "-n", "2", "--no-profile", "--ctx", str(most + 1))
+    code, out, err = cli("run", model.path, "-p", "hi", "-n", "2", "--no-profile", "--ctx", str(most + 1), "-v")
     assert code == 0, err
     assert f"note: --ctx {most + 1} is past the {most} tokens" in err and f"using {most}" in err
+    assert "loaded in " in err and "answer 2 tok" in err  # --verbose: the load time, then the answer's
 
 
 def test_piped_text_comes_before_the_words_as_in_ollama_and_p_reads_no_stdin(tiny_models, cli, tmp_path,
