@@ -1,5 +1,5 @@
-"""The interactive chat of `nerva run`, as ollama's: line editing and history where Python has
-readline, \"\"\" around a message of several lines, and slash commands that change the chat
+"""The interactive chat of `nerva run`, as ollama's: line editing and a history kept across chats
+where Python has readline, \"\"\" around a message of several lines, and slash commands that change the chat
 without leaving it. A bad command or a message that cannot fit prints one error line; the chat
 goes on."""
 
@@ -48,7 +48,14 @@ def read_message(read=input) -> str:
 def chat_loop(session, write, runtime: str, verbose: bool = False, stats_line=None, book=None,
               every: int = 1) -> None:
     """`runtime`: the backend and threads, as /show info tells them."""
-    _line_editing()
+    save_history = _line_editing()
+    try:
+        _loop(session, write, runtime, verbose, stats_line, book, every)
+    finally:
+        save_history()
+
+
+def _loop(session, write, runtime, verbose, stats_line, book, every) -> None:
     output.info("Type a message; /? lists the commands, /bye or Ctrl-D leaves, Ctrl-C stops an answer.")
     while True:
         try:
@@ -176,10 +183,32 @@ def _precisions(per_layer: dict[int, str], n_layers: int) -> str:
     return text + (f"; {skipped} layers skipped (hot-only)" if skipped else "")
 
 
-def _line_editing() -> None:
-    """Arrow keys and a history for input(), where Python was built with readline."""
-    if sys.stdin.isatty():
+HISTORY_LINES = 1000
+
+
+def _line_editing():
+    """Arrow keys for input() and a history kept across chats in $NERVA_HOME/history, where
+    Python was built with readline. -> a function that saves the history (a no-op without it)."""
+    if not sys.stdin.isatty():
+        return lambda: None
+    try:
+        import readline  # importing it is what turns line editing on
+    except ImportError:
+        return lambda: None
+    from nerva_cli.store import home
+
+    path = home() / "history"
+    readline.set_history_length(HISTORY_LINES)
+    try:
+        readline.read_history_file(path)
+    except OSError:  # none yet, or unreadable: the chat starts with an empty history
+        pass
+
+    def save() -> None:
         try:
-            import readline  # noqa: F401  (importing it is what turns it on)
-        except ImportError:
-            pass
+            path.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(path)
+        except OSError as e:
+            output.note(f"{path}: the chat history was not saved ({e.strerror})")
+
+    return save

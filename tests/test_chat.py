@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -32,6 +33,8 @@ def test_chat_turns_bye_and_ctrl_d(tiny_models, tmp_path, nerva_home):
     chat.expect(pexpect.EOF)
     chat.close()
     assert chat.exitstatus == 0 and "Traceback" not in first
+    if importlib.util.find_spec("readline"):  # the next chat's up-arrow finds these lines
+        assert "jumps over the lazy dog" in (nerva_home / "history").read_text()
     chat = spawn(model.path, nerva_home)
     chat.expect(">>> ")
     chat.sendeof()  # Ctrl-D leaves too
