@@ -109,6 +109,10 @@ def command(session, line: str, write, runtime: str = "") -> str | None:
         write("".join(f"  {k.ljust(12)}  {v}\n" for k, v in info(session, runtime)))
     elif head == "/show" and len(words) == 2 and words[1] == "parameters":
         write("".join(f"  {k.ljust(14)}  {v}\n" for k, v in parameters(session)))
+    elif head == "/show":
+        raise NervaError(f"{line!r}: /show info or /show parameters")
+    elif head == "/set":
+        raise NervaError(f"{line!r}: /set parameter NAME VALUE or /set system TEXT")
     else:
         raise NervaError(f"unknown command {line!r}: /? lists the commands")
     return None

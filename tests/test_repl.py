@@ -83,7 +83,8 @@ def test_set_parameter_changes_the_sampler_and_rejects_bad_values(session):
                      ("/set parameter top_p 2", r"\(0, 1\]"),
                      ("/set parameter temperature nan", "a number >= 0"), ("/set parameter num_predict 0", ">= 1"),
                      ("/set parameter warmth 1", "unknown parameter 'warmth'"), ("/set parameter seed", "one value"),
-                     ("/frobnicate", "unknown command")]:
+                     ("/frobnicate", "unknown command"), ("/show", "/show info or /show parameters"),
+                     ("/set temperature 1", "/set parameter NAME VALUE")]:
         with pytest.raises(NervaError, match=why):
             command(s, bad, quiet)
     assert (s.opts.temperature, s.opts.top_k) == (0.5, 7)  # a refused value changed nothing
