@@ -353,8 +353,14 @@ def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau
     if hasattr(engine.k, "set_threads"):
         engine.k.set_threads(threads)
     if engine.compiled_layers and not engine.k.compiled_before(decodes):
-        took = "about 15 s" if decodes else "a few seconds"
-        output.info(f"compiling the CPU kernels for this machine: once, {took} on 2 cores; later runs reuse them")
+        if not decodes:  # a prefill's kernels compile in the prefill itself, before any text
+            output.info("compiling the CPU kernels for this machine: once, a few seconds on 2 cores; "
+                        "later runs reuse them")
+        else:  # all of them now, or the answer would stall after its first token
+            started = time.perf_counter()
+            with output.working("compiling the CPU kernels for this machine, once (about 15 s)"):
+                engine.warm_up()
+            output.info(f"compiled the CPU kernels in {time.perf_counter() - started:.1f} s; later runs reuse them")
     return engine, tokenizer, threads
 
 

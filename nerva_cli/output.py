@@ -34,6 +34,21 @@ def info(msg: str) -> None:
 
 
 @contextmanager
+def working(title: str):
+    """A spinner with the time elapsed while the block runs, on a terminal; the title once, when
+    piped."""
+    if not err.is_terminal:
+        err.print(title)
+        yield
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn(title), TimeElapsedColumn(), console=err, transient=True) as bar:
+        bar.add_task("", total=None)
+        yield
+
+
+@contextmanager
 def step_progress(title: str):
     """Yields a callback (what, done, total); a bar on a terminal, one line per 25% when piped.
     Nothing shows before the first call: a step found done (a cached profile) shows nothing."""
