@@ -414,10 +414,10 @@ def run(
             raise NervaError(f"give the prompt once: -p or the words after the model, not both ({' '.join(words)!r})")
         prompt = " ".join(words)
         if not sys.stdin.isatty():  # ollama's way: `cat notes.txt | nerva run MODEL summarise this`
-            piped = sys.stdin.read().rstrip()
+            piped = _read_stdin().rstrip()
             prompt = f"{piped}\n\n{prompt}" if piped.strip() else prompt
     elif prompt is None and not sys.stdin.isatty():
-        prompt = sys.stdin.read()
+        prompt = _read_stdin()
         if not prompt.strip():
             raise NervaError("stdin is not a terminal and held no prompt: pipe text in, or give -p or the words")
     engine, tokenizer, _ = _open_engine(model, backend, precision, ctx, threads, tau, not no_profile, mode,
@@ -448,6 +448,13 @@ def run(
         if book:
             book.close()
         engine.weights.close()
+
+
+def _read_stdin() -> str:
+    """All of stdin; bytes that are not UTF-8 become U+FFFD, whatever the locale (a strict one
+    raised UnicodeDecodeError)."""
+    raw = getattr(sys.stdin, "buffer", None)
+    return raw.read().decode("utf-8", "replace") if raw is not None else sys.stdin.read()
 
 
 def _write_stdout(text: str) -> None:

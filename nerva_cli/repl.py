@@ -66,6 +66,9 @@ def _loop(session, write, runtime, verbose, stats_line, book, every) -> None:
         except KeyboardInterrupt:
             write("\nUse Ctrl-D or /bye to exit.\n")
             continue
+        except UnicodeDecodeError:  # a locale whose stdin is strict about UTF-8
+            output.err.print("error: that line is not UTF-8 text", markup=False, highlight=False)
+            continue
         if not text.strip():
             continue
         try:

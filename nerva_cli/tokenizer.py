@@ -39,6 +39,17 @@ def _built(model_dir: Path, stamp: tuple) -> "TextTokenizer":
     return TextTokenizer(model_dir)
 
 
+def valid_utf8(text: str) -> str:
+    """`text` with the bytes Python could not decode as UTF-8 (from a terminal, a pipe or argv,
+    kept as lone surrogates) as U+FFFD: the tokenizer refuses surrogates with a TypeError."""
+    if text.isascii():
+        return text
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # a surrogate that stands for no byte (JSON's "\ud800", say)
+        return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text)
+
+
 class TextTokenizer:
     """tokenizer.json, tokenizer_config.json and (optional) generation_config.json of a model dir."""
 
@@ -78,7 +89,7 @@ class TextTokenizer:
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         """Token ids of `text`; with add_special, a BOS first when the model wants one and the text
         (a rendered chat template, say) does not already start with it."""
-        ids = self.tok.encode(text, add_special_tokens=False).ids
+        ids = self.tok.encode(valid_utf8(text), add_special_tokens=False).ids
         if add_special and self.add_bos and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
         return ids

@@ -43,3 +43,17 @@ def test_piped_text_comes_before_the_words_as_in_ollama_and_p_reads_no_stdin(tin
     assert cli("run", model.path, "-p", "summarise this", *args, stdin="not read")[0] == 0
     assert cli("run", model.path, *args, stdin="all of it\n")[0] == 0
     assert asked == ["the quick brown fox\n\nsummarise this", "summarise this", "summarise this", "all of it\n"]
+
+
+def test_bytes_that_are_not_utf8_become_replacement_characters(tiny_models, cli, tmp_path):
+    """Python keeps undecodable stdin or argv bytes as lone surrogates, which the tokenizer
+    refused with a TypeError traceback; they are read as U+FFFD."""
+    from nerva_cli.tokenizer import open_tokenizer
+
+    model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+    latin1 = b"caf\xe9 au lait".decode("utf-8", "surrogateescape")
+    args = ["-n", "2", "--no-profile", "--ctx", "128"]
+    assert cli("run", model.path, *args, stdin=latin1)[0] == 0
+    assert cli("run", model.path, "-p", latin1, *args)[0] == 0
+    tok = open_tokenizer(model.path)
+    assert tok.encode(latin1) == tok.encode("caf\ufffd au lait") and tok.encode("a\ud800b") == tok.encode("a\ufffdb")
