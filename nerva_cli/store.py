@@ -33,8 +33,10 @@ def models_root() -> Path:
 
 
 def parse_ref(ref: str) -> tuple[str, str | None]:
-    """'name:variant' -> (name, variant or None)."""
+    """'name:variant' -> (name, variant or None); the variant in any case (llama.cpp's file names
+    say Q4_1)."""
     name, _, variant = ref.partition(":")
+    variant = variant.lower()
     if variant and variant not in VARIANTS:
         raise BadInput(f"{ref}: unknown variant '{variant}' (variants: {', '.join(VARIANTS)})")
     if not name or "/" in name or name.startswith("."):

@@ -188,6 +188,14 @@ def test_pull_keeps_a_model_already_in_the_store_and_force_converts_it_again(tin
     assert meta.stat().st_mtime_ns != before
 
 
+def test_a_relative_source_is_named_in_full_and_a_variant_in_any_case(tiny_models, cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no config.json here
+    assert_refused(cli, ["convert", "."], f"{tmp_path.resolve()}/config.json: missing")
+    assert cli("pull", tiny_models("llama"), "--name", "tiny", "--quant", "q4_0")[0] == 0
+    code, out, _ = cli("show", "tiny:Q4_0", "--json")
+    assert code == 0 and '"variant": "q4_0"' in out
+
+
 def test_no_space_left(tiny_models, cli, monkeypatch):
     from nerva_cli import store
 

@@ -43,6 +43,8 @@ def open_source(spec: str, revision: str | None = None) -> Source:
         src.default_name = spec
         return src
     path = Path(spec).expanduser()
+    if path.exists():
+        path = path.resolve()  # so that an error names ./config.json as /where/it/is/config.json
     if path.is_dir():
         return open_safetensors_dir(path)
     if path.is_file():
