@@ -438,6 +438,8 @@ def run(
                 output.info(_stats_line(stats))
             if ledger:
                 book.print_table(output.err, ledger_every)
+            if stats.stop_reason == "interrupted":  # Ctrl-C: a script must not take half an answer for one
+                raise typer.Exit(130)
             return
         from nerva_cli.repl import chat_loop
 

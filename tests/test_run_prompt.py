@@ -57,3 +57,21 @@ def test_bytes_that_are_not_utf8_become_replacement_characters(tiny_models, cli,
     assert cli("run", model.path, "-p", latin1, *args)[0] == 0
     tok = open_tokenizer(model.path)
     assert tok.encode(latin1) == tok.encode("caf\ufffd au lait") and tok.encode("a\ud800b") == tok.encode("a\ufffdb")
+
+
+def test_an_answer_stopped_by_ctrl_c_exits_130_after_what_it_wrote(tiny_models, cli, tmp_path, monkeypatch):
+    from nerva_cli.engine import Engine
+
+    model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+    decode, calls = Engine.decode, []
+
+    def interrupted_at_the_third(self, token):
+        calls.append(token)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return decode(self, token)
+
+    monkeypatch.setattr(Engine, "decode", interrupted_at_the_third)
+    code, out, err = cli("run", model.path, "-p", "the quick brown fox", "-n", "20", "--no-profile", "--ctx", "128",
+                         "-v", "--temperature", "0")
+    assert code == 130 and "stop: interrupted" in err and out.strip(), (code, out, err)
