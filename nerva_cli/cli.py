@@ -370,7 +370,7 @@ def run(
     model: Annotated[str, typer.Argument(help="name[:variant] in the store, a model directory, or a source to pull first (smollm2-135m).")],
     words: Annotated[Optional[list[str]], typer.Argument(metavar="[PROMPT]...", show_default=False, help="The prompt as ollama takes it: the words after the model, joined by spaces, after the text piped to stdin if any.")] = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="One prompt, answer, exit; stdin is not read. Without it or words: interactive chat (or the prompt from stdin when piped).")] = None,
-    raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
+    raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template (a model that has none always does).")] = False,
     system: Annotated[Optional[str], typer.Option(help="System message for the chat template.")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate per answer.")] = 512,
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.8,
@@ -427,6 +427,9 @@ def run(
         output.info(f"loaded in {time.perf_counter() - started:.2f} s")
     from nerva_cli.ledger import Ledger
 
+    if not raw and not tokenizer.template:  # a base model: ollama sends its prompt as is too
+        output.note(f"{engine.model.name} has no chat template: prompts go to it as they are (--raw)")
+        raw = True
     book = Ledger(engine, tokenizer, ledger_file) if ledger or ledger_file else None
     session = ChatSession(engine, tokenizer, opts, max_tokens=max_tokens, raw=raw, system=system,
                           stops=stop or [], ledger=book, note=output.note)

@@ -75,3 +75,19 @@ def test_an_answer_stopped_by_ctrl_c_exits_130_after_what_it_wrote(tiny_models, 
     code, out, err = cli("run", model.path, "-p", "the quick brown fox", "-n", "20", "--no-profile", "--ctx", "128",
                          "-v", "--temperature", "0")
     assert code == 130 and "stop: interrupted" in err and out.strip(), (code, out, err)
+
+
+def test_a_model_without_a_chat_template_takes_the_prompt_as_it_is(tiny_models, cli, tmp_path):
+    import json
+    import shutil
+
+    src = tmp_path / "base"
+    shutil.copytree(tiny_models("llama"), src)
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (src / "tokenizer_config.json").write_text(json.dumps(config))
+    model = pull(str(src), variant="q4_0", out=tmp_path / "m")
+    greedy = ["-n", "4", "--temperature", "0", "--no-profile", "--ctx", "64"]
+    code, out, err = cli("run", model.path, "-p", "the quick brown fox", *greedy)
+    assert code == 0 and "has no chat template: prompts go to it as they are (--raw)" in err, err
+    assert out == cli("run", model.path, "-p", "the quick brown fox", "--raw", *greedy)[1]
