@@ -409,6 +409,8 @@ def run(
         raise NervaError(f"--max-tokens must be >= 1, got {max_tokens}")
     if ledger_every < 1:
         raise NervaError(f"--ledger-every must be >= 1, got {ledger_every}")
+    if raw and system is not None:
+        raise NervaError("--system goes into the chat template, which --raw leaves out")
     if words:
         if prompt is not None:
             raise NervaError(f"give the prompt once: -p or the words after the model, not both ({' '.join(words)!r})")
@@ -428,6 +430,8 @@ def run(
     from nerva_cli.ledger import Ledger
 
     if not raw and not tokenizer.template:  # a base model: ollama sends its prompt as is too
+        if system is not None:
+            raise NervaError(f"{engine.model.name} has no chat template, so --system has nowhere to go")
         output.note(f"{engine.model.name} has no chat template: prompts go to it as they are (--raw)")
         raw = True
     book = Ledger(engine, tokenizer, ledger_file) if ledger or ledger_file else None
