@@ -150,36 +150,58 @@ class Ledger:
         values = [getattr(r, name) for r in self.records]
         return None if None in values else float(np.mean(values))
 
-    def print_table(self, console, every: int = 1) -> None:
-        from rich.table import Table
+    COLUMNS = ("#", "token", "piece", "wall", "embed", "attn", "mlp", "lm_head", "sample", "stall",
+               "launches", "syncs", "disk", "h2d", "hits", "faults", "w4a8/w4a16/exact", "allocs")
+    ALWAYS = {"#", "token", "piece", "wall", "attn", "mlp", "lm_head"}  # shown even when constant
 
+    def _cells(self, r: TokenRecord) -> list[str]:
         from nerva_cli.output import human_bytes
 
-        table = Table(title="ledger (per decoded token, times in µs)", header_style="bold", box=None)
-        cols = ("#", "token", "piece", "wall", "embed", "attn", "mlp", "lm_head", "sample", "stall",
-                "launches", "syncs", "disk", "h2d", "hits", "faults", "w4a8/w4a16/exact", "allocs")
         us = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+        return [str(r.index), str(r.token_id), repr(r.piece)[1:-1][:12], f"{r.wall_us:.0f}",
+                us(r.embed_us), us(r.attention_us), us(r.mlp_us), us(r.lm_head_us),
+                f"{r.sample_us:.0f}", f"{r.stall_us:.0f}", str(r.kernel_launches), str(sum(r.syncs.values())),
+                human_bytes(r.disk_bytes), human_bytes(r.h2d_bytes), str(r.hits), str(r.faults),
+                f"{r.w4a8_layers}/{r.w4a16_layers}/{r.exact_layers}", str(r.hot_path_allocations)]
+
+    @staticmethod
+    def _table(cols, rows):
+        from rich.table import Table
+
+        table = Table(title="ledger (per decoded token, times in µs)", header_style="bold", box=None)
         for c in cols:
             table.add_column(c, justify="left" if c == "piece" else "right")
-        for r in self.records[::max(1, every)]:
-            table.add_row(str(r.index), str(r.token_id), repr(r.piece)[1:-1][:12], f"{r.wall_us:.0f}",
-                          us(r.embed_us), us(r.attention_us), us(r.mlp_us), us(r.lm_head_us),
-                          f"{r.sample_us:.0f}", f"{r.stall_us:.0f}", str(r.kernel_launches),
-                          str(sum(r.syncs.values())),
-                          human_bytes(r.disk_bytes), human_bytes(r.h2d_bytes), str(r.hits), str(r.faults),
-                          f"{r.w4a8_layers}/{r.w4a16_layers}/{r.exact_layers}", str(r.hot_path_allocations))
+        for row in rows:
+            table.add_row(*row)
+        return table
+
+    def print_table(self, console, every: int = 1) -> None:
+        """The table, a token a row; on a terminal too narrow for all of it, the columns that hold
+        one value on every row shown are said once under it instead (an 80-column terminal
+        squeezed all eighteen into ellipses)."""
+        from rich.measure import Measurement
+
+        rows = [self._cells(r) for r in self.records[::max(1, every)]]
+        table, same = self._table(self.COLUMNS, rows), ""
         narrow = console.width
         if not console.is_terminal:
             console.width = max(narrow, 200)  # piped: one line per token, not a squeezed table
+        elif rows and Measurement.get(console, console.options.update(max_width=10**4), table).maximum > narrow:
+            keep = [i for i, c in enumerate(self.COLUMNS) if c in self.ALWAYS or len({r[i] for r in rows}) > 1]
+            same = "the same on every token: " + ", ".join(
+                f"{c} {rows[0][i]}" for i, c in enumerate(self.COLUMNS) if i not in keep)
+            table = self._table([self.COLUMNS[i] for i in keep], [[r[i] for i in keep] for r in rows])
         try:
-            self._print(console, table)
+            self._print(console, table, same)
         finally:
             console.width = narrow
 
-    def _print(self, console, table) -> None:
+    def _print(self, console, table, same: str = "") -> None:
         from nerva_cli.output import human_bytes
 
         console.print(table)
+        if same:
+            console.print(same)
         s = self.summary()
         if s["tokens"]:
             direct = {True: "O_DIRECT", False: "buffered (page cache hits are not disk reads)",

@@ -254,3 +254,33 @@ def test_run_ledger_table_and_file(deep_tiny, tmp_path, cli):
     assert sum(r["disk_read_us"] for r in rows) > 0 and "/s while reading" in err
     assert rows[-1]["w4a16_layers"] == 12
     assert "ledger" in err and "summary" in err and ("O_DIRECT" in err or "buffered" in err)
+
+
+@pytest.mark.parametrize("width", [80, 250])
+def test_ledger_table_on_a_narrow_terminal_says_its_constant_columns_once(deep_tiny, tmp_path, width):
+    import io
+
+    from rich.console import Console
+
+    from nerva_cli.generate import generate
+    from nerva_cli.ledger import Ledger
+    from nerva_cli.sampling import Sampler, SamplingOptions
+    from nerva_cli.tokenizer import open_tokenizer
+
+    model = pull(str(deep_tiny("llama")), variant="q4_0", out=tmp_path / "m")
+    engine = Engine(model, ctx=64)
+    book = Ledger(engine, open_tokenizer(model.path), None)
+    generate(engine, [3, 4, 5], Sampler(SamplingOptions(temperature=0), engine.cfg.vocab_size), 6, ledger=book)
+    book.close()
+    text = io.StringIO()
+    book.print_table(Console(file=text, force_terminal=True, width=width, color_system=None), every=1)
+    lines = text.getvalue().splitlines()
+    header = next(line for line in lines if "wall" in line)
+    if width == 80:  # resident: no disk, no faults, the same precisions on every token
+        assert "faults" not in header and "…" not in text.getvalue()
+        said = text.getvalue().split("the same on every token: ")[1].replace("\n", " ")
+        assert "faults 0" in said and "disk 0 B" in said
+        table = lines[:next(i for i, line in enumerate(lines) if line.startswith("the same"))]
+        assert all(len(line) <= 80 for line in table)
+    else:
+        assert "faults" in header and not any(line.startswith("the same on every token") for line in lines)
