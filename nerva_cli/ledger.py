@@ -151,8 +151,9 @@ class Ledger:
         return None if None in values else float(np.mean(values))
 
     COLUMNS = ("#", "token", "piece", "wall", "embed", "attn", "mlp", "lm_head", "sample", "stall",
-               "launches", "syncs", "disk", "h2d", "hits", "faults", "w4a8/w4a16/exact", "allocs")
+               "launches", "syncs", "disk", "h2d", "hits/faults", "w4a8/w4a16/exact", "allocs")
     ALWAYS = {"#", "token", "piece", "wall", "attn", "mlp", "lm_head"}  # shown even when constant
+    MINOR = {"embed", "sample", "launches", "syncs", "allocs", "h2d"}  # the first to go where space is short
 
     def _cells(self, r: TokenRecord) -> list[str]:
         from nerva_cli.output import human_bytes
@@ -161,36 +162,46 @@ class Ledger:
         return [str(r.index), str(r.token_id), repr(r.piece)[1:-1][:12], f"{r.wall_us:.0f}",
                 us(r.embed_us), us(r.attention_us), us(r.mlp_us), us(r.lm_head_us),
                 f"{r.sample_us:.0f}", f"{r.stall_us:.0f}", str(r.kernel_launches), str(sum(r.syncs.values())),
-                human_bytes(r.disk_bytes), human_bytes(r.h2d_bytes), str(r.hits), str(r.faults),
+                human_bytes(r.disk_bytes), human_bytes(r.h2d_bytes), f"{r.hits}/{r.faults}",
                 f"{r.w4a8_layers}/{r.w4a16_layers}/{r.exact_layers}", str(r.hot_path_allocations)]
 
     @staticmethod
     def _table(cols, rows):
         from rich.table import Table
 
-        table = Table(title="ledger (per decoded token, times in µs)", header_style="bold", box=None)
+        table = Table(title="ledger (per decoded token, times in µs)", header_style="bold", box=None,
+                      pad_edge=False)
         for c in cols:
             table.add_column(c, justify="left" if c == "piece" else "right")
         for row in rows:
             table.add_row(*row)
         return table
 
+    @staticmethod
+    def _width(console, table) -> int:
+        from rich.measure import Measurement
+
+        return Measurement.get(console, console.options.update(max_width=10**4), table).maximum
+
     def print_table(self, console, every: int = 1) -> None:
         """The table, a token a row; on a terminal too narrow for all of it, the columns that hold
         one value on every row shown are said once under it instead (an 80-column terminal
-        squeezed all eighteen into ellipses)."""
-        from rich.measure import Measurement
-
+        squeezed all seventeen into ellipses)."""
         rows = [self._cells(r) for r in self.records[::max(1, every)]]
         table, same = self._table(self.COLUMNS, rows), ""
         narrow = console.width
         if not console.is_terminal:
             console.width = max(narrow, 200)  # piped: one line per token, not a squeezed table
-        elif rows and Measurement.get(console, console.options.update(max_width=10**4), table).maximum > narrow:
+        elif rows and self._width(console, table) > narrow:
             keep = [i for i, c in enumerate(self.COLUMNS) if c in self.ALWAYS or len({r[i] for r in rows}) > 1]
             same = "the same on every token: " + ", ".join(
                 f"{c} {rows[0][i]}" for i, c in enumerate(self.COLUMNS) if i not in keep)
             table = self._table([self.COLUMNS[i] for i in keep], [[r[i] for i in keep] for r in rows])
+            if self._width(console, table) > narrow:  # still too wide (a paged run's): the minor ones go
+                left = [self.COLUMNS[i] for i in keep if self.COLUMNS[i] in self.MINOR]
+                keep = [i for i in keep if self.COLUMNS[i] not in self.MINOR]
+                same += f"; not shown at this width: {', '.join(left)} (--ledger-file has every column)"
+                table = self._table([self.COLUMNS[i] for i in keep], [[r[i] for i in keep] for r in rows])
         try:
             self._print(console, table, same)
         finally:

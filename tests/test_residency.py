@@ -277,10 +277,10 @@ def test_ledger_table_on_a_narrow_terminal_says_its_constant_columns_once(deep_t
     lines = text.getvalue().splitlines()
     header = next(line for line in lines if "wall" in line)
     if width == 80:  # resident: no disk, no faults, the same precisions on every token
-        assert "faults" not in header and "…" not in text.getvalue()
+        assert "hits/faults" not in header and "…" not in text.getvalue()
         said = text.getvalue().split("the same on every token: ")[1].replace("\n", " ")
-        assert "faults 0" in said and "disk 0 B" in said
+        assert "hits/faults 0/0" in said and "disk 0 B" in said
         table = lines[:next(i for i, line in enumerate(lines) if line.startswith("the same"))]
         assert all(len(line) <= 80 for line in table)
     else:
-        assert "faults" in header and not any(line.startswith("the same on every token") for line in lines)
+        assert "hits/faults" in header and not any(line.startswith("the same on every token") for line in lines)
