@@ -59,6 +59,31 @@ def _load_numba_registries_without_optional_imports() -> None:
 
 _load_numba_registries_without_optional_imports()
 
+
+def _serialise_numba_cache_saves() -> None:
+    """numba adds a compiled overload to its disk cache by reading the function's index, adding
+    the entry and writing the index back, with nothing held between: two nerva processes
+    compiling one function for different types at once (a first run of two variants side by
+    side) lose one entry, which a later run compiles again, or, where their writes interleave
+    unluckily, map one entry to the other's code. A lock on the cache directory for the length of
+    each save keeps them in turn (a test makes the window wide and sees both entries kept)."""
+    try:
+        import fcntl
+        from numba.core.caching import IndexDataCacheFile
+    except ImportError:  # not POSIX, or numba moved it: saves as numba makes them
+        return
+    save = IndexDataCacheFile.save
+
+    def save_in_turn(self, key, data):
+        with open(os.path.join(os.path.dirname(self._index_path), ".nerva-save.lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            return save(self, key, data)
+
+    IndexDataCacheFile.save = save_in_turn
+
+
+_serialise_numba_cache_saves()
+
 F32 = np.float32
 _FAST = {"reassoc", "contract"}
 
