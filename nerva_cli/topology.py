@@ -283,7 +283,9 @@ def run_probe(home: Path) -> dict:
     gpu = gpus()
     result = {"measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "ram_read": ram_read(mb), "disk_read_o_direct": disk_read(home, mb), **gpu_copies(gpu)}
-    (home / "topology.json").write_text(json.dumps(result, indent=1) + "\n")
+    tmp = home / f"topology.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    os.replace(tmp, home / "topology.json")  # a reader never sees half a probe
     return result
 
 
