@@ -337,7 +337,8 @@ class Engine(EngineBase):
         second at 13.3)."""
         token = self.cfg.bos_token_id or 0
         self.prefill([token])
-        self.decode(token)
+        if self.ctx > 1:  # --ctx 1 holds no second position (and no answer either)
+            self.decode(token)
         self.reset()
         self.phase_ns = dict.fromkeys(PHASES, 0)
 
