@@ -216,14 +216,14 @@ def find_model(ref: str) -> StoredModel:
     if (as_path / "metadata.json").exists():
         return load_metadata(as_path)
     name, variant = parse_ref(ref)
-    if variant is None:
-        have = variants_of(name)
-        variant = next((v for v in PICK_ORDER if v in have), "q4_0")
+    have = variants_of(name)
+    if not have:
+        raise NervaError(f"model '{name}' is not in the store ({models_root()}); `nerva pull` it first "
+                         "(`nerva list` shows the store)")
+    variant = variant or next((v for v in PICK_ORDER if v in have), have[0])
     model_dir = models_root() / name / variant
     if not (model_dir / "metadata.json").exists():
-        have = variants_of(name)
-        hint = f"; it has {', '.join(have)}" if have else "; `nerva pull` it first (`nerva list` shows the store)"
-        raise NervaError(f"model '{name}:{variant}' is not in the store ({models_root()}){hint}")
+        raise NervaError(f"model '{name}:{variant}' is not in the store ({models_root()}); it has {', '.join(have)}")
     return load_metadata(model_dir)
 
 
