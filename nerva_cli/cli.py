@@ -193,13 +193,18 @@ def _threads(threads: Optional[int]) -> int:
 
 
 def _find_or_pull(model_ref: str):
-    """Store model (pulled first if MODEL is an alias or a path and not yet in the store)."""
+    """Store model (pulled first if MODEL is an alias, with or without a variant, or a path, and
+    not yet in the store)."""
     from nerva_cli import output, store
-    from nerva_cli.sources.resolve import is_source_spec
+    from nerva_cli.sources.resolve import ALIASES, is_source_spec
 
     try:
         model = store.find_model(model_ref)
     except NervaError:
+        alias, _, variant = model_ref.partition(":")
+        if alias in ALIASES and variant.lower() in store.VARIANTS:  # smollm2-135m:f16: the bundled GGUF as f16
+            output.info(f"{model_ref} is not in the store yet: pulling it")
+            return _pull(alias, variant.lower(), None, None, False, report=output.info)
         if not is_source_spec(model_ref):
             raise
         output.info(f"{model_ref} is not in the store yet: pulling it")

@@ -91,3 +91,19 @@ def test_a_model_without_a_chat_template_takes_the_prompt_as_it_is(tiny_models, 
     code, out, err = cli("run", model.path, "-p", "the quick brown fox", *greedy)
     assert code == 0 and "has no chat template: prompts go to it as they are (--raw)" in err, err
     assert out == cli("run", model.path, "-p", "the quick brown fox", "--raw", *greedy)[1]
+
+
+def test_an_alias_with_a_variant_is_pulled_at_that_variant(monkeypatch):
+    import pytest
+
+    from nerva_cli import cli as cli_module
+    from nerva_cli.errors import NervaError
+
+    pulled = []
+    monkeypatch.setattr(cli_module, "_pull", lambda *args, **kw: pulled.append(args[:2]) or "pulled")
+    assert cli_module._find_or_pull("smollm2-135m:F16") == "pulled"  # the store is empty
+    assert pulled == [("smollm2-135m", "f16")]
+    with pytest.raises(NervaError, match="unknown variant 'q9'"):
+        cli_module._find_or_pull("smollm2-135m:q9")
+    with pytest.raises(NervaError, match="model 'elsewhere' is not in the store"):
+        cli_module._find_or_pull("elsewhere:q4_0")
