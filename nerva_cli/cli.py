@@ -57,7 +57,8 @@ def _pull(spec: str, quant: str, name: Optional[str], out: Optional[Path], force
 
 
 @app.command(short_help="Fetch a model (HF Hub, local directory or GGUF) and convert it into the store.",
-             epilog="Examples: nerva pull smollm2-135m | nerva pull Qwen/Qwen3-0.6B --quant f16")
+             epilog="Examples: nerva pull smollm2-135m | nerva pull smollm2-135m:f16 | "
+                    "nerva pull Qwen/Qwen3-0.6B --quant f16")
 def pull(
     source: Annotated[str, typer.Argument(help="HF repo id, local HF directory, .gguf file, or alias (smollm2-135m).")],
     name: Annotated[Optional[str], typer.Option(help="Store name (default: from the source).")] = None,
@@ -66,7 +67,16 @@ def pull(
     force: Force = False,
 ):
     """Fetch a model (HF Hub, local directory or GGUF) and convert it into the store; one already
-    there is kept (--force converts it again)."""
+    there is kept (--force converts it again). An alias takes its variant as ollama's tags:
+    smollm2-135m:f16."""
+    from nerva_cli.sources.resolve import ALIASES
+    from nerva_cli.store import VARIANTS
+
+    alias, _, tag = source.partition(":")
+    if alias in ALIASES and tag.lower() in VARIANTS:
+        if quant not in ("auto", tag.lower()):
+            raise NervaError(f"{source} and --quant {quant} name two variants: give one")
+        source, quant = alias, tag.lower()
     _pull(source, quant, name, None, force, revision, keep_existing=True)
 
 

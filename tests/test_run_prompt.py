@@ -107,3 +107,13 @@ def test_an_alias_with_a_variant_is_pulled_at_that_variant(monkeypatch):
         cli_module._find_or_pull("smollm2-135m:q9")
     with pytest.raises(NervaError, match="model 'elsewhere' is not in the store"):
         cli_module._find_or_pull("elsewhere:q4_0")
+
+
+def test_pull_takes_an_alias_variant_as_a_tag(monkeypatch, cli):
+    from nerva_cli import cli as cli_module
+
+    pulled = []
+    monkeypatch.setattr(cli_module, "_pull", lambda *args, **kw: pulled.append(args[:2]))
+    assert cli("pull", "smollm2-135m:F16")[0] == 0 and pulled == [("smollm2-135m", "f16")]
+    code, _, err = cli("pull", "smollm2-135m:f16", "--quant", "q4_0")
+    assert code == 1 and "name two variants" in err and len(pulled) == 1
