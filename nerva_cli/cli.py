@@ -367,16 +367,37 @@ def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau
                     f"policy {policy})")
     if hasattr(engine.k, "set_threads"):
         engine.k.set_threads(threads)
-    if engine.compiled_layers and not engine.k.compiled_before(decodes):
-        if not decodes:  # a prefill's kernels compile in the prefill itself, before any text
+    if engine.compiled_layers:
+        _compile_ahead(engine, decodes)
+    return engine, tokenizer, threads
+
+
+def _compile_ahead(engine, decodes: bool) -> None:
+    """Compiles a decode step's kernels before an answer starts (Engine.warm_up), once for each
+    kind of model on this machine, so that the answer does not stall after its first token."""
+    from nerva_cli import output
+
+    first = not engine.k.compiled_before(decodes)
+    if not decodes:  # a prefill's kernels compile in the prefill itself, before any text
+        if first:
             output.info("compiling the CPU kernels for this machine: once, a few seconds on 2 cores; "
                         "later runs reuse them")
-        else:  # all of them now, or the answer would stall after its first token
-            started = time.perf_counter()
-            with output.working("compiling the CPU kernels for this machine, once (about 15 s)"):
-                engine.warm_up()
-            output.info(f"compiled the CPU kernels in {time.perf_counter() - started:.1f} s; later runs reuse them")
-    return engine, tokenizer, threads
+        return
+    marker = engine.k.warm_marker(engine.kernel_kinds())
+    if marker.exists():
+        return
+    started = time.perf_counter()
+    with output.working("compiling the CPU kernels for this machine, once (about 15 s)" if first else
+                        "compiling the CPU kernels this model needs, once"):
+        engine.warm_up()
+    took = time.perf_counter() - started
+    if first or took > 0.5:
+        output.info(f"compiled the CPU kernels in {took:.1f} s; later runs reuse them")
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError:  # a cache directory nerva cannot write: the warm-up runs again next time
+        pass
 
 
 @app.command(epilog='Examples: nerva run smollm2-135m -p "Why is the sky blue?" | nerva run smollm2-135m Why is the sky blue? | '

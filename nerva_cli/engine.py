@@ -330,6 +330,14 @@ class Engine(EngineBase):
             self.k.embed_q4(self.embed.qs, self.embed.d, self.embed.m, token, out)
 
     # -- decode ------------------------------------------------------------------------------
+    def kernel_kinds(self) -> str:
+        """What picks the compiled kernels a decode step calls (numba compiles per type and, for
+        attention, per head grouping, not per size): the architecture, the variant and token
+        table, the layers' precisions, paging and the KV cache's type."""
+        return "|".join(map(str, (self.backend, self.model.meta["arch_hash"], self.model.variant,
+                                  self.model.q4_token_table, sorted(set(self.layer_precision.values())),
+                                  bool(self.plan.paged_layers), self.kv_cache)))
+
     def warm_up(self) -> None:
         """A token prefilled and one decoded, then forgotten, so that a machine's first run
         compiles the decode kernels before an answer starts: its text stalled after the first

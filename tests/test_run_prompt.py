@@ -117,3 +117,25 @@ def test_pull_takes_an_alias_variant_as_a_tag(monkeypatch, cli):
     assert cli("pull", "smollm2-135m:F16")[0] == 0 and pulled == [("smollm2-135m", "f16")]
     code, _, err = cli("pull", "smollm2-135m:f16", "--quant", "q4_0")
     assert code == 1 and "name two variants" in err and len(pulled) == 1
+
+
+def test_kernels_compile_ahead_once_for_each_kind_of_model(tiny_models, cli, tmp_path, monkeypatch):
+    """A decode's kernels compile before the answer (Engine.warm_up) the first time a kind of
+    model runs here (its variant, precisions, paging, KV cache type), not on every run."""
+    import shutil
+    from pathlib import Path
+
+    import numba
+
+    from nerva_cli.backends import cpu
+    from nerva_cli.engine import Engine
+
+    shutil.rmtree(cpu.warm_marker("x").parent, ignore_errors=True)  # markers of earlier tests
+    warmed, warm_up = [], Engine.warm_up
+    monkeypatch.setattr(Engine, "warm_up", lambda self: warmed.append(self.kernel_kinds()) or warm_up(self))
+    model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+    args = ["-p", "hi", "-n", "2", "--no-profile", "--ctx", "64"]
+    for extra in ([], [], ["--kv-cache", "f32"], ["--kv-cache", "f32"], ["--precision", "w4a8"]):
+        assert cli("run", model.path, *args, *extra)[0] == 0
+    assert len(warmed) == 3 and len(set(warmed)) == 3, warmed
+    assert cpu.warm_marker("x").parent.parent == Path(numba.config.CACHE_DIR)  # cleared with numba's cache

@@ -2031,6 +2031,20 @@ def _mlp(o, x, norm, eps, xn, xq, x_pairs, xd, xs, w4a8, gate_up_qs, gate_up_d, 
         x[i] += down[i]
 
 
+def warm_marker(kinds: str):
+    """A file in numba's cache directory that stands for "a decode step with kernels of these
+    kinds (Engine.kernel_kinds) has run since this file last changed, so their code is on disk".
+    compiled_before looks at one kernel; another variant, precision mix or a paged layer calls
+    others, which compiled in the middle of a first answer (a paged SmolLM2's first run here:
+    2.7 s to its first token, 5 tok/s after, against 0.15 s and 26 the next time)."""
+    import hashlib
+    from pathlib import Path
+
+    source = os.stat(__file__)
+    stamp = f"{kinds}|{source.st_mtime_ns}|{source.st_size}|{numba.__version__}"
+    return Path(numba.config.CACHE_DIR) / "nerva-warmed" / hashlib.sha1(stamp.encode()).hexdigest()[:20]
+
+
 def compiled_before(decodes: bool = True) -> bool:
     """Whether the disk cache holds compiled code for this source and the kernels a run needs:
     numba's index for `_mlp`, which only a decode compiles, standing for all of them, or for
