@@ -461,7 +461,7 @@ def run(
     engine, tokenizer, _ = _open_engine(model, backend, precision, ctx, threads, tau, not no_profile, mode,
                                         active_fraction, ram_budget, vram_budget, policy, kv_cache,
                                         decodes=max_tokens > 1)
-    if verbose:  # ollama's "load duration": model, profile, tokenizer and arena, kernels not yet called
+    if verbose:  # ollama's "load duration": model, profile, tokenizer, arena, any kernels compiled ahead
         output.info(f"loaded in {time.perf_counter() - started:.2f} s")
     from nerva_cli.ledger import Ledger
 

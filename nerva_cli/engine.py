@@ -339,10 +339,10 @@ class Engine(EngineBase):
                                   bool(self.plan.paged_layers), self.kv_cache)))
 
     def warm_up(self) -> None:
-        """A token prefilled and one decoded, then forgotten, so that a machine's first run
-        compiles the decode kernels before an answer starts: its text stalled after the first
-        token while they compiled (SmolLM2 on the 2-core Zen 4 EPYC: the first token at 5.5 s, the
-        second at 13.3)."""
+        """A token prefilled and one decoded, then forgotten, so that the decode kernels a run
+        needs compile before its answer starts (the CLI does it once for each kernel_kinds): an
+        answer stalled after its first token while they compiled (SmolLM2's first run on the
+        2-core Zen 4 EPYC: the first token at 5.5 s, the second at 13.3)."""
         token = self.cfg.bos_token_id or 0
         self.prefill([token])
         if self.ctx > 1:  # --ctx 1 holds no second position (and no answer either)

@@ -1,7 +1,7 @@
-"""The interactive chat of `nerva run`, as ollama's: line editing and a history kept across chats
-where Python has readline, \"\"\" around a message of several lines, and slash commands that change the chat
-without leaving it. A bad command or a message that cannot fit prints one error line; the chat
-goes on."""
+"""The interactive chat of `nerva run`, as ollama's: line editing and a history kept across
+chats where Python has readline, \"\"\" around a message of several lines, and slash commands
+that change the chat without leaving it. A bad command or a message that cannot fit prints one
+error line; the chat goes on."""
 
 from __future__ import annotations
 
