@@ -61,7 +61,7 @@ def cpu_caches(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> dict:
             level, kind, size = ((d / f).read_text().strip() for f in ("level", "type", "size"))
             shared = (d / "shared_cpu_list").read_text().strip() if (d / "shared_cpu_list").exists() else None
             size_bytes = int(size[:-1]) * SIZE_UNITS[size[-1]] if size[-1] in SIZE_UNITS else int(size)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, IndexError) as e:  # IndexError: an empty size
             return no(f"{d}: {e}", levels=[])
         caches.append({"level": int(level), "type": kind.lower(), "size_bytes": size_bytes, "shared_cpus": shared})
     if not caches:

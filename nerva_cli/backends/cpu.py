@@ -75,8 +75,15 @@ def _serialise_numba_cache_saves() -> None:
     save = IndexDataCacheFile.save
 
     def save_in_turn(self, key, data):
-        with open(os.path.join(os.path.dirname(self._index_path), ".nerva-save.lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        try:
+            lock = open(os.path.join(os.path.dirname(self._index_path), ".nerva-save.lock"), "a")
+        except OSError:  # numba raises what a save raises on POSIX: never let the lock be why
+            return save(self, key, data)
+        with lock:  # closing it releases the lock
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            except OSError:  # a filesystem without locks (some NFS): saves as numba makes them
+                pass
             return save(self, key, data)
 
     IndexDataCacheFile.save = save_in_turn
