@@ -2049,7 +2049,8 @@ def warm_marker(kinds: str):
 
     source = os.stat(__file__)
     stamp = f"{kinds}|{source.st_mtime_ns}|{source.st_size}|{numba.__version__}"
-    return Path(numba.config.CACHE_DIR) / "nerva-warmed" / hashlib.sha1(stamp.encode()).hexdigest()[:20]
+    root = numba.config.CACHE_DIR or os.path.join(os.path.dirname(__file__), "__pycache__")  # numba's default
+    return Path(root) / "nerva-warmed" / hashlib.sha1(stamp.encode()).hexdigest()[:20]
 
 
 def compiled_before(decodes: bool = True) -> bool:
