@@ -20,49 +20,46 @@ def spawn(model_dir, home):
                          env=env, encoding="utf-8", timeout=120)
 
 
+def say(chat, line: str, prompt: str = ">>> ") -> str:
+    """Types a line and waits for the next prompt; -> what the chat printed in between."""
+    chat.sendline(line)
+    chat.expect(prompt)
+    return chat.before
+
+
+def leave(chat) -> int:
+    chat.expect(pexpect.EOF)
+    chat.close()
+    return chat.exitstatus
+
+
 def test_chat_turns_bye_and_ctrl_d(tiny_models, tmp_path, nerva_home):
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
     chat = spawn(model.path, nerva_home)
     chat.expect(">>> ")
-    chat.sendline("the quick brown fox")
-    chat.expect(">>> ")
-    first = chat.before
-    chat.sendline("jumps over the lazy dog")
-    chat.expect(">>> ")  # a second turn reuses the cached conversation and answers again
+    first = say(chat, "the quick brown fox")
+    say(chat, "jumps over the lazy dog")  # a second turn reuses the cached conversation and answers again
     chat.sendline("/bye")
-    chat.expect(pexpect.EOF)
-    chat.close()
-    assert chat.exitstatus == 0 and "Traceback" not in first
+    assert leave(chat) == 0 and "Traceback" not in first
     if importlib.util.find_spec("readline"):  # the next chat's up-arrow finds these lines
         assert "jumps over the lazy dog" in (nerva_home / "history").read_text()
     chat = spawn(model.path, nerva_home)
     chat.expect(">>> ")
     chat.sendeof()  # Ctrl-D leaves too
-    chat.expect(pexpect.EOF)
-    chat.close()
-    assert chat.exitstatus == 0
+    assert leave(chat) == 0
 
 
 def test_chat_commands_and_a_multi_line_message(tiny_models, tmp_path, nerva_home):
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
     chat = spawn(model.path, nerva_home)
     chat.expect(">>> ")
-    chat.sendline("/?")
-    chat.expect(">>> ")
-    assert "/set parameter NAME VALUE" in chat.before and '"""' in chat.before
-    chat.sendline("/set parameter top_p 7")  # refused in one line; the chat goes on
-    chat.expect(">>> ")
-    assert "error: /set parameter top_p" in chat.before
-    chat.sendline('"""the quick')
-    chat.expect(r"\.\.\. ")
-    chat.sendline('brown fox"""')
-    chat.expect(">>> ")
-    chat.sendline("/show info")
-    chat.expect(">>> ")
-    assert "tokens in use" in chat.before and "Traceback" not in chat.before
-    used = int(chat.before.split("context")[1].split()[0])
-    assert used > 0  # the two-line message was answered
+    shown = say(chat, "/?")
+    assert "/set parameter NAME VALUE" in shown and '"""' in shown
+    assert "error: /set parameter top_p" in say(chat, "/set parameter top_p 7")  # one line; the chat goes on
+    say(chat, '"""the quick', prompt=r"\.\.\. ")
+    say(chat, 'brown fox"""')
+    info = say(chat, "/show info")
+    assert "tokens in use" in info and "Traceback" not in info
+    assert int(info.split("context")[1].split()[0]) > 0  # the two-line message was answered
     chat.sendline("/bye")
-    chat.expect(pexpect.EOF)
-    chat.close()
-    assert chat.exitstatus == 0
+    assert leave(chat) == 0
