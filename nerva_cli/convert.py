@@ -135,6 +135,8 @@ def convert(source: Source, variant: str, target: Path, force: bool = False,
         if progress:
             progress("done", len(plan), len(plan))
         if target.exists() or target.is_symlink():
+            if not force:  # another process converted it meanwhile: keep its copy, which a run may be reading
+                return target
             shutil.rmtree(target)
         os.rename(tmp, target)
         return target

@@ -225,3 +225,22 @@ def test_interrupted_convert_leaves_nothing(tiny_models, monkeypatch):
         pull(str(tiny_models("llama")), name="tiny", progress=interrupt)
     assert not (models_root() / "tiny").exists()
     assert convert_mod  # the module under test
+
+
+def test_a_convert_that_another_process_finished_first_keeps_its_copy(tiny_models, cli):
+    """Two `pull`s of one model at once both find it missing; the one that finishes second keeps
+    the first's directory (a run may be reading it) and drops its own."""
+    from nerva_cli.pull import pull
+
+    assert cli("pull", tiny_models("llama"), "--name", "first", "--quant", "q4_0")[0] == 0
+    target = models_root() / "tiny" / "q4_0"
+
+    def the_other_process_finishes(what, done, total):
+        if what == "done":
+            shutil.copytree(models_root() / "first" / "q4_0", target)
+            (target / "theirs").write_text("")
+
+    model = pull(str(tiny_models("llama")), name="tiny", variant="q4_0", progress=the_other_process_finishes,
+                 keep_existing=True)
+    assert (target / "theirs").exists() and model.path == target
+    assert sorted(p.name for p in target.parent.iterdir()) == ["q4_0"]  # no temporary directory left
