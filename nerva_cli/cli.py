@@ -680,7 +680,7 @@ def main() -> None:
     except NervaError as e:
         from nerva_cli import output
 
-        output.err.print(f"error: {e}", markup=False, highlight=False)
+        output.error(str(e))
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)

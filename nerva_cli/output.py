@@ -33,6 +33,11 @@ def info(msg: str) -> None:
     err.print(msg)
 
 
+def error(msg: str) -> None:
+    """The one line a refused input gets, as printed (its text may hold brackets)."""
+    err.print(f"error: {msg}", markup=False, highlight=False)
+
+
 @contextmanager
 def working(title: str):
     """A spinner with the time elapsed while the block runs, on a terminal; the title once, when

@@ -67,7 +67,7 @@ def _loop(session, write, runtime, verbose, stats_line, book, every) -> None:
             write("\nUse Ctrl-D or /bye to exit.\n")
             continue
         except UnicodeDecodeError:  # a locale whose stdin is strict about UTF-8
-            output.err.print("error: that line is not UTF-8 text", markup=False, highlight=False)
+            output.error("that line is not UTF-8 text")
             continue
         if not text.strip():
             continue
@@ -78,7 +78,7 @@ def _loop(session, write, runtime, verbose, stats_line, book, every) -> None:
                 continue
             stats = session.answer(text, write=write)
         except NervaError as e:
-            output.err.print(f"error: {e}", markup=False, highlight=False)
+            output.error(str(e))
             continue
         write("\n\n" if stats.stop_reason != "interrupted" else "\n^C\n\n")
         if verbose and stats_line:
@@ -95,8 +95,7 @@ def command(session, line: str, write, runtime: str = "") -> str | None:
     if head in ("/bye", "/exit", "/quit"):
         return "bye"
     if head in ("/?", "/help"):
-        width = max(len(c) for c, _ in COMMANDS)
-        write("".join(f"  {c.ljust(width)}  {what}\n" for c, what in COMMANDS))
+        write(_aligned(COMMANDS))
     elif head == "/clear":
         session.clear()
         output.info("chat cleared")
@@ -109,9 +108,9 @@ def command(session, line: str, write, runtime: str = "") -> str | None:
     elif head == "/set" and len(words) >= 3 and words[1] == "parameter":
         _set_parameter(session, words[2], words[3:])
     elif head == "/show" and len(words) == 2 and words[1] == "info":
-        write("".join(f"  {k.ljust(12)}  {v}\n" for k, v in info(session, runtime)))
+        write(_aligned(info(session, runtime)))
     elif head == "/show" and len(words) == 2 and words[1] == "parameters":
-        write("".join(f"  {k.ljust(14)}  {v}\n" for k, v in parameters(session)))
+        write(_aligned(parameters(session)))
     elif head == "/show":
         raise NervaError(f"{line!r}: /show info or /show parameters")
     elif head == "/set":
@@ -119,6 +118,12 @@ def command(session, line: str, write, runtime: str = "") -> str | None:
     else:
         raise NervaError(f"unknown command {line!r}: /? lists the commands")
     return None
+
+
+def _aligned(rows) -> str:
+    """(name, text) rows as two columns, the names padded to the longest."""
+    width = max(len(k) for k, _ in rows)
+    return "".join(f"  {k.ljust(width)}  {v}\n" for k, v in rows)
 
 
 def _set_parameter(session, name: str, values: list[str]) -> None:
