@@ -387,9 +387,14 @@ def _compile_ahead(engine, decodes: bool) -> None:
     if marker.exists():
         return
     started = time.perf_counter()
-    with output.working("compiling the CPU kernels for this machine, once (about 15 s)" if first else
-                        "compiling the CPU kernels this model needs, once"):
-        engine.warm_up()
+    aside = engine.compile_aside()  # before the spinner starts its thread: the fork copies this one
+    try:
+        with output.working("compiling the CPU kernels for this machine, once (about 10 s)" if first else
+                            "compiling the CPU kernels this model needs, once"):
+            engine.warm_up(aside)
+    finally:
+        if aside is not None:
+            aside.close()
     took = time.perf_counter() - started
     if first or took > 0.5:
         output.info(f"compiled the CPU kernels in {took:.1f} s; later runs reuse them")

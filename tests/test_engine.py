@@ -310,15 +310,17 @@ def test_compiled_before_reads_the_disk_cache_index(tiny_models, tmp_path, monke
     assert not cpu.compiled_before(decodes)
 
 
-def test_warm_up_leaves_no_trace_in_the_next_answer(tiny_models, tmp_path, rng):
+@pytest.mark.parametrize("aside", [False, True])
+def test_warm_up_leaves_no_trace_in_the_next_answer(tiny_models, tmp_path, rng, aside):
     """Engine.warm_up (a first run's compile, before the answer) forgets its token: the logits
-    after it are a fresh engine's, bit for bit, and the phase clocks start from zero."""
+    after it are a fresh engine's, bit for bit, and the phase clocks start from zero. With a
+    child compiling aside, the parent's MLP halves compile without running on its buffers."""
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
     ids = [int(t) for t in rng.integers(3, 300, 9)]
     fresh = Engine(model, ctx=64)
     want = [fresh.prefill(ids).copy(), fresh.decode(ids[0]).copy()]
     warmed = Engine(model, ctx=64)
-    warmed.warm_up()
+    warmed.warm_up(warmed.compile_aside() if aside else None)
     assert warmed.n_past == 0 and not any(warmed.phase_ns.values())
     got = [warmed.prefill(ids).copy(), warmed.decode(ids[0]).copy()]
     assert all(np.array_equal(a, b) for a, b in zip(got, want))

@@ -32,6 +32,7 @@ from numba import njit, prange, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
+from .compile_aside import compile_aside, compile_only  # noqa: E402, F401  (Engine.warm_up's)
 from .ref import ATT_SPLIT_MIN, SHORT_PREFILL_MOST, attention_prefill_work  # noqa: E402  (every backend's sizes)
 
 

@@ -1,0 +1,95 @@
+"""A first run's kernels compiled by two processes (backends/compile_aside.py, Engine.warm_up)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from numba import njit, prange
+
+from nerva_cli.backends.compile_aside import CompileAside, compile_only
+from nerva_cli.pull import pull
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="compile_aside forks")
+
+
+@njit(parallel=True)
+def _add_one(x):
+    for i in prange(x.shape[0]):
+        x[i] += 1
+
+
+def test_compile_only_compiles_a_kernel_and_does_not_run_it(rng):
+    x = rng.standard_normal(37).astype(np.float32)
+    before, seen = x.copy(), []
+    with compile_only(lambda: seen.append(1)):
+        assert _add_one(x) is None
+    assert np.array_equal(x, before) and seen == [1]
+    assert len(_add_one.signatures) == 1
+    _add_one(x)  # numba's own call again: compiled and run
+    np.testing.assert_array_equal(x, before + 1)
+
+
+def test_a_stuck_child_is_stopped_and_a_failing_one_reported():
+    stuck = CompileAside(lambda: time.sleep(60))
+    started = time.perf_counter()
+    stuck.wait(patience=0.5)
+    assert stuck.exit_code == -9 and time.perf_counter() - started < 10
+    failing = CompileAside(lambda: 1 / 0)
+    failing.wait()
+    assert failing.exit_code == 1
+
+
+# A fresh numba cache in a process of its own (numba fixes its cache directory at import)
+FIRST_WARM_UP = """
+import sys
+from pathlib import Path
+from numba.core import event
+from nerva_cli.engine import Engine
+from nerva_cli.store import load_metadata
+
+model = load_metadata(Path(sys.argv[1]))
+layers = model.config.num_layers
+engine = Engine(model, ctx=64, layer_precisions=(["w4a8", "w4a16"] * layers)[:layers])
+phase, compiled = ["before decode"], set()
+
+class Seen(event.Listener):
+    def on_start(self, ev):
+        compiled.add((phase[0], ev.data["dispatcher"].py_func.__name__))
+    def on_end(self, ev):
+        pass
+
+event.register("numba:compile", Seen())
+decode = engine.decode
+def decoding(token):
+    phase[0] = "decode"
+    return decode(token)
+engine.decode = decoding
+aside = engine.compile_aside()
+engine.warm_up(aside)
+print(aside.exit_code, sorted(compiled))
+"""
+
+
+def test_a_first_warm_up_compiles_the_attention_half_in_a_child(tiny_models, tmp_path):
+    """On a fresh cache the child compiles the attention halves' kernels, the parent the
+    prefill's and the MLP halves', so that warm_up's real decode compiles nothing."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: compile_aside does not fork")
+    model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(FIRST_WARM_UP), str(model.path)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    code, compiled = out.stdout.split(" ", 1)
+    assert code == "0", out.stdout
+    compiled = eval(compiled)  # a list of (phase, kernel name) pairs, printed by FIRST_WARM_UP
+    assert not [k for phase, k in compiled if phase == "decode"], compiled
+    names = {k for _, k in compiled}
+    assert "_mlp" in names and "_causal_softmax" in names  # the MLP half's and the prefill's, here
+    assert not names & {"_attention_inputs", "_attention_decode"}, compiled  # loaded from the child's
