@@ -375,7 +375,7 @@ def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau
 def _compile_ahead(engine, decodes: bool) -> None:
     """Compiles a decode step's kernels before an answer starts (Engine.warm_up), once for each
     kind of model on this machine, so that the answer does not stall after its first token."""
-    from nerva_cli import output
+    from nerva_cli import output, sampling
 
     first = not engine.k.compiled_before(decodes)
     if not decodes:  # a prefill's kernels compile in the prefill itself, before any text
@@ -391,7 +391,7 @@ def _compile_ahead(engine, decodes: bool) -> None:
     try:
         with output.working("compiling the CPU kernels for this machine, once (about 10 s)" if first else
                             "compiling the CPU kernels this model needs, once"):
-            engine.warm_up(aside)
+            engine.warm_up(aside, also=lambda: sampling.warm_kernels(engine.cfg.vocab_size))
     finally:
         if aside is not None:
             aside.close()

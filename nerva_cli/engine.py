@@ -338,13 +338,14 @@ class Engine(EngineBase):
                                   self.model.q4_token_table, sorted(set(self.layer_precision.values())),
                                   bool(self.plan.paged_layers), self.kv_cache)))
 
-    def warm_up(self, aside=None) -> None:
+    def warm_up(self, aside=None, also=lambda: None) -> None:
         """A token prefilled and one decoded, then forgotten, so that the decode kernels a run
         needs compile before its answer starts (the CLI does it once for each kernel_kinds): an
         answer stalled after its first token while they compiled (SmolLM2's first run on the
         2-core Zen 4 EPYC: the first token at 5.5 s, the second at 13.3). `aside`, from
         compile_aside (made before any thread of the caller's starts), compiles the attention
-        halves meanwhile; this process compiles the MLP halves after its prefill, then waits."""
+        halves meanwhile; this process compiles the MLP halves after its prefill, calls `also`
+        (the caller's own kernels' first calls), then waits for it."""
         token = self.cfg.bos_token_id or 0
         try:
             self.prefill([token])
@@ -353,6 +354,8 @@ class Engine(EngineBase):
                     with self.k.compile_only():
                         for layer in self.weights.layers():
                             self._decode_halves(layer)[1]()
+                also()
+                if aside is not None:
                     aside.wait()
                 self.decode(token)
         finally:

@@ -50,6 +50,7 @@ FIRST_WARM_UP = """
 import sys
 from pathlib import Path
 from numba.core import event
+from nerva_cli import sampling
 from nerva_cli.engine import Engine
 from nerva_cli.store import load_metadata
 
@@ -71,14 +72,20 @@ def decoding(token):
     return decode(token)
 engine.decode = decoding
 aside = engine.compile_aside()
-engine.warm_up(aside)
+vocab = model.config.vocab_size
+engine.warm_up(aside, also=lambda: sampling.warm_kernels(vocab))
+phase[0] = "sampling"
+sampler = sampling.Sampler(sampling.SamplingOptions(temperature=0.7, repeat_penalty=1.3, seed=1), vocab)
+sampler.remember(5)
+sampler(engine.prefill([3, 4, 5]))
 print(aside.exit_code, sorted(compiled))
 """
 
 
 def test_a_first_warm_up_compiles_the_attention_half_in_a_child(tiny_models, tmp_path):
     """On a fresh cache the child compiles the attention halves' kernels, the parent the
-    prefill's and the MLP halves', so that warm_up's real decode compiles nothing."""
+    prefill's, the MLP halves' and the sampler's, so that neither warm_up's real decode nor a
+    draw after it compiles anything."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one CPU: compile_aside does not fork")
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
@@ -89,7 +96,7 @@ def test_a_first_warm_up_compiles_the_attention_half_in_a_child(tiny_models, tmp
     code, compiled = out.stdout.split(" ", 1)
     assert code == "0", out.stdout
     compiled = eval(compiled)  # a list of (phase, kernel name) pairs, printed by FIRST_WARM_UP
-    assert not [k for phase, k in compiled if phase == "decode"], compiled
+    assert not [k for phase, k in compiled if phase in ("decode", "sampling")], compiled
     names = {k for _, k in compiled}
-    assert "_mlp" in names and "_causal_softmax" in names  # the MLP half's and the prefill's, here
+    assert {"_mlp", "_causal_softmax", "sample_logits", "penalise"} <= names  # compiled here
     assert not names & {"_attention_inputs", "_attention_decode"}, compiled  # loaded from the child's
