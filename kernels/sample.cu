@@ -160,7 +160,7 @@ __device__ __forceinline__ unsigned bisect(unsigned lo, F f, float target) {
 #define SAMPLE_CAP 1024
 #define TOP_P_RANK 512
 __device__ bool sample_sorted(const float* logits, int vocab, float mine, float mx, float temperature, int top_k,
-                              float top_p, float u01, int* chosen) {
+                              float top_p, unsigned min_key, float u01, int* chosen) {
     __shared__ unsigned long long cand[SAMPLE_CAP];
     __shared__ float scratch[32];
     __shared__ int n_cand;
@@ -207,9 +207,9 @@ __device__ bool sample_sorted(const float* logits, int vocab, float mine, float 
     float target = top_p * mass;
     if (top_p < 1.f && in_k && upto >= target && below < target) kp_shared = key;
     __syncthreads();
-    unsigned kp = kp_shared;
-    bool keep = tid < n && key >= kp;  // a prefix of the sorted candidates
-    bool last = keep && (tid + 1 == n || (unsigned)(cand[tid + 1] >> 32) < kp);
+    unsigned cut = kp_shared > min_key ? kp_shared : min_key;  // top-p's cut, or min-p's where higher
+    bool keep = tid < n && key >= cut;  // a prefix of the sorted candidates
+    bool last = keep && (tid + 1 == n || (unsigned)(cand[tid + 1] >> 32) < cut);
     if (last) kept_mass = upto;
     __syncthreads();
     float u = u01 * kept_mass;
@@ -221,7 +221,7 @@ __device__ bool sample_sorted(const float* logits, int vocab, float mine, float 
 // top-p over the whole vocabulary, thresholds on the keys by bisection, each round a pass over
 // the logits (about 66 passes with both on), then a draw by chunk sums in index order.
 __device__ void sample_by_bisection(const float* logits, int vocab, float mx, float temperature, int top_k,
-                                    float top_p, float u01, int* chosen) {
+                                    float top_p, unsigned min_key, float u01, int* chosen) {
     __shared__ float scratch[32];
     int tid = threadIdx.x, nt = blockDim.x;
     auto count_ge = [&](unsigned key) {
@@ -239,6 +239,7 @@ __device__ void sample_by_bisection(const float* logits, int vocab, float mx, fl
     // keys below kmin are outside top-k; below kp, outside top-p (the smallest set reaching it)
     unsigned kmin = top_k > 0 && top_k < vocab ? bisect(0u, count_ge, (float)top_k) : 0u;
     unsigned kp = top_p < 1.f ? bisect(kmin, mass_ge, top_p * mass_ge(kmin)) : kmin;
+    if (kp < min_key) kp = min_key;  // min-p's cut, after top-p's as ollama's
     // draw u in [0, total): contiguous chunks (whole float4s) a thread, the chunks' prefix sums
     int per = 4 * ((vocab + 4 * nt - 1) / (4 * nt)), c0 = tid * per < vocab ? tid * per : vocab;
     int c1 = c0 + per < vocab ? c0 + per : vocab;
@@ -263,8 +264,8 @@ __device__ void sample_by_bisection(const float* logits, int vocab, float mx, fl
 }
 
 extern "C" __global__ void sample(float* logits, int vocab, int* state, int* recent, int recent_n,
-                                  float temperature, int top_k, float top_p, float penalty, unsigned seed,
-                                  int advance) {
+                                  float temperature, int top_k, float top_p, float min_p, float penalty,
+                                  unsigned seed, int advance) {
     __shared__ int chosen;
     int tid = threadIdx.x;
     // llama.cpp's rule, once per distinct recent token: positive logits / penalty, negative * penalty
@@ -283,9 +284,11 @@ extern "C" __global__ void sample(float* logits, int vocab, int* state, int* rec
     if (temperature > 0.f) {
         float mx = logits[best], u01 = uniform01(seed, (unsigned)state[2]);
         int k = top_k < vocab ? top_k : 0;  // 0: none
-        bool drawn = (k > 0 || top_p < 1.f) && sample_sorted(logits, vocab, mine, mx, temperature, k, top_p, u01,
-                                                             &chosen);
-        if (!drawn) sample_by_bisection(logits, vocab, mx, temperature, top_k, top_p, u01, &chosen);
+        // min-p keeps weights exp((v - mx) / temperature) >= min_p: the logits from this one up
+        unsigned min_key = min_p > 0.f ? order_key(mx + temperature * logf(min_p)) : 0u;
+        bool drawn = (k > 0 || top_p < 1.f) && sample_sorted(logits, vocab, mine, mx, temperature, k, top_p, min_key,
+                                                             u01, &chosen);
+        if (!drawn) sample_by_bisection(logits, vocab, mx, temperature, top_k, top_p, min_key, u01, &chosen);
     }
     __syncthreads();
     if (tid == 0) {

@@ -417,7 +417,9 @@ def run(
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.8,
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0: all).")] = 40,
     top_p: Annotated[float, typer.Option(help="Keep the smallest set whose probability reaches p.")] = 0.95,
-    repeat_penalty: Annotated[float, typer.Option(help="Penalise the last 64 tokens (1.0: off).")] = 1.0,
+    min_p: Annotated[float, typer.Option(help="Keep tokens whose probability is at least p times the likeliest's (0: off; llama.cpp's default is 0.05).")] = 0.0,
+    repeat_penalty: Annotated[float, typer.Option(help="Penalise the last --repeat-last-n tokens (1.0: off).")] = 1.0,
+    repeat_last_n: Annotated[int, typer.Option(help="The tokens --repeat-penalty looks back over (0: none).")] = 64,
     seed: Annotated[Optional[int], typer.Option(help="Random seed for sampling.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop when this text appears (repeatable).")] = None,
     ctx: Ctx = None,
@@ -444,8 +446,8 @@ def run(
     from nerva_cli.chat import ChatSession
     from nerva_cli.sampling import SamplingOptions
 
-    opts = SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p,
-                           repeat_penalty=repeat_penalty, seed=seed)
+    opts = SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                           repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
     if max_tokens < 1:
         raise NervaError(f"--max-tokens must be >= 1, got {max_tokens}")
     if ledger_every < 1:

@@ -13,8 +13,8 @@ from nerva_cli.errors import NervaError
 from nerva_cli.sampling import SamplingOptions
 
 # ollama's parameter names, each with the type its value is read as
-PARAMETERS = {"temperature": float, "top_k": int, "top_p": float, "repeat_penalty": float, "repeat_last_n": int,
-              "seed": int, "num_predict": int, "stop": str}
+PARAMETERS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float, "repeat_penalty": float,
+              "repeat_last_n": int, "seed": int, "num_predict": int, "stop": str}
 
 COMMANDS = (
     ("/set parameter NAME VALUE", f"change a sampling parameter ({', '.join(PARAMETERS)})"),
@@ -157,7 +157,7 @@ def _set_parameter(session, name: str, values: list[str]) -> None:
 def parameters(session) -> list[tuple[str, str]]:
     o: SamplingOptions = session.opts
     return [("temperature", f"{o.temperature:g}"), ("top_k", str(o.top_k)), ("top_p", f"{o.top_p:g}"),
-            ("repeat_penalty", f"{o.repeat_penalty:g}"), ("repeat_last_n", str(o.repeat_last_n)),
+            ("min_p", f"{o.min_p:g}"), ("repeat_penalty", f"{o.repeat_penalty:g}"), ("repeat_last_n", str(o.repeat_last_n)),
             ("seed", "random" if o.seed is None else str(o.seed)), ("num_predict", str(session.max_tokens)),
             ("stop", ", ".join(map(repr, session.stops)) or "none")]
 

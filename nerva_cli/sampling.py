@@ -1,5 +1,5 @@
-"""Sampling on the host that holds the logits: greedy, temperature, top-k, top-p, repetition
-penalty, seeded. A step allocates nothing: the candidates, their weights and the recent tokens
+"""Sampling on the host that holds the logits: greedy, temperature, top-k, top-p, min-p,
+repetition penalty, seeded. A step allocates nothing: the candidates, their weights and the recent tokens
 live in buffers made with the Sampler, and the work is done by numba (backends/cpu.py) by the
 rule ref.sampling_candidates defines, the one the cuda sampler draws by too."""
 
@@ -18,6 +18,7 @@ class SamplingOptions:
     temperature: float = 0.8
     top_k: int = 40
     top_p: float = 0.95
+    min_p: float = 0.0
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     seed: int | None = None
@@ -29,8 +30,10 @@ class SamplingOptions:
             raise NervaError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise NervaError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise NervaError(f"--min-p must be in [0, 1] (0 disables it), got {self.min_p}")
         if self.repeat_last_n < 0:
-            raise NervaError(f"repeat_last_n must be >= 0 (0 disables the penalty), got {self.repeat_last_n}")
+            raise NervaError(f"--repeat-last-n must be >= 0 (0 disables the penalty), got {self.repeat_last_n}")
         if not 0 < self.repeat_penalty < math.inf:
             raise NervaError(f"--repeat-penalty must be a number > 0, got {self.repeat_penalty}")
         if self.seed is not None and self.seed < 0:
@@ -70,7 +73,7 @@ class Sampler:
             token = int(np.argmax(logits))
         else:
             token = int(self.cpu.sample_logits(logits, self.o.temperature, self.o.top_k, self.o.top_p,
-                                               self.rng.random(), self.cand, self.scratch))
+                                               self.o.min_p, self.rng.random(), self.cand, self.scratch))
         self.remember(token)
         return token
 

@@ -140,6 +140,7 @@ def test_a_prompt_given_twice(tiny_models, cli, tmp_path):
     (["--threads", "0"], "--threads must be >= 1"), (["--seed", "-1"], "--seed must be >= 0"),
     (["--temperature", "inf"], "--temperature must be a number >= 0"),
     (["--repeat-penalty", "nan"], "--repeat-penalty must be a number > 0"),
+    (["--min-p", "-0.1"], "--min-p must be in [0, 1]"), (["--repeat-last-n", "-1"], "--repeat-last-n must be >= 0"),
     (["--ledger-every", "0"], "--ledger-every must be >= 1"), ([], "held no prompt"),
     (["--raw", "--system", "be brief"], "--system goes into the chat template")])
 def test_run_refuses_an_out_of_range_option(tiny_models, cli, tmp_path, option, needle):

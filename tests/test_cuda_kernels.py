@@ -19,6 +19,7 @@ from nerva_cli.backends.cuda import RECENT, Kernels, most_prefill_partials, pref
 from nerva_cli.quant import dequantize_q4, dequantize_q8
 from nerva_cli.sampling import Sampler, SamplingOptions
 from test_kernels import EPS, act_q8, dequant_f64, dequant_q8_f64, random_q4, random_q8, randn, rel, rope_tables, sum_tol
+from test_sampling import between_weights
 
 KINDS = ("q4_0", "q4_1")
 # (precision, weight format) pairs of the matvec launches: both Q4 formats at both precisions
@@ -686,14 +687,18 @@ def uniform01(seed: int, counter: int) -> float:
 
 
 # case: vocab, top_k, temperature, logit scale, the kept set's size about (top_p midway between two
-# running masses; None: top_p 1), and whether the kernel draws in value order (candidates sorted
-# in shared memory) or in index order (bisection, and temperature alone)
+# running masses; None: top_p 1), whether the kernel draws in value order (candidates sorted in
+# shared memory) or in index order (bisection, and temperature alone), and the size min_p keeps
+# of that (None: min_p 0)
 DRAW_CASES = {
-    "top_k": (40003, 40, 0.8, 2.0, 12, True),
-    "top_k_ties": (5000, 40, 0.8, 2.0, 12, False),  # 1500 ties of the largest value: over 1024
-    "top_p_only": (3000, 0, 1.5, 2.0, 12, True),
-    "top_p_wide": (3000, 0, 1.0, 0.05, 2000, False),  # nearly flat: the top-p set passes its candidates
-    "temperature_only": (3000, 0, 1.5, 2.0, None, False),
+    "top_k": (40003, 40, 0.8, 2.0, 12, True, None),
+    "top_k_ties": (5000, 40, 0.8, 2.0, 12, False, None),  # 1500 ties of the largest value: over 1024
+    "top_p_only": (3000, 0, 1.5, 2.0, 12, True, None),
+    "top_p_wide": (3000, 0, 1.0, 0.05, 2000, False, None),  # nearly flat: the top-p set passes its candidates
+    "temperature_only": (3000, 0, 1.5, 2.0, None, False, None),
+    "top_k_min_p": (40003, 40, 0.8, 2.0, None, True, 8),
+    "top_p_then_min_p": (3000, 0, 1.5, 2.0, 30, True, 10),
+    "min_p_only": (3000, 0, 1.5, 2.0, None, False, 25),  # bisection, its cut at min-p's
 }
 
 
@@ -706,7 +711,7 @@ def test_a_draw_is_the_inverse_cdf_of_its_uniform(k, rng, case):
     equal weights (top_k_ties) the boundaries are 1/1500 apart, so 3% of draws are skipped: 40
     draws skip more than 8 with probability ~1e-5 (24 draws and 20 checked failed in one CI
     run, a chance of ~1e-3)."""
-    vocab, top_k, temperature, scale, size, by_value = DRAW_CASES[case]
+    vocab, top_k, temperature, scale, size, by_value, min_size = DRAW_CASES[case]
     logits = randn(rng, vocab) * scale
     if case == "top_k_ties":
         logits[rng.choice(vocab, 1500, replace=False)] = logits.max() + 1.0
@@ -717,11 +722,14 @@ def test_a_draw_is_the_inverse_cdf_of_its_uniform(k, rng, case):
         j = min(len(c) - 2, size)
         top_p = float(np.float32((c[j] + c[j + 1]) / 2))
     kept, w = ref.sampling_candidates(logits, temperature, top_k, top_p)
+    min_p = 0.0 if min_size is None else float(np.float32(between_weights(w, min_size)))  # as the kernel takes it
+    kept, w = ref.sampling_candidates(logits, temperature, top_k, top_p, min_p)
+    assert min_size is None or len(kept) == min_size
     if not by_value:
         w, kept = w[np.argsort(kept)], np.sort(kept)
     bounds = np.cumsum(w) / w.sum()
     seed = int(rng.integers(1 << 31))
-    opts = SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    opts = SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     st, rc, lg = up(k, np.zeros(4, np.int32)), up(k, np.zeros(RECENT, np.int32)), up(k, logits)
     checked = 0
     for draw in range(40):

@@ -73,14 +73,15 @@ def test_set_parameter_changes_the_sampler_and_rejects_bad_values(session):
     command(s, "/set parameter temperature 0.5", quiet)
     command(s, "/set parameter top_k 7", quiet)
     command(s, "/set parameter seed 11", quiet)
+    command(s, "/set parameter min_p 0.05", quiet)
     command(s, "/set parameter num_predict 3", quiet)
     command(s, "/set parameter stop </s> END", quiet)
-    assert (s.opts.temperature, s.opts.top_k, s.opts.seed) == (0.5, 7, 11)
+    assert (s.opts.temperature, s.opts.top_k, s.opts.seed, s.opts.min_p) == (0.5, 7, 11, 0.05)
     assert s.sampler.o is s.opts and s.max_tokens == 3 and s.stops == ["</s>", "END"]
     stats = s.answer("the quick brown fox", quiet)
     assert stats.gen_tokens <= 3
     for bad, why in [("/set parameter temperature -1", "a number >= 0"), ("/set parameter top_k x", "not an integer"),
-                     ("/set parameter top_p 2", r"\(0, 1\]"),
+                     ("/set parameter top_p 2", r"\(0, 1\]"), ("/set parameter min_p 1.5", r"\[0, 1\]"),
                      ("/set parameter temperature nan", "a number >= 0"), ("/set parameter num_predict 0", ">= 1"),
                      ("/set parameter warmth 1", "unknown parameter 'warmth'"), ("/set parameter seed", "one value"),
                      ("/frobnicate", "unknown command"), ("/show", "/show info or /show parameters"),

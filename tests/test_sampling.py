@@ -13,16 +13,28 @@ from nerva_cli.sampling import Sampler, SamplingOptions
 from test_kernels import randn
 
 # case: vocab, top_k, temperature, logit scale, the kept set's size about (top_p midway between two
-# running masses of the candidates; None: top_p 1), and the ties planted
+# running masses of the candidates; None: top_p 1), the ties planted, and the size min_p keeps of
+# that (midway between two weights, in their logarithms; None: min_p 0)
 CASES = {
-    "top_k_top_p": (49152, 40, 0.8, 2.0, 12, None),
-    "top_k_alone": (49152, 40, 0.7, 2.0, None, None),
-    "kth_ties": (5000, 40, 0.8, 2.0, None, "kth"),  # the 35th to 44th largest share one value
-    "top_ties": (5000, 40, 0.8, 2.0, 12, "top"),  # 1500 share the largest: all candidates
-    "top_p_alone": (3000, 0, 1.5, 2.0, 12, None),  # a heap over the whole vocabulary, popped a little
-    "top_p_wide": (3000, 0, 1.0, 0.05, 2000, None),  # nearly flat: most of it popped
-    "temperature_alone": (3000, 0, 1.5, 2.0, None, None),
+    "top_k_top_p": (49152, 40, 0.8, 2.0, 12, None, None),
+    "top_k_alone": (49152, 40, 0.7, 2.0, None, None, None),
+    "kth_ties": (5000, 40, 0.8, 2.0, None, "kth", None),  # the 35th to 44th largest share one value
+    "top_ties": (5000, 40, 0.8, 2.0, 12, "top", None),  # 1500 share the largest: all candidates
+    "top_p_alone": (3000, 0, 1.5, 2.0, 12, None, None),  # a heap over the whole vocabulary, popped a little
+    "top_p_wide": (3000, 0, 1.0, 0.05, 2000, None, None),  # nearly flat: most of it popped
+    "temperature_alone": (3000, 0, 1.5, 2.0, None, None, None),
+    "top_k_min_p": (49152, 40, 0.8, 2.0, None, None, 8),  # min-p within top-k: token order
+    "top_p_then_min_p": (3000, 0, 1.5, 2.0, 30, None, 10),  # min-p cuts below top-p's cut
+    "min_p_past_top_p": (49152, 40, 0.8, 2.0, 12, None, 11),  # the pop stops at min-p, one short
+    "min_p_alone": (3000, 0, 1.5, 2.0, None, None, 25),
 }
+
+
+def between_weights(w, size):
+    """A min_p that keeps the `size` largest of the weights w, midway between two of them."""
+    w = np.sort(w)[::-1]
+    j = min(len(w) - 1, size)
+    return float(np.sqrt(w[j - 1] * w[j]))
 
 
 def planted(rng, vocab, scale, ties):
@@ -41,7 +53,7 @@ def test_a_draw_is_the_inverse_cdf_of_its_uniform(rng, case):
     token whose range of the kept weight holds it, in value order when top_p < 1 and token order
     otherwise. Draws within 1e-9 of a range boundary are skipped (sums in another order may round
     either way there); top_p lies midway between two running masses, far from a cut."""
-    vocab, top_k, temperature, scale, size, ties = CASES[case]
+    vocab, top_k, temperature, scale, size, ties, min_size = CASES[case]
     logits = planted(rng, vocab, scale, ties)
     top_p = 1.0
     if size is not None:
@@ -50,13 +62,18 @@ def test_a_draw_is_the_inverse_cdf_of_its_uniform(rng, case):
         j = min(len(c) - 2, size)
         top_p = float((c[j] + c[j + 1]) / 2)
     kept, w = ref.sampling_candidates(logits, temperature, top_k, top_p)
+    min_p = 0.0 if min_size is None else between_weights(w, min_size)
+    kept, w = ref.sampling_candidates(logits, temperature, top_k, top_p, min_p)
     if ties == "kth":
         assert len(kept) == 44  # the tie across the k-th place is kept whole
+    if min_size is not None:
+        assert len(kept) == min_size
     if top_p == 1.0:
         w, kept = w[np.argsort(kept)], np.sort(kept)
     bounds = np.cumsum(w) / w.sum()
     seed = int(rng.integers(1 << 31))
-    sampler = Sampler(SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed), vocab)
+    sampler = Sampler(SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed),
+                      vocab)
     uniforms = np.random.default_rng(seed)
     checked, drawn = 0, set()
     for draw in range(40):
@@ -122,5 +139,5 @@ def test_sampling_allocates_nothing(rng):
 
 
 def test_negative_repeat_window_is_refused():
-    with pytest.raises(NervaError, match="repeat_last_n"):
+    with pytest.raises(NervaError, match="--repeat-last-n must be >= 0"):
         SamplingOptions(repeat_last_n=-1)

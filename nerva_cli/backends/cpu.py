@@ -2230,7 +2230,7 @@ def _sift_best(logits, cand, n, i):
 
 
 @njit(cache=True, nogil=True)
-def sample_logits(logits, temperature, top_k, top_p, u, cand, scratch):
+def sample_logits(logits, temperature, top_k, top_p, min_p, u, cand, scratch):
     """Draws one token by the rule of ref.sampling_candidates with the uniform u in [0, 1).
     cand (int32) and scratch (float64) hold at least a vocabulary each.
 
@@ -2260,13 +2260,19 @@ def sample_logits(logits, temperature, top_k, top_p, u, cand, scratch):
     for j in range(n):
         scratch[j] = np.exp((np.float64(logits[cand[j]]) - best) / temperature)
         total += scratch[j]
-    if top_p >= 1.0:  # every candidate stays: draw in token order, nothing to sort
-        target, run = u * total, 0.0
+    if top_p >= 1.0:  # no top-p cut: draw in token order among those reaching min_p, nothing to sort
+        kept = 0.0
         for j in range(n):
-            run += scratch[j]
-            if run > target:
-                return cand[j]
-        return cand[n - 1]
+            if scratch[j] >= min_p:
+                kept += scratch[j]
+        target, run, last = u * kept, 0.0, cand[0]
+        for j in range(n):
+            if scratch[j] >= min_p:
+                run += scratch[j]
+                last = cand[j]
+                if run > target:
+                    return last
+        return last
     for i in range(n // 2 - 1, -1, -1):
         _sift_best(logits, cand, n, i)
     want, kept, end, cut = top_p * total, 0.0, n, np.nan
@@ -2274,10 +2280,13 @@ def sample_logits(logits, temperature, top_k, top_p, u, cand, scratch):
         top = cand[0]
         if not np.isnan(cut) and logits[top] != cut:
             break
+        weight = np.exp((np.float64(logits[top]) - best) / temperature)
+        if weight < min_p:  # the rest are below min_p too
+            break
         end -= 1
         cand[0], cand[end] = cand[end], top
         _sift_best(logits, cand, end, 0)
-        kept += np.exp((np.float64(logits[top]) - best) / temperature)
+        kept += weight
         if np.isnan(cut) and kept >= want:
             cut = logits[top]  # ties of the last kept logit stay as well
     target, run = u * kept, 0.0

@@ -251,20 +251,22 @@ def embed_f32(table, token, out):
     out[...] = table[token]
 
 
-def sampling_candidates(logits, temperature, top_k, top_p):
+def sampling_candidates(logits, temperature, top_k, top_p, min_p=0.0):
     """The tokens a draw chooses among, best first (larger logit, then lower index), and their
     weights exp((logit - max) / temperature) in float64: the top_k largest logits with every tie
     of the k-th kept (top_k 0 or >= vocab: all of them), then, when top_p < 1, the fewest of those
-    whose running weight reaches top_p of their sum, ties of the last one again kept whole. A draw
-    with u uniform in [0, 1) takes the first token whose running weight exceeds u times the kept
-    sum, walking them in this order when top_p < 1 and in token order otherwise."""
+    whose running weight reaches top_p of their sum, ties of the last one again kept whole, then,
+    when min_p > 0, those whose weight is at least min_p (of the largest's, which is 1): ollama's
+    order, temperature first. A draw with u uniform in [0, 1) takes the first token whose running
+    weight exceeds u times the kept sum, walking them in this order when top_p < 1 and in token
+    order otherwise."""
     order = np.argsort(-logits, kind="stable")
     kth = logits[order[top_k - 1]] if 0 < top_k < len(logits) else -np.inf
     top = order[logits[order] >= kth]
     w = np.exp((logits[top].astype(np.float64) - logits[top[0]]) / temperature)
-    if top_p >= 1:
-        return top, w
-    reached = np.searchsorted(np.cumsum(w), top_p * w.sum())
-    cut = logits[top[min(reached, len(top) - 1)]]  # a sum rounded below top_p of itself keeps all
-    keep = logits[top] >= cut
+    keep = w >= min_p
+    if top_p < 1:
+        reached = np.searchsorted(np.cumsum(w), top_p * w.sum())
+        cut = logits[top[min(reached, len(top) - 1)]]  # a sum rounded below top_p of itself keeps all
+        keep &= logits[top] >= cut
     return top[keep], w[keep]
