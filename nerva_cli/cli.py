@@ -142,19 +142,13 @@ def show(
 def _print_show(m) -> None:
     from collections import Counter
 
-    from rich.table import Table
-
     from nerva_cli import output
 
     cfg = m.config
     output.out.print(f"[bold]{m.name}:{m.variant}[/bold]  {m.path}")
-    table = Table(box=None, show_header=False)
-    for k, v in cfg.to_dict().items():
-        table.add_row(k, str(v))
-    table.add_row("arch_hash", m.meta["arch_hash"])
-    table.add_row("source", f"{m.meta['source'].get('kind')}: {m.meta['source'].get('id')}")
-    table.add_row("size", f"{output.human_bytes(m.size)} in {len(m.meta['files'])} files")
-    output.out.print(table)
+    output.facts([*((k, str(v)) for k, v in cfg.to_dict().items()), ("arch_hash", m.meta["arch_hash"]),
+                  ("source", f"{m.meta['source'].get('kind')}: {m.meta['source'].get('id')}"),
+                  ("size", f"{output.human_bytes(m.size)} in {len(m.meta['files'])} files")])
     dtypes = Counter(t["dtype"] for f in m.meta["files"].values() for t in f["tensors"].values())
     largest = max(m.meta["files"].items(), key=lambda kv: kv[1]["size"])
     output.out.print(f"tensors: {sum(dtypes.values())} ({', '.join(f'{n} {d}' for d, n in sorted(dtypes.items()))}); "
@@ -566,16 +560,8 @@ def topology(
             info["plan"] = topo.plan_report(stored, plan, info["probe"])
     if json_out:
         output.print_json(info)
-    elif output.out.is_terminal:
-        from rich.table import Table
-
-        table = Table(box=None, show_header=False)
-        for what, value in topo.describe(info):
-            table.add_row(f"[bold]{what}[/bold]", value)
-        output.out.print(table)
     else:
-        for what, value in topo.describe(info):
-            output.out.print(f"{what}: {value}", markup=False)
+        output.facts(topo.describe(info))
 
 
 @app.command(epilog="Example: nerva bench smollm2-135m --gen-tokens 128 | jq .decode_tok_s")

@@ -25,6 +25,24 @@ def print_json(obj) -> None:
     sys.stdout.flush()
 
 
+def facts(rows) -> None:
+    """(name, value) rows: two aligned columns on a terminal, long values wrapped; piped, a
+    "name: value" line each, never cut to the pipe's assumed 80 columns."""
+    if not out.is_terminal:
+        for name, value in rows:
+            out.print(f"{name}: {value}", markup=False)
+        return
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=None, show_header=False)
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    for name, value in rows:
+        table.add_row(Text(name), Text(value))  # as written: a value may hold brackets
+    out.print(table)
+
+
 def note(msg: str) -> None:
     err.print(f"[yellow]note:[/yellow] {msg}" if err.is_terminal else f"note: {msg}")
 
