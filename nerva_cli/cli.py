@@ -108,14 +108,9 @@ def list_(json_: Json = False):
     if not rows:
         output.err.print(f"no models in {store.models_root()} (try: nerva pull smollm2-135m)")
         return
-    from rich.table import Table
-
-    table = Table(box=None, header_style="bold")
-    for col in ("NAME", "SIZE", "FAMILY", "MODIFIED"):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(f"{r['name']}:{r['variant']}", output.human_bytes(r["size"]), r["family"], r["modified"])
-    output.out.print(table)
+    output.columns(("NAME", "SIZE", "FAMILY", "MODIFIED"),
+                   [(f"{r['name']}:{r['variant']}", output.human_bytes(r["size"]), r["family"], r["modified"])
+                    for r in rows])
 
 
 @app.command()

@@ -25,6 +25,27 @@ def print_json(obj) -> None:
     sys.stdout.flush()
 
 
+def columns(header: tuple[str, ...], rows) -> None:
+    """A table with a header: rich on a terminal, long cells wrapped; piped, plain lines of cells
+    padded to their column's widest, never cut (`list | awk '{print $1}'` took a name cut to an
+    ellipsis)."""
+    rows = [tuple(map(str, r)) for r in rows]
+    if not out.is_terminal:
+        widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+        for r in (header, *rows):
+            out.print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip(), markup=False)
+        return
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(box=None, header_style="bold")
+    for name in header:
+        table.add_column(name, overflow="fold")
+    for r in rows:
+        table.add_row(*map(Text, r))
+    out.print(table)
+
+
 def facts(rows) -> None:
     """(name, value) rows: two aligned columns on a terminal, long values wrapped; piped, a
     "name: value" line each, never cut to the pipe's assumed 80 columns."""

@@ -283,16 +283,20 @@ def test_list_show_verify_rm(tiny_models, cli):
     assert code == 1 and "not in the store" in err
 
 
-def test_show_piped_prints_each_fact_whole_on_its_line(tiny_models, cli, tmp_path):
-    """Piped, `show` gives "name: value" lines: a source path past 80 columns was cut to an
-    ellipsis in a table as wide as a pipe is taken to be."""
+def test_list_and_show_piped_print_values_whole(tiny_models, cli, tmp_path):
+    """Piped, `show` gives "name: value" lines and `list` plain padded columns: a source path or
+    a model name past 80 columns was cut to an ellipsis in a table as wide as a pipe is taken to
+    be (`nerva list | awk '{print $1}'` read a name that does not exist)."""
     import shutil
 
     src = shutil.copytree(tiny_models("llama"), tmp_path / ("a-long-directory-name-" * 4) / "llama")
-    assert cli("convert", src, "--name", "tiny", "--quant", "f16")[0] == 0
-    code, out, _ = cli("show", "tiny:f16")
+    name = "a-model-name-longer-than-a-pipe-is-wide-" * 2
+    assert cli("convert", src, "--name", name, "--quant", "f16")[0] == 0
+    code, out, _ = cli("show", f"{name}:f16")
     assert code == 0 and "num_layers: 3" in out.splitlines()
     assert [line for line in out.splitlines() if line.startswith("source: ") and line.endswith(str(src))], out
+    code, out, _ = cli("list")
+    assert code == 0 and [line.split()[0] for line in out.splitlines()] == ["NAME", f"{name}:f16"], out
 
 
 def test_sha256_checked_on_a_files_first_load_and_after_it_changes(tiny_models, tmp_path, monkeypatch):
