@@ -115,9 +115,12 @@ def _tell(progress: int) -> None:
 
 def compile_aside(work: Callable[[], None]) -> Optional[CompileAside]:
     """A CompileAside running `work`, or None where a second process cannot help or a fork is
-    not safe: no fork (Windows), a single CPU to run on, or another Python thread (a lock it
-    held at the fork would stay held in the child)."""
-    if not hasattr(os, "fork") or threading.active_count() > 1:
+    not safe: no fork (Windows), a single CPU to run on, numba's JIT off (NUMBA_DISABLE_JIT: the
+    kernels are Python functions, which the child would run), or another Python thread (a lock
+    it held at the fork would stay held in the child)."""
+    import numba
+
+    if not hasattr(os, "fork") or threading.active_count() > 1 or numba.config.DISABLE_JIT:
         return None
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
     if len(cpus) < 2:
