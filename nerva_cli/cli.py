@@ -356,7 +356,7 @@ def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau
                     f"policy {policy})")
     if hasattr(engine.k, "set_threads"):
         engine.k.set_threads(threads)
-    if engine.compiled_layers:
+    if hasattr(engine.k, "warm_marker"):  # a backend that compiles its kernels here (cpu: numba)
         _compile_ahead(engine, decodes)
     return engine, tokenizer, threads
 

@@ -339,7 +339,7 @@ class Engine(EngineBase):
                                   bool(self.plan.paged_layers), self.kv_cache)))
 
     def warm_up(self, aside=None, also=lambda: None) -> None:
-        """A token prefilled and one decoded, then forgotten, so that the decode kernels a run
+        """Two tokens prefilled and one decoded, then forgotten, so that the decode kernels a run
         needs compile before its answer starts (the CLI does it once for each kernel_kinds): an
         answer stalled after its first token while they compiled (SmolLM2's first run on the
         2-core Zen 4 EPYC: the first token at 5.5 s, the second at 13.3). `aside`, from
@@ -347,9 +347,13 @@ class Engine(EngineBase):
         halves meanwhile; this process compiles the MLP halves after its prefill, calls `also`
         (the caller's own kernels' first calls), then waits for it."""
         token = self.cfg.bos_token_id or 0
+        # two tokens where the context has room to decode after them: a prompt of several slices
+        # the outputs of a paged layer's unfused q/k/v (a layout of its own, compiled apart),
+        # which one token leaves contiguous (a paged SmolLM2's first prompt compiled 1.3 s more)
+        prompt = [token] * (2 if self.ctx > 2 else 1)
         try:
-            self.prefill([token])
-            if self.ctx > 1:  # --ctx 1 holds no second position (and no answer either)
+            self.prefill(prompt)
+            if self.ctx > len(prompt):  # --ctx 1 holds no second position (and no answer either)
                 if aside is not None:
                     with self.k.compile_only():
                         for layer in self.weights.layers():
@@ -367,13 +371,24 @@ class Engine(EngineBase):
     def compile_aside(self):
         """For warm_up: a forked process compiling, without running them, the attention halves of
         a decode step's kernels, or None where that cannot help (the backend compiles nothing, a
-        single CPU, paged layers, whose reads another thread serves). The fork is made here, so
-        call it before starting a thread. SmolLM2's first run on the 2-core Zen 4 EPYC, fresh
-        numba cache, four runs each, alternating: compiling 12.4-13.1 -> 6.9-7.5 s, the run
-        13.4-14.2 -> 7.8-8.4 s (the parent's part about 6 s, then 0.6 s waiting for the child)."""
-        if self.ctx < 2 or self.plan.paged_layers or not hasattr(self.k, "compile_aside"):
+        single CPU). A paged layer's come from a slot's Layer, whatever it holds: the child
+        takes no lock of the pager's, whose thread the fork does not copy. The fork is made
+        here, so call it before starting a thread. SmolLM2's first run on the 2-core Zen 4 EPYC,
+        fresh numba cache, four runs each, alternating: compiling 12.4-13.1 -> 6.9-7.5 s, the
+        run 13.4-14.2 -> 7.8-8.4 s (the parent's part about 6 s, then 0.6 s waiting for the child)."""
+        if self.ctx < 2 or not hasattr(self.k, "compile_aside"):
             return None
-        return self.k.compile_aside(lambda: [self._decode_halves(layer)[0](0) for layer in self.weights.layers()])
+        paged = getattr(self.weights, "paged", [])
+
+        def attention_halves():
+            for layer in self.weights.resident.values() if paged else self.weights.layers():
+                self._decode_halves(layer)[0](0)
+            for precision in sorted({self.layer_precision[i] for i in paged}):
+                view = self.weights.views()[0]
+                view.index, view.precision = paged[0], precision
+                self._decode_attention(view, 0)
+
+        return self.k.compile_aside(attention_halves, threads=[getattr(self.weights, "thread", None)])
 
     def _decode_halves(self, layer: Layer):
         """(attention(pos), mlp()): a layer's decode step in the two parts _decode_layer times."""

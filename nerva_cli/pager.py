@@ -281,6 +281,11 @@ class PagedWeights:
                 except RuntimeError:
                     pass
 
+    def views(self) -> list:
+        """The Layer objects the slots lend, whatever their buffers hold now: what a paged layer's
+        kernels compile for (Engine.compile_aside), without a read or the pass's locks."""
+        return [slot.layer for slot in self.slots]
+
     @property
     def direct_io(self) -> bool | None:
         return self.reader.direct

@@ -56,7 +56,13 @@ from nerva_cli.store import load_metadata
 
 model = load_metadata(Path(sys.argv[1]))
 layers = model.config.num_layers
-engine = Engine(model, ctx=64, layer_precisions=(["w4a8", "w4a16"] * layers)[:layers])
+precisions = (["w4a8", "w4a16"] * layers)[:layers]
+budget = None
+if sys.argv[2] == "paged":  # the fixed part, two staging slots and two resident layers of six
+    fixed = Engine(model, ctx=64, layer_precisions=precisions).plan.fixed
+    budget = sum(b.nbytes for b in fixed) + 4 * model.meta["files"]["layer_000.bin"]["size"]
+engine = Engine(model, ctx=64, layer_precisions=precisions, ram_budget=budget)
+assert len(engine.plan.paged_layers) == (4 if sys.argv[2] == "paged" else 0), engine.plan.paged_layers
 phase, compiled = ["before decode"], set()
 
 class Seen(event.Listener):
@@ -74,29 +80,34 @@ engine.decode = decoding
 aside = engine.compile_aside()
 vocab = model.config.vocab_size
 engine.warm_up(aside, also=lambda: sampling.warm_kernels(vocab))
-phase[0] = "sampling"
+phase[0] = "answer"  # a prompt of several tokens, a draw, a decode step
 sampler = sampling.Sampler(sampling.SamplingOptions(temperature=0.7, repeat_penalty=1.3, seed=1), vocab)
 sampler.remember(5)
-sampler(engine.prefill([3, 4, 5]))
+engine.decode(sampler(engine.prefill([3, 4, 5, 6, 7, 8, 9])))
+engine.weights.close()
 print(aside.exit_code, sorted(compiled))
 """
 
 
-def test_a_first_warm_up_compiles_the_attention_half_in_a_child(tiny_models, tmp_path):
-    """On a fresh cache the child compiles the attention halves' kernels, the parent the
-    prefill's, the MLP halves' and the sampler's, so that neither warm_up's real decode nor a
-    draw after it compiles anything."""
+@pytest.mark.parametrize("residency", ["resident", "paged"])
+def test_a_first_warm_up_compiles_the_attention_half_in_a_child(tmp_path, residency):
+    """On a fresh cache the child compiles the attention halves' kernels (a paged layer's from
+    a slot, beside the pager's thread), the parent the prefill's, the MLP halves' and the
+    sampler's, so that neither warm_up's real decode nor an answer after it compiles anything."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one CPU: compile_aside does not fork")
-    model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+    pytest.importorskip("transformers")
+    from conftest import make_tiny_model
+
+    model = pull(str(make_tiny_model(tmp_path / "hf", "llama", layers=6)), variant="q4_0", out=tmp_path / "m")
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(FIRST_WARM_UP), str(model.path)], env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(FIRST_WARM_UP), str(model.path), residency],
+                         env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     code, compiled = out.stdout.split(" ", 1)
     assert code == "0", out.stdout
     compiled = eval(compiled)  # a list of (phase, kernel name) pairs, printed by FIRST_WARM_UP
-    assert not [k for phase, k in compiled if phase in ("decode", "sampling")], compiled
+    assert not [k for phase, k in compiled if phase in ("decode", "answer")], compiled
     names = {k for _, k in compiled}
     assert {"_mlp", "_causal_softmax", "sample_logits", "penalise"} <= names  # compiled here
     assert not names & {"_attention_inputs", "_attention_decode"}, compiled  # loaded from the child's

@@ -134,8 +134,11 @@ def test_kernels_compile_ahead_once_for_each_kind_of_model(tiny_models, cli, tmp
     warmed, warm_up = [], Engine.warm_up
     monkeypatch.setattr(Engine, "warm_up", lambda self, aside, also: warmed.append(self.kernel_kinds()) or warm_up(self, aside, also))
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+    exact = pull(str(tiny_models("llama")), variant="f16", out=tmp_path / "f16")  # no compiled layers, kernels still
     args = ["-p", "hi", "-n", "2", "--no-profile", "--ctx", "64"]
-    for extra in ([], [], ["--kv-cache", "f32"], ["--kv-cache", "f32"], ["--precision", "w4a8"]):
-        assert cli("run", model.path, *args, *extra)[0] == 0
-    assert len(warmed) == 3 and len(set(warmed)) == 3, warmed
+    for path, extra in ((model.path, []), (model.path, []), (model.path, ["--kv-cache", "f32"]),
+                        (model.path, ["--kv-cache", "f32"]), (model.path, ["--precision", "w4a8"]),
+                        (exact.path, []), (exact.path, [])):
+        assert cli("run", path, *args, *extra)[0] == 0
+    assert len(warmed) == 4 and len(set(warmed)) == 4, warmed
     assert cpu.warm_marker("x").parent.parent == Path(numba.config.CACHE_DIR)  # cleared with numba's cache

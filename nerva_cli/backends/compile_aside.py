@@ -30,7 +30,8 @@ PATIENCE_S = 60.0
 def compile_only(compiled: Callable[[], None] = lambda: None):
     """In this block a call from Python to a numba kernel compiles it for its arguments' types
     (into the disk cache, as a first call does), calls `compiled()`, and returns None without
-    running it. Kernels called from compiled code compile with their callers."""
+    running it. Kernels called from compiled code compile with their callers. The patch is the
+    process's: no other thread may call a kernel meanwhile (the pager's reader calls none)."""
     from numba.core.registry import CPUDispatcher
 
     def compile_without_running(dispatcher, *args, **kws):
@@ -113,14 +114,16 @@ def _tell(progress: int) -> None:
         pass
 
 
-def compile_aside(work: Callable[[], None]) -> Optional[CompileAside]:
+def compile_aside(work: Callable[[], None], threads=()) -> Optional[CompileAside]:
     """A CompileAside running `work`, or None where a second process cannot help or a fork is
     not safe: no fork (Windows), a single CPU to run on, numba's JIT off (NUMBA_DISABLE_JIT: the
-    kernels are Python functions, which the child would run), or another Python thread (a lock
-    it held at the fork would stay held in the child)."""
+    kernels are Python functions, which the child would run), or a Python thread other than
+    this one and `threads` (those whose locks `work` never takes: a lock another held at the
+    fork would stay held in the child)."""
     import numba
 
-    if not hasattr(os, "fork") or threading.active_count() > 1 or numba.config.DISABLE_JIT:
+    others = [t for t in threading.enumerate() if t is not threading.current_thread() and t not in threads]
+    if not hasattr(os, "fork") or others or numba.config.DISABLE_JIT:
         return None
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
     if len(cpus) < 2:

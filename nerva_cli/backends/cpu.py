@@ -2056,11 +2056,12 @@ def warm_marker(kinds: str):
 
 def compiled_before(decodes: bool = True) -> bool:
     """Whether the disk cache holds compiled code for this source and the kernels a run needs:
-    numba's index for `_mlp`, which only a decode compiles, standing for all of them, or for
-    `_causal_softmax` when the run only prefills (`-n 1`). False on a machine's first run, when
-    compiling them takes a while (SmolLM2 on the 2-core Zen 4 EPYC, the run's wall time: 5.5 s for
-    a prefill's, 8 s more for a decode's)."""
-    kernel = _mlp if decodes else _causal_softmax
+    numba's index for `add_rmsnorm`, which only a decode compiles (of any layer: compiled halves
+    or kernel by kernel), standing for all of them, or for `_causal_softmax` when the run only
+    prefills (`-n 1`). False on a machine's first run, when compiling them takes a while
+    (SmolLM2 on the 2-core Zen 4 EPYC, the run's wall time: 5.5 s for a prefill's, 8 s more for a
+    decode's)."""
+    kernel = add_rmsnorm if decodes else _causal_softmax
     try:
         return bool(kernel._cache._cache_file._load_index())
     except Exception:  # numba internals: should they change, say nothing rather than fail a run
