@@ -1472,8 +1472,8 @@ def embed_f32(table, token, out):
 def matvec_f32(w, x, out):
     # numba's threads, not BLAS's: decode calls this between other kernels' parallel regions, and
     # OpenBLAS's sgemv waiting on its worker while numba's OpenMP worker spins on the other core
-    # took SmolLM2 f16's decode to 7.4 tok/s on the 2-core Zen 4 EPYC (a NumPy dot after each of
-    # a numba parallel loop's calls: 31 us alone, 8.3 ms after it)
+    # held SmolLM2 f16's decode to 7.4 tok/s on the 2-core Zen 4 EPYC (a NumPy dot of 1536x576:
+    # 31 us alone, 8.3 ms right after a numba parallel loop); now 55-60
     for r in prange(w.shape[0]):
         acc = F32(0)
         for c in range(w.shape[1]):

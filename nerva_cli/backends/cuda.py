@@ -301,8 +301,8 @@ class Kernels:
         seed = np.random.SeedSequence(opts.seed).generate_state(1)[0] if opts.seed is None else opts.seed
         self._go("sample", (1,), (SAMPLE_THREADS,),
                  (logits, I32(logits.shape[0]), state, recent, I32(recent.shape[0]), F32(opts.temperature),
-                  I32(opts.top_k), F32(opts.top_p), F32(opts.min_p), F32(opts.repeat_penalty), np.uint32(seed & 0xFFFFFFFF),
-                  I32(advance)))
+                  I32(opts.top_k), F32(opts.top_p), F32(opts.min_p), F32(opts.repeat_penalty),
+                  np.uint32(seed & 0xFFFFFFFF), I32(advance)))
 
 
 def attention_splits(heads: int, ctx: int, sms: int) -> tuple[int, int]:
