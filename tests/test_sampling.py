@@ -25,7 +25,7 @@ CASES = {
     "temperature_alone": (3000, 0, 1.5, 2.0, None, None, None),
     "top_k_min_p": (49152, 40, 0.8, 2.0, None, None, 8),  # min-p within top-k: token order
     "top_p_then_min_p": (3000, 0, 1.5, 2.0, 30, None, 10),  # min-p cuts below top-p's cut
-    "min_p_past_top_p": (49152, 40, 0.8, 2.0, 12, None, 11),  # the pop stops at min-p, one short
+    "min_p_past_top_p": (49152, 40, 0.8, 2.0, 12, None, 11),  # the pop stops at min-p, before top-p's cut
     "min_p_alone": (3000, 0, 1.5, 2.0, None, None, 25),
 }
 

@@ -53,7 +53,8 @@ class CompileAside:
         read_end, write_end = os.pipe()
         with warnings.catch_warnings():
             # Python 3.12 warns of fork() in a process with other threads: here those are GNU
-            # OpenMP's idle workers, which the child never enters, and the tokenizer's pool.
+            # OpenMP's idle workers, which the child never enters, the tokenizer's pool, and a
+            # paged engine's reader, whose locks the child never takes (compile_aside's `threads`).
             warnings.simplefilter("ignore", DeprecationWarning)
             pid = os.fork()
         if pid == 0:
