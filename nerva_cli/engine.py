@@ -29,7 +29,8 @@ PREFILL_CHUNK = 256
 @dataclass
 class Linear:
     """One weight matrix: Q4_0 planes (qs, d), Q4_1 planes (qs, d, m), Q8_0 planes (q8, d: the Q4
-    variants' token table) or an f32 matrix (exact variants)."""
+    variants' token table) or an exact variant's matrix as stored (w: float16, or uint16 holding
+    bf16 bits), widened to f32 only in the kernels' registers or prefill's scratch."""
 
     rows: int
     cols: int
@@ -47,7 +48,7 @@ class Linear:
         if f"{name}.q8" in tensors:
             q8 = tensors[f"{name}.q8"]
             return cls(*q8.shape, q8=q8, d=tensors[f"{name}.d"])
-        return cls(*tensors[name].shape, w=as_f32(tensors[name]))
+        return cls(*tensors[name].shape, w=tensors[name])
 
     @property
     def nbytes(self) -> int:
@@ -62,35 +63,18 @@ class Linear:
     @classmethod
     def owned(cls, t: dict, names: tuple[str, ...]) -> "Linear":
         """The named matrices stacked by rows into arrays of its own (fused QKV, fused gate/up:
-        one kernel call sharing the activation reads), so the file buffer can be dropped.
-        Exact variants widen straight into the stacked f32 array: no per-matrix copy between."""
+        one kernel call sharing the activation reads), so the file buffer can be dropped."""
         if f"{names[0]}.qs" in t:
             qs = np.concatenate([t[f"{n}.qs"] for n in names])
             m = np.concatenate([t[f"{n}.m"] for n in names]) if f"{names[0]}.m" in t else None
             return cls(qs.shape[0], qs.shape[1] * 2, qs=qs, d=np.concatenate([t[f"{n}.d"] for n in names]), m=m)
-        w = np.empty((sum(t[n].shape[0] for n in names), t[names[0]].shape[1]), dtype=np.float32)
-        row = 0
-        for n in names:
-            widen_into(t[n], w[row:row + t[n].shape[0]])
-            row += t[n].shape[0]
+        w = np.concatenate([t[n] for n in names])
         return cls(*w.shape, w=w)
 
 
-def widen_into(src: np.ndarray, dst: np.ndarray) -> None:
-    """Stored f16/bf16/f32 -> f32 dst in place. bf16 is kept as uint16 bits in the store."""
-    if src.dtype == np.uint16:
-        bits = dst.view(np.uint32)
-        bits[...] = src
-        bits <<= 16
-    else:
-        np.copyto(dst, src)
-
-
 def as_f32(a: np.ndarray) -> np.ndarray:
-    """A stored tensor as an f32 array of its own."""
-    out = np.empty(a.shape, dtype=np.float32)
-    widen_into(a, out)
-    return out
+    """A stored f32 tensor (norms, biases) as an array of its own, so the file buffer can go."""
+    return np.array(a, dtype=np.float32)
 
 
 @dataclass
@@ -115,22 +99,14 @@ class Layer:
 
     @classmethod
     def viewing(cls, t: dict, precision: str):
-        """A Layer over a staging slot's tensors, unfused and without copies of the Q4 planes
-        (fusing would copy per read). -> (layer, refresh): refresh() re-derives, in place, the
-        arrays kept beside the views (f32 matrices of exact variants, the fused bias)."""
-        mats, widen = {}, []
-        for m in MATRICES:
-            if f"{m}.qs" in t:
-                mats[m] = Linear.from_stored(t, m)
-            else:
-                mats[m] = Linear(*t[m].shape, w=np.empty(t[m].shape, dtype=np.float32))
-                widen.append((t[m], mats[m].w))
+        """A Layer over a staging slot's tensors, unfused and without copies of the matrices
+        (fusing would copy per read). -> (layer, refresh): refresh() re-derives, in place, what
+        is kept beside the views (the fused bias)."""
+        mats = {m: Linear.from_stored(t, m) for m in MATRICES}
         biases = [t[f"{m}_bias"] for m in ("q", "k", "v") if f"{m}_bias" in t]
         bias = np.empty(sum(b.size for b in biases), dtype=np.float32) if biases else None
 
         def refresh() -> None:
-            for src, dst in widen:
-                widen_into(src, dst)
             if bias is not None:
                 np.concatenate(biases, out=bias)
 
@@ -305,7 +281,7 @@ class Engine(EngineBase):
     def _matvec(self, lin: Linear, x: np.ndarray, out: np.ndarray, precision: str) -> None:
         """x must already be quantised into the arena when precision is w4a8."""
         if lin.w is not None:
-            self.k.matvec_f32(lin.w, x, out)
+            self.k.matvec_exact(lin.w, x, out)
         elif lin.q8 is not None:
             if precision == "w4a8":
                 xq, xd, _ = self.a.act_q8[lin.cols]  # no code sums: signed codes have no bias to correct
@@ -323,7 +299,7 @@ class Engine(EngineBase):
         if not 0 <= token < self.cfg.vocab_size:
             raise NervaError(f"token id {token} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
         if self.embed.w is not None:
-            self.k.embed_f32(self.embed.w, token, out)
+            self.k.embed_exact(self.embed.w, token, out)
         elif self.embed.q8 is not None:
             self.k.embed_q8(self.embed.q8, self.embed.d, token, out)
         else:
@@ -549,10 +525,8 @@ class Engine(EngineBase):
             lo += lin.rows
 
     def _stacked_rows(self, mats: list[Linear], start: int, stop: int) -> np.ndarray:
-        """Rows start..stop of the stacked matrices in f32: a view when one f32 matrix holds them
-        all, else dequantised (or copied) into the workspace's scratch."""
-        if len(mats) == 1 and mats[0].w is not None:
-            return mats[0].w[start:stop]
+        """Rows start..stop of the stacked matrices in f32, dequantised (or widened) into the
+        workspace's scratch."""
         out = self.pw.take("dequant", stop - start, mats[0].cols)
         lo = 0
         for lin in mats:
@@ -560,7 +534,7 @@ class Engine(EngineBase):
             if a < b:
                 dst = out[a - start:b - start]
                 if lin.w is not None:
-                    np.copyto(dst, lin.w[a - lo:b - lo])
+                    self.k.widen_exact(lin.w[a - lo:b - lo], dst)
                 elif lin.q8 is not None:
                     self.k.dequantize_q8(lin.q8[a - lo:b - lo], lin.d[a - lo:b - lo], dst)
                 else:

@@ -107,8 +107,8 @@ class Slot:
         self.mem = mmap.mmap(-1, nbytes)  # anonymous: page-aligned, as O_DIRECT needs
         self.buf = np.frombuffer(self.mem, dtype=np.uint8)
         self.iov = [memoryview(self.mem)]
-        # the Layer views the buffer; refresh() re-derives what it keeps beside it (widened
-        # exact matrices, the fused bias) after each read
+        # the Layer views the buffer; refresh() re-derives what it keeps beside it (the fused
+        # bias) after each read
         self.layer, self.refresh = make_layer(self.buf)
         self.block = ResidentBlock("slot", f"slot{n}", nbytes, "host", State.ALLOCATED)
         self.free = threading.Lock()  # held by the reader while it may not fill the slot

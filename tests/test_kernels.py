@@ -757,16 +757,64 @@ def test_matvecs_do_not_depend_on_thread_count(rng):
     assert all(np.array_equal(p, q) for p, q in zip(*outs))  # each row's sum order is fixed
 
 
+def bf16_f64(bits):
+    """bf16 bits (uint16) -> float64 by the format's definition (sign, 8 exponent bits, 7
+    mantissa bits), not by the shift the kernels use; inf and NaN included."""
+    bits = bits.astype(np.int64)
+    sign = np.where(bits >> 15, -1.0, 1.0)
+    exp, mant = (bits >> 7) & 0xFF, bits & 0x7F
+    with np.errstate(over="ignore"):
+        value = np.where(exp == 0, mant / 128 * 2.0 ** -126, (1 + mant / 128) * 2.0 ** (exp - 127))
+    value = np.where(exp == 0xFF, np.where(mant == 0, np.inf, np.nan), value)
+    return sign * value
+
+
+def exact_matrix(rng, rows, cols, kind):
+    """Fresh random weights as an exact variant stores them: float16, or bf16 bits (uint16, the
+    f32's upper half: truncation serves, the kernels only read the bits) -> (stored, its f64)."""
+    w = randn(rng, rows, cols)
+    if kind == "f16":
+        stored = w.astype(np.float16)
+        return stored, stored.astype(np.float64)
+    stored = (w.view(np.uint32) >> 16).astype(np.uint16)
+    return stored, bf16_f64(stored)
+
+
+@pytest.mark.parametrize("kind", ("f16", "bf16"))
+def test_widen_exact_all_bit_patterns(kind):
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16).reshape(256, 256)
+    stored = bits.view(np.float16) if kind == "f16" else bits
+    want = stored.astype(np.float64) if kind == "f16" else bf16_f64(bits)
+    nan = np.isnan(want)
+    for backend in (ref, cpu):
+        got = np.empty((256, 256), np.float32)
+        backend.widen_exact(stored, got)
+        assert np.array_equal(np.isnan(got), nan)
+        assert np.array_equal(got[~nan], want[~nan])  # every finite value, and inf, exact
+        assert np.array_equal(np.signbit(got[~nan]), np.signbit(want[~nan]))  # signed zeros too
+        row = np.empty(256, np.float32)
+        backend.embed_exact(stored, 201, row)
+        assert np.array_equal(row.view(np.uint32), got[201].view(np.uint32))
+
+
+@pytest.mark.parametrize("kind", ("f16", "bf16"))
+@pytest.mark.parametrize("rows,cols", [(3, 64), (37, 576), (130, 1536)])
+def test_matvec_exact(rng, rows, cols, kind):
+    # widened exactly, so each product is exact in f32's range and only the sum rounds: the f64
+    # dot of the same stored values is the reference
+    w, w64 = exact_matrix(rng, rows, cols, kind)
+    x = randn(rng, cols)
+    want, got = np.empty(rows, np.float32), np.empty(rows, np.float32)
+    ref.matvec_exact(w, x, want)
+    cpu.matvec_exact(w, x, got)
+    magnitude = np.abs(w64) @ np.abs(x)
+    assert_dots_close(got, w64 @ x, magnitude, cols)
+    assert_dots_close(want, w64 @ x, magnitude, cols)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows,cols", [(3, 64), (37, 576)])
-def test_matvec_f32_dequantize_embed(rng, rows, cols, kind):
-    w, x = randn(rng, rows, cols), randn(rng, cols)
-    want, got = np.empty(rows, np.float32), np.empty(rows, np.float32)
-    ref.matvec_f32(w, x, want)
-    cpu.matvec_f32(w, x, got)
-    magnitude = np.abs(w.astype(np.float64)) @ np.abs(x)
-    assert_dots_close(got, want, magnitude, cols)
-    assert_dots_close(want, w.astype(np.float64) @ x, magnitude, cols)
+def test_dequantize_embed_q4(rng, rows, cols, kind):
     qs, d, m = random_q4(rng, rows, cols, kind)
     want, got = np.empty((rows, cols), np.float32), np.empty((rows, cols), np.float32)
     ref.dequantize_q4(qs, d, m, want)
@@ -780,8 +828,6 @@ def test_matvec_f32_dequantize_embed(rng, rows, cols, kind):
         row = np.empty(cols, np.float32)
         backend.embed_q4(qs, d, m, rows - 1, row)
         assert np.array_equal(row, want[rows - 1])
-        backend.embed_f32(w, 1, row)
-        assert np.array_equal(row, w[1])
 
 
 # -- attention --------------------------------------------------------------------------------
@@ -978,6 +1024,7 @@ def test_decode_kernels_do_not_allocate(rng):
     d8 = d8.view(np.uint16)
     xq, xd, xs = act_q8(cpu, x)
     mv = np.empty(37, np.float32)
+    h16, b16 = exact_matrix(rng, 37, n, "f16")[0].view(np.uint16), exact_matrix(rng, 37, n, "bf16")[0]
     q = randn(rng, 1, heads, hd)
     cos, sin = rope_tables(16, hd)
     pos = np.array([3], np.int64)
@@ -1011,6 +1058,10 @@ def test_decode_kernels_do_not_allocate(rng):
         (cpu.quantize_act_q16, (x, *act_q16(cpu, x))),
         (cpu._w8a8, (q8, d8, xq, xd, mv)),
         (cpu._embed_q8, (q8, d8, 5, out)),
+        (cpu._matvec_f16, (h16, x, mv)),
+        (cpu._matvec_bf16, (b16, x, mv)),
+        (cpu._widen_f16, (h16, np.empty((37, n), np.float32))),
+        (cpu._widen_bf16, (b16, np.empty((37, n), np.float32))),
     ]
     was_on = _nrt_python.memsys_stats_enabled()
     _nrt_python.memsys_enable_stats()

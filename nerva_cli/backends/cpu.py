@@ -1464,21 +1464,66 @@ def embed_q8(q8, d, token, out):
     _embed_q8(q8, d.view(np.uint16), token, out)
 
 
-def embed_f32(table, token, out):
-    out[...] = table[token]
-
+# -- exact variants' matrices, as stored ----------------------------------------------------
+# f16 (IEEE half) or bf16 (the store keeps its bits as uint16), widened to f32 in registers as
+# they are read: half the bytes a decode step streams of a matrix held in f32, and half the RAM.
 
 @njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
-def matvec_f32(w, x, out):
+def _matvec_f16(w, x, out):
     # numba's threads, not BLAS's: decode calls this between other kernels' parallel regions, and
     # OpenBLAS's sgemv waiting on its worker while numba's OpenMP worker spins on the other core
     # held SmolLM2 f16's decode to 7.4 tok/s on the 2-core Zen 4 EPYC (a NumPy dot of 1536x576:
-    # 31 us alone, 8.3 ms right after a numba parallel loop); now 55-60
+    # 31 us alone, 8.3 ms right after a numba parallel loop)
     for r in prange(w.shape[0]):
         acc = F32(0)
         for c in range(w.shape[1]):
-            acc += w[r, c] * x[c]
+            acc += _half_to_f32(w[r, c]) * x[c]
         out[r] = acc
+
+
+@njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
+def _matvec_bf16(w, x, out):
+    for r in prange(w.shape[0]):
+        acc = F32(0)
+        for c in range(w.shape[1]):
+            acc += _as_f32(np.uint32(w[r, c]) << np.uint32(16)) * x[c]
+        out[r] = acc
+
+
+def matvec_exact(w, x, out):
+    """out = w @ x, w an exact variant's matrix as stored: float16, or uint16 holding bf16 bits."""
+    if w.dtype == np.float16:
+        _matvec_f16(w.view(np.uint16), x, out)
+    else:
+        _matvec_bf16(w, x, out)
+
+
+@njit(cache=True, nogil=True)
+def _widen_f16(w, out):
+    # Serial, as _dequantize_q4 and for its reason.
+    for r in range(w.shape[0]):
+        for c in range(w.shape[1]):
+            out[r, c] = _half_to_f32(w[r, c])
+
+
+@njit(cache=True, nogil=True)
+def _widen_bf16(w, out):
+    for r in range(w.shape[0]):
+        for c in range(w.shape[1]):
+            out[r, c] = _as_f32(np.uint32(w[r, c]) << np.uint32(16))
+
+
+def widen_exact(w, out):
+    """out f32 [rows, cols] = w, an exact variant's matrix as stored (prefill's GEMM operand)."""
+    if w.dtype == np.float16:
+        _widen_f16(w.view(np.uint16), out)
+    else:
+        _widen_bf16(w, out)
+
+
+def embed_exact(table, token, out):
+    """out = row `token` of an exact variant's table as stored."""
+    widen_exact(table[token:token + 1], out.reshape(1, -1))
 
 
 # -- attention ------------------------------------------------------------------------------

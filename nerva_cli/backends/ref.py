@@ -157,9 +157,20 @@ def matvec_q8_w8a16(q8, d, xq, xd, out):
     matvec_q8_w8a8(q8, d, xq, xd, out)
 
 
-def matvec_f32(w, x, out):
-    """out = w @ x."""
-    np.dot(w, x, out=out)
+def widen_exact(w, out):
+    """out f32 [rows, cols] = w, an exact variant's matrix as stored: float16, or uint16 holding
+    bf16 bits (a float32's upper half)."""
+    if w.dtype == np.float16:
+        out[...] = w
+    else:
+        out.view(np.uint32)[...] = w.astype(np.uint32) << 16
+
+
+def matvec_exact(w, x, out):
+    """out = w @ x, w an exact variant's matrix as stored (widen_exact's)."""
+    wide = np.empty(w.shape, F32)
+    widen_exact(w, wide)
+    np.dot(wide, x, out=out)
 
 
 def silu_mul(gate_up, out):
@@ -246,9 +257,9 @@ def embed_q8(q8, d, token, out):
     dequantize_q8_planes(q8[token:token + 1], d[token:token + 1], out=out.reshape(1, -1))
 
 
-def embed_f32(table, token, out):
-    """out = row `token` of a float32 table."""
-    out[...] = table[token]
+def embed_exact(table, token, out):
+    """out = row `token` of an exact variant's table as stored."""
+    widen_exact(table[token:token + 1], out.reshape(1, -1))
 
 
 def sampling_candidates(logits, temperature, top_k, top_p, min_p=0.0):
