@@ -490,7 +490,8 @@ class Engine(EngineBase):
         on a GEMM's shape), so paging changes no bit. W4A8 quantises the activations per
         32-group first, which gives the same products as the integer kernel. A short chunk takes
         the matvecs' batch kernels instead (_short_dense)."""
-        if x.shape[0] <= self.k.short_prefill_rows(precision) and all(lin.qs is not None for lin in mats):
+        short = self.k.short_prefill_rows("exact" if mats[0].w is not None else precision)
+        if x.shape[0] <= short and all(lin.q8 is None for lin in mats):  # no batch kernel for a Q8_0 table
             self._short_dense(mats, x, precision, out)
             return
         if mats[0].w is None and precision == "w4a8":
@@ -502,15 +503,15 @@ class Engine(EngineBase):
             np.matmul(x, self._stacked_rows(mats, r, stop).T, out=out[:, r:stop])
 
     def _short_dense(self, mats: list[Linear], x: np.ndarray, precision: str, out: np.ndarray) -> None:
-        """_dense for a short chunk (the backend's short_prefill_rows) through Q4 matrices: the
-        matvecs' batch forms, whose rows equal decode's matvecs bit for bit, fused or not; W4A8's
-        input quantised as decode quantises it. The GEMM's way dequantised every weight for a few
+        """_dense for a short chunk (the backend's short_prefill_rows) through Q4 or exact
+        matrices: the matvecs' batch forms (the Q4 ones' rows equal decode's matvecs bit for bit,
+        fused or not); W4A8's input quantised as decode quantises it. The GEMM's way dequantised every weight for a few
         tokens. SmolLM2 q4_1 prefill on the 2-core Zen 4 EPYC, the best of alternating runs, GEMM
         -> batch kernel: W4A8, 1, 8 and 31 tokens 18.9 -> 8.5, 54.1 -> 19.8 and 90.8 -> 73.1 ms on
         one thread, 31.7 -> 5.6, 60.0 -> 12.5 and 96.0 -> 42.2 on two; W4A16, 1 and 8 tokens 31.1
         -> 10.4 and 67.2 -> 35.1 on one, 32.4 -> 7.2 and 67.1 -> 20.5 on two."""
         x = np.ascontiguousarray(x)
-        if precision == "w4a8":
+        if precision == "w4a8" and mats[0].w is None:
             T, cols = x.shape
             xq = self.pw.take("codes", T, cols)
             xd, xs = self.pw.take("code_scales", T, cols // QK), self.pw.take("code_sums", T, cols // QK)
@@ -518,7 +519,9 @@ class Engine(EngineBase):
         lo = 0
         for lin in mats:
             part = out[:, lo:lo + lin.rows]
-            if precision == "w4a8":
+            if lin.w is not None:
+                self.k.matmul_exact(lin.w, x, part)
+            elif precision == "w4a8":
                 self.k.matmul_q4_w4a8(lin.qs, lin.d, lin.m, xq, xd, xs, part)
             else:
                 self.k.matmul_q4_w4a16(lin.qs, lin.d, lin.m, x, part)

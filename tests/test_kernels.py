@@ -810,6 +810,15 @@ def test_matvec_exact(rng, rows, cols, kind):
     magnitude = np.abs(w64) @ np.abs(x)
     assert_dots_close(got, w64 @ x, magnitude, cols)
     assert_dots_close(want, w64 @ x, magnitude, cols)
+    # a short prompt's batch: 7 activations (a pass of four, then three one by one) into a
+    # column slice of a wider output, as prefill's fused matrices write theirs
+    xs = randn(rng, 7, cols)
+    for backend in (ref, cpu):
+        wide = np.full((7, rows + 5), np.nan, np.float32)
+        backend.matmul_exact(w, xs, wide[:, 2:2 + rows])
+        assert np.isnan(wide[:, :2]).all() and np.isnan(wide[:, 2 + rows:]).all()
+        for t in range(7):
+            assert_dots_close(wide[t, 2:2 + rows], w64 @ xs[t], np.abs(w64) @ np.abs(xs[t]), cols)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -1024,7 +1033,7 @@ def test_decode_kernels_do_not_allocate(rng):
     d8 = d8.view(np.uint16)
     xq, xd, xs = act_q8(cpu, x)
     mv = np.empty(37, np.float32)
-    h16, b16 = exact_matrix(rng, 37, n, "f16")[0].view(np.uint16), exact_matrix(rng, 37, n, "bf16")[0]
+    h16, b16 = exact_matrix(rng, 37, n, "f16")[0].view(np.int16), exact_matrix(rng, 37, n, "bf16")[0]  # as _exact_bits
     q = randn(rng, 1, heads, hd)
     cos, sin = rope_tables(16, hd)
     pos = np.array([3], np.int64)
@@ -1058,10 +1067,10 @@ def test_decode_kernels_do_not_allocate(rng):
         (cpu.quantize_act_q16, (x, *act_q16(cpu, x))),
         (cpu._w8a8, (q8, d8, xq, xd, mv)),
         (cpu._embed_q8, (q8, d8, 5, out)),
-        (cpu._matvec_f16, (h16, x, mv)),
-        (cpu._matvec_bf16, (b16, x, mv)),
-        (cpu._widen_f16, (h16, np.empty((37, n), np.float32))),
-        (cpu._widen_bf16, (b16, np.empty((37, n), np.float32))),
+        (cpu._matmul_exact, (h16, x.reshape(1, -1), mv.reshape(1, -1))),  # matvec_exact's call
+        (cpu._matmul_exact, (b16, np.stack([x] * 5), np.empty((5, 40), np.float32)[:, 2:39])),
+        (cpu._widen_exact, (h16, np.empty((37, n), np.float32))),
+        (cpu._widen_exact, (b16, np.empty((37, n), np.float32))),
     ]
     was_on = _nrt_python.memsys_stats_enabled()
     _nrt_python.memsys_enable_stats()

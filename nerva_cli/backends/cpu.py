@@ -1114,7 +1114,7 @@ def matmul_q4_w4a16(qs, d, m, x, out):
 
 def short_prefill_rows(precision: str) -> int:
     """The longest prompt chunk at `precision` that prefill sends through the batch kernels
-    (matmul_q4_w4a8, matmul_q4_w4a16) rather than dequantise + BLAS GEMM, at the threads set: the
+    (matmul_q4_w4a8, matmul_q4_w4a16, matmul_exact) rather than dequantise + BLAS GEMM, at the threads set: the
     GEMM pays some 50 ms of dequantising whatever the chunk, then less a token than the batch
     kernels, and two threads hardly speed a short GEMM where they halve a batch kernel's time.
     SmolLM2 q4_1 prefill on the 2-core Zen 4 EPYC (best of alternating runs), GEMM against batch
@@ -1129,8 +1129,13 @@ def short_prefill_rows(precision: str) -> int:
       takes 64, about 4.8 ms a token. Its bf16 dots (AVX512-BF16) take 32, but four a pair of
       blocks and activation, where the tables' four activations shared a table: a batch measured
       a little slower than the tables (see the bf16 section), so the same threshold.
-    So per thread 32, 16 and 16 tokens, up to SHORT_PREFILL_MOST (what the workspace holds)."""
-    per_thread = {"w4a8": 32 if _AVX512BW else 16, "w4a16": 16 if _AVX512F else 0}.get(precision, 0)
+    - exact (matmul_exact, f16 weights widened in registers; the GEMM widens them into prefill's
+      scratch): 4 tokens 56 / 28 and 61 / 16, 8 tokens 61 / 48 and 65 / 26, 16 tokens 68 / 88 and
+      75 / 46, 24 tokens 76 / 125 and 82-160 / 65-71, 32 tokens 85 / 161 and 93-176 / 86-90 ms
+      (SmolLM2 f16, Engine.prefill alone, best of nine; the two-thread GEMM swings from run to
+      run, OpenBLAS's worker meeting numba's spinning one): about 5 ms a token and thread.
+    So per thread 32, 16, 16 and 12 tokens, up to SHORT_PREFILL_MOST (what the workspace holds)."""
+    per_thread = {"w4a8": 32 if _AVX512BW else 16, "w4a16": 16 if _AVX512F else 0, "exact": 12}.get(precision, 0)
     return min(per_thread * _threads[0], SHORT_PREFILL_MOST)
 
 
@@ -1467,58 +1472,79 @@ def embed_q8(q8, d, token, out):
 # -- exact variants' matrices, as stored ----------------------------------------------------
 # f16 (IEEE half) or bf16 (the store keeps its bits as uint16), widened to f32 in registers as
 # they are read: half the bytes a decode step streams of a matrix held in f32, and half the RAM.
+# SmolLM2 f16 on the 2-core Zen 4 EPYC (`nerva bench smollm2-135m:f16 --gen-tokens 32`,
+# alternating with the f32 matrices before): decode 55 -> 95 tok/s, peak RSS 785 -> 477 MB.
+
+@intrinsic
+def _exact_to_f32(typingctx, bits):
+    """A stored weight -> float32, exactly: int16 bits are an IEEE half (fpext: vcvtph2ps),
+    uint16 bits a bf16 (a float32's upper half). The integer type tells the two apart, so one
+    kernel body serves both formats (_exact_bits gives f16 matrices the int16 view)."""
+    if bits == types.int16:
+        def codegen(context, builder, sig, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _F32)
+    elif bits == types.uint16:
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(builder.shl(builder.zext(args[0], _I32), ir.Constant(_I32, 16)), _F32)
+    else:
+        return None
+    return types.float32(bits), codegen
+
+
+def _exact_bits(w):
+    return w.view(np.int16) if w.dtype == np.float16 else w
+
 
 @njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
-def _matvec_f16(w, x, out):
+def _matmul_exact(w, x, out):
     # numba's threads, not BLAS's: decode calls this between other kernels' parallel regions, and
     # OpenBLAS's sgemv waiting on its worker while numba's OpenMP worker spins on the other core
     # held SmolLM2 f16's decode to 7.4 tok/s on the 2-core Zen 4 EPYC (a NumPy dot of 1536x576:
-    # 31 us alone, 8.3 ms right after a numba parallel loop)
+    # 31 us alone, 8.3 ms right after a numba parallel loop). Four activations a pass share each
+    # weight's load and widening.
+    acts, cols = x.shape
     for r in prange(w.shape[0]):
-        acc = F32(0)
-        for c in range(w.shape[1]):
-            acc += _half_to_f32(w[r, c]) * x[c]
-        out[r] = acc
-
-
-@njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
-def _matvec_bf16(w, x, out):
-    for r in prange(w.shape[0]):
-        acc = F32(0)
-        for c in range(w.shape[1]):
-            acc += _as_f32(np.uint32(w[r, c]) << np.uint32(16)) * x[c]
-        out[r] = acc
+        t = 0
+        while t + 4 <= acts:
+            a0 = a1 = a2 = a3 = F32(0)
+            for c in range(cols):
+                v = _exact_to_f32(w[r, c])
+                a0 += v * x[t, c]
+                a1 += v * x[t + 1, c]
+                a2 += v * x[t + 2, c]
+                a3 += v * x[t + 3, c]
+            out[t, r], out[t + 1, r], out[t + 2, r], out[t + 3, r] = a0, a1, a2, a3
+            t += 4
+        while t < acts:
+            acc = F32(0)
+            for c in range(cols):
+                acc += _exact_to_f32(w[r, c]) * x[t, c]
+            out[t, r] = acc
+            t += 1
 
 
 def matvec_exact(w, x, out):
     """out = w @ x, w an exact variant's matrix as stored: float16, or uint16 holding bf16 bits."""
-    if w.dtype == np.float16:
-        _matvec_f16(w.view(np.uint16), x, out)
-    else:
-        _matvec_bf16(w, x, out)
+    _matmul_exact(_exact_bits(w), x.reshape(1, -1), out.reshape(1, -1))
+
+
+def matmul_exact(w, x, out):
+    """out[t] = w @ x[t] for the rows of x [T, cols] (a short prompt chunk: short_prefill_rows);
+    out [T, rows] may be a column slice of a wider array."""
+    _matmul_exact(_exact_bits(w), x, out)
 
 
 @njit(cache=True, nogil=True)
-def _widen_f16(w, out):
+def _widen_exact(w, out):
     # Serial, as _dequantize_q4 and for its reason.
     for r in range(w.shape[0]):
         for c in range(w.shape[1]):
-            out[r, c] = _half_to_f32(w[r, c])
-
-
-@njit(cache=True, nogil=True)
-def _widen_bf16(w, out):
-    for r in range(w.shape[0]):
-        for c in range(w.shape[1]):
-            out[r, c] = _as_f32(np.uint32(w[r, c]) << np.uint32(16))
+            out[r, c] = _exact_to_f32(w[r, c])
 
 
 def widen_exact(w, out):
     """out f32 [rows, cols] = w, an exact variant's matrix as stored (prefill's GEMM operand)."""
-    if w.dtype == np.float16:
-        _widen_f16(w.view(np.uint16), out)
-    else:
-        _widen_bf16(w, out)
+    _widen_exact(_exact_bits(w), out)
 
 
 def embed_exact(table, token, out):

@@ -134,7 +134,7 @@ def short_prefill_rows(precision: str) -> int:
     """The longest prompt chunk at `precision` that prefill sends through the matmul_* batch
     kernels below rather than dequantise + GEMM; 0 for none. Here a fixed choice (the cpu's on
     one thread of an AVX-512 host), so that ref's engine runs both paths on the tiny models."""
-    return {"w4a8": 32, "w4a16": 16}.get(precision, 0)
+    return {"w4a8": 32, "w4a16": 16, "exact": 16}.get(precision, 0)
 
 
 def matmul_q4_w4a8(qs, d, m, xq, xd, xs, out):
@@ -155,6 +155,13 @@ def matvec_q8_w8a16(q8, d, xq, xd, out):
     """W8A8's sum with the Q16 activation of quantize_act_q16 (xq int16): per block, the integer
     dot (at most 32 * 128 * 32767, exact in int32) times d_w d_x, summed over blocks in f32."""
     matvec_q8_w8a8(q8, d, xq, xd, out)
+
+
+def matmul_exact(w, x, out):
+    """out[t] = matvec_exact of activation t, the rows of x [T, cols] (a short prompt's exact
+    GEMM; out [T, rows] may be a column slice of a wider array)."""
+    for t in range(x.shape[0]):
+        matvec_exact(w, x[t], out[t])
 
 
 def widen_exact(w, out):
