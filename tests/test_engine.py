@@ -265,15 +265,15 @@ def test_q4_0_w4a8_differs_from_w4a16_but_little(tiny_models, tmp_path, rng):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])  # plain, qkv bias, q/k norms
-@pytest.mark.parametrize("variant", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("variant", ["q4_0", "q4_1", "f16", "bf16"])
 def test_compiled_layer_halves_equal_the_layer_kernel_by_kernel(family, variant, tiny_models, tmp_path, rng):
-    """The cpu backend runs a resident Q4 layer's decode step in four compiled calls bound once
-    (cpu.decode_layer_halves): the same kernels on the same buffers as _decode_layer's calls one
-    by one, so the logits are equal to the bit, not merely close, at either precision and either
-    KV cache type."""
+    """The cpu backend runs a resident Q4 or exact layer's decode step in four compiled calls
+    bound once (cpu.decode_layer_halves): the same kernels on the same buffers as _decode_layer's
+    calls one by one, so the logits are equal to the bit, not merely close, at every precision
+    and either KV cache type."""
     model = pull(str(tiny_models(family)), variant=variant, out=tmp_path / "m")
     ids = [int(t) for t in rng.integers(0, 384, size=12)]
-    for precision in ("w4a8", "w4a16"):
+    for precision in ("w4a8", "w4a16") if variant.startswith("q4") else (None,):
         for kv_cache in ("f16", "f32"):
             runs = []
             for compiled in (True, False):
@@ -286,12 +286,12 @@ def test_compiled_layer_halves_equal_the_layer_kernel_by_kernel(family, variant,
             np.testing.assert_array_equal(runs[0], runs[1], err_msg=f"{precision}, {kv_cache} cache")
 
 
-def test_only_resident_q4_layers_are_compiled(tiny_models, tmp_path):
-    """Exact layers (f32 BLAS matvecs) and the ref backend keep the kernel-by-kernel layer."""
-    f16 = pull(str(tiny_models("llama")), variant="f16", out=tmp_path / "f16")
-    q4 = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "q4")
-    assert Engine(f16, ctx=64).compiled_layers == {}
-    assert Engine(q4, backend="ref", ctx=64).compiled_layers == {}
+def test_the_ref_backend_runs_layers_kernel_by_kernel(tiny_models, tmp_path):
+    """Only the cpu backend has compiled halves; ref keeps the kernel-by-kernel layer."""
+    for variant in ("f16", "q4_0"):
+        model = pull(str(tiny_models("llama")), variant=variant, out=tmp_path / variant)
+        assert Engine(model, ctx=64).compiled_layers
+        assert Engine(model, backend="ref", ctx=64).compiled_layers == {}
 
 
 @pytest.mark.parametrize("decodes", [True, False])

@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 from llvmlite import binding as llvm, ir  # noqa: E402
 from numba import njit, prange, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
-from numba.extending import intrinsic  # noqa: E402
+from numba.extending import intrinsic, overload  # noqa: E402
 
 from .compile_aside import compile_aside, compile_only  # noqa: E402, F401  (Engine.warm_up's)
 from .ref import ATT_SPLIT_MIN, SHORT_PREFILL_MOST, attention_prefill_work  # noqa: E402  (every backend's sizes)
@@ -2032,10 +2032,11 @@ def pack_sizes(heads: int, kv_heads: int) -> tuple[int, int]:
 
 # -- a decode layer in a few calls ----------------------------------------------------------------
 #
-# A resident Q4 layer's decode step as the engine's _decode_layer runs it kernel by kernel, in
-# four calls made from arguments bound once (decode_layer_halves): norm to the cache rows, the
-# attention, the o projection, and the MLP half. The kernels are the ones above, called in the
-# same order on the same buffers, so the logits are the same to the bit (tests/test_engine.py).
+# A resident Q4 or exact layer's decode step as the engine's _decode_layer runs it kernel by
+# kernel, in four calls made from arguments bound once (decode_layer_halves): norm to the cache
+# rows, the attention, the o projection, and the MLP half. The kernels are the ones above, called
+# in the same order on the same buffers, so the logits are the same to the bit
+# (tests/test_engine.py).
 # What goes is the Python between the kernels: about 16 calls a layer, each a method lookup, a
 # numba dispatch with its argument checks and a wrapper's f16 views, and NumPy's cache writes and
 # residual add. A wrapper around each backend call put that Python at 1.4-1.5 ms of a SmolLM2
@@ -2076,14 +2077,35 @@ def _cache_row(cache, p, rows):
 
 
 @njit(cache=True, nogil=True)
-def _matvec_q4(qs, d, m, x, xq, x_pairs, xd, xs, w4a8, out):
-    """W4A8 (x quantised into xq, xd, xs first) or W4A16, as the engine's _matvec picks them."""
-    if w4a8:
-        n = x.shape[0]
-        quantize_act_q8(x, xq[:n], xd[:n // 32], xs[:n // 32])
-        _w4a8(qs, d, m, xq[:n], x_pairs, xd[:n // 32], xs[:n // 32], out)
-    else:
-        _w4a16_kernel(qs, d, m, x, out)
+def _layer_matvec(qs, d, m, x, xq, x_pairs, xd, xs, w4a8, out):
+    """A matvec of the compiled halves, as the engine's _matvec picks it: d None, an exact matrix
+    (qs its stored bits, _exact_bits); else Q4 planes, W4A8 (x quantised into xq, xd, xs first)
+    or W4A16."""
+    _matvec_case(qs, d, m, x, xq, x_pairs, xd, xs, w4a8, out)
+
+
+def _matvec_case(qs, d, m, x, xq, x_pairs, xd, xs, w4a8, out):
+    """_layer_matvec's body, typed by the overload below for the one case the arguments are:
+    numba drops an `if d is None` branch where d is None, never where it is an array, so one
+    body with both cases would type the exact kernel with Q4 codes."""
+    raise TypeError("compiled code only")
+
+
+@overload(_matvec_case)
+def _matvec_case_for(qs, d, m, x, xq, x_pairs, xd, xs, w4a8, out):
+    if isinstance(d, types.NoneType):
+        def exact(qs, d, m, x, xq, x_pairs, xd, xs, w4a8, out):
+            _matmul_exact(qs, x.reshape(1, -1), out.reshape(1, -1))
+        return exact
+
+    def q4(qs, d, m, x, xq, x_pairs, xd, xs, w4a8, out):
+        if w4a8:
+            n = x.shape[0]
+            quantize_act_q8(x, xq[:n], xd[:n // 32], xs[:n // 32])
+            _w4a8(qs, d, m, xq[:n], x_pairs, xd[:n // 32], xs[:n // 32], out)
+        else:
+            _w4a16_kernel(qs, d, m, x, out)
+    return q4
 
 
 @njit(cache=True, nogil=True)
@@ -2091,7 +2113,7 @@ def _attention_inputs(x, norm, eps, xn, xq, x_pairs, xd, xs, w4a8, qkv_qs, qkv_d
                       qkv, heads, kv_heads, pos, cos, sin, k_cache, v_cache):
     """Norm, QKV, bias, q/k norms, RoPE, and this position's K and V rows into the cache."""
     rmsnorm(x, norm, eps, xn)
-    _matvec_q4(qkv_qs, qkv_d, qkv_m, xn, xq, x_pairs, xd, xs, w4a8, qkv)
+    _layer_matvec(qkv_qs, qkv_d, qkv_m, xn, xq, x_pairs, xd, xs, w4a8, qkv)
     if qkv_bias is not None:
         add_rows(qkv, qkv_bias)
     dim = k_cache.shape[2]
@@ -2112,9 +2134,9 @@ def _mlp(o, x, norm, eps, xn, xq, x_pairs, xd, xs, w4a8, gate_up_qs, gate_up_d, 
          down_d, down_m, down):
     """Residual add and norm, gate/up, SiLU * up, down, and the residual add."""
     add_rmsnorm(o, x, norm, eps, xn)
-    _matvec_q4(gate_up_qs, gate_up_d, gate_up_m, xn, xq, x_pairs, xd, xs, w4a8, gate_up)
+    _layer_matvec(gate_up_qs, gate_up_d, gate_up_m, xn, xq, x_pairs, xd, xs, w4a8, gate_up)
     silu_mul(gate_up, act)
-    _matvec_q4(down_qs, down_d, down_m, act, xq, x_pairs, xd, xs, w4a8, down)
+    _layer_matvec(down_qs, down_d, down_m, act, xq, x_pairs, xd, xs, w4a8, down)
     for i in range(x.shape[0]):
         x[i] += down[i]
 
@@ -2149,14 +2171,17 @@ def compiled_before(decodes: bool = True) -> bool:
 
 
 def decode_layer_halves(layer, a, cfg, cos, sin):
-    """For a resident Q4 layer (fused qkv and gate/up, W4A8 or W4A16) over the arena `a`:
-    (attention(n_ctx), mlp()), the two halves of its decode step, n_ctx counting this token's
-    position; None for any other layer. The arguments are made here, once."""
+    """For a resident Q4 layer (fused qkv and gate/up, W4A8 or W4A16) or exact one over the arena
+    `a`: (attention(n_ctx), mlp()), the two halves of its decode step, n_ctx counting this
+    token's position; None for any other layer. The arguments are made here, once."""
     m = layer.mats  # a resident layer's: qkv, o, gate_up, down
-    if layer.precision not in ("w4a8", "w4a16") or any(m[n].qs is None for n in m):
+    if layer.precision == "exact" and all(m[n].w is not None for n in m):
+        planes = lambda lin: (_exact_bits(lin.w), None, None)  # noqa: E731
+    elif layer.precision in ("w4a8", "w4a16") and all(m[n].qs is not None for n in m):
+        planes = lambda lin: (lin.qs, _bits(lin.d), _bits(lin.m))  # noqa: E731
+    else:
         return None
     w4a8 = layer.precision == "w4a8"
-    planes = lambda lin: (lin.qs, _bits(lin.d), _bits(lin.m))  # noqa: E731
     k_cache, v_cache = _cache_operand(a.k_cache[layer.index]), _cache_operand(a.v_cache[layer.index])
     x_pairs = _pair_scratch(a.xq.shape[0])
     inputs = (a.x, layer.attn_norm, cfg.rms_eps, a.xn, a.xq, x_pairs, a.xd, a.xs, w4a8, *planes(m["qkv"]),
@@ -2170,18 +2195,9 @@ def decode_layer_halves(layer, a, cfg, cos, sin):
     def attention(n_ctx):
         _attention_inputs(*inputs)
         attend(a.q, k_cache, v_cache, n_ctx, a.attn, a.att_part, _threads[0])
-        _matvec_q4(*o)
+        _layer_matvec(*o)
 
     return attention, lambda: _mlp(*mlp)
-
-
-@njit(cache=True, nogil=True)
-def _widen_f16(bits, out):
-    # vcvtph2ps in a vectorised loop: 1792 positions of SmolLM2's K and V (0.7M values) in 0.06 ms,
-    # where NumPy's astype took 1.0
-    b, o = bits.reshape(-1), out.reshape(-1)
-    for i in range(b.shape[0]):
-        o[i] = _half_to_f32(b[i])
 
 
 def attention_prefill(q, k, v, start, out, work):
@@ -2204,8 +2220,10 @@ def attention_prefill(q, k, v, start, out, work):
     if k.dtype != F32:
         wide = work[group * T * (n + dim + 1):]
         k_f32, v_f32 = wide[: n * kv_heads * dim].reshape(k.shape), wide[n * kv_heads * dim: 2 * n * kv_heads * dim]
-        _widen_f16(k.view(np.uint16), k_f32)
-        _widen_f16(v.view(np.uint16), v_f32.reshape(v.shape))
+        # vcvtph2ps in a vectorised loop: 1792 positions of SmolLM2's K and V (0.7M values) in
+        # 0.06 ms, where NumPy's astype took 1.0
+        widen_exact(k.reshape(n, -1), k_f32.reshape(n, -1))
+        widen_exact(v.reshape(n, -1), v_f32.reshape(n, -1))
         k, v = k_f32, v_f32.reshape(v.shape)
     scale = F32(1.0 / np.sqrt(dim))
     for g in range(kv_heads):
