@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 from llvmlite import binding as llvm, ir  # noqa: E402
 from numba import njit, prange, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
-from numba.extending import intrinsic, overload  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
 
 from .compile_aside import compile_aside, compile_only  # noqa: E402, F401  (Engine.warm_up's)
 from .ref import ATT_SPLIT_MIN, SHORT_PREFILL_MOST, attention_prefill_work  # noqa: E402  (every backend's sizes)
@@ -2077,43 +2077,30 @@ def _cache_row(cache, p, rows):
 
 
 @njit(cache=True, nogil=True)
-def _layer_matvec(qs, d, m, x, xq, x_pairs, xd, xs, w4a8, out):
-    """A matvec of the compiled halves, as the engine's _matvec picks it: d None, an exact matrix
-    (qs its stored bits, _exact_bits); else Q4 planes, W4A8 (x quantised into xq, xd, xs first)
-    or W4A16."""
-    _matvec_case(qs, d, m, x, xq, x_pairs, xd, xs, w4a8, out)
-
-
-def _matvec_case(qs, d, m, x, xq, x_pairs, xd, xs, w4a8, out):
-    """_layer_matvec's body, typed by the overload below for the one case the arguments are:
-    numba drops an `if d is None` branch where d is None, never where it is an array, so one
-    body with both cases would type the exact kernel with Q4 codes."""
-    raise TypeError("compiled code only")
-
-
-@overload(_matvec_case)
-def _matvec_case_for(qs, d, m, x, xq, x_pairs, xd, xs, w4a8, out):
-    if isinstance(d, types.NoneType):
-        def exact(qs, d, m, x, xq, x_pairs, xd, xs, w4a8, out):
-            _matmul_exact(qs, x.reshape(1, -1), out.reshape(1, -1))
-        return exact
-
-    def q4(qs, d, m, x, xq, x_pairs, xd, xs, w4a8, out):
-        if w4a8:
-            n = x.shape[0]
-            quantize_act_q8(x, xq[:n], xd[:n // 32], xs[:n // 32])
-            _w4a8(qs, d, m, xq[:n], x_pairs, xd[:n // 32], xs[:n // 32], out)
-        else:
-            _w4a16_kernel(qs, d, m, x, out)
-    return q4
+def _layer_matvec(w, qs, d, m, x, xq, x_pairs, xd, xs, w4a8, out):
+    """A matvec of the compiled halves, as the engine's _matvec picks it: an exact matrix (w its
+    stored bits, _exact_bits; qs, d, m None), or Q4 planes (w None), W4A8 (x quantised into xq,
+    xd, xs first) or W4A16. numba drops an `is None` branch only where the argument is None, so
+    each case tests the argument that is None in the other: the exact kernel is never typed with
+    Q4 codes, nor the Q4 ones with none (an overload picking the case cost 0.2-0.5 s more of a
+    Q4 first run's compiling)."""
+    if qs is None:
+        if w is not None:
+            _matmul_exact(w, x.reshape(1, -1), out.reshape(1, -1))
+    elif w4a8:
+        n = x.shape[0]
+        quantize_act_q8(x, xq[:n], xd[:n // 32], xs[:n // 32])
+        _w4a8(qs, d, m, xq[:n], x_pairs, xd[:n // 32], xs[:n // 32], out)
+    else:
+        _w4a16_kernel(qs, d, m, x, out)
 
 
 @njit(cache=True, nogil=True)
-def _attention_inputs(x, norm, eps, xn, xq, x_pairs, xd, xs, w4a8, qkv_qs, qkv_d, qkv_m, qkv_bias, q_norm, k_norm,
-                      qkv, heads, kv_heads, pos, cos, sin, k_cache, v_cache):
+def _attention_inputs(x, norm, eps, xn, xq, x_pairs, xd, xs, w4a8, qkv_w, qkv_qs, qkv_d, qkv_m, qkv_bias, q_norm,
+                      k_norm, qkv, heads, kv_heads, pos, cos, sin, k_cache, v_cache):
     """Norm, QKV, bias, q/k norms, RoPE, and this position's K and V rows into the cache."""
     rmsnorm(x, norm, eps, xn)
-    _layer_matvec(qkv_qs, qkv_d, qkv_m, xn, xq, x_pairs, xd, xs, w4a8, qkv)
+    _layer_matvec(qkv_w, qkv_qs, qkv_d, qkv_m, xn, xq, x_pairs, xd, xs, w4a8, qkv)
     if qkv_bias is not None:
         add_rows(qkv, qkv_bias)
     dim = k_cache.shape[2]
@@ -2130,13 +2117,13 @@ def _attention_inputs(x, norm, eps, xn, xq, x_pairs, xd, xs, w4a8, qkv_qs, qkv_d
 
 
 @njit(cache=True, nogil=True)
-def _mlp(o, x, norm, eps, xn, xq, x_pairs, xd, xs, w4a8, gate_up_qs, gate_up_d, gate_up_m, gate_up, act, down_qs,
-         down_d, down_m, down):
+def _mlp(o, x, norm, eps, xn, xq, x_pairs, xd, xs, w4a8, gate_up_w, gate_up_qs, gate_up_d, gate_up_m, gate_up, act,
+         down_w, down_qs, down_d, down_m, down):
     """Residual add and norm, gate/up, SiLU * up, down, and the residual add."""
     add_rmsnorm(o, x, norm, eps, xn)
-    _layer_matvec(gate_up_qs, gate_up_d, gate_up_m, xn, xq, x_pairs, xd, xs, w4a8, gate_up)
+    _layer_matvec(gate_up_w, gate_up_qs, gate_up_d, gate_up_m, xn, xq, x_pairs, xd, xs, w4a8, gate_up)
     silu_mul(gate_up, act)
-    _layer_matvec(down_qs, down_d, down_m, act, xq, x_pairs, xd, xs, w4a8, down)
+    _layer_matvec(down_w, down_qs, down_d, down_m, act, xq, x_pairs, xd, xs, w4a8, down)
     for i in range(x.shape[0]):
         x[i] += down[i]
 
@@ -2176,9 +2163,9 @@ def decode_layer_halves(layer, a, cfg, cos, sin):
     token's position; None for any other layer. The arguments are made here, once."""
     m = layer.mats  # a resident layer's: qkv, o, gate_up, down
     if layer.precision == "exact" and all(m[n].w is not None for n in m):
-        planes = lambda lin: (_exact_bits(lin.w), None, None)  # noqa: E731
+        planes = lambda lin: (_exact_bits(lin.w), None, None, None)  # noqa: E731
     elif layer.precision in ("w4a8", "w4a16") and all(m[n].qs is not None for n in m):
-        planes = lambda lin: (lin.qs, _bits(lin.d), _bits(lin.m))  # noqa: E731
+        planes = lambda lin: (None, lin.qs, _bits(lin.d), _bits(lin.m))  # noqa: E731
     else:
         return None
     w4a8 = layer.precision == "w4a8"
