@@ -28,7 +28,9 @@ window from one batch. docs/perf's figures score gpl3.txt, made by
 With --gguf FILE it compares on that file instead, converted into the store as compare-<file stem>
 (in its own format, no requantised q4_0; `nerva rm` it after) and run with --no-profile at W4A16 and at W4A8 on every layer: for a bigger
 model of random weights from `scripts/synthetic_model.py SHAPE FILE --gguf --quant q4_1`, whose
-MCAP profile would mean nothing (decode and prefill speed do not depend on weight values).
+MCAP profile would mean nothing (decode and prefill speed do not depend on weight values). An F16
+or BF16 GGUF (`--quant f16` there) is pulled as that exact variant and run exact: llama.cpp's
+f16 path against nerva's.
 """
 
 from __future__ import annotations
@@ -159,8 +161,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds per configuration")
     ap.add_argument("--ppl", type=Path, help="also score this text file's perplexity with both engines")
     ap.add_argument("--ppl-ctx", type=int, default=512, help="perplexity window, in tokens")
-    ap.add_argument("--gguf", type=Path, help="compare on this GGUF (random weights: W4A16 and W4A8, no profile) "
-                                              "instead of the bundled SmolLM2")
+    ap.add_argument("--gguf", type=Path, help="compare on this GGUF (random weights: W4A16 and W4A8, or exact for "
+                                              "an F16/BF16 file; no profile) instead of the bundled SmolLM2")
     args = ap.parse_args()
     if args.gguf is not None and args.ppl is not None:
         sys.exit("--ppl scores the bundled SmolLM2 only (a --gguf of random weights has no perplexity to compare)")
@@ -173,9 +175,14 @@ def main() -> None:
         for quant in variants:  # already there: pull says so and nothing changes
             subprocess.run([sys.executable, "-m", "nerva_cli", "pull", name, "--quant", quant], capture_output=True)
     else:
-        gguf, name, precisions = args.gguf.resolve(), f"compare-{args.gguf.stem}", ("w4a16", "w4a8")
-        pulled = subprocess.run([sys.executable, "-m", "nerva_cli", "pull", str(gguf), "--name", name, "--force"],
-                                capture_output=True, text=True)
+        from nerva_cli.sources.resolve import open_source
+
+        gguf, name = args.gguf.resolve(), f"compare-{args.gguf.stem}"
+        layers = open_source(str(gguf)).tensors("layers.0.q").stored_dtype
+        exact = layers in ("f16", "bf16")  # `pull` would make q4_0 of these: ask for the exact variant
+        precisions = ("exact",) if exact else ("w4a16", "w4a8")
+        pulled = subprocess.run([sys.executable, "-m", "nerva_cli", "pull", str(gguf), "--name", name, "--force",
+                                 *(["--quant", layers] if exact else [])], capture_output=True, text=True)
         if pulled.returncode:
             sys.exit(f"nerva pull {gguf} failed: {pulled.stderr.strip().splitlines()[-1]}")
         variants = (pulled.stdout.split()[0].split(":")[1],)  # "name:variant  ...": the GGUF's own format
@@ -209,7 +216,8 @@ def main() -> None:
             "token table that is also the lm_head; nerva's q4_1 keeps both as they are, its q4_0 "
             "requantises the layers)") if args.gguf is None else (
             f"nerva cpu vs llama.cpp on {gguf.name} (random weights; nerva keeps the GGUF's formats and "
-            "runs --no-profile at W4A16, then W4A8, on every layer)")
+            + ("runs them exact)" if precisions == ("exact",) else
+               "runs --no-profile at W4A16, then W4A8, on every layer)"))
     result = {
         "what": what, "commit": nerva_commit(),
         "machine": {"cpu": cpu_name(), "logical_cpus": os.cpu_count(), "simd": topology.cpu()["simd"]},

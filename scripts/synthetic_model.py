@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A random-weight Q4_0 (or Q4_1) model in nerva's store format, with the shapes of a real one: decode
+"""A random-weight Q4_0 (or Q4_1, or F16) model in nerva's store format, with the shapes of a real one: decode
 speed depends on shapes and bytes, not on weight values, so this is what the GPU benchmarks run
 where a real 8B checkpoint cannot be downloaded. Written by nerva's own converter (aligned layer
 files, sha256, metadata.json); the tokenizer is a small BPE trained here.
@@ -13,6 +13,9 @@ The file carries the bundled SmolLM2 GGUF's tokenizer, so only the shapes with i
 vocabulary (the smollm2-* ones) can be written that way:
 
     python3 scripts/synthetic_model.py smollm2-1.7b /tmp/smollm2-1.7b.gguf --gguf --quant q4_1
+
+--quant f16 writes every matrix, the token table too, in f16 (normal, of the Q4 weights' spread),
+as llama.cpp's F16 files hold them: an exact variant to compare with llama.cpp's f16 path.
 """
 
 from __future__ import annotations
@@ -68,6 +71,10 @@ def source(shape: str, seed: int = 0, kind: str = "q4_0"):
             return SourceTensor(shape, lambda: (1 + 0.05 * rng.standard_normal(shape)).astype(np.float32))
 
         rows, cols = shape
+        if kind == "f16":
+            std = 0.02 / np.sqrt(cols / 1024)
+            return SourceTensor(shape, lambda: (std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float16)
+                                .astype(np.float32), stored_dtype="f16")
         if base in ("embed", "lm_head"):  # the Q4 variants' token table is Q8_0 (quant.TABLE_KIND)
             def table():
                 q8 = rng.integers(-127, 128, (rows, cols), dtype=np.int8)
@@ -123,7 +130,8 @@ def write_gguf(shape: str, out: Path, kind: str) -> None:
     w.add_rope_dimension_count(hd)
     w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type({"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[kind])
+    w.add_file_type({"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+                     "f16": gguf.LlamaFileType.MOSTLY_F16}[kind])
     w.add_vocab_size(vocab)
     for name, field in vocab_from.fields.items():
         if name.startswith("tokenizer."):
@@ -143,8 +151,8 @@ def write_gguf(shape: str, out: Path, kind: str) -> None:
 
     def add(gguf_name: str, nerva_name: str) -> None:
         t = src.tensors(nerva_name)
-        if t.read_planes is None:
-            w.add_tensor(gguf_name, t.read_f32())
+        if t.read_planes is None:  # norms in f32, an F16 file's matrices in f16
+            w.add_tensor(gguf_name, t.read_f32().astype(np.float16 if t.stored_dtype == "f16" else np.float32))
         else:
             w.add_tensor(gguf_name, gguf_blocks(*t.read_planes()), raw_dtype=qtype[t.stored_dtype])
 
@@ -165,7 +173,7 @@ def main() -> None:
     ap.add_argument("shape", choices=sorted(SHAPES))
     ap.add_argument("out", type=Path, help="model directory to write (the store's <name>/<variant> layout), "
                                             "or with --gguf the .gguf file")
-    ap.add_argument("--quant", choices=("q4_0", "q4_1"), default="q4_0")
+    ap.add_argument("--quant", choices=("q4_0", "q4_1", "f16"), default="q4_0")
     ap.add_argument("--gguf", action="store_true", help="write a GGUF file (smollm2-* shapes) instead")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
