@@ -64,3 +64,25 @@ def test_a_written_gguf_converts_with_its_shape_and_weights(synthetic, tmp_path,
     assert down["down.qs"].shape == (64, 48)
     np.testing.assert_allclose(weights_from_planes(down["down.qs"], down["down.d"].view(np.float16),
                                                    down["down.m"].view(np.float16)), want, rtol=1e-6, atol=1e-7)
+
+
+def test_an_f16_gguf_holds_f16_matrices_and_pulls_exact(synthetic, tmp_path, monkeypatch):
+    """--quant f16: every matrix F16 and the norms F32, as llama.cpp's F16 files; pulled as the f16
+    variant, nerva's layer file holds the very f16 values gguf-py reads back."""
+    from nerva_cli.pull import pull
+
+    from conftest import smollm2_gguf
+
+    smollm2_gguf()
+    monkeypatch.setitem(synthetic.SHAPES, "tiny", (64, 96, 2, 4, 2, 16, 49152, 10000.0, True))
+    path = tmp_path / "tiny.gguf"
+    synthetic.write_gguf("tiny", path, "f16")
+    reader = gguf.GGUFReader(str(path))
+    kinds = {t.name: t.tensor_type for t in reader.tensors}
+    assert all(k == gguf.GGMLQuantizationType.F16 for n, k in kinds.items() if not n.endswith("norm.weight"))
+    assert all(k == gguf.GGMLQuantizationType.F32 for n, k in kinds.items() if n.endswith("norm.weight"))
+    model = pull(str(path), variant="f16", out=tmp_path / "store")
+    want = next(t for t in reader.tensors if t.name == "blk.1.ffn_down.weight").data
+    got = model.read_file("layer_001.bin")["down"]
+    assert got.dtype == np.float16 and float(np.abs(got.astype(np.float32)).max()) > 0
+    np.testing.assert_array_equal(got.view(np.uint16), np.asarray(want).reshape(got.shape).view(np.uint16))
