@@ -1033,7 +1033,8 @@ def test_decode_kernels_do_not_allocate(rng):
     d8 = d8.view(np.uint16)
     xq, xd, xs = act_q8(cpu, x)
     mv = np.empty(37, np.float32)
-    h16, b16 = exact_matrix(rng, 37, n, "f16")[0].view(np.int16), exact_matrix(rng, 37, n, "bf16")[0]  # as _exact_bits
+    # exact matrices as _exact_bits passes them on: f16 as int16, bf16 as uint16
+    h16, b16 = exact_matrix(rng, 37, n, "f16")[0].view(np.int16), exact_matrix(rng, 37, n, "bf16")[0]
     q = randn(rng, 1, heads, hd)
     cos, sin = rope_tables(16, hd)
     pos = np.array([3], np.int64)
@@ -1067,7 +1068,8 @@ def test_decode_kernels_do_not_allocate(rng):
         (cpu.quantize_act_q16, (x, *act_q16(cpu, x))),
         (cpu._w8a8, (q8, d8, xq, xd, mv)),
         (cpu._embed_q8, (q8, d8, 5, out)),
-        (cpu._matmul_exact, (h16, x.reshape(1, -1), mv.reshape(1, -1))),  # matvec_exact's call
+        (cpu._matvec_exact, (h16, x, mv)),
+        (cpu._matvec_exact, (b16, x, mv)),
         (cpu._matmul_exact, (b16, np.stack([x] * 5), np.empty((5, 40), np.float32)[:, 2:39])),
         (cpu._widen_exact, (h16, np.empty((37, n), np.float32))),
         (cpu._widen_exact, (b16, np.empty((37, n), np.float32))),

@@ -1114,9 +1114,10 @@ def matmul_q4_w4a16(qs, d, m, x, out):
 
 def short_prefill_rows(precision: str) -> int:
     """The longest prompt chunk at `precision` that prefill sends through the batch kernels
-    (matmul_q4_w4a8, matmul_q4_w4a16, matmul_exact) rather than dequantise + BLAS GEMM, at the threads set: the
-    GEMM pays some 50 ms of dequantising whatever the chunk, then less a token than the batch
-    kernels, and two threads hardly speed a short GEMM where they halve a batch kernel's time.
+    (matmul_q4_w4a8, matmul_q4_w4a16, matmul_exact) rather than dequantise + BLAS GEMM, at the
+    threads set: the GEMM pays some 50 ms of dequantising whatever the chunk, then less a token
+    than the batch kernels, and two threads hardly speed a short GEMM where they halve a batch
+    kernel's time.
     SmolLM2 q4_1 prefill on the 2-core Zen 4 EPYC (best of alternating runs), GEMM against batch
     kernel, one thread then two:
     - W4A8 (512-bit dots): 32 tokens 87 / 78 and 94 / 47 ms, 48 tokens 106 / 123 and 119 / 72,
@@ -1496,12 +1497,24 @@ def _exact_bits(w):
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
-def _matmul_exact(w, x, out):
+def _matvec_exact(w, x, out):
     # numba's threads, not BLAS's: decode calls this between other kernels' parallel regions, and
     # OpenBLAS's sgemv waiting on its worker while numba's OpenMP worker spins on the other core
     # held SmolLM2 f16's decode to 7.4 tok/s on the 2-core Zen 4 EPYC (a NumPy dot of 1536x576:
-    # 31 us alone, 8.3 ms right after a numba parallel loop). Four activations a pass share each
-    # weight's load and widening.
+    # 31 us alone, 8.3 ms right after a numba parallel loop). A kernel of its own, not
+    # _matmul_exact's one-activation case: all of SmolLM2 f16's matrices from DRAM took 8-19%
+    # longer that way on one thread, 7-13% on two.
+    for r in prange(w.shape[0]):
+        row = w[r]
+        acc = F32(0)
+        for c in range(row.shape[0]):
+            acc += _exact_to_f32(row[c]) * x[c]
+        out[r] = acc
+
+
+@njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
+def _matmul_exact(w, x, out):
+    # four activations a pass share each weight's load and widening
     acts, cols = x.shape
     for r in prange(w.shape[0]):
         t = 0
@@ -1525,7 +1538,7 @@ def _matmul_exact(w, x, out):
 
 def matvec_exact(w, x, out):
     """out = w @ x, w an exact variant's matrix as stored: float16, or uint16 holding bf16 bits."""
-    _matmul_exact(_exact_bits(w), x.reshape(1, -1), out.reshape(1, -1))
+    _matvec_exact(_exact_bits(w), x, out)
 
 
 def matmul_exact(w, x, out):
@@ -2086,7 +2099,7 @@ def _layer_matvec(w, qs, d, m, x, xq, x_pairs, xd, xs, w4a8, out):
     Q4 first run's compiling)."""
     if qs is None:
         if w is not None:
-            _matmul_exact(w, x.reshape(1, -1), out.reshape(1, -1))
+            _matvec_exact(w, x, out)
     elif w4a8:
         n = x.shape[0]
         quantize_act_q8(x, xq[:n], xd[:n // 32], xs[:n // 32])
