@@ -421,3 +421,24 @@ def test_short_prompts_take_the_batch_kernels(precision, variant, tiny_models, t
             magnitude = np.abs(x) @ (np.abs(w - offset) + np.abs(offset)).T
             bound += SPLIT_ERROR * np.linalg.norm(magnitude) / np.linalg.norm(want)
         assert rel_err(got, want) < bound
+
+
+def test_exact_matrices_back_to_back_in_the_file_are_fused_without_a_copy(rng):
+    """Linear.owned views q, k, v (or gate, up) in the file's buffer where nothing lies between
+    them, and copies them together where alignment padding does."""
+    from nerva_cli.engine import Linear, back_to_back
+    from nerva_cli.store import tensors_in
+
+    q, k = rng.standard_normal((8, 64)).astype(np.float16), rng.standard_normal((4, 64)).astype(np.float16)
+    for gap in (0, 4096):
+        buf = np.zeros(q.nbytes + gap + k.nbytes, np.uint8)
+        buf[:q.nbytes] = q.view(np.uint8).ravel()
+        buf[q.nbytes + gap:] = k.view(np.uint8).ravel()
+        t = tensors_in(buf, {"q": {"dtype": "f16", "offset": 0, "nbytes": q.nbytes, "shape": [8, 64]},
+                             "k": {"dtype": "f16", "offset": q.nbytes + gap, "nbytes": k.nbytes, "shape": [4, 64]}})
+        lin = Linear.owned(t, ("q", "k"))
+        assert (lin.rows, lin.cols) == (12, 64)
+        np.testing.assert_array_equal(lin.w.view(np.uint16), np.concatenate([q, k]).view(np.uint16))
+        assert np.shares_memory(lin.w, buf) == (gap == 0)
+        assert (back_to_back([t["q"], t["k"]]) is None) == (gap > 0)
+        assert back_to_back([t["k"], t["q"]]) is None  # out of order
