@@ -83,6 +83,8 @@ def back_to_back(mats: list[np.ndarray]) -> np.ndarray | None:
     """Row-major matrices of one dtype and width that follow one another in one buffer, as a
     single view of all their rows; None where anything lies between them."""
     first = mats[0]
+    if first.base is None:  # an array of its own: no buffer to view
+        return None
     end = first.ctypes.data + first.nbytes
     for a in mats:
         if a.base is not first.base or a.dtype != first.dtype or a.shape[1:] != first.shape[1:] or \
@@ -530,11 +532,12 @@ class Engine(EngineBase):
     def _short_dense(self, mats: list[Linear], x: np.ndarray, precision: str, out: np.ndarray) -> None:
         """_dense for a short chunk (the backend's short_prefill_rows) through Q4 or exact
         matrices: the matvecs' batch forms (the Q4 ones' rows equal decode's matvecs bit for bit,
-        fused or not); W4A8's input quantised as decode quantises it. The GEMM's way dequantised every weight for a few
-        tokens. SmolLM2 q4_1 prefill on the 2-core Zen 4 EPYC, the best of alternating runs, GEMM
-        -> batch kernel: W4A8, 1, 8 and 31 tokens 18.9 -> 8.5, 54.1 -> 19.8 and 90.8 -> 73.1 ms on
-        one thread, 31.7 -> 5.6, 60.0 -> 12.5 and 96.0 -> 42.2 on two; W4A16, 1 and 8 tokens 31.1
-        -> 10.4 and 67.2 -> 35.1 on one, 32.4 -> 7.2 and 67.1 -> 20.5 on two."""
+        fused or not); W4A8's input quantised as decode quantises it. The GEMM's way dequantised
+        every weight for a few tokens. SmolLM2 q4_1 prefill on the 2-core Zen 4 EPYC, the best of
+        alternating runs, GEMM -> batch kernel: W4A8, 1, 8 and 31 tokens 18.9 -> 8.5, 54.1 ->
+        19.8 and 90.8 -> 73.1 ms on one thread, 31.7 -> 5.6, 60.0 -> 12.5 and 96.0 -> 42.2 on
+        two; W4A16, 1 and 8 tokens 31.1 -> 10.4 and 67.2 -> 35.1 on one, 32.4 -> 7.2 and 67.1 ->
+        20.5 on two."""
         x = np.ascontiguousarray(x)
         if precision == "w4a8" and mats[0].w is None:
             T, cols = x.shape
