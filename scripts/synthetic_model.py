@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""A random-weight Q4_0 (or Q4_1, or F16) model in nerva's store format, with the shapes of a real one: decode
-speed depends on shapes and bytes, not on weight values, so this is what the GPU benchmarks run
+"""A random-weight Q4_0 (or Q4_1, or F16) model in nerva's store format, with the shapes of a real
+one: decode speed depends on shapes and bytes, not on weight values, so this is what the GPU benchmarks run
 where a real 8B checkpoint cannot be downloaded. Written by nerva's own converter (aligned layer
 files, sha256, metadata.json); the tokenizer is a small BPE trained here.
 

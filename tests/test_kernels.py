@@ -800,8 +800,8 @@ def test_widen_exact_all_bit_patterns(kind):
 @pytest.mark.parametrize("kind", ("f16", "bf16"))
 @pytest.mark.parametrize("rows,cols", [(3, 64), (37, 576), (130, 1536)])
 def test_matvec_exact(rng, rows, cols, kind):
-    # widened exactly, so each product is exact in f32's range and only the sum rounds: the f64
-    # dot of the same stored values is the reference
+    # widened exactly, so the kernels multiply the stored values themselves: the f64 dot of those
+    # is the reference, and only f32's products and sums round (the bound's 4 sqrt(k) eps)
     w, w64 = exact_matrix(rng, rows, cols, kind)
     x = randn(rng, cols)
     want, got = np.empty(rows, np.float32), np.empty(rows, np.float32)
