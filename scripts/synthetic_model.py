@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """A random-weight Q4_0 (or Q4_1, or F16) model in nerva's store format, with the shapes of a real
-one: decode speed depends on shapes and bytes, not on weight values, so this is what the GPU benchmarks run
-where a real 8B checkpoint cannot be downloaded. Written by nerva's own converter (aligned layer
-files, sha256, metadata.json); the tokenizer is a small BPE trained here.
+one: decode speed depends on shapes and bytes, not on weight values, so this is what the GPU
+benchmarks run where a real 8B checkpoint cannot be downloaded. Written by nerva's own converter
+(aligned layer files, sha256, metadata.json); the tokenizer is a small BPE trained here.
 
     python3 scripts/synthetic_model.py llama3-8b OUT_DIR     (4.5 GB)
     python3 scripts/synthetic_model.py smollm2-135m OUT_DIR [--quant q4_1]
