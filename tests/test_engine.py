@@ -442,3 +442,19 @@ def test_exact_matrices_back_to_back_in_the_file_are_fused_without_a_copy(rng):
         assert np.shares_memory(lin.w, buf) == (gap == 0)
         assert (back_to_back([t["q"], t["k"]]) is None) == (gap > 0)
         assert back_to_back([t["k"], t["q"]]) is None  # out of order
+
+
+@pytest.mark.parametrize("variant,dtype", [("f16", np.float16), ("bf16", np.uint16)])
+def test_exact_variants_hold_their_weights_as_stored(variant, dtype, tiny_models, tmp_path):
+    """No widening at load: an exact model's matrices and token table keep the file's 2-byte
+    elements (f32 copies doubled SmolLM2 f16's 269 MB of weights to 513), and what the engine
+    holds of a layer's matrices is what its file holds."""
+    from nerva_cli.layout import MATRICES, layer_file
+
+    model = pull(str(tiny_models("llama")), variant=variant, out=tmp_path / "m")
+    e = Engine(model, ctx=64)
+    assert e.embed.w.dtype == dtype
+    for layer in e.weights.layers():
+        stored = model.read_file(layer_file(layer.index))
+        assert all(lin.w.dtype == dtype for lin in layer.mats.values())
+        assert sum(lin.nbytes for lin in layer.mats.values()) == sum(stored[n].nbytes for n in MATRICES)
