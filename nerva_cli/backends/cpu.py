@@ -2221,7 +2221,7 @@ def attention_prefill(q, k, v, start, out, work):
         wide = work[group * T * (n + dim + 1):]
         k_f32, v_f32 = wide[: n * kv_heads * dim].reshape(k.shape), wide[n * kv_heads * dim: 2 * n * kv_heads * dim]
         # vcvtph2ps in a vectorised loop: 1792 positions of SmolLM2's K and V (0.7M values) in
-        # 0.06 ms, where NumPy's astype took 1.0
+        # 0.05 ms through widen_exact, where NumPy's astype took 1.1
         widen_exact(k.reshape(n, -1), k_f32.reshape(n, -1))
         widen_exact(v.reshape(n, -1), v_f32.reshape(n, -1))
         k, v = k_f32, v_f32.reshape(v.shape)
