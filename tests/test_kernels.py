@@ -11,6 +11,7 @@ errors of order 1.
 
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -127,6 +128,43 @@ print("ok")
 """)
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
+def test_cpu_backend_loads_cached_kernels_without_numba_registries(tmp_path):
+    """A run on a warm numba cache loads its kernels without numba's typing and lowering
+    registries (0.2 s of its start); a cold one loads them at its first miss, to compile. Both
+    processes' kernels (a serial one, a parallel one) must agree with ref. A module only the
+    registries import tells whether they loaded; a private cache directory makes the first
+    process cold and the second warm. Tolerances: f32 sums of 64 terms in another order."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "probe.py"
+    script.write_text("""
+import sys
+import numpy as np
+from nerva_cli.backends import cpu, ref
+rng = np.random.default_rng()
+x = rng.standard_normal((3, 64), dtype=np.float32)
+w = rng.standard_normal(64, dtype=np.float32)
+got, want = np.empty_like(x), np.empty_like(x)
+cpu.rmsnorm(x, w, 1e-6, got)
+ref.rmsnorm(x, w, 1e-6, want)
+assert np.allclose(got, want, rtol=1e-5, atol=1e-6), "rmsnorm"
+m = rng.standard_normal((96, 64)).astype(np.float16)
+got, want = np.empty(96, np.float32), np.empty(96, np.float32)
+cpu.matvec_exact(m, x[0], got)
+ref.matvec_exact(m, x[0], want)
+assert np.allclose(got, want, rtol=1e-4, atol=1e-4), "matvec_exact"
+print("numba.np.polynomial.polynomial_core" in sys.modules)
+""")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba-cache"))
+    registries = []
+    for _ in range(2):
+        run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+        assert run.returncode == 0, run.stderr[-2000:]
+        registries.append(run.stdout.strip())
+    assert registries == ["True", "False"]
 
 
 def test_set_threads_rejects_out_of_range():
