@@ -46,16 +46,21 @@ def read_message(read=input) -> str:
 
 
 def chat_loop(session, write, runtime: str, verbose: bool = False, stats_line=None, book=None,
-              every: int = 1) -> None:
-    """`runtime`: the backend and threads, as /show info tells them."""
+              every: int = 1, ready=None) -> None:
+    """`runtime`: the backend and threads, as /show info tells them. `ready`: None, or work
+    begun on the engine while the chat waits for its first message (the CLI's warm-up): ready()
+    waits for it, raising what it raised, and is called before the engine is touched;
+    ready(quiet=True) on leaving."""
     save_history = _line_editing()
     try:
-        _loop(session, write, runtime, verbose, stats_line, book, every)
+        _loop(session, write, runtime, verbose, stats_line, book, every, ready or (lambda quiet=False: None))
     finally:
+        if ready is not None:
+            ready(quiet=True)  # its thread is done before the interpreter is
         save_history()
 
 
-def _loop(session, write, runtime, verbose, stats_line, book, every) -> None:
+def _loop(session, write, runtime, verbose, stats_line, book, every, ready) -> None:
     output.info("Type a message; /? lists the commands, /bye or Ctrl-D leaves, Ctrl-C stops an answer.")
     while True:
         try:
@@ -72,6 +77,7 @@ def _loop(session, write, runtime, verbose, stats_line, book, every) -> None:
         if not text.strip():
             continue
         try:
+            ready()
             if text.lstrip().startswith("/") and "\n" not in text:  # a """ block is always a message
                 if command(session, text.strip(), write, runtime) == "bye":
                     return

@@ -123,3 +123,53 @@ def test_precisions_names_the_smaller_groups_layer_by_layer():
     assert _precisions({0: "w4a8", 1: "w4a16", 2: "w4a8", 3: "w4a8"}, 4) == "w4a16 on 1; w4a8 on the other 3"
     assert (_precisions({0: "w4a8", 2: "w4a16", 3: "w4a16"}, 5)
             == "w4a8 on 0; w4a16 on the other 2; 2 layers skipped (hot-only)")
+
+
+def test_the_warm_up_while_typing_leaves_the_first_answer_as_it_was(session):
+    """The chat's warm-up runs the engine in a thread of its own before the first message; the
+    answer after it must be the one an engine that never warmed up gives, token for token."""
+    from nerva_cli.cli import _warm_up_while_typing
+
+    first, _ = session()
+    texts = []
+    for warm in (False, True):
+        s = ChatSession(Engine(first.engine.model, ctx=first.engine.ctx), first.tok, SamplingOptions(temperature=0),
+                        max_tokens=6)
+        if warm:
+            ready = _warm_up_while_typing(s.engine, s.tok, 1, template=True)
+            assert ready is not None
+            ready()
+            assert s.engine.n_past == 0
+        answer = []
+        s.answer("the quick brown fox", answer.append)
+        texts.append("".join(answer))
+    assert texts[0] == texts[1] and texts[0]
+
+
+def test_the_warm_up_while_typing_raises_its_failure_once(session, monkeypatch):
+    from nerva_cli.cli import _warm_up_while_typing
+
+    s, _ = session()
+
+    def broken(**_):
+        raise NervaError("warm-up failed")
+
+    monkeypatch.setattr(s.engine, "warm_up", broken)
+    ready = _warm_up_while_typing(s.engine, s.tok, 1, template=False)
+    ready(quiet=True)  # leaving the chat never raises
+    with pytest.raises(NervaError, match="warm-up failed"):
+        ready()
+    ready()  # the chat goes on after the one error line
+
+
+def test_no_warm_up_while_typing_for_a_paged_engine(tiny_models, tmp_path):
+    from nerva_cli.cli import _warm_up_while_typing
+
+    model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+    fixed = sum(b.nbytes for b in Engine(model, ctx=64).plan.fixed)  # plus two staging slots: every layer paged
+    engine = Engine(model, ctx=64, ram_budget=fixed + 2 * model.meta["files"]["layer_000.bin"]["size"])
+    assert engine.plan.paged_layers
+    try:
+        assert _warm_up_while_typing(engine, open_tokenizer(model.path), 1, template=False) is None
+    finally:
+        engine.weights.close()
