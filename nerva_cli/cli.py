@@ -181,11 +181,14 @@ Backend = Annotated[str, typer.Option(help="Kernel backend: auto (cuda when CuPy
 def _threads(threads: Optional[int]) -> int:
     """Resolves --threads and applies it to BLAS, and keeps freed memory in the heap for reuse
     (machine.reuse_freed_memory); call before anything imports numpy."""
-    from nerva_cli.machine import limit_blas_threads, physical_cores, reuse_freed_memory
+    from nerva_cli.machine import limit_blas_threads, most_threads, physical_cores, reuse_freed_memory
 
     threads = physical_cores() if threads is None else threads
     if threads < 1:
         raise NervaError(f"--threads must be >= 1, got {threads}")
+    if threads > most_threads():
+        raise NervaError(f"--threads must be at most {most_threads()} here (the CPUs this process may run on, "
+                         f"or NUMBA_NUM_THREADS), got {threads}")
     limit_blas_threads(threads)
     reuse_freed_memory()
     return threads

@@ -18,9 +18,23 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def allowed_cpus() -> list[int]:
+    """The logical CPUs this process may run on."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def most_threads() -> int:
+    """The threads numba's pool holds, fixed when numba starts: NUMBA_NUM_THREADS where set, else
+    the logical CPUs this process may run on (the cpu backend's set_threads takes at most these)."""
+    try:
+        return max(1, int(os.environ["NUMBA_NUM_THREADS"]))
+    except (KeyError, ValueError):  # unset, or a value numba itself would refuse at its start
+        return max(1, len(allowed_cpus()))
+
+
 def physical_cores() -> int:
     """Cores, not hyper-threads, that this process may run on."""
-    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    allowed = allowed_cpus()
     seen = set()
     for cpu in allowed:
         try:

@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from nerva_cli import store
-from nerva_cli.machine import cpu_name, physical_cores
+from nerva_cli.machine import allowed_cpus, cpu_name, physical_cores
 
 SIMD = {"avx2": ("avx2",), "avx512f": ("avx512f",), "vnni": ("avx512_vnni", "avx_vnni"),
         "avx512bf16": ("avx512_bf16",),  # the cpu backend's W4A16 runs bf16 dot products with it
@@ -45,9 +45,8 @@ def cpu() -> dict:
         source = "/proc/cpuinfo"
     except OSError as e:
         source = f"not read: {e}"
-    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {"model": cpu_name(), "physical_cores": physical_cores(), "logical_cores": os.cpu_count(),
-            "usable_logical_cores": allowed, "flags_source": source,
+            "usable_logical_cores": len(allowed_cpus()), "flags_source": source,
             "simd": {name: any(f in flags for f in names) for name, names in SIMD.items()},
             "caches": cpu_caches()}
 

@@ -137,7 +137,8 @@ def test_a_prompt_given_twice(tiny_models, cli, tmp_path):
 
 @pytest.mark.parametrize("option,needle", [
     (["--ctx", "0"], "--ctx must be >= 1"), (["--ctx", "-5"], "--ctx must be >= 1"),
-    (["--threads", "0"], "--threads must be >= 1"), (["--seed", "-1"], "--seed must be >= 0"),
+    (["--threads", "0"], "--threads must be >= 1"), (["--threads", "100000"], "--threads must be at most"),
+    (["--seed", "-1"], "--seed must be >= 0"),
     (["--temperature", "inf"], "--temperature must be a number >= 0"),
     (["--repeat-penalty", "nan"], "--repeat-penalty must be a number > 0"),
     (["--min-p", "-0.1"], "--min-p must be in [0, 1]"), (["--repeat-last-n", "-1"], "--repeat-last-n must be >= 0"),

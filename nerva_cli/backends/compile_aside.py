@@ -126,7 +126,8 @@ def compile_aside(work: Callable[[], None], threads=()) -> Optional[CompileAside
     others = [t for t in threading.enumerate() if t is not threading.current_thread() and t not in threads]
     if not hasattr(os, "fork") or others or numba.config.DISABLE_JIT:
         return None
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    if len(cpus) < 2:
+    from nerva_cli.machine import allowed_cpus
+
+    if len(allowed_cpus()) < 2:
         return None
     return CompileAside(work)
