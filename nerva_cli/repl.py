@@ -78,6 +78,13 @@ def _loop(session, write, runtime, verbose, stats_line, book, every, ready) -> N
             continue
         try:
             ready()
+        except KeyboardInterrupt:  # Ctrl-C while the warm-up ends: the message goes, as in an answer
+            write("\n^C\n\n")
+            continue
+        except NervaError as e:
+            output.error(str(e))
+            continue
+        try:
             if text.lstrip().startswith("/") and "\n" not in text:  # a """ block is always a message
                 if command(session, text.strip(), write, runtime) == "bye":
                     return

@@ -66,6 +66,7 @@ def _load_numba_registries_only_to_compile() -> None:
     medians 0.96 -> 0.90 s (q4_1), 1.07 -> 0.99 s (f16)."""
     try:
         from numba.core.caching import Cache
+        from numba.core.cpu import CPUContext
         from numba.core.runtime import rtsys
 
         load_with_registries = Cache.load_overload
@@ -78,7 +79,7 @@ def _load_numba_registries_only_to_compile() -> None:
     registries_loaded = []
 
     def load_overload(self, sig, target_context):
-        if registries_loaded:
+        if registries_loaded or not isinstance(target_context, CPUContext):  # rtsys is the CPU's runtime
             return load_with_registries(self, sig, target_context)
         rtsys.initialize(target_context)
         found = None
