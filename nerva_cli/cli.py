@@ -404,10 +404,13 @@ def _warm_up_while_typing(engine, tokenizer, threads: int, template: bool):
     Zen 4 EPYC (`nerva run smollm2-135m --temperature 0 -n 8` in a pty, the message sent a second
     after the prompt, six runs each alternating with the commit before): its first text 180-260
     -> 62-89 ms after the message, the next prompt 245-360 -> 99-134 ms. A cpu engine whose
-    layers are all resident: a paged one's reads are its answers'. -> None, or ready(quiet=False),
+    layers are all resident: a paged one's reads are its answers'. It only loads: where the warm
+    marker says a decode step's kernels are on disk (a `-n 1` chat's first run compiled none, and
+    compiling them would hold the first message for seconds). -> None, or ready(quiet=False),
     which waits for it and, the first time, raises what it raised (quiet: never); the chat calls
     it before acting on a message and on leaving."""
-    if not hasattr(engine.k, "warm_marker") or engine.plan.paged_layers:
+    if not hasattr(engine.k, "warm_marker") or engine.plan.paged_layers or \
+            not engine.k.warm_marker(engine.kernel_kinds()).exists():
         return None
     import threading
 

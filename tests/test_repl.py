@@ -125,6 +125,12 @@ def test_precisions_names_the_smaller_groups_layer_by_layer():
             == "w4a8 on 0; w4a16 on the other 2; 2 layers skipped (hot-only)")
 
 
+def _mark_warm(engine):
+    marker = engine.k.warm_marker(engine.kernel_kinds())
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+
+
 def test_the_warm_up_while_typing_leaves_the_first_answer_as_it_was(session):
     """The chat's warm-up runs the engine in a thread of its own before the first message; the
     answer after it must be the one an engine that never warmed up gives, token for token."""
@@ -136,6 +142,7 @@ def test_the_warm_up_while_typing_leaves_the_first_answer_as_it_was(session):
         s = ChatSession(Engine(first.engine.model, ctx=first.engine.ctx), first.tok, SamplingOptions(temperature=0),
                         max_tokens=6)
         if warm:
+            _mark_warm(s.engine)  # as the CLI's compile-ahead leaves it
             ready = _warm_up_while_typing(s.engine, s.tok, 1, template=True)
             assert ready is not None
             ready()
@@ -155,6 +162,7 @@ def test_the_warm_up_while_typing_raises_its_failure_once(session, monkeypatch):
         raise NervaError("warm-up failed")
 
     monkeypatch.setattr(s.engine, "warm_up", broken)
+    _mark_warm(s.engine)
     ready = _warm_up_while_typing(s.engine, s.tok, 1, template=False)
     ready(quiet=True)  # leaving the chat never raises
     with pytest.raises(NervaError, match="warm-up failed"):
@@ -173,3 +181,13 @@ def test_no_warm_up_while_typing_for_a_paged_engine(tiny_models, tmp_path):
         assert _warm_up_while_typing(engine, open_tokenizer(model.path), 1, template=False) is None
     finally:
         engine.weights.close()
+
+
+def test_no_warm_up_while_typing_where_it_would_compile(session, monkeypatch, tmp_path):
+    """Without the warm marker (a `-n 1` chat's first run compiled no decode kernels) the warm-up
+    would compile them while the first message waits: there is none."""
+    from nerva_cli.cli import _warm_up_while_typing
+
+    s, _ = session()
+    monkeypatch.setattr(s.engine.k, "warm_marker", lambda kinds: tmp_path / "never-warmed")
+    assert _warm_up_while_typing(s.engine, s.tok, 1, template=False) is None
