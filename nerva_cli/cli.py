@@ -186,8 +186,9 @@ def _threads(threads: Optional[int]) -> int:
     threads = physical_cores() if threads is None else threads
     if threads < 1:
         raise NervaError(f"--threads must be >= 1, got {threads}")
-    if threads > most_threads():
-        raise NervaError(f"--threads must be at most {most_threads()} here (the CPUs this process may run on, "
+    most = most_threads()
+    if threads > most:
+        raise NervaError(f"--threads must be at most {most} here (the CPUs this process may run on, "
                          f"or NUMBA_NUM_THREADS), got {threads}")
     limit_blas_threads(threads)
     reuse_freed_memory()

@@ -34,9 +34,8 @@ def most_threads() -> int:
 
 def physical_cores() -> int:
     """Cores, not hyper-threads, that this process may run on."""
-    allowed = allowed_cpus()
     seen = set()
-    for cpu in allowed:
+    for cpu in allowed_cpus():
         try:
             topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
             seen.add(((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip()))

@@ -135,7 +135,7 @@ def test_kernels_compile_ahead_once_for_each_kind_of_model(tiny_models, cli, tmp
     monkeypatch.setattr(Engine, "warm_up",
                         lambda self, aside, also: warmed.append(self.kernel_kinds()) or warm_up(self, aside, also))
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
-    exact = pull(str(tiny_models("llama")), variant="f16", out=tmp_path / "f16")  # no compiled layers, kernels still
+    exact = pull(str(tiny_models("llama")), variant="f16", out=tmp_path / "f16")  # exact: kernels of its own kinds
     args = ["-p", "hi", "-n", "2", "--no-profile", "--ctx", "64"]
     for path, extra in ((model.path, []), (model.path, []), (model.path, ["--kv-cache", "f32"]),
                         (model.path, ["--kv-cache", "f32"]), (model.path, ["--precision", "w4a8"]),
