@@ -10,6 +10,7 @@ come from a `PrefillWorkspace` made with them (arena.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import gcd
 from time import perf_counter_ns
 
 import numpy as np
@@ -53,12 +54,6 @@ class Linear:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.w, self.qs, self.q8, self.d, self.m) if a is not None)
-
-    def rows_slice(self, start: int, stop: int) -> "Linear":
-        """Rows start..stop of a quantised matrix, as views."""
-        cut = lambda a: None if a is None else a[start:stop]  # noqa: E731
-        return Linear(min(stop, self.rows) - start, self.cols, qs=cut(self.qs), d=cut(self.d), m=cut(self.m),
-                      q8=cut(self.q8))
 
     @classmethod
     def owned(cls, t: dict, names: tuple[str, ...]) -> "Linear":
@@ -384,6 +379,12 @@ class Engine(EngineBase):
         paged = getattr(self.weights, "paged", [])
 
         def attention_halves():
+            # first prefill's attention, which the parent's warm-up reaches a few kernels in (the
+            # parent loads it from the disk cache once this is done, else compiles it too)
+            cfg, ws, first, T = self.cfg, self.pw, self.active[0], min(2, self.pw.rows)
+            q, attn = ws.take("q", T, cfg.num_heads, cfg.head_dim), ws.take("attn", T, cfg.num_heads, cfg.head_dim)
+            self.k.attention_prefill(q, self.a.k_cache[first][:T], self.a.v_cache[first][:T], 0, attn,
+                                     ws.bufs["attention"])
             for layer in self.weights.resident.values() if paged else self.weights.layers():
                 self._decode_halves(layer)[0](0)
             for precision in sorted({self.layer_precision[i] for i in paged}):
@@ -509,25 +510,32 @@ class Engine(EngineBase):
             return outs[0] if len(outs) == 1 else np.concatenate(outs)
         return self._last_logits(x[-1])
 
-    def _dense(self, mats: list[Linear], x: np.ndarray, precision: str, out: np.ndarray) -> None:
-        """out [T, rows] = x [T, cols] times the matrices `mats`, stacked by rows, transposed.
-        The rows go through in slices that fill the workspace's scratch (scratch_elements),
-        dequantised there, whichever matrices they come from: a paged layer's unfused q/k/v and
-        gate/up then run the very GEMMs a resident layer's fused ones do (OpenBLAS's sums depend
-        on a GEMM's shape), so paging changes no bit. W4A8 quantises the activations per
-        32-group first, which gives the same products as the integer kernel. A short chunk takes
-        the matvecs' batch kernels instead (_short_dense)."""
+    def _dense(self, mats: list[Linear], x: np.ndarray, precision: str, out: np.ndarray,
+               part_rows: int | None = None) -> None:
+        """out [T, rows] = x [T, cols] times the matrices `mats`, stacked by rows, transposed: the
+        backend's GEMMs, which dequantise (or widen) a slice of rows at a time into the
+        workspace's scratch (scratch_elements), slices whose heights divide part_rows (by
+        default the matrices' heights; a fused matrix's caller gives its parts'), so a paged
+        layer's unfused q/k/v and gate/up run the very GEMMs a resident layer's fused ones do,
+        and paging changes no bit. W4A8
+        quantises the activations per 32-group first, which gives the same products as the
+        integer kernel. A short chunk takes the matvecs' batch kernels instead (_short_dense)."""
         short = self.k.short_prefill_rows("exact" if mats[0].w is not None else precision)
         if x.shape[0] <= short and all(lin.q8 is None for lin in mats):  # no batch kernel for a Q8_0 table
             self._short_dense(mats, x, precision, out)
             return
         if mats[0].w is None and precision == "w4a8":
             x = self._fake_quant(x)
-        total = sum(lin.rows for lin in mats)
-        step = self.pw.bufs["dequant"].size // mats[0].cols
-        for r in range(0, total, step):
-            stop = min(r + step, total)
-            np.matmul(x, self._stacked_rows(mats, r, stop).T, out=out[:, r:stop])
+        scratch, lo = self.pw.bufs["dequant"], 0
+        align = part_rows or gcd(*[lin.rows for lin in mats])
+        for lin in mats:
+            if lin.w is not None:
+                self.k.gemm_exact(lin.w, x, out, lo, scratch, align)
+            elif lin.q8 is not None:
+                self.k.gemm_q8(lin.q8, lin.d, x, out, lo, scratch, align)
+            else:
+                self.k.gemm_q4(lin.qs, lin.d, lin.m, x, out, lo, scratch, align)
+            lo += lin.rows
 
     def _short_dense(self, mats: list[Linear], x: np.ndarray, precision: str, out: np.ndarray) -> None:
         """_dense for a short chunk (the backend's short_prefill_rows) through Q4 or exact
@@ -554,25 +562,6 @@ class Engine(EngineBase):
             else:
                 self.k.matmul_q4_w4a16(lin.qs, lin.d, lin.m, x, part)
             lo += lin.rows
-
-    def _stacked_rows(self, mats: list[Linear], start: int, stop: int) -> np.ndarray:
-        """Rows start..stop of the stacked matrices in f32, dequantised (or widened) into the
-        workspace's scratch."""
-        out = self.pw.take("dequant", stop - start, mats[0].cols)
-        lo = 0
-        for lin in mats:
-            a, b = max(start, lo), min(stop, lo + lin.rows)
-            if a < b:
-                dst = out[a - start:b - start]
-                if lin.w is not None:
-                    self.k.widen_exact(lin.w[a - lo:b - lo], dst)
-                elif lin.q8 is not None:
-                    self.k.dequantize_q8(lin.q8[a - lo:b - lo], lin.d[a - lo:b - lo], dst)
-                else:
-                    part = lin.rows_slice(a - lo, b - lo)
-                    self.k.dequantize_q4(part.qs, part.d, part.m, dst)
-            lo += lin.rows
-        return out
 
     def _fake_quant(self, x: np.ndarray) -> np.ndarray:
         out = self.pw.take("xq", *x.shape)
@@ -606,7 +595,7 @@ class Engine(EngineBase):
         xn = ws.take("xn", T, h)
         k.rmsnorm(x, layer.attn_norm, cfg.rms_eps, xn)
         qkv = ws.take("qkv", T, qd + 2 * kvd)
-        self._dense([m["qkv"]] if "qkv" in m else [m["q"], m["k"], m["v"]], xn, p, qkv)
+        self._dense([m["qkv"]] if "qkv" in m else [m["q"], m["k"], m["v"]], xn, p, qkv, gcd(qd, kvd))
         if layer.qkv_bias is not None:
             k.add_rows(qkv, layer.qkv_bias)
         if taps is not None:
@@ -630,7 +619,7 @@ class Engine(EngineBase):
         x += proj
         k.rmsnorm(x, layer.mlp_norm, cfg.rms_eps, xn)
         gate_up, act = ws.take("gate_up", T, 2 * f), ws.take("act", T, f)
-        self._dense([m["gate_up"]] if "gate_up" in m else [m["gate"], m["up"]], xn, p, gate_up)
+        self._dense([m["gate_up"]] if "gate_up" in m else [m["gate"], m["up"]], xn, p, gate_up, f)
         k.silu_mul(gate_up, act)
         self._dense([m["down"]], act, p, proj)
         if taps is not None:

@@ -57,12 +57,14 @@ def proc_kb(path: str, key: str) -> int | None:
 
 
 def limit_blas_threads(threads: int) -> None:
-    """OpenBLAS (prefill GEMMs) reads its settings once, when numpy is first imported.
+    """A BLAS reads its settings once, when numpy is first imported. With the OpenBLAS NumPy's
+    wheels ship, the cpu backend calls its sgemm from numba's threads and sets its own pool to
+    one thread; these settings serve another BLAS, whose GEMMs prefill calls through NumPy.
 
-    Its idle workers spin for 2^OPENBLAS_THREAD_TIMEOUT cycles after each GEMM, 2^28 (~90 ms)
-    by default: on 2 cores they took the decode threads' core after every prefill (the first
-    decode step measured 87 to 116 ms instead of 7, the next few 15). 2^22 (~1.4 ms) still
-    covers the gaps between one prefill's GEMMs (prefill tok/s unchanged, measured)."""
+    OpenBLAS's idle workers spin for 2^OPENBLAS_THREAD_TIMEOUT cycles after each GEMM, 2^28
+    (~90 ms) by default: on 2 cores they took the decode threads' core after every prefill (the
+    first decode step measured 87 to 116 ms instead of 7, the next few 15). 2^22 (~1.4 ms)
+    still covers the gaps between one prefill's GEMMs (prefill tok/s unchanged, measured)."""
     os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "22")

@@ -307,7 +307,7 @@ def test_compiled_before_reads_the_disk_cache_index(tiny_models, tmp_path, monke
     if decodes:
         e.decode(6)
     assert cpu.compiled_before(decodes)
-    kernel = cpu.add_rmsnorm if decodes else cpu._causal_softmax
+    kernel = cpu.add_rmsnorm if decodes else cpu._attention_prefill
     monkeypatch.setattr(kernel._cache._cache_file, "_source_stamp", ("another source", 0))
     assert not cpu.compiled_before(decodes)
 

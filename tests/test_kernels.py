@@ -888,6 +888,71 @@ def attention_f64(q, k, v):
 
 # Scores carry about sqrt(head_dim) eps, the weighted sum over n positions about sqrt(n) eps;
 # 4e-6 is ~10x both for head_dim <= 128 and n <= 300 (the worst seen over 40 seeds: 7e-7).
+# -- prefill's GEMMs --------------------------------------------------------------------------
+
+def gemm_planes(rng, kind, rows, cols):
+    """Fresh random weights of one kind -> (the backends' gemm function name, its planes, their
+    f64 dequantised)."""
+    if kind in KINDS:
+        qs, d, m = random_q4(rng, rows, cols, kind)
+        return "gemm_q4", (qs, d, m), dequant_f64(qs, d, m)
+    if kind == "q8_0":
+        q8, d = random_q8(rng, rows, cols)
+        return "gemm_q8", (q8, d), dequant_q8_f64(q8, d)
+    w, w64 = exact_matrix(rng, rows, cols, kind)
+    return "gemm_exact", (w,), w64
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "q8_0", "f16", "bf16"])
+@pytest.mark.parametrize("T,rows,cols,scratch_rows", [(3, 37, 64, 5), (70, 200, 576, 1000), (33, 576, 1536, 7)])
+def test_gemm_against_f64(rng, kind, T, rows, cols, scratch_rows):
+    """Prefill's GEMM, into a column range of a wider output (nothing outside it written), in
+    slices of rows as the scratch holds them (a scratch of 5 or 7 rows: several slices a
+    thread, a last one short), against the f64 product of the dequantised weights: f32 sums
+    (4 sqrt(k) eps of the magnitude). The NumPy path (another BLAS) too, on the same slices."""
+    name, planes, w64 = gemm_planes(rng, kind, rows, cols)
+    x = randn(rng, T, cols)
+    want, magnitude = x.astype(np.float64) @ w64.T, np.abs(x.astype(np.float64)) @ np.abs(w64).T
+    for backend, sgemm in ((ref, None), (cpu, cpu._SGEMM), (cpu, 0)):
+        out = np.full((T, rows + 9), np.nan, np.float32)
+        scratch = randn(rng, scratch_rows * cols)  # noise: nothing may read it unwritten
+        old, cpu._SGEMM = cpu._SGEMM, cpu._SGEMM if sgemm is None else sgemm
+        try:
+            getattr(backend, name)(*planes, x, out, 4, scratch, rows)
+        finally:
+            cpu._SGEMM = old
+        assert np.isnan(out[:, :4]).all() and np.isnan(out[:, 4 + rows:]).all()
+        for t in range(T):
+            assert_dots_close(out[t, 4:4 + rows], want[t], magnitude[t], cols)
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "f16"])
+@pytest.mark.parametrize("T", [65, 256])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemm_of_a_stack_equals_its_parts_to_the_bit(rng, kind, T, threads):
+    """SmolLM2's q, k, v (576, 192, 192 rows of 576) stacked into one matrix, as a resident layer
+    fuses them, against the three multiplied apart, as a paged layer does: with the parts'
+    heights' divisor as align the GEMMs are the same, so are the bits. OpenBLAS's sums depend on
+    a GEMM's shape where it is narrow (here under 24 rows of weights; measured), so the scratch
+    holds 40 rows: slices of 20 (two threads) or 40 (one), which do not divide 192, would
+    cross from q into k in the stack and not apart, and this test fails (tried)."""
+    from math import gcd
+
+    name, stacked, _ = gemm_planes(rng, kind, 960, 576)
+    parts = [tuple(None if p is None else p[a:b] for p in stacked) for a, b in ((0, 576), (576, 768), (768, 960))]
+    x, scratch = randn(rng, T, 576), np.empty(40 * 576, np.float32)
+    fused, apart = np.empty((T, 960), np.float32), np.empty((T, 960), np.float32)
+    old = cpu._threads[0]
+    cpu.set_threads(min(threads, cpu.numba.config.NUMBA_NUM_THREADS))
+    try:
+        getattr(cpu, name)(*stacked, x, fused, 0, scratch, gcd(576, 192))
+        for (a, b), planes in zip(((0, 576), (576, 768), (768, 960)), parts):
+            getattr(cpu, name)(*planes, x, apart, a, scratch, gcd(576, 192))
+    finally:
+        cpu.set_threads(old)
+    assert np.array_equal(fused, apart)
+
+
 ATT_TOL = 4e-6
 
 
@@ -1021,7 +1086,7 @@ def test_exp_nonpositive_within_an_ulp(rng):
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32)])
-@pytest.mark.parametrize("T,start", [(1, 0), (5, 0), (37, 11), (3, 200)])
+@pytest.mark.parametrize("T,start", [(1, 0), (5, 0), (37, 11), (3, 200), (150, 20)])
 @pytest.mark.parametrize("cache", ["f32", "f16"])
 def test_attention_prefill(rng, heads, kv_heads, head_dim, T, start, cache):
     n = start + T
@@ -1034,6 +1099,13 @@ def test_attention_prefill(rng, heads, kv_heads, head_dim, T, start, cache):
     work = randn(rng, ref.attention_prefill_work(T, n + 50, heads, kv_heads, head_dim))
     cpu.attention_prefill(q, k, v, start, got, work)
     assert rel(got, want) < ATT_TOL
+    old, cpu._SGEMM = cpu._SGEMM, 0  # NumPy with another BLAS: ref's attention
+    try:
+        other = np.empty_like(q)
+        cpu.attention_prefill(q, k, v, start, other, work)
+        assert rel(other, want) < ATT_TOL
+    finally:
+        cpu._SGEMM = old
     with pytest.raises(ValueError, match="work holds"):
         cpu.attention_prefill(q, k, v, start, got, work[: ref.attention_prefill_work(T, n, heads, kv_heads, head_dim)
                                                          - 1])

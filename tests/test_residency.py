@@ -114,6 +114,25 @@ def test_paged_decode_equals_resident_at_30_percent(variant, policy, deep_tiny, 
         paged.weights.close()
 
 
+@pytest.mark.parametrize("variant,precision", [("q4_0", "w4a8"), ("q4_1", "w4a16"), ("f16", None)])
+def test_paged_prefill_gemms_equal_resident_to_the_bit(variant, precision, deep_tiny, tmp_path, rng):
+    """A prompt past the short-chunk kernels (SHORT_PREFILL_MOST) goes through the GEMMs, where a
+    paged layer multiplies q, k, v and gate, up apart and a resident one its fused matrices:
+    the logits are the same to the bit. (At these tiny widths OpenBLAS's bits hardly depend on
+    the slices; test_kernels.py's stack test holds the slicing at SmolLM2's shapes.)"""
+    from nerva_cli.backends.ref import SHORT_PREFILL_MOST
+
+    model = pull(str(deep_tiny("qwen2")), variant=variant, out=tmp_path / "m")
+    prompt = [int(t) for t in rng.integers(0, 384, size=SHORT_PREFILL_MOST + 37)]
+    full = Engine(model, precision=precision, ctx=128)
+    paged = Engine(model, precision=precision, ctx=128, ram_budget=budget_at(full, 0.3))
+    assert paged.plan.paged_layers
+    try:
+        assert np.array_equal(paged.prefill(prompt, all_logits=True), full.prefill(prompt, all_logits=True))
+    finally:
+        paged.weights.close()
+
+
 def test_paged_smollm2_equals_resident_and_reads_exactly_the_paged_bytes(smollm2_store, cli):
     model = smollm2_store["q4_1"]
     prompt = list(range(1000, 1016))

@@ -1232,8 +1232,9 @@ def quantize_act_q16(x, xq, xd):
 @njit(cache=True, nogil=True, fastmath=_Q8_MATH)
 def fake_quantize_q8(x, out):
     # Prefill's W4A8: rows quantised per 32-group as quantize_act_q8 does, then scaled back, so
-    # a GEMM over them gives decode's integer products. Serial: it runs between BLAS GEMMs (see
-    # _dequantize_q4).
+    # a GEMM over them gives decode's integer products. On one thread: a parallel version saved
+    # 6 of a 256-token prompt's 390 ms on two (SmolLM2 q4_1, the 2-core Zen 4 EPYC) and cost the
+    # first long prompt 0.6 s more of compiling.
     for r in range(x.shape[0]):
         for b in range(x.shape[1] // 32):
             g = x[r, 32 * b: 32 * b + 32]
@@ -1312,10 +1313,7 @@ def matmul_q4_w4a8(qs, d, m, xq, xd, xs, out):
 
 @njit(cache=True, nogil=True)
 def _dequantize_q4(qs, d, m, out):
-    # Serial on purpose: prefill calls this between BLAS GEMMs, and OpenBLAS's worker threads
-    # spin-wait on the other core for a while after each GEMM. A parallel version measured
-    # 0.26 ms alone but 5.7 ms between GEMMs (1536x576, 2 cores), the serial one ~0.5 ms in
-    # both; with rows in IR (below) the serial one takes 0.04.
+    # Serial: prefill's GEMMs call it from each of their threads for a slice of rows (_gemm_q4).
     for r in range(d.shape[0]):
         _dequantize_q4_row(qs, d, m, out, r)
 
@@ -1600,6 +1598,160 @@ def embed_exact(table, token, out):
     widen_exact(table[token:token + 1], out.reshape(1, -1))
 
 
+# Prefill's GEMMs: OpenBLAS's sgemm called from numba's threads, each thread dequantising (or
+# widening) a slice of weight rows into its own scratch and multiplying it while it is in cache.
+# OpenBLAS's own thread pool stays at one thread, so numba's pool is the only one on the cores:
+# OpenBLAS's workers spin-waited after each GEMM on the cores numba's threads wanted, which kept
+# prefill's other kernels serial (a parallel one between GEMMs took 8 ms where it took 0.06 alone).
+
+def _numpy_sgemm() -> int:
+    """The address of cblas_sgemm (64-bit integers) in the OpenBLAS that NumPy's wheels ship, its
+    own threads set to one; 0 where NumPy has another BLAS (prefill then takes NumPy's matmul)."""
+    import ctypes
+    import glob
+
+    base = os.path.dirname(np.__file__)
+    for path in sorted(glob.glob(base + ".libs/*openblas*") + glob.glob(os.path.join(base, ".dylibs", "*openblas*"))):
+        try:
+            lib = ctypes.CDLL(path)  # NumPy's import loaded it: this is the same library
+        except OSError:
+            continue
+        for prefix in ("scipy_", ""):
+            sgemm = getattr(lib, f"{prefix}cblas_sgemm64_", None)
+            set_threads = getattr(lib, f"{prefix}openblas_set_num_threads64_", None)
+            if sgemm is not None and set_threads is not None:
+                set_threads.argtypes = [ctypes.c_int64]
+                set_threads(1)
+                return ctypes.cast(sgemm, ctypes.c_void_p).value or 0
+    return 0
+
+
+_SGEMM = _numpy_sgemm()
+_CBLAS_ROW_MAJOR, _CBLAS_NO_TRANS, _CBLAS_TRANS = 101, 111, 112
+
+
+@intrinsic
+def _sgemm(typingctx, sgemm, trans_b, m, n, k, a, a_at, lda, b, b_at, ldb, c, c_at, ldc):
+    """C = A B^T (trans_b) or A B, by the cblas_sgemm (64-bit integers) at address sgemm, on the
+    calling thread, row-major: A [m, k] from element a_at of array a with rows lda elements
+    apart, B [n, k] (or [k, n]) from b's element b_at, C [m, n] from c's element c_at. Offsets
+    and strides, not views: the kernels that call it compile without numba's reshape and slice
+    machinery (SmolLM2's first run spent 4.8 s compiling attention_prefill with views). The
+    address is an argument, not a constant, so numba caches the code."""
+    ints = (sgemm, m, n, k, a_at, lda, b_at, ldb, c_at, ldc)
+    if not (all(isinstance(t, types.Integer) for t in ints) and isinstance(trans_b, types.Boolean)
+            and all(isinstance(t, types.Array) and t.dtype == types.float32 for t in (a, b, c))):
+        return None
+
+    def codegen(context, builder, sig, args):
+        f32p = _F32.as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [_I32] * 3 + [_I64] * 3 + [_F32, f32p, _I64, f32p, _I64, _F32, f32p, _I64])
+        fn = builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.int64), fnty.as_pointer())
+
+        def i64(i):
+            return context.cast(builder, args[i], sig.args[i], types.int64)
+
+        def at(array, offset):
+            data = context.make_array(sig.args[array])(context, builder, args[array]).data
+            return builder.gep(builder.bitcast(data, f32p), [i64(offset)])
+
+        trans = builder.select(args[1], ir.Constant(_I32, _CBLAS_TRANS), ir.Constant(_I32, _CBLAS_NO_TRANS))
+        builder.call(fn, [ir.Constant(_I32, _CBLAS_ROW_MAJOR), ir.Constant(_I32, _CBLAS_NO_TRANS), trans,
+                          i64(2), i64(3), i64(4), ir.Constant(_F32, 1.0), at(5, 6), i64(7),
+                          at(8, 9), i64(10), ir.Constant(_F32, 0.0), at(11, 12), i64(13)])
+        return context.get_dummy_value()
+
+    return types.none(sgemm, trans_b, m, n, k, a, a_at, lda, b, b_at, ldb, c, c_at, ldc), codegen
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _gemm_q4(sgemm, qs, d, m, x, out, col, scratch):
+    rows, workers, each = d.shape[0], scratch.shape[0], scratch.shape[1]
+    for t in prange(workers):
+        for r0 in range(t * each, rows, workers * each):
+            r1 = min(rows, r0 + each)
+            w = scratch[t, :r1 - r0]
+            if m is None:
+                _dequantize_q4(qs[r0:r1], d[r0:r1], None, w)
+            else:
+                _dequantize_q4(qs[r0:r1], d[r0:r1], m[r0:r1], w)
+            _sgemm(sgemm, True, x.shape[0], r1 - r0, x.shape[1], x, 0, x.shape[1], w, 0, w.shape[1],
+                   out, col + r0, out.shape[1])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _gemm_q8(sgemm, q8, d, x, out, col, scratch):
+    rows, workers, each = d.shape[0], scratch.shape[0], scratch.shape[1]
+    for t in prange(workers):
+        for r0 in range(t * each, rows, workers * each):
+            r1 = min(rows, r0 + each)
+            w = scratch[t, :r1 - r0]
+            _dequantize_q8(q8[r0:r1], d[r0:r1], w)
+            _sgemm(sgemm, True, x.shape[0], r1 - r0, x.shape[1], x, 0, x.shape[1], w, 0, w.shape[1],
+                   out, col + r0, out.shape[1])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _gemm_exact(sgemm, e, x, out, col, scratch):
+    rows, workers, each = e.shape[0], scratch.shape[0], scratch.shape[1]
+    for t in prange(workers):
+        for r0 in range(t * each, rows, workers * each):
+            r1 = min(rows, r0 + each)
+            w = scratch[t, :r1 - r0]
+            _widen_exact(e[r0:r1], w)
+            _sgemm(sgemm, True, x.shape[0], r1 - r0, x.shape[1], x, 0, x.shape[1], w, 0, w.shape[1],
+                   out, col + r0, out.shape[1])
+
+
+GEMM_SLICE_BYTES = 768 << 10  # a thread's slice of f32 weight rows at most
+
+
+def _gemm_slices(cols, scratch, align):
+    """scratch as [workers, rows, cols]: a slice of weight rows for each thread that runs (as many
+    as it holds a row for), at most GEMM_SLICE_BYTES or the scratch's share. The slices' height
+    divides `align`, and where it can, `align` rows make a whole number of slices for each thread
+    (SmolLM2's o, 576 rows of 576: 4 slices of 144, where 3 of 192 left a thread idle a third of
+    the time). OpenBLAS's bits depend on a GEMM's shape (a column's sums differ between 7 and 64
+    rows of weights), so a stack of matrices whose heights `align` divides (q, k and v; gate and
+    up) makes the same GEMMs multiplied apart as fused: paging changes no bit."""
+    workers = max(1, min(_threads[0], scratch.size // cols))
+    most = max(1, min(GEMM_SLICE_BYTES // (4 * cols), scratch.size // (workers * cols), align))
+    heights = [h for h in range(most, 0, -1) if align % h == 0]
+    each = next((h for h in heights if align // h % workers == 0), heights[0])
+    return scratch[: workers * each * cols].reshape(workers, each, cols)
+
+
+def _gemm(kernel, widen, planes, x, out, col, scratch, align):
+    x = np.ascontiguousarray(x, dtype=F32)
+    slices = _gemm_slices(x.shape[1], scratch, align)
+    if _SGEMM:
+        kernel(_SGEMM, *planes, x, out, col, slices)
+        return
+    w = slices[0]  # NumPy has another BLAS: its GEMM, slice by slice, threaded as it threads
+    rows = planes[0].shape[0]
+    for r0 in range(0, rows, w.shape[0]):
+        r1 = min(rows, r0 + w.shape[0])
+        widen(*[None if p is None else p[r0:r1] for p in planes], w[:r1 - r0])
+        np.matmul(x, w[:r1 - r0].T, out=out[:, col + r0:col + r1])
+
+
+def gemm_q4(qs, d, m, x, out, col, scratch, align):
+    """out[:, col:col + rows] = x [T, cols] times the Q4 matrix's transpose (out [T, >= col +
+    rows]), dequantised into scratch (f32, at least a row of it) in slices of rows that divide
+    `align`, each multiplied by a GEMM of its own."""
+    _gemm(_gemm_q4, _dequantize_q4, (qs, d.view(np.uint16), _bits(m)), x, out, col, scratch, align)
+
+
+def gemm_q8(q8, d, x, out, col, scratch, align):
+    """gemm_q4 for a Q8_0 matrix."""
+    _gemm(_gemm_q8, _dequantize_q8, (q8, d.view(np.uint16)), x, out, col, scratch, align)
+
+
+def gemm_exact(w, x, out, col, scratch, align):
+    """gemm_q4 for an exact variant's matrix as stored."""
+    _gemm(_gemm_exact, _widen_exact, (_exact_bits(w),), x, out, col, scratch, align)
+
+
 # -- attention ------------------------------------------------------------------------------
 
 @intrinsic
@@ -1652,7 +1804,9 @@ def silu_mul(gate_up, out):
     # e / (1 + e) below, so the one exp takes a non-positive argument and the loop vectorises
     # (_exp_nonpositive; libm's exp kept it scalar, and so did numba's zero-divisor check, which
     # error_model="numpy" drops: 1 + e >= 1). 1536 elements: 7.1 -> 1.3 us. Rows of the fused
-    # gate/up output are read in place: prefill copied the halves out first.
+    # gate/up output are read in place: prefill copied the halves out first. On one thread in
+    # prefill too: a parallel version saved 3 of a 256-token prompt's 390 ms on two (SmolLM2,
+    # the 2-core Zen 4 EPYC) and cost a first run 1 s more of compiling.
     f = out.shape[-1]
     gu, o2 = gate_up.reshape(-1, 2 * f), out.reshape(-1, f)
     for t in range(o2.shape[0]):
@@ -2194,11 +2348,11 @@ def warm_marker(kinds: str):
 def compiled_before(decodes: bool = True) -> bool:
     """Whether the disk cache holds compiled code for this source and the kernels a run needs:
     numba's index for `add_rmsnorm`, which only a decode compiles (of any layer: compiled halves
-    or kernel by kernel), standing for all of them, or for `_causal_softmax` when the run only
+    or kernel by kernel), standing for all of them, or for `_attention_prefill` when the run only
     prefills (`-n 1`). False on a machine's first run, when compiling them takes a while
     (SmolLM2 on the 2-core Zen 4 EPYC, the run's wall time: 5.5 s for a prefill's, 8 s more for a
     decode's)."""
-    kernel = add_rmsnorm if decodes else _causal_softmax
+    kernel = add_rmsnorm if decodes else _attention_prefill
     try:
         return bool(kernel._cache._cache_file._load_index())
     except Exception:  # numba internals: should they change, say nothing rather than fail a run
@@ -2235,80 +2389,101 @@ def decode_layer_halves(layer, a, cfg, cos, sin):
     return attention, lambda: _mlp(*mlp)
 
 
+ATT_PREFILL_ROWS = 64  # queries of one kv head's group a job of attention_prefill takes, at most
+
+
 def attention_prefill(q, k, v, start, out, work):
-    # BLAS per kv head: the `group` query heads that share it go through one batched matmul into
-    # `work`, then _causal_softmax turns each row's visible scores into weights exp(s - max)
-    # and zeroes the rest, a second matmul takes the weighted values, and the copy into `out`
-    # divides them by the weights' totals (head_dim multiplies a row where normalising the
-    # weights took n). An f16 cache is widened for BLAS into `work` too (a copy a layer a chunk:
-    # prefill only).
+    # Jobs of up to ATT_PREFILL_ROWS queries of one kv head's group, on numba's threads, each in
+    # its own part of `work`: the group's queries copied together, one GEMM for their scores
+    # against the positions the job's last query sees (causal: the first jobs read the fewest),
+    # each row's visible scores turned into weights exp(s - max) and the rest zeroed, a second
+    # GEMM for the weighted values, divided by the weights' totals on the way into `out`
+    # (head_dim multiplies a row where normalising the weights took n). An f16 cache is widened
+    # for BLAS into `work` first (a copy a layer a chunk: prefill only).
     T, heads, dim = q.shape
     n, kv_heads = start + T, k.shape[1]
     group = heads // kv_heads
-    if work.size < attention_prefill_work(T, n, heads, kv_heads, dim):
-        raise ValueError(f"attention_prefill: work holds {work.size} floats, "
-                         f"{attention_prefill_work(T, n, heads, kv_heads, dim)} needed")
-    s = work[: group * T * n].reshape(group, T, n)
-    pv = work[group * T * n: group * T * (n + dim)].reshape(group, T, dim)
-    inv = work[group * T * (n + dim): group * T * (n + dim + 1)].reshape(group, T, 1)
+    need = attention_prefill_work(T, n, heads, kv_heads, dim)
+    if work.size < need:
+        raise ValueError(f"attention_prefill: work holds {work.size} floats, {need} needed")
+    if not _SGEMM:  # NumPy has another BLAS
+        from . import ref
+
+        ref.attention_prefill(q, k[:n], v[:n], start, out)
+        return
     k, v = k[:n], v[:n]  # a longer cache holds no positions this chunk sees
     if k.dtype != F32:
-        wide = work[group * T * (n + dim + 1):]
+        wide = work[group * T * (n + 2 * dim + 1):]
         k_f32, v_f32 = wide[: n * kv_heads * dim].reshape(k.shape), wide[n * kv_heads * dim: 2 * n * kv_heads * dim]
         # vcvtph2ps in a vectorised loop: 1792 positions of SmolLM2's K and V (0.7M values) in
         # 0.05 ms through widen_exact, where NumPy's astype took 1.1
         widen_exact(k.reshape(n, -1), k_f32.reshape(n, -1))
         widen_exact(v.reshape(n, -1), v_f32.reshape(n, -1))
         k, v = k_f32, v_f32.reshape(v.shape)
-    scale = F32(1.0 / np.sqrt(dim))
-    for g in range(kv_heads):
-        np.matmul(q[:, g * group:(g + 1) * group].transpose(1, 0, 2), k[:, g].T, out=s)
-        _causal_softmax(s, start, scale, inv)
-        np.matmul(s, v[:, g], out=pv)
-        _normalised_into(pv, inv, out, g * group)
+    rows = max(1, min(ATT_PREFILL_ROWS, T // _threads[0]))  # a job for every thread, even for a short chunk
+    workers = min(_threads[0], kv_heads * -(-T // rows), T // rows)  # their parts within the work's bound
+    _attention_prefill(_SGEMM, np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v), start,
+                       out, work, rows, workers, F32(1.0 / np.sqrt(dim)))
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
+def _attention_prefill(sgemm, q, k, v, start, out, work, rows, workers, scale):
+    # Job j is query block j // kv_heads of kv head j % kv_heads; a worker takes every workers-th
+    # job, so the costly last blocks spread over the threads. A worker's part of work holds the
+    # group's queries [group * rows, dim], their scores [group * rows, seen], weighted values
+    # [group * rows, dim] and weight totals (workers * rows <= T: attention_prefill_work's bound).
+    T, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    blocks = (T + rows - 1) // rows
+    part = group * rows * (start + T + 2 * dim + 1)
+    for w in prange(workers):
+        for job in range(w, blocks * kv_heads, workers):
+            g, t0 = job % kv_heads, job // kv_heads * rows
+            nb = min(T, t0 + rows) - t0
+            seen, R = start + t0 + nb, group * nb
+            qg = w * part
+            s = qg + R * dim
+            pv = s + R * seen
+            inv = pv + R * dim
+            for j in range(group):
+                for i in range(nb):
+                    for c in range(dim):
+                        work[qg + (j * nb + i) * dim + c] = q[t0 + i, g * group + j, c]
+            _sgemm(sgemm, True, R, seen, dim, work, qg, dim, k, g * dim, kv_heads * dim, work, s, seen)
+            for r in range(R):
+                row = s + r * seen
+                work[inv + r] = F32(1) / _causal_weights(work[row:row + seen], start + t0 + r % nb + 1, scale)
+            _sgemm(sgemm, False, R, dim, seen, work, s, seen, v, g * dim, kv_heads * dim, work, pv, dim)
+            for j in range(group):
+                for i in range(nb):
+                    wt = work[inv + j * nb + i]
+                    for c in range(dim):
+                        out[t0 + i, g * group + j, c] = work[pv + (j * nb + i) * dim + c] * wt
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
-def _causal_softmax(s, start, scale, inv):
-    # Row t of a [group, T, n] block of scores is query start + t's: its first start + t + 1
-    # entries become exp(scale (s - max)), the rest (the future) 0, and inv[g, t] 1 / their sum.
-    # The max is taken in 8 running maxima (one was a chain of dependent vmaxss; SmolLM2's last
-    # chunk of an 1800-token prompt, [3, 256, 1792], 0.90 -> 0.48 ms with the scaling moved into
-    # the exp). Serial, as _dequantize_q4 and for its reason: between two GEMMs a parallel
-    # version measured 8 ms where it takes 0.06 alone ([3, 256, 256], 2 cores).
-    group, T, n = s.shape
-    for r in range(group * T):
-        row = s[r // T, r % T]
-        seen = start + r % T + 1
-        m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = F32(-np.inf)
-        j = 0
-        while j + 8 <= seen:
-            m0, m1, m2, m3 = max(m0, row[j]), max(m1, row[j + 1]), max(m2, row[j + 2]), max(m3, row[j + 3])
-            m4, m5, m6, m7 = max(m4, row[j + 4]), max(m5, row[j + 5]), max(m6, row[j + 6]), max(m7, row[j + 7])
-            j += 8
-        for i in range(j, seen):
-            m0 = max(m0, row[i])
-        m = max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
-        total = F32(0)
-        for j in range(seen):
-            row[j] = _exp_nonpositive(scale * (row[j] - m))
-            total += row[j]
-        inv[r // T, r % T, 0] = F32(1) / total
-        for j in range(seen, n):
-            row[j] = 0
-
-
-@njit(cache=True, nogil=True, fastmath=_FAST)
-def _normalised_into(pv, inv, out, first):
-    # out[t, first + j] = pv[j, t] inv[j, t]: the weighted values of a kv head's query heads
-    # divided by their weights' totals, into their place in out (NumPy's broadcasting multiply
-    # allocated a buffer, and prefill allocates nothing)
-    group, T, dim = pv.shape
-    for j in range(group):
-        for t in range(T):
-            w = inv[j, t, 0]
-            for i in range(dim):
-                out[t, first + j, i] = pv[j, t, i] * w
+def _causal_weights(row, seen, scale):
+    # The first `seen` scores of a query's row become exp(scale (s - max)), the rest (the future)
+    # 0; -> their sum. The max is taken in 8 running maxima (one was a chain of dependent
+    # vmaxss; SmolLM2's last chunk of an 1800-token prompt, [3, 256, 1792], 0.90 -> 0.48 ms with
+    # the scaling moved into the exp).
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = F32(-np.inf)
+    j = 0
+    while j + 8 <= seen:
+        m0, m1, m2, m3 = max(m0, row[j]), max(m1, row[j + 1]), max(m2, row[j + 2]), max(m3, row[j + 3])
+        m4, m5, m6, m7 = max(m4, row[j + 4]), max(m5, row[j + 5]), max(m6, row[j + 6]), max(m7, row[j + 7])
+        j += 8
+    for i in range(j, seen):
+        m0 = max(m0, row[i])
+    m = max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
+    total = F32(0)
+    for j in range(seen):
+        row[j] = _exp_nonpositive(scale * (row[j] - m))
+        total += row[j]
+    for j in range(seen, row.shape[0]):
+        row[j] = 0
+    return total
 
 
 # -- host sampling --------------------------------------------------------------------------

@@ -217,11 +217,12 @@ def attention_decode(q, k_cache, v_cache, n_ctx, out, part=None):
 
 def attention_prefill_work(T, n, heads, kv_heads, head_dim):
     """Float32 elements attention_prefill's `work` holds for T queries over up to n cache
-    positions: a kv head's scores [group, T, n], output [group, T, head_dim] and a weight total
-    a row, and K and V widened from an f16 cache. The cpu backend computes in it; ref allocates
-    its own."""
+    positions: for a kv head's group of query heads, their queries [group, T, head_dim], scores
+    [group, T, n], outputs [group, T, head_dim] and a weight total a row, and K and V widened from
+    an f16 cache. The cpu backend computes in it (its threads' jobs in parts of it, T queries
+    together at most); ref allocates its own."""
     group = heads // kv_heads
-    return group * T * (n + head_dim + 1) + 2 * n * kv_heads * head_dim
+    return group * T * (n + 2 * head_dim + 1) + 2 * n * kv_heads * head_dim
 
 
 def attention_prefill(q, k, v, start, out, work=None):
@@ -267,6 +268,29 @@ def embed_q8(q8, d, token, out):
 def embed_exact(table, token, out):
     """out = row `token` of an exact variant's table as stored."""
     widen_exact(table[token:token + 1], out.reshape(1, -1))
+
+
+def gemm_q4(qs, d, m, x, out, col, scratch=None, align=None):
+    """out[:, col:col + rows] = x [T, cols] times the dequantised Q4 matrix's transpose: prefill's
+    GEMM (the cpu backend dequantises into `scratch` slices of rows that divide `align`; both
+    unused here)."""
+    wide = np.empty((qs.shape[0], x.shape[1]), F32)
+    dequantize_q4(qs, d, m, wide)
+    np.matmul(x, wide.T, out=out[:, col:col + wide.shape[0]])
+
+
+def gemm_q8(q8, d, x, out, col, scratch=None, align=None):
+    """gemm_q4 for a Q8_0 matrix."""
+    wide = np.empty(q8.shape, F32)
+    dequantize_q8(q8, d, wide)
+    np.matmul(x, wide.T, out=out[:, col:col + wide.shape[0]])
+
+
+def gemm_exact(w, x, out, col, scratch=None, align=None):
+    """gemm_q4 for an exact variant's matrix as stored."""
+    wide = np.empty(w.shape, F32)
+    widen_exact(w, wide)
+    np.matmul(x, wide.T, out=out[:, col:col + wide.shape[0]])
 
 
 def sampling_candidates(logits, temperature, top_k, top_p, min_p=0.0):
