@@ -926,6 +926,19 @@ def test_gemm_against_f64(rng, kind, T, rows, cols, scratch_rows):
             assert_dots_close(out[t, 4:4 + rows], want[t], magnitude[t], cols)
 
 
+def test_gemm_refuses_what_sgemm_would_overrun(rng):
+    """sgemm writes T rows of out from the column `col` on, and the slices are as wide as x: a
+    mismatch is an error, not a write past a buffer."""
+    qs, d, m = random_q4(rng, 8, 64, "q4_1")
+    scratch = np.empty(8 * 64, np.float32)
+    for x, out, col in ((randn(rng, 3, 32), np.empty((3, 8), np.float32), 0),  # x narrower than the rows
+                        (randn(rng, 3, 64), np.empty((2, 8), np.float32), 0),  # out with fewer rows than x
+                        (randn(rng, 3, 64), np.empty((3, 8), np.float32), 1),  # columns past out's end
+                        (randn(rng, 3, 64), np.empty((3, 16), np.float32)[:, :8], 0)):  # a strided view
+        with pytest.raises(ValueError, match="gemm: x must be"):
+            cpu.gemm_q4(qs, d, m, x, out, col, scratch, 8)
+
+
 @pytest.mark.parametrize("kind", ["q4_1", "f16"])
 @pytest.mark.parametrize("T", [65, 256])
 @pytest.mark.parametrize("threads", [1, 2])

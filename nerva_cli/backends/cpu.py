@@ -41,10 +41,11 @@ def _refresh_without_optional_imports(target_context) -> None:
     failing fast: they serve nothing here. Its NumPy support probes for scipy's BLAS by importing
     scipy.linalg: 0.13 s where scipy is installed (as on this project's 2-core EPYC machines).
     Its cffi support makes a cffi.FFI(), which imports pycparser: 0.03 s where cffi is installed
-    (it was on a Zen 4 EPYC of that kind). No kernel here uses either: their GEMMs are NumPy's,
-    outside numba, and nothing compiled calls a cffi function. numba's own np.dot still imports
-    scipy.linalg when one compiles; numba's cffi support stays off in this process (it looks for
-    cffi once), while cffi itself imports as before."""
+    (it was on a Zen 4 EPYC of that kind). No kernel here uses either: their GEMMs call NumPy's
+    OpenBLAS through an address of their own (_sgemm), and nothing compiled calls a cffi
+    function. numba's own np.dot still imports scipy.linalg when one compiles; numba's cffi
+    support stays off in this process (it looks for cffi once), while cffi itself imports as
+    before."""
     hidden = [name for name in ("scipy.linalg", "cffi") if name not in sys.modules]
     for name in hidden:
         sys.modules[name] = None  # `import scipy.linalg...` raises ImportError at once
@@ -1170,7 +1171,10 @@ def short_prefill_rows(precision: str) -> int:
       75 / 46, 24 tokens 76 / 125 and 82-160 / 65-71, 32 tokens 85 / 161 and 93-176 / 86-90 ms
       (SmolLM2 f16, Engine.prefill alone, best of nine; the two-thread GEMM swings from run to
       run, OpenBLAS's worker meeting numba's spinning one): about 5 ms a token and thread.
-    So per thread 32, 16, 16 and 12 tokens, up to SHORT_PREFILL_MOST (what the workspace holds)."""
+    So per thread 32, 16, 16 and 12 tokens, up to SHORT_PREFILL_MOST (what the workspace holds).
+    Measured again once the GEMMs ran on numba's threads (0088c53; batch / GEMM, two threads, a
+    slow spell of the machine): W4A8 32 tokens 61 / 118, 64 tokens 112 / 167; W4A16 16 tokens
+    54 / 66, 32 tokens 112 / 110; exact 16 tokens 60 / 83, 32 tokens 103 / 100: the same."""
     per_thread = {"w4a8": 32 if _AVX512BW else 16, "w4a16": 16 if _AVX512F else 0, "exact": 12}.get(precision, 0)
     return min(per_thread * _threads[0], SHORT_PREFILL_MOST)
 
@@ -1645,7 +1649,8 @@ def _sgemm(typingctx, sgemm, trans_b, m, n, k, a, a_at, lda, b, b_at, ldb, c, c_
 
     def codegen(context, builder, sig, args):
         f32p = _F32.as_pointer()
-        fnty = ir.FunctionType(ir.VoidType(), [_I32] * 3 + [_I64] * 3 + [_F32, f32p, _I64, f32p, _I64, _F32, f32p, _I64])
+        fnty = ir.FunctionType(ir.VoidType(),
+                               [_I32] * 3 + [_I64] * 3 + [_F32, f32p, _I64, f32p, _I64, _F32, f32p, _I64])
         fn = builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.int64), fnty.as_pointer())
 
         def i64(i):
@@ -1721,14 +1726,18 @@ def _gemm_slices(cols, scratch, align):
     return scratch[: workers * each * cols].reshape(workers, each, cols)
 
 
-def _gemm(kernel, widen, planes, x, out, col, scratch, align):
+def _gemm(kernel, widen, planes, cols, x, out, col, scratch, align):
+    rows = planes[0].shape[0]
+    if x.shape[1] != cols or not (out.flags.c_contiguous and out.dtype == F32 and out.shape[0] == x.shape[0]
+                                  and col + rows <= out.shape[1]):
+        raise ValueError(f"gemm: x must be [T, {cols}] and out a C-contiguous f32 [T, >= {col + rows}] (a "
+                         f"column range of it is written), got x {x.shape}, out {out.dtype} {out.shape}")
     x = np.ascontiguousarray(x, dtype=F32)
     slices = _gemm_slices(x.shape[1], scratch, align)
     if _SGEMM:
         kernel(_SGEMM, *planes, x, out, col, slices)
         return
     w = slices[0]  # NumPy has another BLAS: its GEMM, slice by slice, threaded as it threads
-    rows = planes[0].shape[0]
     for r0 in range(0, rows, w.shape[0]):
         r1 = min(rows, r0 + w.shape[0])
         widen(*[None if p is None else p[r0:r1] for p in planes], w[:r1 - r0])
@@ -1739,17 +1748,17 @@ def gemm_q4(qs, d, m, x, out, col, scratch, align):
     """out[:, col:col + rows] = x [T, cols] times the Q4 matrix's transpose (out [T, >= col +
     rows]), dequantised into scratch (f32, at least a row of it) in slices of rows that divide
     `align`, each multiplied by a GEMM of its own."""
-    _gemm(_gemm_q4, _dequantize_q4, (qs, d.view(np.uint16), _bits(m)), x, out, col, scratch, align)
+    _gemm(_gemm_q4, _dequantize_q4, (qs, d.view(np.uint16), _bits(m)), 2 * qs.shape[1], x, out, col, scratch, align)
 
 
 def gemm_q8(q8, d, x, out, col, scratch, align):
     """gemm_q4 for a Q8_0 matrix."""
-    _gemm(_gemm_q8, _dequantize_q8, (q8, d.view(np.uint16)), x, out, col, scratch, align)
+    _gemm(_gemm_q8, _dequantize_q8, (q8, d.view(np.uint16)), q8.shape[1], x, out, col, scratch, align)
 
 
 def gemm_exact(w, x, out, col, scratch, align):
     """gemm_q4 for an exact variant's matrix as stored."""
-    _gemm(_gemm_exact, _widen_exact, (_exact_bits(w),), x, out, col, scratch, align)
+    _gemm(_gemm_exact, _widen_exact, (_exact_bits(w),), w.shape[1], x, out, col, scratch, align)
 
 
 # -- attention ------------------------------------------------------------------------------
