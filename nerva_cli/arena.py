@@ -83,10 +83,11 @@ class Arena:
         return kv, 4 * f32 + widest + 4 * (widest // QK) + 2 * h + 8 + kv
 
 
-# Prefill dequantises a weight matrix into f32 this many bytes of rows at a time, each slice's
-# GEMM following while the slice is still in cache (a whole 8B-class gate/up matrix is 470 MB).
-# A 512-token prefill of a 4-layer model of Llama-3.2-1B's widths (q4_0, 2 threads, AMD EPYC,
-# 32 MB L3), slices of 1 / 2 / 8 / 32 / 256 MB: 394 / 411 / 432 / 425 / 423 tok/s.
+# Prefill's GEMMs dequantise weight rows into f32 in this scratch, a slice a thread (at most the
+# cpu backend's GEMM_SLICE_BYTES each), each slice's GEMM following while it is still in cache
+# (a whole 8B-class gate/up matrix is 470 MB). When one GEMM took a whole slice on OpenBLAS's
+# threads: a 512-token prefill of a 4-layer model of Llama-3.2-1B's widths (q4_0, 2 threads,
+# AMD EPYC, 32 MB L3), slices of 1 / 2 / 8 / 32 / 256 MB: 394 / 411 / 432 / 425 / 423 tok/s.
 DEQUANT_SLICE_BYTES = 8 << 20
 
 

@@ -517,9 +517,9 @@ class Engine(EngineBase):
         workspace's scratch (scratch_elements), slices whose heights divide part_rows (by
         default the matrices' heights; a fused matrix's caller gives its parts'), so a paged
         layer's unfused q/k/v and gate/up run the very GEMMs a resident layer's fused ones do,
-        and paging changes no bit. W4A8
-        quantises the activations per 32-group first, which gives the same products as the
-        integer kernel. A short chunk takes the matvecs' batch kernels instead (_short_dense)."""
+        and paging changes no bit. W4A8 quantises the activations per 32-group first, which
+        gives the same products as the integer kernel. A short chunk takes the matvecs' batch
+        kernels instead (_short_dense)."""
         short = self.k.short_prefill_rows("exact" if mats[0].w is not None else precision)
         if x.shape[0] <= short and all(lin.q8 is None for lin in mats):  # no batch kernel for a Q8_0 table
             self._short_dense(mats, x, precision, out)
