@@ -187,6 +187,22 @@ def test_prefill_dequantises_in_slices_of_rows(variant, precision, tiny_models, 
     assert rel_err(engine.prefill(ids, all_logits=True), whole) < 1e-5
 
 
+@pytest.mark.parametrize("variant,precision", [("q4_1", "w4a16"), ("f16", None)])
+def test_prefill_without_numpys_openblas(variant, precision, tiny_models, tmp_path, monkeypatch, rng):
+    """Where NumPy has another BLAS (no cblas_sgemm of its wheels' OpenBLAS to call from numba's
+    threads), prefill's GEMMs take NumPy's matmul slice by slice and its attention ref's: the
+    logits are those of the threaded path, to f32 noise (the GEMMs' blocking and attention's
+    order of sums differ)."""
+    from nerva_cli.backends import cpu
+
+    model = pull(str(tiny_models("qwen3")), variant=variant, out=tmp_path / "m")
+    ids = [int(t) for t in rng.integers(0, 384, size=90)]  # past the short-prompt kernels
+    want = Engine(model, precision=precision, ctx=128, kv_cache="f32").prefill(ids, all_logits=True)
+    monkeypatch.setattr(cpu, "_SGEMM", 0)
+    got = Engine(model, precision=precision, ctx=128, kv_cache="f32").prefill(ids, all_logits=True)
+    assert rel_err(got, want) < 1e-5
+
+
 @pytest.mark.parametrize("family,variant,precision", [
     ("qwen2", "q4_0", "w4a8"), ("qwen3", "q4_1", "w4a16"), ("llama-untied", "f16", None)])
 def test_prefill_allocates_only_its_logits(family, variant, precision, tiny_models, tmp_path, rng):
