@@ -171,9 +171,9 @@ def test_prefill_dequantises_in_slices_of_rows(variant, precision, tiny_models, 
     """A scratch of one down row (160 floats) makes every matrix, lm_head's Q8_0 table too, go
     through the GEMM in slices of one row (on two threads, a row each where it holds two): the
     logits are those of whole-matrix GEMMs, to f32 noise (only BLAS blocking differs; measured
-    ~1e-6). W4A8 is left out: its activations
-    are quantised before the slicing, and an activation that f32 noise moves across an int8
-    code boundary moved the logits by 4.5e-4 in one CI run."""
+    ~1e-6). W4A8 is left out: its activations are quantised before the slicing, and an
+    activation that f32 noise moves across an int8 code boundary moved the logits by 4.5e-4 in
+    one CI run."""
     from nerva_cli import arena
 
     model = pull(str(tiny_models("llama-untied")), variant=variant, out=tmp_path / "m")

@@ -877,17 +877,6 @@ def test_dequantize_embed_q4(rng, rows, cols, kind):
         assert np.array_equal(row, want[rows - 1])
 
 
-# -- attention --------------------------------------------------------------------------------
-
-def attention_f64(q, k, v):
-    """One query per row of q over all rows of k/v (single head), in float64."""
-    s = k.astype(np.float64) @ q.astype(np.float64).T / np.sqrt(q.shape[-1])
-    p = np.exp(s - s.max(0))
-    return (p / p.sum(0)).T @ v
-
-
-# Scores carry about sqrt(head_dim) eps, the weighted sum over n positions about sqrt(n) eps;
-# 4e-6 is ~10x both for head_dim <= 128 and n <= 300 (the worst seen over 40 seeds: 7e-7).
 # -- prefill's GEMMs --------------------------------------------------------------------------
 
 def gemm_planes(rng, kind, rows, cols):
@@ -966,6 +955,17 @@ def test_gemm_of_a_stack_equals_its_parts_to_the_bit(rng, kind, T, threads):
     assert np.array_equal(fused, apart)
 
 
+# -- attention --------------------------------------------------------------------------------
+
+def attention_f64(q, k, v):
+    """One query per row of q over all rows of k/v (single head), in float64."""
+    s = k.astype(np.float64) @ q.astype(np.float64).T / np.sqrt(q.shape[-1])
+    p = np.exp(s - s.max(0))
+    return (p / p.sum(0)).T @ v
+
+
+# Scores carry about sqrt(head_dim) eps, the weighted sum over n positions about sqrt(n) eps;
+# 4e-6 is ~10x both for head_dim <= 128 and n <= 300 (the worst seen over 40 seeds: 7e-7).
 ATT_TOL = 4e-6
 
 
