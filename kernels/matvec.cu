@@ -19,16 +19,21 @@
 // At least 640 threads of a Q4_0 matvec resident per SM, which holds it to 96 registers a thread
 // at 128 a block: W4A16's GLU kernel took 100 and W4A8 (quantising x in the loop) 127, which the
 // register file's allocation unit (256 a warp) turns into 4 blocks an SM instead of 5. Bounded,
-// the GLU kernels and W4A16 do not spill; matvec_q4_w4a8 does (80 bytes, NVRTC 13.5, sm_75 to
-// sm_90: its 8 rows and row pointers, stored before the loop and reloaded every round, 14 LDL of
-// 611 instructions; 596 and no spill at 128 registers). Whether 5 blocks an SM with the reloads
-// beat 4 without is for a GPU to say: -D MV_MIN_BLOCKS=4 (scripts/gpu_matvec_sweep.py). (The
-// exact kernels need fewer registers: a bound would let ptxas spend up to 96 on them.) Q4_1's
-// offsets take 8 more loads a round and their pointers: bounded, matvec_q4_1_w4a8 spills 112
-// bytes (136 on sm_75), glu_q4_1_w4a8 20 to 24, matvec_q4_1_w4a16 24 on sm_90 only (NVRTC 13.5;
-// untimed on a GPU so far).
+// the GLU kernels and W4A16 do not spill; the plain W4A8 matvecs did (matvec_q4_w4a8 80 bytes,
+// NVRTC 13.5, sm_75 to sm_90: its 8 rows and row pointers, stored before the loop and reloaded
+// every round, 14 LDL of 611 instructions). Those two take MV_W4A8_MIN_BLOCKS instead: 512
+// threads an SM, 128 registers, no spill for Q4_0 (596 instructions), 32 bytes for Q4_1 (112 at
+// 96). On an H100 (2026-11-27, scripts/gpu_matvec_sweep.py --precision w4a8 --rows 8 --threads
+// 128) matvec_q4_w4a8 read an 8B step's matrices in 2.29 ms at 4 blocks an SM against 2.56 at 5
+// (q/o 1480 GB/s against 1235, down 2107 against 1881); Q4_1's was not timed. At 4 blocks
+// W4A16 would take 121 registers (no spill either way), untimed: -D MV_MIN_BLOCKS=4 sweeps it.
+// (The exact kernels need fewer registers: a bound would let ptxas spend up to 96 on them.)
+// Bounded at 96, matvec_q4_1_w4a16 spills 24 bytes on sm_90 and glu_q4_1_w4a8 20 to 24.
 #ifndef MV_MIN_BLOCKS
 #define MV_MIN_BLOCKS (640 / MV_MAX_THREADS)
+#endif
+#ifndef MV_W4A8_MIN_BLOCKS
+#define MV_W4A8_MIN_BLOCKS (512 / MV_MAX_THREADS)
 #endif
 
 // W4A16 turns a code n into the float n - 8 without an int conversion. (float)((int)n - 8) made
@@ -375,7 +380,7 @@ extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) glu_
     const u16* m0, const u16* m1, const u16* m2) {
     q4_w4a16<true, true>(ALL_MATRICES, m0, m1, m2, x, cols, STORE);
 }
-extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) matvec_q4_w4a8(
+extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_W4A8_MIN_BLOCKS) matvec_q4_w4a8(
     const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
     const void* w2, const u16* d2, float* out2, int rows2,
     const float* __restrict__ x, int cols, int epilogue,
@@ -390,7 +395,7 @@ extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) glu_
     const float* norm_w, float* norm_out, float eps, int* done) {
     q4_w4a8<true, false>(ALL_MATRICES, nullptr, nullptr, nullptr, x, cols, STORE);
 }
-extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) matvec_q4_1_w4a8(
+extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_W4A8_MIN_BLOCKS) matvec_q4_1_w4a8(
     const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
     const void* w2, const u16* d2, float* out2, int rows2,
     const float* __restrict__ x, int cols, int epilogue,

@@ -11,7 +11,7 @@
 #   extra     what the bench does not time: prefill attention against torch's SDPA (one launch),
 #             W4A8 decode, run's sampling (temperature 0.8), decode at 7680 cached tokens against
 #             the attention split count before long contexts spread (9 a head), a full wave of
-#             attention blocks at 512, the W4A8 matvec with and without its register spills,
+#             attention blocks at 512, the W4A16 matvec at 5 and 4 blocks an SM,
 #             prefill with weight slices L2 holds, (where nsys is installed) prefill's kernels, the
 #             Q4_1 and Q8_0 matvecs' sweeps, and q4_1 (what pull makes of the bundled SmolLM2)
 #             against q4_0 on SmolLM2's shapes
@@ -137,9 +137,9 @@ extra_runs() {
   echo "== 512 cached tokens in an 8192 context: default splits, then a full wave (20 a head)"
   step python3 scripts/gpu_profile.py "$model" --fill 512 --ctx 8192
   step python3 scripts/gpu_profile.py "$model" --fill 512 --ctx 8192 --splits 20,20
-  echo "== matvec_q4_w4a8: 5 blocks an SM at 96 registers (14 spill reloads a round), then 4 at 128 (none)"
-  step python3 scripts/gpu_matvec_sweep.py --precision w4a8 --rows 8 --threads 128
-  step python3 scripts/gpu_matvec_sweep.py --precision w4a8 --rows 8 --threads 128 -D MV_MIN_BLOCKS=4
+  echo "== matvec_q4_w4a16: 5 blocks an SM at 96 registers, then 4 at 121 (neither spills)"
+  step python3 scripts/gpu_matvec_sweep.py --precision w4a16 --rows 8 --threads 128
+  step python3 scripts/gpu_matvec_sweep.py --precision w4a16 --rows 8 --threads 128 -D MV_MIN_BLOCKS=4
   echo "== a 512-token prefill pass with dequantised slices of 16 and 24 MB (the engine's 64 overflow L2)"
   step python3 scripts/gpu_profile.py "$model" --fill 0 --prefill 512 --slice-mb 16
   step python3 scripts/gpu_profile.py "$model" --fill 0 --prefill 512 --slice-mb 24
@@ -209,11 +209,14 @@ for path in sorted(Path(sys.argv[1]).glob("gpu_*.json")):
         continue
     if "resident" in r:
         res, pag = r["resident"], r["paged"]
+        w8 = r.get("resident_w4a8", {})
         print(f"{path.name}: resident {res.get('decode_tok_s')} tok/s = {res.get('fraction_of_limit')} of HBM "
-              f"(target 0.5); paged {pag.get('decode_tok_s')} tok/s = {pag.get('fraction_of_limit')} of PCIe "
-              f"(target 0.8); prefill {res.get('prefill_tok_s')} tok/s")
-        for k, v in r.get("llama_cpp", {}).items():
-            print(f"  vs llama.cpp {k}: {v['nerva_tok_s']} / {v['llama_cpp_tok_s']} = {v['nerva_over_llama_cpp']}")
+              f"(W4A8: {w8.get('decode_tok_s')} = {w8.get('fraction_of_limit')}; target 0.5); paged "
+              f"{pag.get('decode_tok_s')} tok/s = {pag.get('fraction_of_limit')} of PCIe (target 0.8); "
+              f"prefill {res.get('prefill_tok_s')} tok/s")
+        for which, label in (("llama_cpp", "W4A16"), ("llama_cpp_w4a8", "W4A8")):
+            for k, v in r.get(which, {}).items():
+                print(f"  vs llama.cpp {k} ({label}): {v['nerva_tok_s']} / {v['llama_cpp_tok_s']} = {v['nerva_over_llama_cpp']}")
     elif path.name == "gpu_profile_prefill.json":
         top = sorted(r["ops"].items(), key=lambda kv: -kv[1]["ms"])[:4]
         print(f"{path.name}: a {r['prefill_tokens']}-token pass {r['pass_ms']:.2f} ms on the GPU (ops {r['ops_ms']:.2f}, "

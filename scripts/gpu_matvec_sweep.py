@@ -6,11 +6,12 @@ copies of random weights (at least 512 MB) that no launch finds its matrix in L2
 step, and the launches are replayed from a graph, as in a real step.
 
     python3 scripts/gpu_matvec_sweep.py [--rows 4,8,16] [--threads 64,128,256] [--precision w4a16|w4a8]
-                                        [--kind q4_0|q4_1|q8_0] [-D MV_MIN_BLOCKS=4]
+                                        [--kind q4_0|q4_1|q8_0] [-D MACRO=VALUE]
 
--D adds a macro to every compile: `--precision w4a8 --rows 8 --threads 128` with and without
-`-D MV_MIN_BLOCKS=4` is the A/B of matvec_q4_w4a8's spills (128 registers and 4 blocks an SM,
-no spill, against 96 and 5 with 14 reloads a round; scripts/sass_mix.py shows both). `--kind q4_1`
+-D adds a macro to every compile: `--rows 8 --threads 128` with and without `-D MV_MIN_BLOCKS=4`
+is the A/B of W4A16 at 121 registers and 4 blocks an SM against 96 and 5; `--precision w4a8`
+with `-D MV_W4A8_MIN_BLOCKS=5` times the plain W4A8 matvec as it was before 2026-11-27 (96
+registers, 14 spill reloads a round; scripts/sass_mix.py shows both). `--kind q4_1`
 times the Q4_1 kernels (an offset plane more, spilling more at the same bound: matvec.cu says how
 much); `--kind q8_0` the token table's (the Q4 variants' lm_head: W8A16, or W8A8 with `--precision
 w4a8`), whose shapes that matter are the lm_heads.

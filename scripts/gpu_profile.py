@@ -103,11 +103,12 @@ def main() -> None:
 
 
 def print_rows(rows, total_ms: float, unit: str) -> None:
-    print(f"{'op':<22}{'launches':>9}{unit:>10}{'share':>8}{'GB/s':>9}{'TFLOP/s':>9}")
+    width = max([22] + [len(name) + 1 for name, _ in rows])
+    print(f"{'op':<{width}}{'launches':>9}{unit:>10}{'share':>8}{'GB/s':>9}{'TFLOP/s':>9}")
     for name, r in rows:
         gbs = f"{r['bytes'] / (r['ms'] / 1e3) / 1e9:9.0f}" if r["bytes"] and r["ms"] else " " * 9
         tfs = f"{r['flops'] / (r['ms'] / 1e3) / 1e12:9.1f}" if r.get("flops") and r["ms"] else ""
-        print(f"{name:<22}{r['launches']:>9}{r['ms'] * 1e3:>10.1f}{r['ms'] / (total_ms or 1):>8.1%}{gbs}{tfs}")
+        print(f"{name:<{width}}{r['launches']:>9}{r['ms'] * 1e3:>10.1f}{r['ms'] / (total_ms or 1):>8.1%}{gbs}{tfs}")
 
 
 def profile_decode(engine, model, args, rng) -> dict:
@@ -126,15 +127,23 @@ def profile_decode(engine, model, args, rng) -> dict:
     engine.k._go = go
 
     per = defaultdict(lambda: {"launches": 0, "ms": 0.0, "bytes": 0})
+    shapes = defaultdict(lambda: {"launches": 0, "ms": 0.0, "bytes": 0})  # matvecs by launch shape
     for name, fn, grid, block, a in launches:
         g = dev.capture(dev.compute, lambda fn=fn, grid=grid, block=block, a=a:
                         [dev.launch(fn, grid, block, a) for _ in range(args.repeat)])
-        row = per[name]
-        row["launches"] += 1
-        row["ms"] += timed(dev, g) / args.repeat
-        if name.startswith(("matvec", "glu")):  # (weights, scales, out, rows) for each of up to 3 matrices
-            planes = (0,) if name.endswith("_exact") else (0, 1)
-            row["bytes"] += sum(int(a[4 * j + p].nbytes) for j in range(3) if int(a[4 * j + 3]) for p in planes)
+        ms = timed(dev, g) / args.repeat
+        rows = [per[name]]
+        nbytes = 0
+        if name.startswith(("matvec", "glu")):  # (weights, scales, out, rows) for each of up to 3 matrices,
+            exact = name.endswith("_exact")      # then (exact: is_bf16), x, cols
+            planes = (0,) if exact else (0, 1)
+            nbytes = sum(int(a[4 * j + p].nbytes) for j in range(3) if int(a[4 * j + 3]) for p in planes)
+            shape = "+".join(str(int(a[4 * j + 3])) for j in range(3) if int(a[4 * j + 3]))
+            rows.append(shapes[f"{name} {shape}x{int(a[14 if exact else 13])}"])
+        for row in rows:
+            row["launches"] += 1
+            row["ms"] += ms
+            row["bytes"] += nbytes
     step_ms = timed(dev, engine._graph("step"))
     sample_ms = per["sample"]["ms"]
     total = sum(r["ms"] for r in per.values())
@@ -143,8 +152,12 @@ def profile_decode(engine, model, args, rng) -> dict:
           f"precision {engine.precision}, attention blocks a head {engine.splits}")
     print_rows(rows, total, "us/step")
     print(f"sum of launches {total * 1e3:.1f} us; step graph {step_ms * 1e3:.1f} us + sample {sample_ms * 1e3:.1f} us")
+    by_shape = sorted(shapes.items(), key=lambda kv: -kv[1]["ms"])
+    print("the matvecs by launch shape (rows of each matrix x columns):")
+    print_rows(by_shape, total, "us/step")
     return {"device": dev.name, "model": f"{model.name}:{model.variant}", "fill": args.fill,
-            "splits": list(engine.splits), "step_graph_ms": step_ms, "kernels": dict(rows)}
+            "splits": list(engine.splits), "step_graph_ms": step_ms, "kernels": dict(rows),
+            "matvec_shapes": dict(by_shape)}
 
 
 def profile_prefill(engine, model, args, rng) -> dict:

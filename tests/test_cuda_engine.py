@@ -584,6 +584,12 @@ def test_gpu_profile_script_launches_each_kernel_of_a_step(stored, cuda_device, 
     launches = {name: row["launches"] for name, row in kernels.items()}
     assert launches == {"embed_q8_0": 1, "rmsnorm": 1, "matvec_q4_w4a16": 3 * layers, "glu_q4_w4a16": layers,
                         "matvec_q8_0_w8a16": 1, "attention_decode": layers, "sample": 1}  # Q8_0: the token table
+    c = model.config  # the matvecs again, by launch shape: q+k+v, o, gate+up, down, lm_head
+    q, kv, h, f = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
+    shapes = {name: row["launches"] for name, row in profile["matvec_shapes"].items()}
+    assert shapes == {f"matvec_q4_w4a16 {q}+{kv}+{kv}x{h}": layers, f"matvec_q4_w4a16 {h}x{q}": layers,
+                      f"glu_q4_w4a16 {f}+{f}x{h}": layers, f"matvec_q4_w4a16 {h}x{f}": layers,
+                      f"matvec_q8_0_w8a16 {c.vocab_size}x{h}": 1}
 
 
 @pytest.mark.parametrize("variant", ["q4_0", "q4_1"])
