@@ -341,7 +341,9 @@ def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau
             output.info(f"residency on {engine.dev.name}: {len(gp.vram.resident_layers)} layers in VRAM, "
                         f"{len(gp.vram.paged_layers)} stream through {gp.vram.slots} VRAM slots "
                         f"({output.human_bytes(gp.vram.paged_bytes_per_token)} a token) from pinned RAM "
-                        f"({len(gp.warm)} layers) and disk ({len(gp.cold)})")
+                        f"({len(gp.warm)} layers) and disk ({len(gp.cold)})"
+                        + ("; the token table stays in pinned RAM, a row read in place a token"
+                           if gp.host_fixed else ""))
         if gp.cold:
             output.info("GPUDirect Storage: " + ("used for the layers read from disk" if engine.gds["used"]
                                                  else f"not used ({engine.gds['reason']}); disk reads are "

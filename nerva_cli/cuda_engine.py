@@ -1,7 +1,9 @@
 """The CUDA plane's engine: prefill and decode on the GPU over the kernels of backends/cuda.py.
 
 Where weights live (ARCHITECTURE 8): the planner puts the fixed part (KV cache, workspaces,
-embeddings, norms) and then layers by MCAP importance into VRAM (--vram-budget); the rest stream
+embeddings, norms) and then layers by MCAP importance into VRAM (--vram-budget), except that an
+untied token table (a row read a token) stays in pinned RAM, read in place by the embedding
+kernel, where that lets more layers into VRAM; the rest stream
 through a ring of VRAM slots, filled on a copy stream and ordered with events, from pinned host
 memory (layers that fit --ram-budget stay there: warm) or from their files (cold: the pager's
 reader fills page-locked staging buffers with O_DIRECT). Every layer file keeps its 4 KB layout
@@ -17,7 +19,7 @@ copied to pinned host memory asynchronously: the host waits only for tokens it h
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from time import perf_counter_ns
 
 import numpy as np
@@ -30,7 +32,7 @@ from nerva_cli.errors import NervaError
 from nerva_cli.layout import layer_file
 from nerva_cli.output import human_bytes
 from nerva_cli.pager import LayerFileReader, PagedWeights, PagerStats
-from nerva_cli.residency import BudgetTooSmall, Plan, plan
+from nerva_cli.residency import BudgetTooSmall, Plan, ResidentBlock, plan
 from nerva_cli.store import StoredModel, tensors_in
 
 SCRATCH_BYTES = 64 << 20  # prefill's dequantised weight rows (f16), a slice of a matrix at a time
@@ -64,9 +66,11 @@ class GpuPlan:
     warm: list[int]  # paged layers kept in pinned RAM
     cold: list[int]  # paged layers read from their files every pass
     ram_budget: int | None = None
+    host_fixed: list[ResidentBlock] = field(default_factory=list)  # in pinned RAM, read in place by kernels
 
     def to_dict(self) -> dict:
-        return {**self.vram.to_dict(), "tier": "gpu", "warm_layers": self.warm, "cold_layers": self.cold}
+        return {**self.vram.to_dict(), "tier": "gpu", "warm_layers": self.warm, "cold_layers": self.cold,
+                "host_fixed": {b.name: b.nbytes for b in self.host_fixed}}
 
 
 def gpu_residency_plan(model: StoredModel, ctx: int | None, vram_budget: int | None, ram_budget: int | None,
@@ -79,33 +83,53 @@ def gpu_residency_plan(model: StoredModel, ctx: int | None, vram_budget: int | N
     # from CuPy's pool as prefill runs: room is kept for them
     temporaries = 4 * PREFILL_CHUNK * (cfg.vocab_size + max(cfg.hidden_size, cfg.q_dim))
 
-    def fixed_at(n: int) -> dict:
+    untied = "lm_head.bin" in files  # else the token table is the lm_head, read whole every token
+    embed = ("embed", files["embed.bin"]["size"])
+
+    def fixed_at(n: int, embed_in_vram: bool = True) -> dict:
         kv, arena = arena_sizes(cfg, n, attention_splits(cfg.num_heads, n, sms)[1], sms)
         fixed = {"kv_cache": ("kv_cache", kv), "workspace": ("workspace", arena - kv),
                  "prefill_temporaries": ("workspace", temporaries),
-                 "embed": ("embed", files["embed.bin"]["size"]), "norms": ("norms", files["final_norm.bin"]["size"])}
-        if "lm_head.bin" in files:
+                 **({"embed": embed} if embed_in_vram else {}), "norms": ("norms", files["final_norm.bin"]["size"])}
+        if untied:
             fixed["lm_head"] = ("lm_head", files["lm_head.bin"]["size"])
         return fixed
+
+    def vram_plan(embed_in_vram: bool) -> Plan:
+        try:
+            return plan(fixed_at(ctx, embed_in_vram), layer_bytes, vram_budget, importance)
+        except BudgetTooSmall as e:
+            raise NervaError(str(e).replace("RAM budget", "VRAM budget (--vram-budget)")
+                             + ctx_hint(lambda n: fixed_at(n, embed_in_vram), vram_budget, e.slots_bytes, ctx)) from None
 
     active = range(cfg.num_layers) if active_layers is None else sorted(set(active_layers))
     layer_bytes = {i: files[layer_file(i)]["size"] for i in active}
     try:
-        vram = plan(fixed_at(ctx), layer_bytes, vram_budget, importance)
-    except BudgetTooSmall as e:
-        raise NervaError(str(e).replace("RAM budget", "VRAM budget (--vram-budget)")
-                         + ctx_hint(fixed_at, vram_budget, e.slots_bytes, ctx)) from None
+        vram, embed_in_vram = vram_plan(True), True
+    except NervaError:
+        if not untied:
+            raise
+        vram = None
+    if untied and (vram is None or vram.paged_layers):
+        # Decode reads one row of an untied token table a token: in pinned RAM, which kernels read
+        # in place (unified addressing), it leaves its VRAM to layers that would otherwise cross
+        # PCIe every token. Where the budget cannot hold the fixed part with it, this one's error.
+        without = vram_plan(False)
+        if vram is None or without.paged_bytes_per_token < vram.paged_bytes_per_token:
+            vram, embed_in_vram = without, False
     for b in vram.fixed:
         b.tier = "gpu"
+    host_fixed = {} if embed_in_vram else {"embed": embed}
     paged = {i: layer_bytes[i] for i in vram.paged_layers}
     if not paged or ram_budget is None:
-        return GpuPlan(vram, list(vram.paged_layers), [], ram_budget)
+        return GpuPlan(vram, list(vram.paged_layers), [], ram_budget, plan(host_fixed, {}, None).fixed)
     try:
-        host = plan({}, paged, ram_budget, importance, slots=HOST_SLOTS)
+        host = plan(host_fixed, paged, ram_budget, importance, slots=HOST_SLOTS)
     except NervaError as e:
         raise NervaError(f"{e} (on the cuda backend the RAM budget holds pinned copies of the layers "
-                         "that do not fit VRAM, or staging buffers for reading them)") from None
-    return GpuPlan(vram, host.resident_layers, host.paged_layers, ram_budget)
+                         "that do not fit VRAM, or staging buffers for reading them"
+                         + (", and the token table" if host_fixed else "") + ")") from None
+    return GpuPlan(vram, host.resident_layers, host.paged_layers, ram_budget, host.fixed)
 
 
 def auto_vram_budget(dev) -> int:
@@ -279,7 +303,9 @@ class CudaEngine(EngineBase):
         dev, cfg, model, gp = self.dev, self.cfg, self.model, self.gpu_plan
         g = {}
         for fname in ("embed.bin", "final_norm.bin", "lm_head.bin"):
-            if fname in model.meta["files"]:
+            if fname == "embed.bin" and any(b.kind == "embed" for b in gp.host_fixed):
+                g.update(tensors_in(dev.mapped(model.read_bytes(fname)), model.meta["files"][fname]["tensors"]))
+            elif fname in model.meta["files"]:
                 g.update(self._upload_file(fname))
         self.embed_t = matrix(g, "embed")
         self.final_norm = g["final_norm"]

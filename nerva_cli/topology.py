@@ -333,7 +333,7 @@ def gpu_plan_report(model, gp, device: str, probe: dict | None) -> dict:
               "tiers": {"gpu": {"blocks": [b.name for b in gp.vram.fixed]
                                 + [f"layer {i}" for i in gp.vram.resident_layers],
                                 "read_bytes_per_token": size(gp.vram.resident_layers)},
-                        "host (pinned)": {"blocks": [f"layer {i}" for i in gp.warm],
+                        "host (pinned)": {"blocks": [b.name for b in gp.host_fixed] + [f"layer {i}" for i in gp.warm],
                                           "read_bytes_per_token": size(gp.warm)},
                         "disk": {"blocks": [f"layer {i}" for i in gp.cold], "read_bytes_per_token": size(gp.cold)}}}
     h2d, disk = (probe or {}).get("h2d_pinned") or {}, (probe or {}).get("disk_read_o_direct") or {}

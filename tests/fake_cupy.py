@@ -20,6 +20,16 @@ class _Pointer:
 
 
 class ndarray(np.ndarray):  # noqa: N801 (CuPy's name)
+    def __new__(cls, shape, dtype=float, memptr=None, strides=None, order="C"):
+        """CuPy's constructor over memory someone else allocated (UnownedMemory): here the bytes
+        of the fake PinnedMemory that owns them, which the array's base keeps alive."""
+        assert memptr is not None and strides is None and order == "C", "nerva builds arrays only over memptr"
+        owner = memptr.mem.owner
+        assert ctypes.addressof(owner.buf) == memptr.mem.ptr, "UnownedMemory's ptr is its owner's"
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        raw = np.frombuffer(owner.buf, np.uint8)[memptr.offset:memptr.offset + n]
+        return raw.view(dtype).reshape(shape).view(cls)
+
     @property
     def data(self):
         return _Pointer(self.ctypes.data)
@@ -194,6 +204,18 @@ class Event:
 class PinnedMemory:
     def __init__(self, size: int, flags: int = 0):
         self.buf = (ctypes.c_ubyte * size)()
+        self.size, self.ptr = size, ctypes.addressof(self.buf)
+
+
+class UnownedMemory:
+    def __init__(self, ptr: int, size: int, owner, device_id: int = -1):
+        assert device_id >= 0, "without a device id CuPy asks the runtime which device the pointer is on"
+        self.ptr, self.size, self.owner, self.device_id = ptr, size, owner, device_id
+
+
+class MemoryPointer:
+    def __init__(self, mem, offset: int):
+        self.mem, self.offset, self.ptr = mem, offset, mem.ptr + offset
 
 
 def PinnedMemoryPointer(mem: PinnedMemory, offset: int):  # noqa: N802 (CuPy's class name)
@@ -246,6 +268,7 @@ class Device:
 cuda = types.SimpleNamespace(
     runtime=runtime, cublas=cublas, get_cublas_handle=lambda: _CUBLAS_HANDLE,
     Stream=Stream, Event=Event, Graph=Graph, Device=Device, PinnedMemory=PinnedMemory,
-    PinnedMemoryPointer=PinnedMemoryPointer, set_allocator=set_allocator,
+    PinnedMemoryPointer=PinnedMemoryPointer, UnownedMemory=UnownedMemory, MemoryPointer=MemoryPointer,
+    set_allocator=set_allocator,
     get_elapsed_time=lambda start, end: (end.at - start.at) * 1000,
     memory=types.SimpleNamespace(OutOfMemoryError=type("OutOfMemoryError", (MemoryError,), {})))

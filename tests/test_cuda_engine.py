@@ -209,6 +209,42 @@ def test_paged_tiers_decode_the_resident_tokens(stored, cuda_device, variant):
         cold.weights.close()
 
 
+def test_an_untied_token_table_gives_its_vram_to_a_layer(stored, cuda_device):
+    """Under a VRAM budget that pages layers, an untied token table (a row read a token) stays in
+    pinned RAM, read in place by the embedding kernel, where that lets a layer into VRAM; the
+    tokens are the resident engine's. A tied table is the lm_head, read whole every token: it
+    stays in VRAM, as does an untied one when nothing is paged or moving it would page as much."""
+    model = stored("llama-untied", "q4_0")
+    resident, _ = greedy_run(CudaEngine(model, device=cuda_device, ctx=96), 12)
+    files = model.meta["files"]
+    layer, table = files[layer_file(0)]["size"], files["embed.bin"]["size"]
+    fixed = fixed_bytes(model, 96, cuda_device.sms)  # with the table in VRAM
+    room = max(0, layer - table)  # short of a layer with the table in VRAM, a layer's worth without
+    engine = CudaEngine(model, device=cuda_device, ctx=96, vram_budget=fixed + 2 * layer + room)
+    gp = engine.gpu_plan
+    assert [(b.kind, b.nbytes, b.tier) for b in gp.host_fixed] == [("embed", table, "host")]
+    assert "embed" not in {b.name for b in gp.vram.fixed} and len(gp.vram.resident_layers) >= 1
+    assert gp.to_dict()["host_fixed"] == {"embed": table}
+    tokens, _ = greedy_run(engine, 12)
+    assert tokens == resident
+    assert engine.count_hot_path_allocations(PROMPT, steps=4) == 0
+    # nothing paged, or nothing gained: the table stays in VRAM
+    assert CudaEngine(model, device=cuda_device, ctx=96).gpu_plan.host_fixed == []
+    if table < layer:
+        same = gpu_residency_plan(model, 96, fixed + 2 * layer + (layer - table) // 2, None, sms=cuda_device.sms)
+        assert same.host_fixed == [] and same.vram.resident_layers == []
+    # a budget that holds the fixed part and two slots only without the table
+    small = CudaEngine(model, device=cuda_device, ctx=96, vram_budget=fixed - table + 2 * layer)
+    assert [b.kind for b in small.gpu_plan.host_fixed] == ["embed"] and small.gpu_plan.vram.resident_layers == []
+    assert greedy_run(small, 12)[0] == resident
+    # the pinned RAM the table takes counts against --ram-budget: the error says so
+    with pytest.raises(NervaError, match=r"token table.*and the token table\)$"):
+        gpu_residency_plan(model, 96, fixed - table + 2 * layer, HOST_SLOTS * layer, sms=cuda_device.sms)
+    tied = stored("llama", "q4_0")
+    tied_fixed, tied_layer = fixed_bytes(tied, 96, cuda_device.sms), tied.meta["files"][layer_file(0)]["size"]
+    assert gpu_residency_plan(tied, 96, tied_fixed + 2 * tied_layer, None, sms=cuda_device.sms).host_fixed == []
+
+
 def test_mixed_residency_decodes_the_resident_tokens(tmp_path, cuda_device):
     """Five layers, two resident and three paged through two slots: the norm after a layer's
     down product runs in that matvec only when the next layer's weights are resident (its
@@ -520,6 +556,12 @@ def test_cupy_device_code_against_a_stand_in_for_cupy(stored, monkeypatch):
         engine.reset()
         assert list(engine.stream(PROMPT, SamplingOptions(temperature=0.0), 7)) == want
         assert engine.count_hot_path_allocations(PROMPT, steps=4) == 0
+    untied = stored("llama-untied", "q4_0")  # its token table in pinned RAM, read in place (dev.mapped)
+    files = untied.meta["files"]
+    vram = fixed_bytes(untied, 96) - files["embed.bin"]["size"] + 2 * files[layer_file(0)]["size"]
+    engine = CudaEngine(untied, device=dev, ctx=96, vram_budget=vram)
+    assert [b.kind for b in engine.gpu_plan.host_fixed] == ["embed"]
+    assert greedy_run(engine, 6)[0] == greedy_run(CudaEngine(untied, device=EmuDevice(), ctx=96), 6)[0]
     rng = np.random.default_rng()
     a, b, wide = (rng.standard_normal(s).astype(t) for s, t in (((3, 64), np.float16), ((9, 64), np.float16),
                                                                 ((3, 16), np.float32)))
