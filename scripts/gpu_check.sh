@@ -8,13 +8,12 @@
 #   profile   scripts/gpu_profile.py: where a resident decode step's time goes, kernel by kernel,
 #             then a 512-token prefill pass's (cuBLAS's GEMMs among its ops)
 #   sweep     scripts/gpu_matvec_sweep.py: the matvec tuning table
-#   extra     what the bench does not time: prefill attention against torch's SDPA (one launch),
-#             W4A8 decode, run's sampling (temperature 0.8), decode at 7680 cached tokens against
-#             the attention split count before long contexts spread (9 a head), a full wave of
-#             attention blocks at 512, the W4A16 matvec at 5 and 4 blocks an SM,
-#             prefill with weight slices L2 holds, (where nsys is installed) prefill's kernels, the
-#             Q4_1 and Q8_0 matvecs' sweeps, and q4_1 (what pull makes of the bundled SmolLM2)
-#             against q4_0 on SmolLM2's shapes
+#   extra     what the bench does not time: the W4A16 matvec at 5 and 4 blocks an SM, a full wave
+#             of attention blocks at 512 cached tokens, prefill with weight slices L2 holds,
+#             prefill attention against torch's SDPA (one launch), decode at 7680 cached tokens
+#             against the attention split count before long contexts spread (9 a head), (where
+#             nsys is installed) prefill's kernels, the Q4_1 and Q8_0 matvecs' sweeps, and q4_1
+#             (what pull makes of the bundled SmolLM2) against q4_0 on SmolLM2's shapes
 #   sanitize  compute-sanitizer memcheck, then racecheck, over the kernel tests (CuPy's memory
 #             pool off, so each array is an allocation of its own that memcheck bounds)
 # Stages that need a model and have neither MODEL_DIR nor the peer's use one of the same shapes
@@ -124,25 +123,22 @@ step() {
 }
 extra_runs() {
   local rc=0
-  echo "== prefill attention, one launch, against torch's scaled_dot_product_attention on the same shapes"
-  step python3 scripts/gpu_attention_bench.py --json "$out/gpu_attention.json"
-  echo "== W4A8 decode (every layer; run's default mixed precision runs most layers so)"
-  step python3 -m nerva_cli bench "$model" --backend cuda --no-profile --precision w4a8 \
-    --prompt-tokens 512 --gen-tokens 128 --repeat 3
-  echo "== run's sampling: temperature 0.8, top-k 40, top-p 0.95"
-  step python3 scripts/gpu_profile.py "$model" --temperature 0.8
-  echo "== 7680 cached tokens: attention's default split count, then 9 a head"
-  step python3 scripts/gpu_profile.py "$model" --fill 7680 --ctx 8192
-  step python3 scripts/gpu_profile.py "$model" --fill 7680 --ctx 8192 --splits 9,9
-  echo "== 512 cached tokens in an 8192 context: default splits, then a full wave (20 a head)"
-  step python3 scripts/gpu_profile.py "$model" --fill 512 --ctx 8192
-  step python3 scripts/gpu_profile.py "$model" --fill 512 --ctx 8192 --splits 20,20
+  # first what decides the next decode and prefill changes (2026-11-27's lease timed W4A8's
+  # bound and run's sampling; W4A8 decode is gpu_bench.py's now)
   echo "== matvec_q4_w4a16: 5 blocks an SM at 96 registers, then 4 at 121 (neither spills)"
   step python3 scripts/gpu_matvec_sweep.py --precision w4a16 --rows 8 --threads 128
   step python3 scripts/gpu_matvec_sweep.py --precision w4a16 --rows 8 --threads 128 -D MV_MIN_BLOCKS=4
+  echo "== 512 cached tokens in an 8192 context: default splits, then a full wave (20 a head)"
+  step python3 scripts/gpu_profile.py "$model" --fill 512 --ctx 8192
+  step python3 scripts/gpu_profile.py "$model" --fill 512 --ctx 8192 --splits 20,20
   echo "== a 512-token prefill pass with dequantised slices of 16 and 24 MB (the engine's 64 overflow L2)"
   step python3 scripts/gpu_profile.py "$model" --fill 0 --prefill 512 --slice-mb 16
   step python3 scripts/gpu_profile.py "$model" --fill 0 --prefill 512 --slice-mb 24
+  echo "== prefill attention, one launch, against torch's scaled_dot_product_attention on the same shapes"
+  step python3 scripts/gpu_attention_bench.py --json "$out/gpu_attention.json"
+  echo "== 7680 cached tokens: attention's default split count, then 9 a head"
+  step python3 scripts/gpu_profile.py "$model" --fill 7680 --ctx 8192
+  step python3 scripts/gpu_profile.py "$model" --fill 7680 --ctx 8192 --splits 9,9
   echo "== the whole step at 7680 cached tokens"
   step python3 -m nerva_cli bench "$model" --backend cuda --no-profile --ctx 8192 \
     --prompt-tokens 7680 --gen-tokens 128 --repeat 1
