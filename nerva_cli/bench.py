@@ -120,8 +120,8 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
         "disk_bound_tok_s": None if read_rate is None else round(read_rate / (pager[0] / passes), 2),
         "h2d_bytes_per_token": round(pager[4] / passes),
         "direct_io": engine.weights.direct_io,
-        **({"gpudirect_storage": engine.gds, "pinned_ram_fixed": sorted(b.name for b in gpu.host_fixed)}
-           if gpu else {}),
+        "token_table_aside": engine.plan.table_aside,  # in its file (cpu) or pinned RAM (cuda), not the budget's
+        **({"gpudirect_storage": engine.gds} if gpu else {}),
         "prompt_tokens": opts.prompt_tokens, "gen_tokens": opts.gen_tokens, "repeat": opts.repeat,
         "prefill_tok_s": round(float(np.median([s.prefill_tok_s for s in runs])), 2),
         # --gen-tokens 1 times prefill alone (its token is the first): no decode step, no figure

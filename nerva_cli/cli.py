@@ -359,7 +359,8 @@ def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau
         p = engine.plan
         output.info(f"residency: {len(p.resident_layers)} layers resident, {len(p.paged_layers)} stream from "
                     f"disk through {p.slots} slots ({output.human_bytes(p.paged_bytes_per_token)} a token, "
-                    f"policy {policy})")
+                    f"policy {policy})" + ("; the token table stays in its file, a row read a token"
+                                           if p.table_aside else ""))
     if hasattr(engine.k, "set_threads"):
         engine.k.set_threads(threads)
     if hasattr(engine.k, "warm_marker"):  # a backend that compiles its kernels here (cpu: numba)

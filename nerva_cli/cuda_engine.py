@@ -32,7 +32,7 @@ from nerva_cli.errors import NervaError
 from nerva_cli.layout import layer_file
 from nerva_cli.output import human_bytes
 from nerva_cli.pager import LayerFileReader, PagedWeights, PagerStats
-from nerva_cli.residency import BudgetTooSmall, Plan, ResidentBlock, plan
+from nerva_cli.residency import BudgetTooSmall, Plan, ResidentBlock, plan, plan_table_aside
 from nerva_cli.store import StoredModel, tensors_in
 
 SCRATCH_BYTES = 64 << 20  # prefill's dequantised weight rows (f16), a slice of a matrix at a time
@@ -86,40 +86,28 @@ def gpu_residency_plan(model: StoredModel, ctx: int | None, vram_budget: int | N
     untied = "lm_head.bin" in files  # else the token table is the lm_head, read whole every token
     embed = ("embed", files["embed.bin"]["size"])
 
-    def fixed_at(n: int, embed_in_vram: bool = True) -> dict:
+    def fixed_at(n: int, with_table: bool = True) -> dict:
         kv, arena = arena_sizes(cfg, n, attention_splits(cfg.num_heads, n, sms)[1], sms)
         fixed = {"kv_cache": ("kv_cache", kv), "workspace": ("workspace", arena - kv),
                  "prefill_temporaries": ("workspace", temporaries),
-                 **({"embed": embed} if embed_in_vram else {}), "norms": ("norms", files["final_norm.bin"]["size"])}
+                 **({"embed": embed} if with_table else {}), "norms": ("norms", files["final_norm.bin"]["size"])}
         if untied:
             fixed["lm_head"] = ("lm_head", files["lm_head.bin"]["size"])
         return fixed
 
-    def vram_plan(embed_in_vram: bool) -> Plan:
-        try:
-            return plan(fixed_at(ctx, embed_in_vram), layer_bytes, vram_budget, importance)
-        except BudgetTooSmall as e:
-            raise NervaError(str(e).replace("RAM budget", "VRAM budget (--vram-budget)")
-                             + ctx_hint(lambda n: fixed_at(n, embed_in_vram), vram_budget, e.slots_bytes, ctx)) from None
+    def budget_error(e: BudgetTooSmall, with_table: bool) -> NervaError:
+        return NervaError(str(e).replace("RAM budget", "VRAM budget (--vram-budget)")
+                          + ctx_hint(lambda n: fixed_at(n, with_table), vram_budget, e.slots_bytes, ctx))
 
     active = range(cfg.num_layers) if active_layers is None else sorted(set(active_layers))
     layer_bytes = {i: files[layer_file(i)]["size"] for i in active}
-    try:
-        vram, embed_in_vram = vram_plan(True), True
-    except NervaError:
-        if not untied:
-            raise
-        vram = None
-    if untied and (vram is None or vram.paged_layers):
-        # Decode reads one row of an untied token table a token: in pinned RAM, which kernels read
-        # in place (unified addressing), it leaves its VRAM to layers that would otherwise cross
-        # PCIe every token. Where the budget cannot hold the fixed part with it, this one's error.
-        without = vram_plan(False)
-        if vram is None or without.paged_bytes_per_token < vram.paged_bytes_per_token:
-            vram, embed_in_vram = without, False
+    # an untied token table that stays out of VRAM stays in pinned RAM, which kernels read in
+    # place (unified addressing): the embedding kernel reads its row there
+    vram = plan_table_aside(lambda with_table: fixed_at(ctx, with_table), layer_bytes, vram_budget, importance,
+                            untied, budget_error)
     for b in vram.fixed:
         b.tier = "gpu"
-    host_fixed = {} if embed_in_vram else {"embed": embed}
+    host_fixed = {"embed": embed} if vram.table_aside else {}
     paged = {i: layer_bytes[i] for i in vram.paged_layers}
     if not paged or ram_budget is None:
         return GpuPlan(vram, list(vram.paged_layers), [], ram_budget, plan(host_fixed, {}, None).fixed)
@@ -303,7 +291,7 @@ class CudaEngine(EngineBase):
         dev, cfg, model, gp = self.dev, self.cfg, self.model, self.gpu_plan
         g = {}
         for fname in ("embed.bin", "final_norm.bin", "lm_head.bin"):
-            if fname == "embed.bin" and any(b.kind == "embed" for b in gp.host_fixed):
+            if fname == "embed.bin" and gp.vram.table_aside:
                 g.update(tensors_in(dev.mapped(model.read_bytes(fname)), model.meta["files"][fname]["tensors"]))
             elif fname in model.meta["files"]:
                 g.update(self._upload_file(fname))

@@ -167,28 +167,29 @@ def residency_plan(model: StoredModel, ctx: int | None, ram_budget: int | None,
                    kv_cache: str = "f16", prefill_rows: int = PREFILL_CHUNK):
     """The residency plan (ARCHITECTURE 8) that Engine uses, computed from sizes alone: nothing is
     allocated or read, so `nerva topology --model` shows exactly what `run` will do."""
-    from nerva_cli.residency import BudgetTooSmall, plan
+    from nerva_cli.residency import plan_table_aside
 
     cfg, files = model.config, model.meta["files"]
     ctx = context_length(cfg, ctx)
+    untied = "lm_head.bin" in files
 
-    def fixed_at(n: int) -> dict:
+    def fixed_at(n: int, with_table: bool = True) -> dict:
         kv, arena = Arena.sizes(cfg, n, kv_cache)
         prefill = PrefillWorkspace.size(cfg, min(prefill_rows, n), n)
         fixed = {"kv_cache": ("kv_cache", kv),
                  "workspace": ("workspace", arena - kv + prefill),
-                 "embed": ("embed", files["embed.bin"]["size"]),
+                 **({"embed": ("embed", files["embed.bin"]["size"])} if with_table else {}),
                  "norms": ("norms", files["final_norm.bin"]["size"])}
-        if "lm_head.bin" in files:
+        if untied:
             fixed["lm_head"] = ("lm_head", files["lm_head.bin"]["size"])
         return fixed
 
     active = range(cfg.num_layers) if active_layers is None else sorted(set(active_layers))
     layer_bytes = {i: files[layer_file(i)]["size"] for i in active}
-    try:
-        return plan(fixed_at(ctx), layer_bytes, ram_budget, importance)
-    except BudgetTooSmall as e:
-        raise NervaError(f"{e}{ctx_hint(fixed_at, ram_budget, e.slots_bytes, ctx)}") from None
+    # an untied token table left out of RAM is mapped from its file: a token's row is read in place
+    return plan_table_aside(
+        lambda with_table: fixed_at(ctx, with_table), layer_bytes, ram_budget, importance, untied,
+        lambda e, with_table: NervaError(f"{e}{ctx_hint(lambda n: fixed_at(n, with_table), ram_budget, e.slots_bytes, ctx)}"))
 
 
 def ctx_hint(fixed_at, budget: int, slots_bytes: int, ctx: int) -> str:
@@ -255,9 +256,12 @@ class Engine(EngineBase):
         self.precision = default_precision(model, precision)
         self.ctx = context_length(cfg, ctx)
         self.cos, self.sin = rope.tables(cfg, self.ctx)
+        self.plan = residency_plan(model, self.ctx, ram_budget, importance, active_layers, kv_cache, prefill_rows)
         g = {}
         for fname in ("embed.bin", "final_norm.bin", "lm_head.bin"):
-            if fname in model.meta["files"]:
+            if fname == "embed.bin" and self.plan.table_aside:
+                g.update(model.map_file(fname))  # the RAM budget left it out: rows come from the page cache
+            elif fname in model.meta["files"]:
                 g.update(model.read_file(fname))
         self.embed = Linear.from_stored(g, "embed")
         self.final_norm = as_f32(g["final_norm"])
@@ -276,7 +280,6 @@ class Engine(EngineBase):
         self.n_past = 0
         self.phase_ns = dict.fromkeys(PHASES, 0)
         self.policy = policy
-        self.plan = residency_plan(model, self.ctx, ram_budget, importance, self.active, kv_cache, prefill_rows)
         resident = {i: Layer.from_stored(i, model.read_file(layer_file(i)), per_layer[i])
                     for i in self.plan.resident_layers}
         if self.plan.paged_layers:

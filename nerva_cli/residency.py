@@ -97,6 +97,7 @@ class Plan:
     slots: int
     slot_bytes: int
     layer_bytes: dict[int, int] = field(default_factory=dict)
+    table_aside: bool = False  # the token table is not among `fixed`: plan_table_aside put it elsewhere
 
     @property
     def used_bytes(self) -> int:
@@ -112,7 +113,7 @@ class Plan:
                 "fixed": {b.name: b.nbytes for b in self.fixed},
                 "resident_layers": self.resident_layers, "paged_layers": self.paged_layers,
                 "slots": self.slots, "slot_bytes": self.slot_bytes,
-                "paged_bytes_per_token": self.paged_bytes_per_token}
+                "paged_bytes_per_token": self.paged_bytes_per_token, "token_table_aside": self.table_aside}
 
 
 MIN_SLOTS = 2
@@ -141,6 +142,34 @@ def fitting_ctx(fixed_bytes_at, budget: int, ctx: int, step: int = 256) -> int |
         else:
             hi = mid - 1
     return lo * step
+
+
+def plan_table_aside(fixed_at, layer_bytes: dict[int, int], budget: int | None, importance: dict[int, float] | None,
+                     untied: bool, error) -> Plan:
+    """plan() over fixed_at(with_table) (name -> (kind, bytes)), and, where the token table is
+    untied (a token reads one row of it; tied, it is the lm_head, read whole), without it too, when
+    the plan with it pages layers or does not fit: the table can stay where its rows are read in
+    place (the file on a CPU, pinned RAM for a GPU), leaving its bytes to layers that would
+    otherwise be copied every token. The plan that pages fewer bytes, its `table_aside` saying
+    which; error(e, with_table) makes the NervaError for a BudgetTooSmall e."""
+    def attempt(with_table: bool) -> Plan:
+        try:
+            return plan(fixed_at(with_table), layer_bytes, budget, importance)
+        except BudgetTooSmall as e:
+            raise error(e, with_table) from None
+
+    try:
+        with_table = attempt(True)
+    except NervaError:
+        if not untied:
+            raise
+        with_table = None  # the error without the table is the one to report, if it comes
+    if untied and (with_table is None or with_table.paged_layers):
+        without = attempt(False)
+        if with_table is None or without.paged_bytes_per_token < with_table.paged_bytes_per_token:
+            without.table_aside = True
+            return without
+    return with_table
 
 
 def plan(fixed: dict[str, tuple[str, int]], layer_bytes: dict[int, int], budget: int | None,

@@ -124,8 +124,23 @@ class StoredModel:
         """All tensors of one file as arrays over one buffer, after checking size and sha256."""
         return tensors_in(self.read_bytes(fname, verify), self.meta["files"][fname]["tensors"])
 
-    def read_bytes(self, fname: str, verify: bool = True) -> np.ndarray:
-        """One file's bytes, after checking size and sha256."""
+    def map_file(self, fname: str) -> dict[str, np.ndarray]:
+        """All tensors of one file as arrays over a private map of it: a page is read when first
+        touched (a row of a token table a token) and is the page cache's, not the process's. Size
+        and sha256 are checked as read_file does (the hash streamed from the file)."""
+        import mmap
+
+        path, info, st = self._stat(fname)
+        if self._verified_identities().get(fname) != _identity(st):
+            if _sha256(path) != info["sha256"]:
+                raise BadInput(f"{path}: sha256 disagrees with metadata.json (file changed or corrupt)")
+            self._remember_verified(fname, st)
+        with open(path, "rb") as f:  # copy-on-write: writable arrays, the types compiled kernels take
+            pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        return tensors_in(np.frombuffer(pages, dtype=np.uint8), info["tensors"])
+
+    def _stat(self, fname: str) -> tuple[Path, dict, os.stat_result]:
+        """(path, metadata entry, stat) of one file, its size checked against metadata.json."""
         info = self.meta["files"].get(fname)
         if info is None:
             raise BadInput(f"{self.path}: metadata.json lists no file {fname}")
@@ -136,6 +151,11 @@ class StoredModel:
             raise BadInput(f"{path}: missing") from None
         if st.st_size != info["size"]:
             raise BadInput(f"{path}: size {st.st_size} disagrees with metadata.json ({info['size']})")
+        return path, info, st
+
+    def read_bytes(self, fname: str, verify: bool = True) -> np.ndarray:
+        """One file's bytes, after checking size and sha256."""
+        path, info, st = self._stat(fname)
         buf = np.empty(info["size"], dtype=np.uint8)
         with open(path, "rb") as f:
             got = f.readinto(memoryview(buf))

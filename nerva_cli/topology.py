@@ -306,7 +306,7 @@ def plan_report(model, plan, probe: dict | None) -> dict:
               "tiers": {"host": {"blocks": [b.name for b in plan.fixed]
                                  + [f"layer {i}" for i in plan.resident_layers],
                                  "read_bytes_per_token": host},
-                        "disk": {"blocks": [f"layer {i}" for i in plan.paged_layers],
+                        "disk": {"blocks": ["embed"] * plan.table_aside + [f"layer {i}" for i in plan.paged_layers],
                                  "read_bytes_per_token": paged}}}
     disk = (probe or {}).get("disk_read_o_direct") or {}
     if not paged:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 
 import numpy as np
 import pytest
@@ -131,6 +132,51 @@ def test_paged_prefill_gemms_equal_resident_to_the_bit(variant, precision, deep_
         assert np.array_equal(paged.prefill(prompt, all_logits=True), full.prefill(prompt, all_logits=True))
     finally:
         paged.weights.close()
+
+
+@pytest.mark.parametrize("variant", ["q4_0", "f16"])
+def test_an_untied_token_table_stays_in_its_file_for_a_layer(variant, deep_tiny, tmp_path, rng, cli):
+    """Under a RAM budget that pages layers, an untied token table (a token reads one row) is
+    mapped from its file instead of read into RAM, where that lets a layer stay resident: the
+    greedy tokens are the resident engine's and the pager still reads exactly the paged layers.
+    A tied table is the lm_head, read whole every token: it stays, as does an untied one when
+    nothing is paged or leaving it out would page as much."""
+    from nerva_cli.layout import layer_file
+
+    model = pull(str(deep_tiny("llama-untied")), variant=variant, out=tmp_path / "m")
+    prompt = [int(t) for t in rng.integers(0, 384, size=12)]
+    full = Engine(model, ctx=128)
+    assert not full.plan.table_aside
+    want = greedy(full, prompt, 24)
+    files = model.meta["files"]
+    layer, table = files[layer_file(0)]["size"], files["embed.bin"]["size"]
+    fixed = sum(b.nbytes for b in full.plan.fixed)  # with the table
+    budget = fixed + 2 * layer + max(0, layer - table)  # short of a layer with the table, not without
+    with_table = plan({b.name: (b.kind, b.nbytes) for b in full.plan.fixed}, full.plan.layer_bytes, budget)
+    paged = Engine(model, ctx=128, ram_budget=budget)
+    p = paged.plan
+    assert p.table_aside and "embed" not in {b.name for b in p.fixed} and p.used_bytes <= budget
+    assert len(p.resident_layers) > len(with_table.resident_layers)
+    assert p.to_dict()["token_table_aside"] is True
+    for a in (x for x in (paged.embed.w, paged.embed.q8, paged.embed.qs, paged.embed.d) if x is not None):
+        while isinstance(a, np.ndarray):
+            a = a.base
+        assert isinstance(a.obj if isinstance(a, memoryview) else a, mmap.mmap)  # views of the file's map
+    try:
+        assert greedy(paged, prompt, 24) == want
+        assert paged.weights.stats.disk_bytes >= 24 * p.paged_bytes_per_token  # the layers' reads, as before
+    finally:
+        paged.weights.close()
+    if table < layer:  # moving it would page as much: it stays
+        assert not residency_plan(model, 128, fixed + 2 * layer + (layer - table) // 2).table_aside
+    tied = pull(str(deep_tiny("llama")), variant=variant, out=tmp_path / "tied")
+    tied_full = residency_plan(tied, 128, None)
+    tied_fixed, tied_layer = sum(b.nbytes for b in tied_full.fixed), max(tied_full.layer_bytes.values())
+    assert not residency_plan(tied, 128, tied_fixed + 2 * tied_layer).table_aside
+    code, out, err = cli("run", str(model.path), "-p", "the license", "-n", "2", "--temperature", "0", "--raw",
+                         "--no-profile", "--ctx", "128", "--ram-budget", str(budget))
+    assert code == 0, err
+    assert "the token table stays in its file, a row read a token" in err
 
 
 def test_paged_smollm2_equals_resident_and_reads_exactly_the_paged_bytes(smollm2_store, cli):
