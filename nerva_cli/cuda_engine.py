@@ -291,8 +291,11 @@ class CudaEngine(EngineBase):
         dev, cfg, model, gp = self.dev, self.cfg, self.model, self.gpu_plan
         g = {}
         for fname in ("embed.bin", "final_norm.bin", "lm_head.bin"):
-            if fname == "embed.bin" and gp.vram.table_aside:
-                g.update(tensors_in(dev.mapped(model.read_bytes(fname)), model.meta["files"][fname]["tensors"]))
+            if fname == "embed.bin" and gp.vram.table_aside:  # read straight into the pinned memory
+                info = model.meta["files"][fname]
+                host, table = dev.mapped(info["size"])
+                model.read_bytes(fname, out=host)
+                g.update(tensors_in(table, info["tensors"]))
             elif fname in model.meta["files"]:
                 g.update(self._upload_file(fname))
         self.embed_t = matrix(g, "embed")

@@ -153,10 +153,13 @@ class StoredModel:
             raise BadInput(f"{path}: size {st.st_size} disagrees with metadata.json ({info['size']})")
         return path, info, st
 
-    def read_bytes(self, fname: str, verify: bool = True) -> np.ndarray:
-        """One file's bytes, after checking size and sha256."""
+    def read_bytes(self, fname: str, verify: bool = True, out: np.ndarray | None = None) -> np.ndarray:
+        """One file's bytes (into `out`, uint8 of the file's size, when given), after checking
+        size and sha256."""
         path, info, st = self._stat(fname)
-        buf = np.empty(info["size"], dtype=np.uint8)
+        if out is not None and (out.dtype != np.uint8 or out.shape != (info["size"],)):
+            raise ValueError(f"read_bytes: out must be uint8 of {info['size']} bytes, got {out.dtype} {out.shape}")
+        buf = np.empty(info["size"], dtype=np.uint8) if out is None else out
         with open(path, "rb") as f:
             got = f.readinto(memoryview(buf))
         if got != info["size"]:

@@ -300,9 +300,9 @@ def test_list_and_show_piped_print_values_whole(tiny_models, cli, tmp_path):
 
 
 def test_sha256_checked_on_a_files_first_load_and_after_it_changes(tiny_models, tmp_path, monkeypatch):
-    """A file's sha256 is checked when it is first loaded; a later load of the unchanged file
-    (a new process: a fresh StoredModel) skips the hash, and one of a file changed since (even
-    with its mtime set back) hashes it again and refuses it with its name."""
+    """A file's sha256 is checked when it is first loaded (read or mapped); a later load of the
+    unchanged file (a new process: a fresh StoredModel) skips the hash, and one of a file changed
+    since (even with its mtime set back) hashes it again and refuses it with its name."""
     import hashlib
     import os
     import types
@@ -336,6 +336,15 @@ def test_sha256_checked_on_a_files_first_load_and_after_it_changes(tiny_models, 
     os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size and mtime; ctime moved
     with pytest.raises(BadInput, match="layer_001.bin: sha256 disagrees"):
         store.load_metadata(model.path).read_bytes("layer_001.bin")
+    with pytest.raises(BadInput, match="layer_001.bin: sha256 disagrees"):
+        store.load_metadata(model.path).map_file("layer_001.bin")  # a mapped file is checked the same way
+    fresh = store.load_metadata(model.path)  # the other ways in give the same bytes
+    out = np.empty(model.meta["files"]["embed.bin"]["size"], np.uint8)
+    assert fresh.read_bytes("embed.bin", out=out) is out and np.array_equal(out, fresh.read_bytes("embed.bin"))
+    read, mapped = fresh.read_file("embed.bin"), fresh.map_file("embed.bin")
+    assert read.keys() == mapped.keys() and all(np.array_equal(read[k], mapped[k]) for k in read)
+    with pytest.raises(ValueError, match="out must be uint8"):
+        fresh.read_bytes("embed.bin", out=out[1:])
 
 
 def test_a_model_directory_that_cannot_be_written_still_loads(tiny_models, tmp_path, monkeypatch):

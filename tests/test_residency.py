@@ -164,7 +164,8 @@ def test_an_untied_token_table_stays_in_its_file_for_a_layer(variant, deep_tiny,
         assert isinstance(a.obj if isinstance(a, memoryview) else a, mmap.mmap)  # views of the file's map
     try:
         assert greedy(paged, prompt, 24) == want
-        assert paged.weights.stats.disk_bytes >= 24 * p.paged_bytes_per_token  # the layers' reads, as before
+        extra = paged.weights.stats.disk_bytes - 24 * p.paged_bytes_per_token  # a prefill pass, 23 steps
+        assert 0 <= extra <= p.slots * p.slot_bytes  # the paged layers' bytes (the ring reads ahead), no table
     finally:
         paged.weights.close()
     if table < layer:  # moving it would page as much: it stays

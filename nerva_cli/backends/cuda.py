@@ -426,16 +426,16 @@ class CupyDevice:
         off = -raw.ctypes.data % 4096
         return raw[off:off + nbytes]
 
-    def mapped(self, host: np.ndarray):
-        """A device array of host's bytes in page-locked host memory, which kernels read in place
-        across PCIe: with unified addressing (every 64-bit platform CUDA runs on) a pinned
+    def mapped(self, nbytes: int):
+        """(host view, device array) of nbytes of page-locked host memory, which kernels read in
+        place across PCIe: with unified addressing (every 64-bit platform CUDA runs on) a pinned
         allocation is mapped at its host address. For what a step reads a little of, such as one
-        row of the token table a token."""
+        row of the token table a token; the host fills it through the view."""
         cp = self.cp
-        mem = cp.cuda.PinnedMemory(host.nbytes)
-        np.frombuffer(cp.cuda.PinnedMemoryPointer(mem, 0), np.uint8, host.nbytes)[:] = host.reshape(-1).view(np.uint8)
-        where = cp.cuda.UnownedMemory(mem.ptr, host.nbytes, mem, cp.cuda.Device().id)  # owner: mem stays alive
-        return cp.ndarray((host.nbytes,), np.uint8, memptr=cp.cuda.MemoryPointer(where, 0))
+        mem = cp.cuda.PinnedMemory(nbytes)
+        where = cp.cuda.UnownedMemory(mem.ptr, nbytes, mem, cp.cuda.Device().id)  # owner: mem stays alive
+        return (np.frombuffer(cp.cuda.PinnedMemoryPointer(mem, 0), np.uint8, nbytes),
+                cp.ndarray((nbytes,), np.uint8, memptr=cp.cuda.MemoryPointer(where, 0)))
 
     def pin(self, host: np.ndarray) -> None:
         """Page-locks memory someone else allocated (the pager's staging slots)."""

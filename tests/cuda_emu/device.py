@@ -103,8 +103,9 @@ class EmuDevice:
     def pinned(self, nbytes: int) -> np.ndarray:
         return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=np.uint8, count=nbytes)  # page-aligned
 
-    def mapped(self, host):
-        return np.array(host.reshape(-1).view(np.uint8), copy=True)  # host memory: not counted as VRAM
+    def mapped(self, nbytes: int):
+        host = np.empty(nbytes, np.uint8)  # host memory: not counted as VRAM
+        return host, host
 
     def pin(self, host) -> None:
         pass
