@@ -408,6 +408,8 @@ def describe(info: dict) -> list[tuple[str, str]]:
                           f"uses {human_bytes(pl['used_bytes'])}"),
                  (f"fixed ({pl.get('tier', 'host')})",
                   ", ".join(f"{k} {human_bytes(v)}" for k, v in pl["fixed"].items())),
+                 *([("token table", "in pinned RAM, a row read in place a token" if pl.get("tier") == "gpu"
+                     else "mapped from its file, a row read a token")] if pl.get("token_table_aside") else []),
                  ("resident layers", " ".join(map(str, pl["resident_layers"])) or "none"),
                  ("paged layers", (" ".join(map(str, pl["paged_layers"])) or "none")
                   + (f" (through {pl['slots']} slots of {human_bytes(pl['slot_bytes'])})" if pl["slots"] else "")),

@@ -178,6 +178,10 @@ def test_an_untied_token_table_stays_in_its_file_for_a_layer(variant, deep_tiny,
                          "--no-profile", "--ctx", "128", "--ram-budget", str(budget))
     assert code == 0, err
     assert "the token table stays in its file, a row read a token" in err
+    code, out, err = cli("topology", "--model", str(model.path), "--no-profile", "--ctx", "128",
+                         "--ram-budget", str(budget))
+    assert code == 0, err
+    assert "token table: mapped from its file, a row read a token" in out
 
 
 def test_paged_smollm2_equals_resident_and_reads_exactly_the_paged_bytes(smollm2_store, cli):
