@@ -227,6 +227,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
     attention_decode(const float* q, const float* k_new, const float* v_new, const float* cos_t,
                      const float* sin_t, u16* k_cache, u16* v_cache, const int* pos, float* part, int* done,
                      float* out, int heads, int kv_heads, int hd, float scale, int least) {
+    wait_prior_kernels();
     int h = blockIdx.x, split = blockIdx.y, most = gridDim.y, n = pos[0] + 1;
     int splits = (n + ATT_LONG_CHUNK - 1) / ATT_LONG_CHUNK;
     splits = splits < least ? least : splits > most ? most : splits;
@@ -448,6 +449,7 @@ __device__ __forceinline__ void prefill_rows(const float* q, int q_stride, const
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
     attention_prefill(const float* q, int q_stride, const u16* k_cache, const u16* v_cache, const int* pos0, float* out,
                       float* part, int* done, int T, int heads, int kv_heads, int hd, float scale) {
+    wait_prior_kernels();
     __shared__ uint4 smem[PF_SHARED_BYTES / 16];
 #define PREFILL_CASE(ni, r)                                                                                  \
     case ni:                                                                                                 \

@@ -78,6 +78,42 @@ __device__ __forceinline__ float rope_at(const float* r, int j, int half, const 
     return j < half ? r[j] * c[j] - r[j + half] * s[j] : r[j] * c[j - half] + r[j - half] * s[j - half];
 }
 
+// Programmatic dependent launch (sm_90 on; the host launches every kernel with it where the GPU
+// and driver take it: backends/cuda_launch.py). A kernel so launched may start while the kernel
+// before it in the stream still runs, so each kernel calls wait_prior_kernels before it touches
+// global memory a kernel writes (any store, any read but of weights): griddepcontrol.wait returns
+// once the kernels before have finished and their stores are visible. It then lets the next
+// kernel launch (griddepcontrol.launch_dependents; the next one's own wait still holds it back
+// from this one's results): the next launch's start-up and its blocks' first weight loads
+// overlap this one's work and tail, where a graph otherwise leaves the GPU idle about 2 us a
+// launch (gpu_h100.md). Launched without the attribute, or before sm_90, both do nothing.
+// The CPU emulation (tests/cuda_emu) checks the rule: a store, or a read not through weights(),
+// before the wait ends the launch with an error.
+__device__ __forceinline__ void wait_prior_kernels() {
+#if defined(__CUDACC_RTC__) || defined(__CUDACC__)
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+#else
+    emu::prior_kernels_waited();
+#endif
+}
+
+// A read of weights (codes, scales, offsets): memory no kernel writes, which a kernel may read
+// before wait_prior_kernels (its first round of loads, issued while the kernel before finishes).
+template <class T>
+__device__ __forceinline__ T weights(const T* p) {
+#if defined(__CUDACC_RTC__) || defined(__CUDACC__)
+    return *p;
+#else
+    emu::weights_reading(true);
+    T v = *p;
+    emu::weights_reading(false);
+    return v;
+#endif
+}
+
 // bf16 is the top half of an f32.
 __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((unsigned)b) << 16); }
 

@@ -21,15 +21,18 @@ __device__ __forceinline__ void embed_row(const u8* qs, const u16* d, const u16*
     }
 }
 extern "C" __global__ void embed_q4(const u8* qs, const u16* d, const int* token, float* out, int cols) {
+    wait_prior_kernels();
     embed_row<false>(qs, d, nullptr, token, out, cols);
 }
 extern "C" __global__ void embed_q4_1(const u8* qs, const u16* d, const u16* m, const int* token, float* out,
                                       int cols) {
+    wait_prior_kernels();
     embed_row<true>(qs, d, m, token, out, cols);
 }
 
 // Row t of out [T, cols] = row token[t] of a Q8_0 table (d q, exact in f32).
 extern "C" __global__ void embed_q8_0(const signed char* q8, const u16* d, const int* token, float* out, int cols) {
+    wait_prior_kernels();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     out += (size_t)blockIdx.y * cols;
     if (c < cols) {
@@ -39,6 +42,7 @@ extern "C" __global__ void embed_q8_0(const signed char* q8, const u16* d, const
 }
 
 extern "C" __global__ void embed_exact(const u16* table, int bf16, const int* token, float* out, int cols) {
+    wait_prior_kernels();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     out += (size_t)blockIdx.y * cols;
     if (c < cols) out[c] = exact2f(table[(size_t)token[blockIdx.y] * cols + c], bf16);
@@ -52,6 +56,7 @@ extern "C" __global__ void embed_exact(const u16* table, int bf16, const int* to
 extern "C" __global__ void rope_kv_store(float* q, const float* k, const float* v, int stride, const int* pos0,
                                          const float* cos_t, const float* sin_t, int T, int heads, int kv_heads,
                                          int half, u16* k_cache, u16* v_cache) {
+    wait_prior_kernels();
     int i = blockIdx.x * blockDim.x + threadIdx.x, all = heads + kv_heads;
     if (i < T * all * half) {
         int t = i / (all * half), h = (i / half) % all, j = i % half;
@@ -77,6 +82,7 @@ extern "C" __global__ void rope_kv_store(float* q, const float* k, const float* 
 
 // gate_up [T, 2f] (gate then up) -> out [T, f] = silu(gate) * up
 extern "C" __global__ void silu_mul(const float* gate_up, float* out, int f, int T) {
+    wait_prior_kernels();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < T * f) {
         int t = i / f, j = i % f;
@@ -87,6 +93,7 @@ extern "C" __global__ void silu_mul(const float* gate_up, float* out, int f, int
 
 // x [T, n] += b [n] for every row (q, k and v biases)
 extern "C" __global__ void add_rows(float* x, const float* b, int n, int T) {
+    wait_prior_kernels();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < T * n) x[i] += b[i % n];
 }
@@ -157,15 +164,18 @@ __device__ __forceinline__ void dequantize_block(const u8* qs, const u16* d, con
     }
 }
 extern "C" __global__ void dequantize_q4(const u8* qs, const u16* d, u16* out, int blocks) {
+    wait_prior_kernels();
     dequantize_block<false>(qs, d, nullptr, out, blocks);
 }
 extern "C" __global__ void dequantize_q4_1(const u8* qs, const u16* d, const u16* m, u16* out, int blocks) {
+    wait_prior_kernels();
     dequantize_block<true>(qs, d, m, out, blocks);
 }
 
 // Q8_0 -> f16 for prefill's GEMMs (the lm_head): a thread a block of 32, d q (exact in f32)
 // rounded once to f16, 16 bytes of codes in and four 16-byte stores out.
 extern "C" __global__ void dequantize_q8_0(const signed char* q8, const u16* d, u16* out, int blocks) {
+    wait_prior_kernels();
     int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= blocks) return;
     float s = h2f(d[b]);
@@ -191,12 +201,14 @@ extern "C" __global__ void dequantize_q8_0(const signed char* q8, const u16* d, 
 // bf16 bits -> f16 (f16 weights are GEMM operands as stored). Exact from 2^-14 to 65504: a weight
 // below that loses low bits as an f16 subnormal, a deviation under 2^-25 absolute.
 extern "C" __global__ void bf16_to_half(const u16* w, u16* out, long long n) {
+    wait_prior_kernels();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = f2h(bf2f(w[i]));
 }
 
 // f32 activations -> f16
 extern "C" __global__ void to_half(const float* x, u16* out, long long n) {
+    wait_prior_kernels();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = f2h(x[i]);
 }

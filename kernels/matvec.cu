@@ -28,7 +28,10 @@
 // (q/o 1480 GB/s against 1235, down 2107 against 1881); Q4_1's was not timed. At 4 blocks
 // W4A16 would take 121 registers (no spill either way), untimed: -D MV_MIN_BLOCKS=4 sweeps it.
 // (The exact kernels need fewer registers: a bound would let ptxas spend up to 96 on them.)
-// Bounded at 96, matvec_q4_1_w4a16 spills 24 bytes on sm_90 and glu_q4_1_w4a8 20 to 24.
+// Bounded at 96, Q4_1's W4A16 kernels spill 8 to 48 bytes on sm_86 to sm_90 and glu_q4_1_w4a8
+// 24 (NVRTC 13.5), in their first round (q4_rounds) but for one reload a round in
+// matvec_q4_1_w4a16's loop on sm_90; Q4_0's loops are as they were (938, 912 and 596
+// instructions, scripts/sass_mix.py).
 #ifndef MV_MIN_BLOCKS
 #define MV_MIN_BLOCKS (640 / MV_MAX_THREADS)
 #endif
@@ -117,16 +120,43 @@ __device__ __forceinline__ size_t slot_row(const Slots& s, int r) {
 }
 
 // Block b (32 weights: 16 code bytes, a scale and for Q4_1 an offset) of each slot's row, every
-// load issued before any is used.
+// load issued before any is used. A thread's first block is loaded before wait_prior_kernels
+// (common.cuh): those loads are in flight while the kernel before finishes.
 template <bool GLU, bool OFFSETS>
 __device__ __forceinline__ void load_q4_block(const Slots& s, int cols, int b, uint4 (&c)[MV_ROWS], u16 (&h)[MV_ROWS],
                                               u16 (&o)[MV_ROWS]) {
 #pragma unroll
     for (int r = 0; r < MV_ROWS; r++) {
         size_t row = slot_row<GLU>(s, r);
-        c[r] = ((const uint4*)((const u8*)s.w[slot_matrix<GLU>(r)] + row * (cols / 2)))[b];
-        h[r] = s.d[slot_matrix<GLU>(r)][row * (cols / QK) + b];
-        if (OFFSETS) o[r] = s.m[slot_matrix<GLU>(r)][row * (cols / QK) + b];
+        c[r] = weights((const uint4*)((const u8*)s.w[slot_matrix<GLU>(r)] + row * (cols / 2)) + b);
+        h[r] = weights(s.d[slot_matrix<GLU>(r)] + row * (cols / QK) + b);
+        if (OFFSETS) o[r] = weights(s.m[slot_matrix<GLU>(r)] + row * (cols / QK) + b);
+    }
+}
+
+// A Q4 launch's rounds: thread t takes blocks t, t + blockDim.x, ... of its rows, and
+// round(b, codes, scales, offsets) uses each. The first round's weights are loaded before
+// wait_prior_kernels, the first round written out apart from the loop so that its arrays are as
+// short-lived as the loop's (one loop with the load hoisted kept them live across it: 120 to 216
+// bytes of spills on sm_75 to sm_90, where there were none).
+template <bool GLU, bool OFFSETS, class Round>
+__device__ __forceinline__ void q4_rounds(const Slots& s, int cols, Round round) {
+    int nb = cols / QK, b = threadIdx.x;
+    if (b < nb) {
+        uint4 c[MV_ROWS];
+        u16 h[MV_ROWS], o[MV_ROWS];
+        load_q4_block<GLU, OFFSETS>(s, cols, b, c, h, o);
+        wait_prior_kernels();
+        round(b, c, h, o);
+        b += blockDim.x;
+    } else {
+        wait_prior_kernels();
+    }
+    for (; b < nb; b += blockDim.x) {
+        uint4 c[MV_ROWS];
+        u16 h[MV_ROWS], o[MV_ROWS];
+        load_q4_block<GLU, OFFSETS>(s, cols, b, c, h, o);
+        round(b, c, h, o);
     }
 }
 
@@ -228,12 +258,9 @@ template <bool GLU, bool OFFSETS>
 __device__ __forceinline__ void q4_w4a16(MATRICES, const u16* m0, const u16* m1, const u16* m2,
                                          const float* __restrict__ x, int cols, int mode) {
     Slots s = block_slots<GLU>(ALL_MATRICES, m0, m1, m2);
-    int nb = cols / QK;
     float acc[MV_ROWS] = {};
-    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
-        uint4 c[MV_ROWS];
-        u16 h[MV_ROWS], o[MV_ROWS];
-        load_q4_block<GLU, OFFSETS>(s, cols, b, c, h, o);
+    q4_rounds<GLU, OFFSETS>(s, cols, [&](int b, const uint4 (&c)[MV_ROWS], const u16 (&h)[MV_ROWS],
+                                         const u16 (&o)[MV_ROWS]) {
         float4 xb[8];
         float sx = 0.f;
 #pragma unroll
@@ -249,7 +276,7 @@ __device__ __forceinline__ void q4_w4a16(MATRICES, const u16* m0, const u16* m1,
             acc[r] += d * q4_block_dot(c[r], xb);
             if (OFFSETS) acc[r] += fmaf(8.f, d, h2f(o[r])) * sx;
         }
-    }
+    });
     store_slots<GLU>(acc, s, mode);
 }
 
@@ -291,12 +318,9 @@ template <bool GLU, bool OFFSETS>
 __device__ __forceinline__ void q4_w4a8(MATRICES, const u16* m0, const u16* m1, const u16* m2,
                                         const float* __restrict__ x, int cols, int mode) {
     Slots s = block_slots<GLU>(ALL_MATRICES, m0, m1, m2);
-    int nb = cols / QK;
     float acc[MV_ROWS] = {};
-    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
-        uint4 c[MV_ROWS];
-        u16 h[MV_ROWS], o[MV_ROWS];
-        load_q4_block<GLU, OFFSETS>(s, cols, b, c, h, o);
+    q4_rounds<GLU, OFFSETS>(s, cols, [&](int b, const uint4 (&c)[MV_ROWS], const u16 (&h)[MV_ROWS],
+                                         const u16 (&o)[MV_ROWS]) {
         float4 xb[8];
 #pragma unroll
         for (int k = 0; k < 8; k++) xb[k] = ((const float4*)(x + b * QK))[k];
@@ -320,7 +344,7 @@ __device__ __forceinline__ void q4_w4a8(MATRICES, const u16* m0, const u16* m1, 
             acc[r] += (h2f(h[r]) * dx) * (float)(dot - bias);
             if (OFFSETS) acc[r] += h2f(o[r]) * xoff;
         }
-    }
+    });
     store_slots<GLU>(acc, s, mode);
 }
 
@@ -417,6 +441,7 @@ extern "C" __global__ void matvec_exact(
     const void* w2, const u16* d2, float* out2, int rows2,
     int bf16, const float* __restrict__ x, int cols, int epilogue,
     const float* norm_w, float* norm_out, float eps, int* done) {
+    wait_prior_kernels();
     exact<false>(ALL_MATRICES, bf16, x, cols, epilogue);
     if (epilogue == ADD_NORM) norm_tail(out0, rows0, norm_w, eps, norm_out, done);  // one matrix
 }
@@ -425,6 +450,7 @@ extern "C" __global__ void glu_exact(
     const void* w2, const u16* d2, float* out2, int rows2,
     int bf16, const float* __restrict__ x, int cols, int epilogue,
     const float* norm_w, float* norm_out, float eps, int* done) {
+    wait_prior_kernels();
     exact<true>(ALL_MATRICES, bf16, x, cols, STORE);
 }
 
@@ -495,6 +521,7 @@ extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) matv
     const void* w2, const u16* d2, float* out2, int rows2,
     const float* __restrict__ x, int cols, int epilogue,
     const float* norm_w, float* norm_out, float eps, int* done) {
+    wait_prior_kernels();
     q8_0<false>(ALL_MATRICES, x, cols, epilogue);
     if (epilogue == ADD_NORM) norm_tail(out0, rows0, norm_w, eps, norm_out, done);  // one matrix
 }
@@ -503,6 +530,7 @@ extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) matv
     const void* w2, const u16* d2, float* out2, int rows2,
     const float* __restrict__ x, int cols, int epilogue,
     const float* norm_w, float* norm_out, float eps, int* done) {
+    wait_prior_kernels();
     q8_0<true>(ALL_MATRICES, x, cols, epilogue);
     if (epilogue == ADD_NORM) norm_tail(out0, rows0, norm_w, eps, norm_out, done);  // one matrix
 }
@@ -520,6 +548,7 @@ __device__ __forceinline__ int quantize_lane(float v, float* d_out) {
 // gives the integer kernel's products, up to the f16 rounding of q d: 2^-11 relative). n = all
 // elements, a multiple of 32.
 extern "C" __global__ void fake_quantize_q8(const float* x, u16* out, long long n) {
+    wait_prior_kernels();
     long long g = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (g < n / QK) {

@@ -34,6 +34,7 @@ __device__ __forceinline__ void scale_out(const float4 (&v)[NORM_VEC], float inv
 
 // each thread writes only what it read itself, so out may be x
 extern "C" __global__ void rmsnorm(const float* x, const float* w, float eps, float* out, int n) {
+    wait_prior_kernels();
     size_t row = (size_t)blockIdx.x * n;
     float4 v[NORM_VEC];
 #pragma unroll

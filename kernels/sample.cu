@@ -266,6 +266,7 @@ __device__ void sample_by_bisection(const float* logits, int vocab, float mx, fl
 extern "C" __global__ void sample(float* logits, int vocab, int* state, int* recent, int recent_n,
                                   float temperature, int top_k, float top_p, float min_p, float penalty,
                                   unsigned seed, int advance) {
+    wait_prior_kernels();
     __shared__ int chosen;
     int tid = threadIdx.x;
     // llama.cpp's rule, once per distinct recent token: positive logits / penalty, negative * penalty

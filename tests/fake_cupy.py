@@ -249,7 +249,8 @@ class RawModule:
             from cuda_emu import EmuModule
             from nerva_cli import kernels
 
-            RawModule._module = EmuModule(list(kernels.sources().values()), kernels.KERNEL_DIR)
+            RawModule._module = EmuModule(list(kernels.sources().values()), kernels.KERNEL_DIR,
+                                          dependent_launches=True)
 
     def get_function(self, name: str):
         return _RawKernel(RawModule._module.get_function(name))

@@ -495,3 +495,43 @@ def test_build_cached_by_content_and_headers(tmp_path):
     write_sources(tmp_path, common=COMMON + "\n// changed\n")  # only the header changes
     EmuModule(sources, inc, cache)
     assert len(list(cache.glob("*.so"))) == 2 and not list(cache.glob("*.tmp")) and not list(cache.glob("*.o"))
+
+
+DEPENDENT = r"""
+#include "common.cuh"
+
+// out = w x, w read before the wait as weights(); mode 1 also stores, mode 2 reads x and mode 3
+// counts before it, each of which a programmatic dependent may not do
+extern "C" __global__ void weighted(const float* w, const float* x, float* out, int* count, int mode) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    float a = weights(w + i);
+    if (mode == 1) out[i] = 0.f;
+    if (mode == 2) a += x[i];
+    if (mode == 3) atomicAdd(count, 1);
+    wait_prior_kernels();
+    out[i] = a * x[i];
+}
+"""
+
+
+@pytest.mark.parametrize("dependent", [True, False])
+def test_programmatic_dependents_touch_only_weights_before_their_wait(tmp_path, rng, dependent):
+    """kernels/common.cuh's wait_prior_kernels rule, as the cuda backend's launches need it on a
+    GPU that takes programmatic dependent launch: before the wait, weights() reads only."""
+    (tmp_path / "weighted.cu").write_text(DEPENDENT)
+    from nerva_cli.kernels import KERNEL_DIR
+
+    f = EmuModule([tmp_path / "weighted.cu"], KERNEL_DIR, tmp_path / "cache",
+                  dependent_launches=dependent).get_function("weighted")
+    w, x = rng.standard_normal(64, dtype=np.float32), rng.standard_normal(64, dtype=np.float32)
+    out, count = np.zeros(64, np.float32), np.zeros(1, np.int32)
+    f(2, 32, (w, x, out, count, np.int32(0)))
+    np.testing.assert_array_equal(out, w * x)
+    for mode, what in ((1, r"a store to parameter 2 `float\* out`"), (2, r"a read of parameter 1 `const float\* x`"),
+                       (3, r"an atomic on parameter 3 `int\* count`")):
+        if dependent:
+            with pytest.raises(EmuKernelError, match=what + r" at weighted\.cu:\d+ \(weighted\).* before "
+                                                            r"wait_prior_kernels\(\)"):
+                f(2, 32, (w, x, out, count, np.int32(mode)))
+        else:
+            f(2, 32, (w, x, out, count, np.int32(mode)))

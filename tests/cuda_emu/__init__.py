@@ -66,7 +66,8 @@ class EmuKernelError(RuntimeError):
     had a mask other than the whole warp's, a block had more threads than the kernel's launch
     bounds, or emu.h's memory checks refused an access: outside the thread's stack, shared memory
     and the launch's arrays, through a misaligned pointer, or racing with another thread's or
-    block's."""
+    block's; in a dependent launch (EmuModule's dependent_launches), a store or a read other than
+    weights() before the thread's wait_prior_kernels()."""
 
 
 class Param:
@@ -208,7 +209,12 @@ class EmuKernel:
 
 
 class EmuModule:
-    def __init__(self, sources: list[Path], include_dir: Path, cache_dir: Path | None = None):
+    """dependent_launches: every launch runs as a programmatic dependent, as the cuda backend
+    launches kernels/*.cu on a GPU that takes it, so a thread's store, or read other than through
+    weights(), before its wait_prior_kernels() (common.cuh) ends the launch with an error."""
+
+    def __init__(self, sources: list[Path], include_dir: Path, cache_dir: Path | None = None,
+                 dependent_launches: bool = False):
         cache_dir = Path(cache_dir or Path.home() / ".cache" / "nerva-emu")
         cache_dir.mkdir(parents=True, exist_ok=True)
         include_dir = Path(include_dir).resolve()
@@ -226,7 +232,8 @@ class EmuModule:
                 f' "{k}: parameters differ from what tests/cuda_emu parsed");\n'
                 f'extern "C" __attribute__((visibility("default"))) const char* emu_{k}(unsigned gx, unsigned gy,'
                 f' unsigned gz, unsigned bx, unsigned by, unsigned bz, void** args, const unsigned long long* extents)'
-                f' {{ return emu::launch({k}, {{gx, gy, gz}}, {{bx, by, bz}}, args, extents, unsigned({bound})); }}\n'
+                f' {{ return emu::launch({k}, {{gx, gy, gz}}, {{bx, by, bz}}, args, extents, unsigned({bound}),'
+                f' {"true" if dependent_launches else "false"}); }}\n'
                 for k, (ps, bound) in kernels.items())
             key = hashlib.sha256(b"\0".join([text.encode(), EMU_H.read_bytes(), headers, gen.encode(),
                                              " ".join(FLAGS + LINK_FLAGS).encode()])).hexdigest()[:20]

@@ -42,9 +42,11 @@ class EmuEvent:
 class EmuDevice:
     name = "CPU emulation of kernels/*.cu"
     sms = 4
+    dependent_launch = "checked (the emulation runs every launch as a programmatic dependent)"
 
     def __init__(self, cache_dir=None):
-        self.module = EmuModule(list(kernels.sources().values()), kernels.KERNEL_DIR, cache_dir)
+        self.module = EmuModule(list(kernels.sources().values()), kernels.KERNEL_DIR, cache_dir,
+                                dependent_launches=True)
         self.compute, self.copy = EmuStream(), EmuStream()
         self.total_bytes = 1 << 34
         self.allocated = 0

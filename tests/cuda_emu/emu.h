@@ -37,6 +37,10 @@
 // writing thread's __threadfence after its write and an atomic of its block after that fence,
 // then an atomic of the reading block before its access, each step after the one before in
 // its thread or behind a __syncthreads (so the order the emulation ran them in does not count).
+// A launch made as a programmatic dependent (EmuModule's dependent_launches, as the cuda backend
+// launches kernels/*.cu on sm_90) may, before its thread calls common.cuh's wait_prior_kernels,
+// read only through weights(): a store, an atomic or another read of a launch's array there
+// ends the launch with an error (before_wait below).
 // __CUDACC__ stays undefined on purpose: kernels/common.cuh then takes its host branch
 // (_Float16 half conversions instead of inline PTX).
 #pragma once
@@ -143,6 +147,7 @@ struct Fiber {
     uint3 idx;
     unsigned tid;  // linear index in the block; lane = tid % 32
     State state;
+    bool waited;  // has called wait_prior_kernels (common.cuh)
 };
 
 struct Warp {
@@ -175,6 +180,8 @@ struct Sched {
     // Memory checks: on while a kernel thread runs. The launch's pointer arguments' extents
     // [lo, hi) a parameter (0, 0 for a scalar), and the library's own loaded image.
     bool checking = false;
+    bool dependent = false;        // the launch is a programmatic dependent: wait_prior_kernels checked
+    bool reading_weights = false;  // inside common.cuh's weights()
     const unsigned long long* extents = nullptr;
     unsigned nparams = 0;
     uintptr_t image_lo = 0, image_hi = 0, image_base = 0;
@@ -385,6 +392,7 @@ EMU_RUNTIME inline bool reserve(unsigned n) {
 
 EMU_RUNTIME inline void start(Fiber& f, unsigned i) {
     const size_t size = size_t(EMU_STACK_KIB) * 1024;
+    f.waited = false;
     // Stack tops staggered by 64 bytes a thread, so the threads' hot frames do not all fall
     // in the same cache sets (the stacks themselves are page aligned).
     char* top = f.stack + size - (i % 64) * 64;
@@ -425,6 +433,22 @@ EMU_RUNTIME inline int find_image(dl_phdr_info* info, size_t, void*) {
     S.history = static_cast<Byte*>(calloc(S.shared_hi - S.shared_lo, sizeof(Byte)));
     return S.history != nullptr;
 }
+
+// Programmatic dependent launch (common.cuh's wait_prior_kernels): before its wait a thread may
+// only read weights, through weights(); any other access to a launch's array could meet the
+// kernel before still running on a GPU.
+[[noreturn]] EMU_RUNTIME __attribute__((noinline)) inline void before_wait(unsigned param, bool write, bool atomic,
+                                                                           uintptr_t pc) {
+    snprintf(S.error, sizeof S.error, "%s parameter %u [pc +0x%lx], block (%u,%u,%u) thread (%u,%u,%u), before "
+             "wait_prior_kernels(): launched as a programmatic dependent, the kernel before may still be running "
+             "(only weights() reads may come first)", atomic ? "an atomic on" : write ? "a store to" : "a read of",
+             param, (unsigned long)(pc - S.image_base), blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x,
+             threadIdx.y, threadIdx.z);
+    fail(S.cur);
+}
+
+EMU_RUNTIME inline void prior_kernels_waited() { S.cur->waited = true; }
+EMU_RUNTIME inline void weights_reading(bool on) { S.reading_weights = on; }
 
 [[noreturn]] EMU_RUNTIME __attribute__((noinline)) inline void bad_access(uintptr_t a, size_t n, bool write,
                                                                           uintptr_t pc) {
@@ -596,6 +620,8 @@ EMU_RUNTIME inline void check(uintptr_t a, size_t n, bool write, uintptr_t pc, b
     if (a >= S.image_lo && a + n <= S.image_hi) return;
     for (unsigned i = 0; i < S.nparams; i++)
         if (a >= S.extents[2 * i] && a + n <= S.extents[2 * i + 1]) {
+            if (S.dependent && !S.cur->waited && (write || atomic || !S.reading_weights))
+                before_wait(i, write, atomic, pc);
             if (atomic)
                 S.atomic_seq = ++S.seq, S.atomic_phase = S.phase, S.atomic_thread = S.cur->tid;
             else
@@ -607,10 +633,11 @@ EMU_RUNTIME inline void check(uintptr_t a, size_t n, bool write, uintptr_t pc, b
 
 // Runs the launch; returns null, or what went wrong. extents: [lo, hi) of each parameter's
 // array (0, 0 for a scalar), the memory the launch may touch besides its stacks and statics;
-// most: the kernel's __launch_bounds__ (a larger block is a launch error on a GPU).
+// most: the kernel's __launch_bounds__ (a larger block is a launch error on a GPU); dependent:
+// launched as a programmatic dependent (before_wait says what that forbids).
 template <class... A>
 EMU_RUNTIME const char* launch(void (*f)(A...), dim3 grid, dim3 block, void** args, const unsigned long long* extents,
-                               unsigned most) {
+                               unsigned most, bool dependent) {
     const unsigned n = block.x * block.y * block.z;
     if (!(n > 0 && n % 32 == 0 && n <= 1024)) return "the emulator needs whole warps, at most 1024 threads";
     if (n > most) {
@@ -622,6 +649,7 @@ EMU_RUNTIME const char* launch(void (*f)(A...), dim3 grid, dim3 block, void** ar
     if (!S.image_hi && !dl_iterate_phdr(find_image, nullptr)) return "cannot find the emulator library's own image";
     S.extents = extents;
     S.nparams = sizeof...(A);
+    S.dependent = dependent;
     Call<A...> call{f, args};
     S.body = &Call<A...>::thunk;
     S.body_arg = &call;
