@@ -122,6 +122,7 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
         "direct_io": engine.weights.direct_io,
         "token_table_aside": engine.plan.table_aside,  # in its file (cpu) or pinned RAM (cuda), not the budget's
         **({"gpudirect_storage": engine.gds} if gpu else {}),
+        **({"dependent_launch": engine.dev.dependent_launch} if gpu else {}),  # cuda_launch.py
         "prompt_tokens": opts.prompt_tokens, "gen_tokens": opts.gen_tokens, "repeat": opts.repeat,
         "prefill_tok_s": round(float(np.median([s.prefill_tok_s for s in runs])), 2),
         # --gen-tokens 1 times prefill alone (its token is the first): no decode step, no figure

@@ -351,6 +351,7 @@ def test_bench_json_on_the_cuda_backend(stored, cuda_device):
     assert r["h2d_bytes_per_token"] == pytest.approx(sum(model.meta["files"][layer_file(i)]["size"] for i in range(3)),
                                                      rel=0.01)
     assert r["hot_path_allocations"] == 0 and r["peak_vram_bytes"] > 0 and r["decode_tok_s"] > 0
+    assert r["dependent_launch"] == cuda_device.dependent_launch  # "on" or "off (why)" on a GPU
     assert r["disk_read_bytes_per_s"] is None and r["disk_bound_tok_s"] is None  # paged from pinned RAM, not disk
     # one token is prefill's alone (gpu_check.sh profiles prefill so): no decode figures, not zeros
     r = run_bench(engine, TextTokenizer(model.path), BenchOptions(prompt_tokens=12, gen_tokens=1, repeat=1), 1)
@@ -549,6 +550,8 @@ def test_cupy_device_code_against_a_stand_in_for_cupy(stored, monkeypatch):
     want, _ = greedy_run(CudaEngine(model, device=EmuDevice(), ctx=96), 6)
     dev = cuda.CupyDevice()
     assert dev.name == "Fake GPU (tests/fake_cupy.py)" and dev.sms == 4
+    dev.functions()  # its sm_90 has dependent launches, but the stand-in is no driver: CuPy's launches
+    assert dev.dependent_launch.startswith("off (")
     layer = model.meta["files"][layer_file(0)]["size"]
     for vram in (None, fixed_bytes(model, 96) + 2 * layer):
         engine = CudaEngine(model, device=dev, ctx=96, vram_budget=vram)

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from nerva_cli import kernels
+from nerva_cli.backends.cuda_launch import dependent_launcher
 from nerva_cli.errors import NervaError
 from nerva_cli.quant import QK
 
@@ -367,6 +368,7 @@ class CupyDevice:
         self.total_bytes = int(props["totalGlobalMem"])
         self.compute = self.stream()
         self.copy = self.stream()
+        self._dependent, self.dependent_launch = None, "off (no kernels loaded yet)"  # functions() decides
         self._one, self._zero = np.ones(1, np.float32), np.zeros(1, np.float32)  # gemm_t's alpha, beta
 
     # modules: each source compiled by nerva's own NVRTC call (kernels.compile_cubin, the one CI
@@ -394,10 +396,37 @@ class CupyDevice:
                     tmp.replace(cubin)
                 mods[mod] = self.cp.RawModule(path=str(cubin))
             fns[name] = mods[mod].get_function(name)
+        self._dependent, self.dependent_launch = dependent_launcher(
+            self.cp.cuda.Device().compute_capability, lambda launcher: self._probe(launcher, fns["to_half"]))
         return fns
 
+    def _probe(self, launcher, to_half) -> None:
+        """Two dependent launches eagerly, then two captured in a graph and replayed, on a stream
+        of its own; raises unless each wrote its value."""
+        cp = self.cp
+        x, out, s = cp.asarray(np.array([1.5], np.float32)), cp.zeros(4, np.float16), self.stream()
+        cp.cuda.runtime.deviceSynchronize()  # both were filled on the legacy stream, which s does not wait for
+
+        def two(first: int) -> None:
+            for i in (first, first + 1):
+                launcher(to_half.kernel.ptr, (1,), (32,), (x, out[i:], np.int64(1)), s.ptr)
+
+        two(0)
+        s.begin_capture()
+        try:
+            two(2)
+        finally:
+            graph = s.end_capture()
+        graph.launch(s)
+        s.synchronize()
+        if not (out.get() == 1.5).all():
+            raise RuntimeError(f"to_half wrote {out.get()}, not 1.5 each")
+
     def launch(self, fn, grid, block, args) -> None:
-        fn(grid, block, args)
+        if self._dependent is None:
+            fn(grid, block, args)
+        else:
+            self._dependent(fn.kernel.ptr, grid, block, args, self.cp.cuda.get_current_stream().ptr)
 
     # arrays
     def empty(self, shape, dtype):
