@@ -6,7 +6,9 @@
   profile) and at W4A8 (what `run`'s mixed precision runs most layers at; llama.cpp's Q4_0
   matvecs also multiply 8-bit activation codes);
 - paged decode under --vram-budget (2G by default) against the PCIe limit: pinned H2D bandwidth /
-  the bytes copied to the GPU a token (bench's h2d_bytes_per_token).
+  the bytes copied to the GPU a token (bench's h2d_bytes_per_token);
+- resident decode (W4A16) again with NERVA_CUDA_PDL=0, every kernel launched without programmatic
+  dependent launch (backends/cuda_launch.py): that change's A/B in the same lease.
 
 Both runs go through `nerva bench --backend cuda`, the one place nerva measures speed. With
 --peer-json (llama-bench's JSON from shared/gpu-peers, run on the same model file in the same
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -29,11 +32,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def bench(model: Path, *extra: str) -> dict:
+def bench(model: Path, *extra: str, env: dict | None = None) -> dict:
     cmd = [sys.executable, "-m", "nerva_cli", "bench", str(model), "--backend", "cuda", "--no-profile",
            "--prompt-tokens", "512", "--gen-tokens", "128", "--repeat", "3", *extra]
     print("$", " ".join(cmd), file=sys.stderr, flush=True)
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -72,6 +75,7 @@ def main() -> None:
     resident = bench(args.model)
     resident_w4a8 = bench(args.model, "--precision", "w4a8")
     paged = bench(args.model, "--vram-budget", args.vram_budget)
+    serial = bench(args.model, env={"NERVA_CUDA_PDL": "0"})
     hbm_limit = ceilings["device_copy"] * 1e9 / per_token
 
     def against_hbm(run: dict) -> dict:
@@ -82,6 +86,7 @@ def main() -> None:
         "device": dev.name, "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": str(args.model), "ceilings_gb_s": ceilings,
         "resident": against_hbm(resident), "resident_w4a8": against_hbm(resident_w4a8),
+        "resident_serial_launches": against_hbm(serial),  # NERVA_CUDA_PDL=0
     }
     h2d = paged.get("h2d_bytes_per_token") or 0
     pcie_limit = ceilings["h2d_pinned"] * 1e9 / h2d if h2d else None

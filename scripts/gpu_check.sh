@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, on a machine with a CUDA device (pip install -e '.[test,cuda13]'), in stages:
-#   tests     the GPU tests (pytest -m gpu)
-#   bench     scripts/gpu_bench.py: resident and paged decode against the HBM and PCIe limits. With
+#   tests     the GPU tests (pytest -m gpu); failed ones run again with NERVA_CUDA_PDL=0
+#   bench     scripts/gpu_bench.py: resident and paged decode against the HBM and PCIe limits (and
+#             resident again with NERVA_CUDA_PDL=0: programmatic dependent launch's A/B). With
 #             ../shared/gpu-peers packed into .gpu-peer/ (its pack.sh) and no MODEL_DIR, llama.cpp
 #             CUDA is built (while the tests run) and benched on its random Llama-3-8B-shaped Q4_0
 #             GGUF, and nerva runs the same file, so the figures are ratios from the same lease
@@ -74,7 +75,13 @@ fi
 
 if has tests; then
   bounded python3 -m pytest -q -m gpu tests/ 2>&1 | tee "$out/gpu_tests.log"
-  mark "${PIPESTATUS[0]}" tests
+  status=${PIPESTATUS[0]}
+  mark "$status" tests
+  if [ "$status" = 1 ]; then
+    # were they the programmatic dependent launches (backends/cuda_launch.py)? the failed ones again without
+    NERVA_CUDA_PDL=0 bounded python3 -m pytest -q -m gpu --lf tests/ 2>&1 | tail -3 | sed 's/^/NERVA_CUDA_PDL=0: /' \
+      | tee -a "$out/gpu_tests.log"
+  fi
 fi
 
 peer=()
@@ -210,6 +217,9 @@ for path in sorted(Path(sys.argv[1]).glob("gpu_*.json")):
               f"(W4A8: {w8.get('decode_tok_s')} = {w8.get('fraction_of_limit')}; target 0.5); paged "
               f"{pag.get('decode_tok_s')} tok/s = {pag.get('fraction_of_limit')} of PCIe (target 0.8); "
               f"prefill {res.get('prefill_tok_s')} tok/s")
+        serial = r.get("resident_serial_launches", {})
+        print(f"  W4A16 without dependent launches (NERVA_CUDA_PDL=0): {serial.get('decode_tok_s')} tok/s = "
+              f"{serial.get('fraction_of_limit')} of HBM; with them: {res.get('dependent_launch')}")
         for which, label in (("llama_cpp", "W4A16"), ("llama_cpp_w4a8", "W4A8")):
             for k, v in r.get(which, {}).items():
                 print(f"  vs llama.cpp {k} ({label}): {v['nerva_tok_s']} / {v['llama_cpp_tok_s']} = {v['nerva_over_llama_cpp']}")
