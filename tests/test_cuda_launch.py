@@ -37,7 +37,7 @@ def test_kernel_params_point_at_each_argument_as_the_kernel_declares_it():
     ptr = int(rng.integers(1 << 40, 1 << 47))
     i32, f32 = np.int32(rng.integers(-2**31, 2**31)), np.float32(rng.standard_normal())
     i64, u32 = np.int64(rng.integers(-2**62, 2**62)), np.uint32(rng.integers(0, 2**32))
-    params, slots = kernel_params((DeviceArray(ptr), i32, f32, i64, u32))
+    params, values = kernel_params((DeviceArray(ptr), i32, f32, i64, u32))
     assert len(params) == 5
     read = [ctypes.c_uint64, ctypes.c_int32, ctypes.c_float, ctypes.c_int64, ctypes.c_uint32]
     got = [t.from_address(params[i]).value for i, t in enumerate(read)]

@@ -38,21 +38,28 @@ def dims(v) -> tuple[int, int, int]:
     return tuple(int(d) for d in v) + (1,) * (3 - len(v))
 
 
-def kernel_params(args) -> tuple[ctypes.Array, np.ndarray]:
+# numpy scalar types -> the ctypes type of the same width a kernel parameter is read as
+_SCALARS = {np.dtype(t): c for t, c in ((np.int8, ctypes.c_int8), (np.uint8, ctypes.c_uint8), (np.int16, ctypes.c_int16),
+                                         (np.uint16, ctypes.c_uint16), (np.int32, ctypes.c_int32),
+                                         (np.uint32, ctypes.c_uint32), (np.int64, ctypes.c_int64),
+                                         (np.uint64, ctypes.c_uint64), (np.float32, ctypes.c_float),
+                                         (np.float64, ctypes.c_double), (np.bool_, ctypes.c_bool))}
+
+
+def kernel_params(args) -> tuple[ctypes.Array, list]:
     """cuLaunchKernelEx's kernelParams for args (device arrays, passed as their pointers; numpy
-    scalars, as their bytes): (the void* array, the 8-byte slots it points at, which must stay
-    alive until the launch returns). A Python int or float is refused, as the kernels' declared
-    widths (int, float) would misread what CuPy would pass (64 bits, a double)."""
-    slots = np.zeros(max(len(args), 1), np.uint64)
+    scalars, as their bytes): (the void* array, the values it points at, which must stay alive
+    until the launch returns). A Python int or float is refused, as the kernels' declared widths
+    (int, float) would misread what CuPy would pass (64 bits, a double)."""
+    values = []
     for i, a in enumerate(args):
-        if isinstance(a, np.generic) and a.dtype.kind in "biuf" and a.dtype.itemsize <= 8:
-            slots[i:i + 1].view(np.uint8)[:a.dtype.itemsize] = np.frombuffer(a.tobytes(), np.uint8)
+        if isinstance(a, np.generic) and a.dtype in _SCALARS:
+            values.append(_SCALARS[a.dtype](a.item()))
         elif hasattr(getattr(a, "data", None), "ptr"):
-            slots[i] = a.data.ptr
+            values.append(ctypes.c_void_p(a.data.ptr))
         else:
             raise TypeError(f"kernel argument {i}: a device array or a numpy scalar, got {type(a).__name__}")
-    base = slots.ctypes.data
-    return (ctypes.c_void_p * len(args))(*(base + 8 * i for i in range(len(args)))), slots
+    return (ctypes.c_void_p * len(values))(*map(ctypes.addressof, values)), values
 
 
 class DependentLauncher:
@@ -66,13 +73,15 @@ class DependentLauncher:
         self._error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         self._attr = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
         self._attr.value[0] = 1  # programmaticStreamSerializationAllowed, an int at the union's start
+        # one config, refilled each launch (the engine launches from one thread)
+        self._config = LaunchConfig(attrs=ctypes.pointer(self._attr), num_attrs=1)
 
     def __call__(self, function: int, grid, block, args, stream: int) -> None:
-        config = LaunchConfig((ctypes.c_uint * 3)(*dims(grid)), (ctypes.c_uint * 3)(*dims(block)), 0, stream,
-                              ctypes.pointer(self._attr), 1)
-        params, slots = kernel_params(args)
+        config = self._config
+        config.grid[:], config.block[:], config.stream = dims(grid), dims(block), stream
+        params, values = kernel_params(args)
         rc = self._launch(ctypes.byref(config), function, params, None)
-        del slots  # cuLaunchKernelEx copied the parameters
+        del values  # cuLaunchKernelEx copied the parameters
         if rc:
             name = ctypes.c_char_p()
             self._error_name(rc, ctypes.byref(name))
