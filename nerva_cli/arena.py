@@ -8,7 +8,7 @@ from math import prod
 
 import numpy as np
 
-from nerva_cli.backends.ref import SHORT_PREFILL_MOST, attention_decode_partials, attention_prefill_work
+from nerva_cli.backends.ref import attention_decode_partials, attention_prefill_work
 from nerva_cli.config import ModelConfig
 from nerva_cli.errors import NervaError
 from nerva_cli.quant import QK
@@ -122,10 +122,10 @@ class PrefillWorkspace:
                "xq": R * max(h, q, f),
                "attention": attention_prefill_work(R, ctx, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
                "dequant": scratch_elements(cfg)}
-        small, widest = min(R, SHORT_PREFILL_MOST), max(h, q, f)  # the integer kernel's activations
+        widest = max(h, q, f)  # the integer kernels' activations (W4A8 takes them for a whole chunk)
         return {**{k: (n, np.float32) for k, n in f32.items()}, "pos": (R, np.int64), "iota": (R, np.int64),
-                "codes": (small * widest, np.int8), "code_scales": (small * widest // QK, np.float32),
-                "code_sums": (small * widest // QK, np.int32)}
+                "codes": (R * widest, np.int8), "code_scales": (R * widest // QK, np.float32),
+                "code_sums": (R * widest // QK, np.int32)}
 
     @classmethod
     def size(cls, cfg: ModelConfig, rows: int, ctx: int) -> int:

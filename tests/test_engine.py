@@ -409,7 +409,7 @@ def test_short_prompts_take_the_batch_kernels(precision, variant, tiny_models, t
 
     model = pull(str(tiny_models("llama-untied")), variant=variant, out=tmp_path / "m")
     engine = Engine(model, precision=precision, ctx=80, kv_cache="f32")
-    most = cpu.short_prefill_rows(precision)
+    most = min(cpu.short_prefill_rows(precision), engine.pw.rows)  # W4A8 on AVX-512BW: any chunk
     assert most > 0 if precision == "w4a8" or cpu._AVX512F else most == 0
     T = int(rng.integers(2, max(most, 16) + 1))
     layer = next(iter(engine.weights.layers()))

@@ -451,13 +451,13 @@ def test_matvec_q4_w4a8_integer_dot_exact(rng, rows, cols, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("acts", (1, 3, 4, 8, 13))  # the cpu's tiles of eight, four and one
-@pytest.mark.parametrize("cols", (32, 352, 576))
+@pytest.mark.parametrize("acts", (1, 3, 4, 8, 13))  # the cpu's tiles of eight (and four and one without AVX-512BW)
+@pytest.mark.parametrize("cols", (32, 352, 576))  # blocks: one; 8 + a pair + one; 16 + a pair
 def test_matmul_q4_w4a8_is_the_matvec_of_each_activation(rng, acts, cols, kind):
-    # A short prompt's W4A8 GEMM: activation t's outputs are the backend's own matvec of it, bit
-    # for bit (the same arithmetic a row; the cpu loads a row's codes once for a tile of them),
-    # written into a column slice of a wider array and nowhere else. The matvecs are held to ref
-    # above.
+    # A prompt's W4A8 GEMM: activation t's outputs are the backend's own matvec of it, bit for bit
+    # (the same arithmetic a row; the cpu unpacks a row's codes once for a tile of them: with
+    # AVX-512BW 16 rows in lanes, 37 rows leaving a tile of 5), written into a column slice of a
+    # wider array and nowhere else. The matvecs are held to ref above.
     rows = 37
     qs, d, m = random_q4(rng, rows, cols, kind)
     x = randn(rng, acts, cols)
@@ -687,6 +687,20 @@ def _serial_w4a8_row_batch():
     return matmul
 
 
+def _serial_w4a8_lanes():
+    """As _serial_w4a8, for the prompt GEMM's rows-in-lanes tile (AVX-512BW), every tile of 16
+    rows and eight activations in turn."""
+    from numba import njit
+
+    @njit
+    def matmul(qs32, d, m, xq, xd, xs, out, codes, scales, offsets):
+        for r0 in range(0, d.shape[0], cpu._LANE_ROWS):
+            cpu._pack_lane_rows(qs32, d, m, r0, codes, scales, offsets)
+            for t0 in range(0, xq.shape[0], cpu._LANE_ACTS):
+                cpu._w4a8_lane_tile(codes, scales, offsets, xq, xd, xs, out, r0, t0)
+    return matmul
+
+
 # Each lowering of the W4A8 row kernel this host can run, by the flags that pick it: the integer
 # dots are exact whichever instructions make them, and the float combine is the same IR, so each
 # must give the host kernel's results bit for bit (host vs ref: the tests above).
@@ -761,6 +775,17 @@ def test_matvec_q4_w4a8_lowerings(rng, monkeypatch, kind, lowering):
         cpu._pair_order(xq4[t], pairs4[t])
     got4 = np.empty((4, rows), np.float32)
     _serial_w4a8_row_batch()(*args[:3], xq4, pairs4, xd4, xs4, got4)
+    for t in range(4):
+        cpu.matvec_q4_w4a8(qs, d, m, xq4[t], xd4[t], xs4[t], host)
+        assert np.array_equal(got4[t], host), t
+    if not flags[1]:  # the prompt GEMM's lane tile needs AVX-512BW
+        return
+    blocks = cols // 32
+    codes = np.empty((blocks, 4, cpu._LANE_ROWS), np.uint32)
+    scales, offsets = (np.empty((blocks, cpu._LANE_ROWS), np.uint16) for _ in range(2))
+    lanes = _serial_w4a8_lanes()
+    lanes(qs.view(np.uint32), *args[1:3], xq4, xd4, xs4, got4, codes, scales, None if m is None else offsets)
+    assert re.search(pattern, next(iter(lanes.inspect_asm().values())))
     for t in range(4):
         cpu.matvec_q4_w4a8(qs, d, m, xq4[t], xd4[t], xs4[t], host)
         assert np.array_equal(got4[t], host), t

@@ -1171,11 +1171,15 @@ def short_prefill_rows(precision: str) -> int:
       75 / 46, 24 tokens 76 / 125 and 82-160 / 65-71, 32 tokens 85 / 161 and 93-176 / 86-90 ms
       (SmolLM2 f16, Engine.prefill alone, best of nine; the two-thread GEMM swings from run to
       run, OpenBLAS's worker meeting numba's spinning one): about 5 ms a token and thread.
-    So per thread 32, 16, 16 and 12 tokens, up to SHORT_PREFILL_MOST (what the workspace holds).
+    So per thread 32, 16, 16 and 12 tokens, up to SHORT_PREFILL_MOST.
     Measured again once the GEMMs ran on numba's threads (0088c53; batch / GEMM, two threads, a
     slow spell of the machine): W4A8 32 tokens 61 / 118, 64 tokens 112 / 167; W4A16 16 tokens
-    54 / 66, 32 tokens 112 / 110; exact 16 tokens 60 / 83, 32 tokens 103 / 100: the same."""
-    per_thread = {"w4a8": 32 if _AVX512BW else 16, "w4a16": 16 if _AVX512F else 0, "exact": 12}.get(precision, 0)
+    54 / 66, 32 tokens 112 / 110; exact 16 tokens 60 / 83, 32 tokens 103 / 100: the same.
+    W4A8 on AVX-512BW has no bound: matmul_q4_w4a8's rows-in-lanes kernel is faster than the
+    GEMM at every length (see _LANE_ROWS), so every W4A8 chunk takes it."""
+    if precision == "w4a8" and _AVX512BW:
+        return sys.maxsize
+    per_thread = {"w4a8": 16, "w4a16": 16 if _AVX512F else 0, "exact": 12}.get(precision, 0)
     return min(per_thread * _threads[0], SHORT_PREFILL_MOST)
 
 
@@ -1307,9 +1311,190 @@ def _w4a8_batch(qs, d, m, xq, x_pairs, xd, xs, out):
             out[t, r] = _w4a8_row_batch(qs, d, m, xq, x_pairs, xd, xs, r, t, 1)[0]
 
 
+# W4A8 prompt GEMM with a row in each int32 lane (AVX-512BW): a thread copies 16 rows' codes into
+# _LANE_ROWS-wide quads (quad j of block b: bytes 4j..4j+3 of each row's block, row after row, so
+# one 64-byte load holds 16 rows' four code bytes, low nibbles the weights 4j.. and high ones
+# 16 + 4j..), then for _LANE_ACTS activations at a time one vpdpbusd (vpmaddubsw + vpmaddwd
+# without VNNI) multiplies those 16 rows by four broadcast activation codes: no horizontal sums,
+# and the rows' codes are unpacked once for eight activations. Each row's arithmetic is the
+# decode kernel's (_integer_row) step for step: the same integer dots, the same scale products
+# and fused multiply-adds, into the same eight, two and one partial sums (blocks j, j + 8, ...;
+# then the pairs; then the last), added in _hsum's order, so every output equals
+# matvec_q4_w4a8's bit for bit, for any prompt length. Against dequantise + OpenBLAS sgemm on
+# the 2-core Zen 4 EPYC, 256 activations, two threads (a prototype of this kernel with one sum a
+# row): 3072 x 576 1.41 ms against 5.14 + 0.46, 576 x 1536 0.64 against 2.81 + 0.23, 4096 x
+# 4096 (128 activations) 10.1 against 26.6 + 4.4.
+_LANE_ROWS = 16
+_LANE_ACTS = 8
+
+
+@njit(cache=True, nogil=True)
+def _pack_lane_rows(qs32, d, m, r0, codes, scales, offsets):
+    """Rows r0 .. r0 + 15 of Q4 planes (qs as uint32 words; rows past the end repeat the last)
+    into codes [blocks, 4, 16] (word j of block b, row after row) and scales, offsets [blocks, 16]
+    (f16 bits; offsets only for Q4_1, m not None)."""
+    rows, blocks = d.shape
+    for i in range(_LANE_ROWS):
+        r = min(r0 + i, rows - 1)
+        for b in range(blocks):
+            for j in range(4):
+                codes[b, j, i] = qs32[r, 4 * b + j]
+            scales[b, i] = d[r, b]
+            if m is not None:
+                offsets[b, i] = m[r, b]
+
+
+@intrinsic
+def _w4a8_lane_tile(typingctx, codes, scales, offsets, xq, xd, xs, out, r0, t0):
+    """out[t, r0 + i] for the _LANE_ROWS rows packed by _pack_lane_rows (those below out's row
+    count) and the activations t0 .. t0 + _LANE_ACTS - 1 (those below xq's count; the rest read
+    the last one's and are not stored): see _LANE_ROWS."""
+    if not (_c_arrays(codes, scales, offsets, xq, xd, xs) and isinstance(out, types.Array)):
+        return None
+    q4_1 = not isinstance(offsets, types.NoneType)
+    lanes, acts_n = _LANE_ROWS, _LANE_ACTS
+    v_i32, v_f32 = _vec(_I32, lanes), _vec(_F32, lanes)
+
+    def codegen(context, builder, sig, args):
+        a = _Operands(context, builder, sig.args[:7], args[:7])
+        r0_, t0_ = _intp(context, builder, sig, args, 7), _intp(context, builder, sig, args, 8)
+        one = ir.Constant(_I64, 1)
+        acts = builder.extract_value(a.arrays[3].shape, 0)
+        rows = builder.extract_value(a.arrays[6].shape, 1)
+        blocks = builder.extract_value(a.arrays[1].shape, 0)
+        last = builder.sub(acts, one)
+        ts = [builder.add(t0_, ir.Constant(_I64, t)) for t in range(acts_n)]
+        at = [builder.select(builder.icmp_signed("<", t, acts), t, last) for t in ts]
+        x_rows, xd_rows, xs_rows = ([a.row(i, t) for t in at] for i in (3, 4, 5))
+        codes_p, scales_p = a.data(0), a.data(1)
+        offsets_p = a.data(2) if q4_1 else None
+        module = builder.module
+        if _AVX512VNNI:
+            dpbusd = cgutils.get_or_insert_function(module, ir.FunctionType(v_i32, [v_i32] * 3),
+                                                    "llvm.x86.avx512.vpdpbusd.512")
+
+            def dot(acc, w, x):
+                return builder.call(dpbusd, [acc, w, x])
+        else:
+            pmaddubsw = cgutils.get_or_insert_function(
+                module, ir.FunctionType(_vec(_I16, 32), [_vec(_I8, 64)] * 2), "llvm.x86.avx512.pmaddubs.w.512")
+            pmaddwd = cgutils.get_or_insert_function(
+                module, ir.FunctionType(v_i32, [_vec(_I16, 32)] * 2), "llvm.x86.avx512.pmaddw.d.512")
+
+            def dot(acc, w, x):
+                pairs = builder.call(pmaddubsw, [builder.bitcast(w, _vec(_I8, 64)), builder.bitcast(x, _vec(_I8, 64))])
+                return builder.add(acc, builder.call(pmaddwd, [pairs, _splat(_I16, 32, 1)]))
+
+        def block(b, sums):
+            """Block b's terms added to the activations' partial sums (allocas of <16 x float>)."""
+            x_at = builder.mul(b, ir.Constant(_I64, 32))
+            four = ir.Constant(_I64, 4)
+            xs_b = [_load(builder, xs_rows[t], builder.mul(b, four), _I32) for t in range(acts_n)]
+            if q4_1:
+                acc = [_splat(_I32, lanes, 0)] * acts_n
+            else:  # Q4_0's -8 sum q_x, which the decode kernel subtracts from the dot: the same integer
+                acc = [_broadcast(builder, builder.mul(s, ir.Constant(_I32, -8)), lanes) for s in xs_b]
+            for j in range(4):
+                w = _load(builder, codes_p, builder.add(builder.mul(b, ir.Constant(_I64, 256)),
+                                                        ir.Constant(_I64, 64 * j)), _vec(_I8, 64))
+                low = builder.bitcast(builder.and_(w, _splat(_I8, 64, 15)), v_i32)
+                high = builder.lshr(builder.bitcast(w, _vec(_I16, 32)), _splat(_I16, 32, 4))
+                high = builder.bitcast(builder.and_(high, _splat(_I16, 32, 0x0F0F)), v_i32)
+                for t in range(acts_n):
+                    x_lo = _broadcast(builder, _load(builder, x_rows[t], builder.add(x_at, ir.Constant(_I64, 4 * j)),
+                                                     _I32), lanes)
+                    x_hi = _broadcast(builder, _load(builder, x_rows[t],
+                                                     builder.add(x_at, ir.Constant(_I64, 16 + 4 * j)), _I32), lanes)
+                    acc[t] = dot(dot(acc[t], low, x_lo), high, x_hi)
+            d = builder.fpext(_load(builder, scales_p, x_at, _vec(ir.HalfType(), lanes)), v_f32)
+            m = builder.fpext(_load(builder, offsets_p, x_at, _vec(ir.HalfType(), lanes)), v_f32) if q4_1 else None
+            for t in range(acts_n):
+                dx = _load(builder, xd_rows[t], builder.mul(b, four), _F32)
+                scale = builder.fmul(d, _broadcast(builder, dx, lanes))
+                v = _fmuladd(builder, scale, builder.sitofp(acc[t], v_f32), builder.load(sums[t]))
+                if q4_1:
+                    offset_x = builder.fmul(dx, builder.sitofp(xs_b[t], _F32))
+                    v = _fmuladd(builder, m, _broadcast(builder, offset_x, lanes), v)
+                builder.store(v, sums[t])
+
+        def span(first, step, count):
+            """Blocks first, first + step, ... (count of them) -> each activation's sum."""
+            sums = [cgutils.alloca_once_value(builder, _splat(_F32, lanes, 0.0)) for _ in range(acts_n)]
+            with cgutils.for_range(builder, count) as loop:
+                block(builder.add(first, builder.mul(loop.index, ir.Constant(_I64, step))), sums)
+            return [builder.load(v) for v in sums]
+
+        # _integer_row's spans: groups of eight blocks (lane j takes blocks j, j + 8, ...), then
+        # pairs (lanes 0 and 1), then the last block
+        groups = builder.lshr(blocks, ir.Constant(_I64, 3))
+        tail = builder.sub(blocks, builder.shl(groups, ir.Constant(_I64, 3)))
+        eight = [span(ir.Constant(_I64, j), 8, groups) for j in range(8)]
+        pair0 = builder.shl(groups, ir.Constant(_I64, 3))
+        pair = [span(builder.add(pair0, ir.Constant(_I64, j)), 2, builder.lshr(tail, one)) for j in range(2)]
+        single = span(builder.sub(blocks, builder.and_(tail, one)), 1, builder.and_(tail, one))
+        valid = builder.sub(rows, r0_)
+        mask = builder.icmp_signed("<", ir.Constant(_vec(_I64, lanes), [ir.Constant(_I64, i) for i in range(lanes)]),
+                                   _broadcast(builder, valid, lanes))
+        store = cgutils.get_or_insert_function(
+            module, ir.FunctionType(ir.VoidType(), [v_f32, v_f32.as_pointer(), _I32, mask.type]),
+            f"llvm.masked.store.v{lanes}f32.p0v{lanes}f32")
+        for t in range(acts_n):
+            e = [v[t] for v in eight]
+            hsum8 = builder.fadd(builder.fadd(builder.fadd(e[0], e[4]), builder.fadd(e[2], e[6])),
+                                 builder.fadd(builder.fadd(e[1], e[5]), builder.fadd(e[3], e[7])))
+            total = builder.fadd(_splat(_F32, lanes, 0.0), hsum8)
+            total = builder.fadd(total, builder.fadd(pair[0][t], pair[1][t]))
+            total = builder.fadd(total, single[t])
+            with builder.if_then(builder.icmp_signed("<", ts[t], acts)):
+                ptr = builder.gep(a.row(6, ts[t]), [builder.mul(r0_, ir.Constant(_I64, 4))])
+                builder.call(store, [total, builder.bitcast(ptr, v_f32.as_pointer()), ir.Constant(_I32, 4), mask])
+        return context.get_dummy_value()
+
+    return types.void(codes, scales, offsets, xq, xd, xs, out, r0, t0), codegen
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _w4a8_lanes(qs32, d, m, xq, xd, xs, out, codes, scales, offsets):
+    rows, acts, workers = d.shape[0], xq.shape[0], codes.shape[0]
+    groups = (rows + _LANE_ROWS - 1) // _LANE_ROWS
+    for w in prange(workers):
+        for g in range(w, groups, workers):
+            r0 = g * _LANE_ROWS
+            if m is None:
+                _pack_lane_rows(qs32, d, None, r0, codes[w], scales[w], None)
+                for t0 in range(0, acts, _LANE_ACTS):
+                    _w4a8_lane_tile(codes[w], scales[w], None, xq, xd, xs, out, r0, t0)
+            else:
+                _pack_lane_rows(qs32, d, m, r0, codes[w], scales[w], offsets[w])
+                for t0 in range(0, acts, _LANE_ACTS):
+                    _w4a8_lane_tile(codes[w], scales[w], offsets[w], xq, xd, xs, out, r0, t0)
+
+
+_lane_buffers = [np.empty(0, np.uint32), np.empty(0, np.uint16)]  # _w4a8_lanes's packed rows, a worker each
+
+
+def _lane_scratch(workers, blocks):
+    """(codes [workers, blocks, 4, 16] uint32, scales and offsets [workers, blocks, 16] uint16),
+    over buffers made again only when a wider matrix needs more."""
+    words, halves = workers * blocks * 4 * _LANE_ROWS, 2 * workers * blocks * _LANE_ROWS
+    if _lane_buffers[0].size < words:
+        _lane_buffers[0] = np.empty(words, np.uint32)
+    if _lane_buffers[1].size < halves:
+        _lane_buffers[1] = np.empty(halves, np.uint16)
+    planes = _lane_buffers[1][:halves].reshape(2, workers, blocks, _LANE_ROWS)
+    return _lane_buffers[0][:words].reshape(workers, blocks, 4, _LANE_ROWS), planes[0], planes[1]
+
+
 def matmul_q4_w4a8(qs, d, m, xq, xd, xs, out):
     """out[t] = matvec_q4_w4a8 of activation t, the rows of xq [T, cols] and xd, xs [T, cols / 32],
-    bit for bit; out [T, rows] may be a column slice of a wider array."""
+    bit for bit; out [T, rows] may be a column slice of a wider array. With AVX-512BW, rows in
+    lanes (_LANE_ROWS), fast at any T; else each row against eight activations at a time."""
+    if _AVX512BW:
+        rows, blocks = d.shape
+        workers = max(1, min(_threads[0], (rows + _LANE_ROWS - 1) // _LANE_ROWS))
+        codes, scales, offsets = _lane_scratch(workers, blocks)
+        _w4a8_lanes(qs.view(np.uint32), d.view(np.uint16), _bits(m), xq, xd, xs, out, codes, scales, offsets)
+        return
     acts, cols = xq.shape
     x_pairs = _pair_scratch(acts * cols)[:acts * cols].reshape(acts, cols)
     _w4a8_batch(qs, d.view(np.uint16), _bits(m), xq, x_pairs, xd, xs, out)
