@@ -451,7 +451,7 @@ def test_matvec_q4_w4a8_integer_dot_exact(rng, rows, cols, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("acts", (1, 3, 4, 8, 13))  # the cpu's tiles of eight (and four and one without AVX-512BW)
+@pytest.mark.parametrize("acts", (1, 3, 4, 8, 13, 21))  # the cpu's row kernel (tiles of 8, 4, 1); lanes from 12
 @pytest.mark.parametrize("cols", (32, 352, 576))  # blocks: one; 8 + a pair + one; 16 + a pair
 def test_matmul_q4_w4a8_is_the_matvec_of_each_activation(rng, acts, cols, kind):
     # A prompt's W4A8 GEMM: activation t's outputs are the backend's own matvec of it, bit for bit

@@ -1323,9 +1323,15 @@ def _w4a8_batch(qs, d, m, xq, x_pairs, xd, xs, out):
 # matvec_q4_w4a8's bit for bit, for any prompt length. Against dequantise + OpenBLAS sgemm on
 # the 2-core Zen 4 EPYC, 256 activations, two threads (a prototype of this kernel with one sum a
 # row): 3072 x 576 1.41 ms against 5.14 + 0.46, 576 x 1536 0.64 against 2.81 + 0.23, 4096 x
-# 4096 (128 activations) 10.1 against 26.6 + 4.4.
+# 4096 (128 activations) 10.1 against 26.6 + 4.4. Below _LANES_FROM activations the row kernel
+# (_w4a8_batch) is faster: a tile's packing and its eight activations cost the same for fewer,
+# and the row kernel takes one activation at a time. Best of nine, q4_1, lanes / row kernel in
+# us, two threads: 3072 x 576 at 1, 8, 12 and 16 activations 241 / 29, 145 / 134, 205 / 216,
+# 200 / 251; 576 x 1536 62 / 15, 71 / 60, 101 / 92, 103 / 113 (one thread: 3072 x 576 at 12
+# 353 / 394, 576 x 1536 159 / 161, at 16 355 / 488 and 160 / 210).
 _LANE_ROWS = 16
 _LANE_ACTS = 8
+_LANES_FROM = 12
 
 
 @njit(cache=True, nogil=True)
@@ -1417,21 +1423,32 @@ def _w4a8_lane_tile(typingctx, codes, scales, offsets, xq, xd, xs, out, r0, t0):
                     v = _fmuladd(builder, m, _broadcast(builder, offset_x, lanes), v)
                 builder.store(v, sums[t])
 
-        def span(first, step, count):
-            """Blocks first, first + step, ... (count of them) -> each activation's sum."""
-            sums = [cgutils.alloca_once_value(builder, _splat(_F32, lanes, 0.0)) for _ in range(acts_n)]
-            with cgutils.for_range(builder, count) as loop:
-                block(builder.add(first, builder.mul(loop.index, ir.Constant(_I64, step))), sums)
-            return [builder.load(v) for v in sums]
-
-        # _integer_row's spans: groups of eight blocks (lane j takes blocks j, j + 8, ...), then
-        # pairs (lanes 0 and 1), then the last block
+        # _integer_row's spans, as 11 classes of blocks each summed apart: j < 8, the groups of
+        # eight's lane j (blocks j, j + 8, ...); 8 and 9, the pairs' lanes; 10, the last block.
+        # One loop over the classes, so the block's code is generated once (11 copies took numba
+        # 4.5 s more to compile on the 2-core Zen 4 EPYC).
+        c8, c2 = ir.Constant(_I64, 8), ir.Constant(_I64, 2)
         groups = builder.lshr(blocks, ir.Constant(_I64, 3))
         tail = builder.sub(blocks, builder.shl(groups, ir.Constant(_I64, 3)))
-        eight = [span(ir.Constant(_I64, j), 8, groups) for j in range(8)]
-        pair0 = builder.shl(groups, ir.Constant(_I64, 3))
-        pair = [span(builder.add(pair0, ir.Constant(_I64, j)), 2, builder.lshr(tail, one)) for j in range(2)]
-        single = span(builder.sub(blocks, builder.and_(tail, one)), 1, builder.and_(tail, one))
+        pair0, pairs, odd = builder.shl(groups, ir.Constant(_I64, 3)), builder.lshr(tail, one), builder.and_(tail, one)
+        parts = cgutils.alloca_once(builder, v_f32, size=11 * acts_n)
+        with cgutils.for_range(builder, ir.Constant(_I64, 11)) as classes:
+            c = classes.index
+            in_groups, in_pairs = builder.icmp_signed("<", c, c8), builder.icmp_signed("<", c, ir.Constant(_I64, 10))
+            first = builder.select(in_groups, c, builder.select(in_pairs, builder.add(pair0, builder.sub(c, c8)),
+                                                                builder.sub(blocks, odd)))
+            step = builder.select(in_groups, c8, c2)
+            count = builder.select(in_groups, groups, builder.select(in_pairs, pairs, odd))
+            sums = [cgutils.alloca_once_value(builder, _splat(_F32, lanes, 0.0)) for _ in range(acts_n)]  # zeroed here
+            with cgutils.for_range(builder, count) as loop:
+                block(builder.add(first, builder.mul(loop.index, step)), sums)
+            for t in range(acts_n):
+                at = builder.add(builder.mul(c, ir.Constant(_I64, acts_n)), ir.Constant(_I64, t))
+                builder.store(builder.load(sums[t]), builder.gep(parts, [at]))
+
+        def part(c, t):
+            return builder.load(builder.gep(parts, [ir.Constant(_I64, c * acts_n + t)]))
+
         valid = builder.sub(rows, r0_)
         mask = builder.icmp_signed("<", ir.Constant(_vec(_I64, lanes), [ir.Constant(_I64, i) for i in range(lanes)]),
                                    _broadcast(builder, valid, lanes))
@@ -1439,12 +1456,12 @@ def _w4a8_lane_tile(typingctx, codes, scales, offsets, xq, xd, xs, out, r0, t0):
             module, ir.FunctionType(ir.VoidType(), [v_f32, v_f32.as_pointer(), _I32, mask.type]),
             f"llvm.masked.store.v{lanes}f32.p0v{lanes}f32")
         for t in range(acts_n):
-            e = [v[t] for v in eight]
+            e = [part(c, t) for c in range(8)]
             hsum8 = builder.fadd(builder.fadd(builder.fadd(e[0], e[4]), builder.fadd(e[2], e[6])),
                                  builder.fadd(builder.fadd(e[1], e[5]), builder.fadd(e[3], e[7])))
             total = builder.fadd(_splat(_F32, lanes, 0.0), hsum8)
-            total = builder.fadd(total, builder.fadd(pair[0][t], pair[1][t]))
-            total = builder.fadd(total, single[t])
+            total = builder.fadd(total, builder.fadd(part(8, t), part(9, t)))
+            total = builder.fadd(total, part(10, t))
             with builder.if_then(builder.icmp_signed("<", ts[t], acts)):
                 ptr = builder.gep(a.row(6, ts[t]), [builder.mul(r0_, ir.Constant(_I64, 4))])
                 builder.call(store, [total, builder.bitcast(ptr, v_f32.as_pointer()), ir.Constant(_I32, 4), mask])
@@ -1487,9 +1504,10 @@ def _lane_scratch(workers, blocks):
 
 def matmul_q4_w4a8(qs, d, m, xq, xd, xs, out):
     """out[t] = matvec_q4_w4a8 of activation t, the rows of xq [T, cols] and xd, xs [T, cols / 32],
-    bit for bit; out [T, rows] may be a column slice of a wider array. With AVX-512BW, rows in
-    lanes (_LANE_ROWS), fast at any T; else each row against eight activations at a time."""
-    if _AVX512BW:
+    bit for bit; out [T, rows] may be a column slice of a wider array. With AVX-512BW and at
+    least _LANES_FROM activations, rows in lanes (_LANE_ROWS); else each row
+    against eight activations at a time (and four, and one)."""
+    if _AVX512BW and xq.shape[0] >= _LANES_FROM:
         rows, blocks = d.shape
         workers = max(1, min(_threads[0], (rows + _LANE_ROWS - 1) // _LANE_ROWS))
         codes, scales, offsets = _lane_scratch(workers, blocks)
