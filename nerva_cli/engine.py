@@ -374,9 +374,11 @@ class Engine(EngineBase):
         """A W4A8 layer's o for a 16-token chunk: the warm-up's two tokens take the row kernels,
         a first prompt of a dozen tokens or more the cpu's lane kernel (matmul_q4_w4a8), which
         compiled after the answer began (1.5 s on the 2-core Zen 4 EPYC) before warm_up asked
-        for it. Under compile_only nothing runs."""
-        layer = next((L for L in self.weights.layers() if self.layer_precision[L.index] == "w4a8"
-                      and L.mats["o"].qs is not None), None)
+        for it. Under compile_only nothing runs; a resident layer's, so the pager reads nothing."""
+        paged = getattr(self.weights, "paged", [])
+        layers = self.weights.resident.values() if paged else self.weights.layers()
+        layer = next((L for L in layers if self.layer_precision[L.index] == "w4a8" and L.mats["o"].qs is not None),
+                     None)
         if layer is not None:
             T, ws = min(16, self.pw.rows), self.pw
             self._dense([layer.mats["o"]], ws.take("attn", T, self.cfg.q_dim), "w4a8",
