@@ -370,15 +370,17 @@ class Engine(EngineBase):
         self.reset()
         self.phase_ns = dict.fromkeys(PHASES, 0)
 
+    def _resident_layers(self):
+        """The layers in RAM, taken without the pager (a paged engine's resident ones)."""
+        return self.weights.resident.values() if getattr(self.weights, "paged", []) else self.weights.layers()
+
     def _longer_prompt_dense(self) -> None:
         """A W4A8 layer's o for a 16-token chunk: the warm-up's two tokens take the row kernels,
         a first prompt of a dozen tokens or more the cpu's lane kernel (matmul_q4_w4a8), which
         compiled after the answer began (1.5 s on the 2-core Zen 4 EPYC) before warm_up asked
         for it. Under compile_only nothing runs; a resident layer's, so the pager reads nothing."""
-        paged = getattr(self.weights, "paged", [])
-        layers = self.weights.resident.values() if paged else self.weights.layers()
-        layer = next((L for L in layers if self.layer_precision[L.index] == "w4a8" and L.mats["o"].qs is not None),
-                     None)
+        layer = next((L for L in self._resident_layers()
+                      if self.layer_precision[L.index] == "w4a8" and L.mats["o"].qs is not None), None)
         if layer is not None:
             T, ws = min(16, self.pw.rows), self.pw
             self._dense([layer.mats["o"]], ws.take("attn", T, self.cfg.q_dim), "w4a8",
@@ -403,7 +405,7 @@ class Engine(EngineBase):
             q, attn = ws.take("q", T, cfg.num_heads, cfg.head_dim), ws.take("attn", T, cfg.num_heads, cfg.head_dim)
             self.k.attention_prefill(q, self.a.k_cache[first][:T], self.a.v_cache[first][:T], 0, attn,
                                      ws.bufs["attention"])
-            for layer in self.weights.resident.values() if paged else self.weights.layers():
+            for layer in self._resident_layers():
                 self._decode_halves(layer)[0](0)
             for precision in sorted({self.layer_precision[i] for i in paged}):
                 view = self.weights.views()[0]
