@@ -22,16 +22,17 @@
 // the GLU kernels and W4A16 do not spill; the plain W4A8 matvecs did (matvec_q4_w4a8 80 bytes,
 // NVRTC 13.5, sm_75 to sm_90: its 8 rows and row pointers, stored before the loop and reloaded
 // every round, 14 LDL of 611 instructions). Those two take MV_W4A8_MIN_BLOCKS instead: 512
-// threads an SM, 128 registers, no spill for Q4_0 (596 instructions), 32 bytes for Q4_1 (112 at
-// 96). On an H100 (2026-11-27, scripts/gpu_matvec_sweep.py --precision w4a8 --rows 8 --threads
+// threads an SM, 128 registers, no spill for Q4_0 (596 instructions); Q4_1's spilled 112 bytes at
+// 96, 32 at 128, and since q4_rounds none on sm_90 and 8 on sm_75. On an H100 (2026-11-27, scripts/gpu_matvec_sweep.py --precision w4a8 --rows 8 --threads
 // 128) matvec_q4_w4a8 read an 8B step's matrices in 2.29 ms at 4 blocks an SM against 2.56 at 5
 // (q/o 1480 GB/s against 1235, down 2107 against 1881); Q4_1's was not timed. At 4 blocks
 // W4A16 would take 121 registers (no spill either way), untimed: -D MV_MIN_BLOCKS=4 sweeps it.
 // (The exact kernels need fewer registers: a bound would let ptxas spend up to 96 on them.)
-// Bounded at 96, Q4_1's W4A16 kernels spill 8 to 48 bytes on sm_86 to sm_90 and glu_q4_1_w4a8
-// 24 (NVRTC 13.5), in their first round (q4_rounds) but for one reload a round in
-// matvec_q4_1_w4a16's loop on sm_90; Q4_0's loops are as they were (938, 912 and 596
-// instructions, scripts/sass_mix.py).
+// Bounded at 96, glu_q4_1_w4a8 spills 24 bytes (20 before q4_rounds on sm_75 to sm_89), and Q4_1's
+// W4A16 kernels, which did not spill but for matvec_q4_1_w4a16's 24 on sm_90, spill 8 (matvec)
+// and 48 (glu) on sm_86 and sm_89, 40 and 28 on sm_90 (NVRTC 13.5), in their peeled first round
+// but for one reload a round in matvec_q4_1_w4a16's loop on sm_90; Q4_0's loops are as they
+// were (938, 912 and 596 instructions, scripts/sass_mix.py).
 #ifndef MV_MIN_BLOCKS
 #define MV_MIN_BLOCKS (640 / MV_MAX_THREADS)
 #endif
