@@ -345,8 +345,10 @@ class Engine(EngineBase):
         answer stalled after its first token while they compiled (SmolLM2's first run on the
         2-core Zen 4 EPYC: the first token at 5.5 s, the second at 13.3). `aside`, from
         compile_aside (made before any thread of the caller's starts), compiles the attention
-        halves meanwhile; this process compiles the MLP halves after its prefill, calls `also`
-        (the caller's own kernels' first calls), then waits for it."""
+        halves meanwhile; this process compiles the MLP halves after its prefill, then the
+        kernels of a longer prompt (_longer_prompt_dense), calls `also` (the caller's own
+        kernels' first calls), then waits for it. Where the kernels are on disk already (the
+        chat's warm-up while the user types), all this loads them."""
         token = self.cfg.bos_token_id or 0
         # two tokens where the context has room to decode after them: a prompt of several slices
         # the outputs of a paged layer's unfused q/k/v (a layout of its own, compiled apart),
@@ -355,10 +357,11 @@ class Engine(EngineBase):
         try:
             self.prefill(prompt)
             if self.ctx > len(prompt):  # --ctx 1 holds no second position (and no answer either)
-                if aside is not None:
+                if hasattr(self.k, "compile_only"):
                     with self.k.compile_only():
-                        for layer in self.weights.layers():
-                            self._decode_halves(layer)[1]()
+                        if aside is not None:  # else the decode below compiles them, in this process
+                            for layer in self.weights.layers():
+                                self._decode_halves(layer)[1]()
                         self._longer_prompt_dense()
                 also()
                 if aside is not None:
@@ -375,16 +378,28 @@ class Engine(EngineBase):
         return self.weights.resident.values() if getattr(self.weights, "paged", []) else self.weights.layers()
 
     def _longer_prompt_dense(self) -> None:
-        """A W4A8 layer's o for a 16-token chunk: the warm-up's two tokens take the row kernels,
-        a first prompt of a dozen tokens or more the cpu's lane kernel (matmul_q4_w4a8), which
-        compiled after the answer began (1.5 s on the 2-core Zen 4 EPYC) before warm_up asked
-        for it. Under compile_only nothing runs; a resident layer's, so the pager reads nothing."""
-        layer = next((L for L in self._resident_layers()
-                      if self.layer_precision[L.index] == "w4a8" and L.mats["o"].qs is not None), None)
-        if layer is not None:
-            T, ws = min(16, self.pw.rows), self.pw
-            self._dense([layer.mats["o"]], ws.take("attn", T, self.cfg.q_dim), "w4a8",
-                        ws.take("proj", T, self.cfg.hidden_size))
+        """A layer's q/k/v and o products, for each precision the layers run at, at a chunk length
+        whose kernels the warm-up's two tokens do not reach: past the backend's short bound, the
+        GEMM (dequantise + sgemm, or widen for exact); where W4A8 has no bound (AVX-512BW), 16
+        tokens for its lane kernel (matmul_q4_w4a8 from a dozen). Left to the first prompt they
+        compiled after the answer began: on the 2-core Zen 4 EPYC the lane kernel 1.5 s, the
+        GEMM of SmolLM2's three W4A16 layers about 1 s of the Quickstart prompt's 36 tokens.
+        q/k/v as prefill_layer multiplies them: a resident layer's fused, a paged layer's apart,
+        into column slices of its output, which numba types apart from a whole array. Under
+        compile_only nothing runs: a resident layer's matrices, and a staging slot's (whatever
+        it holds) where layers of that precision are paged, so the pager reads nothing."""
+        cfg, ws, paged = self.cfg, self.pw, getattr(self.weights, "paged", [])
+        resident = {self.layer_precision[L.index]: L for L in self._resident_layers()}
+        layers = [(p, L) for p, L in resident.items()]
+        layers += [(p, self.weights.views()[0]) for p in {self.layer_precision[i] for i in paged}]
+        for precision, layer in sorted(layers, key=lambda pl: pl[0]):
+            m = layer.mats
+            short = self.k.short_prefill_rows("exact" if m["o"].w is not None else precision)
+            T = short + 1 if short < ws.rows else min(16, ws.rows)
+            xn, attn = ws.take("xn", T, cfg.hidden_size), ws.take("attn", T, cfg.q_dim)
+            self._dense([m["qkv"]] if "qkv" in m else [m["q"], m["k"], m["v"]], xn, precision,
+                        ws.take("qkv", T, cfg.q_dim + 2 * cfg.kv_dim), gcd(cfg.q_dim, cfg.kv_dim))
+            self._dense([m["o"]], attn, precision, ws.take("proj", T, cfg.hidden_size))
 
     def compile_aside(self):
         """For warm_up: a forked process compiling, without running them, the attention halves of

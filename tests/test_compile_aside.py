@@ -51,6 +51,7 @@ import sys
 from pathlib import Path
 from numba.core import event
 from nerva_cli import sampling
+from nerva_cli.backends.ref import SHORT_PREFILL_MOST
 from nerva_cli.engine import Engine
 from nerva_cli.store import load_metadata
 
@@ -59,9 +60,9 @@ layers = model.config.num_layers
 precisions = (["w4a8", "w4a16"] * layers)[:layers]
 budget = None
 if sys.argv[2] == "paged":  # the fixed part, two staging slots and two resident layers of six
-    fixed = Engine(model, ctx=64, layer_precisions=precisions).plan.fixed
+    fixed = Engine(model, ctx=128, layer_precisions=precisions).plan.fixed
     budget = sum(b.nbytes for b in fixed) + 4 * model.meta["files"]["layer_000.bin"]["size"]
-engine = Engine(model, ctx=64, layer_precisions=precisions, ram_budget=budget)
+engine = Engine(model, ctx=128, layer_precisions=precisions, ram_budget=budget)
 assert len(engine.plan.paged_layers) == (4 if sys.argv[2] == "paged" else 0), engine.plan.paged_layers
 phase, compiled = ["before decode"], set()
 
@@ -80,10 +81,12 @@ engine.decode = decoding
 aside = engine.compile_aside()
 vocab = model.config.vocab_size
 engine.warm_up(aside, also=lambda: sampling.warm_kernels(vocab))
-phase[0] = "answer"  # a prompt of several tokens, a draw, a decode step
+phase[0] = "answer"  # prompts short and long (past every short bound: the GEMMs), a draw, a decode step
 sampler = sampling.Sampler(sampling.SamplingOptions(temperature=0.7, repeat_penalty=1.3, seed=1), vocab)
 sampler.remember(5)
 engine.decode(sampler(engine.prefill([3, 4, 5, 6, 7, 8, 9])))
+engine.reset()
+engine.decode(sampler(engine.prefill([3 + t % 300 for t in range(SHORT_PREFILL_MOST + 1)])))
 engine.weights.close()
 print(aside.exit_code, sorted(compiled))
 """
@@ -93,7 +96,8 @@ print(aside.exit_code, sorted(compiled))
 def test_a_first_warm_up_compiles_the_attention_half_in_a_child(tmp_path, residency):
     """On a fresh cache the child compiles the attention halves' kernels (a paged layer's from
     a slot, beside the pager's thread), the parent the prefill's, the MLP halves' and the
-    sampler's, so that neither warm_up's real decode nor an answer after it compiles anything.
+    sampler's, so that neither warm_up's real decode nor an answer after it compiles anything,
+    however long its prompt.
     Prefill's attention the child compiles first, and the parent too where it reaches it first
     (a race either may win: neither is asserted)."""
     if len(os.sched_getaffinity(0)) < 2:
