@@ -81,9 +81,12 @@ class ChatSession:
         common = min(common, len(ids) - 1)  # at least one token must be prefilled for logits
         self.engine.truncate(common)
         decoder = self.tok.stream_decoder()
-        out, stats = generate(self.engine, ids[common:], self.sampler, min(self.max_tokens, self.engine.ctx - len(ids)),
+        room = self.engine.ctx - len(ids)
+        out, stats = generate(self.engine, ids[common:], self.sampler, min(self.max_tokens, room),
                               eos_ids=self.tok.eos_ids, decoder=decoder, stops=self.stops, on_text=write,
                               ledger=self.ledger)
+        if stats.stop_reason == "length" and len(out) == room < self.max_tokens:
+            stats.stop_reason = "context"  # not --max-tokens, and the caller says so (context_note)
         # the engine has run every generated token but, when it stopped on length or a stop
         # string, the last one sampled
         self.cached = (ids + out)[: self.engine.n_past]
@@ -91,3 +94,8 @@ class ChatSession:
             self.messages.append({"role": "assistant", "content": self.tok.decode(out)})
         stats.prompt_tokens = len(ids) - common
         return stats
+
+    def context_note(self) -> str:
+        """The note after an answer the context cut short (stop_reason "context"), which would
+        otherwise look finished or like --max-tokens' cut."""
+        return f"the answer stopped at the end of the context ({self.engine.ctx} tokens); --ctx sets a longer one"

@@ -524,6 +524,8 @@ def run(
         if prompt is not None:
             stats = session.answer(prompt, write=_write_stdout)
             _write_stdout("\n")
+            if stats.stop_reason == "context":
+                output.note(session.context_note())
             if verbose:
                 output.info(_stats_line(stats))
             if ledger:

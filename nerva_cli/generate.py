@@ -16,7 +16,7 @@ class GenerationStats:
     prefill_s: float = 0.0
     ttft_s: float = 0.0
     token_s: list[float] = field(default_factory=list)  # wall time of each decode step
-    stop_reason: str = ""  # eos / stop / length / interrupted
+    stop_reason: str = ""  # eos / stop / length / interrupted (ChatSession: context)
 
     @property
     def decode_s(self) -> float:

@@ -94,6 +94,8 @@ def _loop(session, write, runtime, verbose, stats_line, book, every, ready) -> N
             output.error(str(e))
             continue
         write("\n\n" if stats.stop_reason != "interrupted" else "\n^C\n\n")
+        if stats.stop_reason == "context":
+            output.note(session.context_note())
         if verbose and stats_line:
             output.info(stats_line(stats))
         if book is not None:

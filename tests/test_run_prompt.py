@@ -143,3 +143,13 @@ def test_kernels_compile_ahead_once_for_each_kind_of_model(tiny_models, cli, tmp
         assert cli("run", path, *args, *extra)[0] == 0
     assert len(warmed) == 4 and len(set(warmed)) == 4, warmed
     assert cpu.warm_marker("x").parent.parent == Path(numba.config.CACHE_DIR)  # cleared with numba's cache
+
+
+def test_an_answer_the_context_cuts_short_says_so_and_one_max_tokens_cuts_does_not(tiny_models, cli, tmp_path):
+    model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+    args = ["-p", "the quick brown fox", "--raw", "--temperature", "0", "--no-profile", "--ctx", "32", "-v"]
+    code, out, err = cli("run", model.path, *args, "-n", "40")
+    assert code == 0, err
+    assert "stop: context" in err and "note: the answer stopped at the end of the context (32 tokens)" in err, err
+    code, out, err = cli("run", model.path, *args, "-n", "3")
+    assert code == 0 and "stop: length" in err and "end of the context" not in err, err
