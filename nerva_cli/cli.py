@@ -203,7 +203,7 @@ def _find_or_pull(model_ref: str):
 
     try:
         model = store.find_model(model_ref)
-    except NervaError:
+    except store.NotInStore:  # a broken entry is reported as it is, not pulled over
         alias, _, variant = model_ref.partition(":")
         if alias in ALIASES and variant.lower() in store.VARIANTS:  # smollm2-135m:f16: the bundled GGUF as f16
             output.info(f"{model_ref} is not in the store yet: pulling it")

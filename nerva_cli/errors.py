@@ -9,6 +9,10 @@ class BadInput(NervaError):
     """A source, store file or option that is malformed; the message names the file."""
 
 
+class NotInStore(NervaError):
+    """A model reference the store has no entry for (as opposed to one whose entry is broken)."""
+
+
 def read_json(path) -> dict:
     """A JSON file, or BadInput naming it: the one way the package reads config-like files."""
     import json

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from nerva_cli.config import ModelConfig
-from nerva_cli.errors import BadInput, NervaError, read_json
+from nerva_cli.errors import BadInput, NervaError, NotInStore, read_json
 
 FORMAT = "nerva/1"
 ALIGN = 4096
@@ -241,13 +241,16 @@ def find_model(ref: str) -> StoredModel:
     name, variant = parse_ref(ref)
     have = variants_of(name)
     if not have:
-        raise NervaError(f"model '{name}' is not in the store ({models_root()}); `nerva pull` it first "
+        raise NotInStore(f"model '{name}' is not in the store ({models_root()}); `nerva pull` it first "
                          "(`nerva list` shows the store)")
     variant = variant or next((v for v in PICK_ORDER if v in have), have[0])
     model_dir = models_root() / name / variant
     if not (model_dir / "metadata.json").exists():
-        raise NervaError(f"model '{name}:{variant}' is not in the store ({models_root()}); it has {', '.join(have)}")
-    return load_metadata(model_dir)
+        raise NotInStore(f"model '{name}:{variant}' is not in the store ({models_root()}); it has {', '.join(have)}")
+    try:
+        return load_metadata(model_dir)
+    except BadInput as e:
+        raise BadInput(f"{e}; `nerva rm {name}:{variant}` removes the broken entry") from None
 
 
 def list_models() -> list[StoredModel]:

@@ -246,3 +246,15 @@ def test_a_convert_that_another_process_finished_first_keeps_its_copy(tiny_model
                  keep_existing=True)
     assert (target / "theirs").exists() and model.path == target
     assert sorted(p.name for p in target.parent.iterdir()) == ["q4_0"]  # no temporary directory left
+
+
+def test_a_broken_store_entry_is_reported_not_pulled_over(tiny_models, cli):
+    """An alias whose store entry's metadata.json is broken: the file and the way out, where the
+    run once took the entry for missing and pulled, to fail on the directory it found."""
+    assert cli("convert", tiny_models("llama"), "--name", "smollm2-135m", "--quant", "q4_0")[0] == 0
+    meta = models_root() / "smollm2-135m" / "q4_0" / "metadata.json"
+    meta.write_text("{bad")
+    code, out, err = cli("run", "smollm2-135m:q4_0", "-p", "hi", "-n", "1", "--no-profile")
+    assert code == 1 and err.startswith("error:") and len(err.strip().splitlines()) == 1, err
+    assert str(meta) in err and "not valid JSON" in err and "`nerva rm smollm2-135m:q4_0`" in err, err
+    assert meta.read_text() == "{bad" and sorted(p.name for p in meta.parent.parent.iterdir()) == ["q4_0"]
