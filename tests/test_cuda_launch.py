@@ -24,9 +24,10 @@ class DeviceArray:
 
 
 def test_structures_have_cuda_h_layout():
-    # offsetof/sizeof in cuda.h (CUDA 12.9's nvidia-cuda-runtime-cu12 wheel, compiled with gcc on
-    # x86-64): CUlaunchAttribute 72 bytes, its value at 8; CUlaunchConfig 56 bytes, hStream at
-    # 32, attrs at 40, numAttrs at 48, sharedMemBytes at 24
+    # offsetof/sizeof in cuda.h (CUDA 12.9's nvidia-cuda-runtime-cu12 wheel and 13.0.96's
+    # nvidia-cuda-runtime, the leases' CUDA, compiled with gcc on x86-64; the attribute id 6 in
+    # both): CUlaunchAttribute 72 bytes, its value at 8; CUlaunchConfig 56 bytes, hStream at 32,
+    # attrs at 40, numAttrs at 48, sharedMemBytes at 24
     assert ctypes.sizeof(LaunchAttribute) == 72 and LaunchAttribute.value.offset == 8
     assert ctypes.sizeof(LaunchConfig) == 56
     assert [getattr(LaunchConfig, f).offset for f in ("shared_mem", "stream", "attrs", "num_attrs")] == [24, 32, 40, 48]
