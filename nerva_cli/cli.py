@@ -34,7 +34,7 @@ def _options(version: Annotated[bool, typer.Option("--version", "-V", callback=_
                                                    help="Print nerva's version and exit.")] = False) -> None:
     pass
 
-Quant = Annotated[str, typer.Option("--quant", "-q", help="Variant to write: auto (a Q4_0 or Q4_1 GGUF keeps its format bit for bit, anything else becomes q4_0), q4_0, q4_1, f16 or bf16.")]
+Quant = Annotated[str, typer.Option("--quant", "-q", help="Variant to write: auto (a Q4_0 or Q4_1 GGUF keeps its format bit for bit, one in another quantised format such as Q4_K_M becomes q4_1, anything else q4_0), q4_0, q4_1, f16 or bf16.")]
 Force = Annotated[bool, typer.Option("--force", help="Replace an existing model of the same name and variant.")]
 Json = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 

@@ -7,6 +7,7 @@ import json
 import shutil
 import struct
 
+import numpy as np
 import pytest
 
 from nerva_cli.store import models_root
@@ -105,6 +106,15 @@ def test_gguf_bad_magic(tmp_path, cli):
     f = tmp_path / "bad.gguf"
     f.write_bytes(b"GGML" + bytes(100))
     assert_refused(cli, ["convert", f], "bad.gguf", "magic")
+
+
+def test_gguf_tensor_in_a_type_nerva_cannot_read(tmp_path, tiny_models, cli):
+    """A layer matrix of float64 (a GGUF type no llama.cpp quantiser writes): the tensor and its type."""
+    from test_convert import write_q4_gguf
+
+    f = tmp_path / "odd.gguf"
+    write_q4_gguf(f, tiny_models("llama"), as_given={"blk.0.attn_q.weight": np.ones((64, 64))})
+    assert_refused(cli, ["convert", f], "odd.gguf", "'blk.0.attn_q.weight' has type F64", "supported: ")
 
 
 def test_gguf_cut_short(tmp_path, cli):

@@ -166,9 +166,33 @@ def test_convert_q4_1_matches_llama_cpp_reference_quantiser(tiny_models, cli):
         assert np.all(err.max(axis=2) <= step * 0.5 + 1e-3 * np.abs(w).max())
 
 
-def write_q4_gguf(path, tok_dir, layers=2, hidden=64, inter=128, heads=4, kv_heads=2, seed=1, kind="Q4_0"):
+def quantized_rows(rng, shape, kind):
+    """Rows [rows, cols] in GGUF block format `kind`, as bytes: gguf-py's quantiser of random
+    weights where it has one, else random blocks (a K- or i-quant's), each drawn again until
+    gguf-py dequantises it to finite values under 1000 (random f16 scales are often inf or huge)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType[kind]
+    try:
+        return quants.quantize(rng.standard_normal(shape).astype(np.float32) * 0.1, qtype)
+    except NotImplementedError:
+        pass
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(shape[0] * shape[1] // block, block_bytes), dtype=np.uint8)
+    with np.errstate(all="ignore"):
+        while True:
+            w = quants.dequantize(blocks, qtype).reshape(len(blocks), block)
+            bad = ~(np.isfinite(w).all(axis=1) & (np.abs(w).max(axis=1) < 1000))
+            if not bad.any():
+                return blocks.reshape(shape[0], -1)
+            blocks[bad] = rng.integers(0, 256, size=(int(bad.sum()), block_bytes), dtype=np.uint8)
+
+
+def write_q4_gguf(path, tok_dir, layers=2, hidden=64, inter=128, heads=4, kv_heads=2, seed=1, kind="Q4_0",
+                  as_given=None):
     """A Llama-architecture GGUF whose layer matrices are Q4_0 (or `kind`) and token table Q8_0, as
-    llama.cpp's quantiser writes a table whose rows Q6_K does not fit, written with the gguf package."""
+    llama.cpp's quantiser writes a table whose rows Q6_K does not fit, written with the gguf package.
+    as_given: {tensor name: array} written as that array instead (its dtype its GGUF type)."""
     import gguf
     from gguf import GGMLQuantizationType, quants
 
@@ -194,8 +218,10 @@ def write_q4_gguf(path, tok_dir, layers=2, hidden=64, inter=128, heads=4, kv_hea
     raw = {}
 
     def q4(name, shape, kind=kind):
-        data = rng.standard_normal(shape).astype(np.float32) * 0.1
-        raw[name] = quants.quantize(data, GGMLQuantizationType[kind])
+        if name in (as_given or {}):
+            w.add_tensor(name, as_given[name])
+            return
+        raw[name] = quantized_rows(rng, shape, kind)
         w.add_tensor(name, raw[name], raw_shape=raw[name].shape, raw_dtype=GGMLQuantizationType[kind])
 
     q4("token_embd.weight", (len(vocab), hidden), "Q8_0")
@@ -242,6 +268,35 @@ def test_gguf_q4_imports_bit_exactly(tmp_path, tiny_models, cli, kind):
             # llama.cpp stores Llama q/k rows permuted for its rope; whole rows move, bytes do not
             want = _unpermute_rows(want, n_head) if n_head else want
             np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M",
+                                  "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS"])
+def test_gguf_in_other_formats_converts_to_what_gguf_py_dequantises(tmp_path, tiny_models, cli, kind):
+    """A GGUF whose layers are in another block format (K-quant files hold Q5_0/Q5_1/Q8_0 where a
+    row is not a multiple of 256 wide): `--quant f16` stores gguf-py's dequantised weights
+    rounded to f16, rows unpermuted; `--quant auto` makes Q4_1 of a lossy format, Q4_0 of Q8_0,
+    and says what it requantised."""
+    from gguf import GGMLQuantizationType, quants
+
+    from nerva_cli.sources.gguf_file import _unpermute_rows
+
+    path = tmp_path / f"tiny-k.{kind}.gguf"
+    # 256 wide: the K- and i-quants' 256-value blocks fit every row (down's is 512)
+    raw = write_q4_gguf(path, tiny_models("llama"), hidden=256, inter=512, kind=kind)
+    code, out, err = cli("convert", path, "--quant", "f16")
+    assert code == 0, err
+    assert f"source tensors are {'/'.join(sorted({kind, 'Q8_0'}))}: dequantised to f16" in err, err  # and the table
+    stored = find_model("tiny-k:f16").read_file("layer_001.bin")
+    for canon, gname, n_head in (("q", "attn_q", 4), ("k", "attn_k", 2), ("v", "attn_v", None),
+                                 ("down", "ffn_down", None)):
+        want = quants.dequantize(raw[f"blk.1.{gname}.weight"], GGMLQuantizationType[kind])
+        want = _unpermute_rows(want, n_head) if n_head else want
+        np.testing.assert_array_equal(stored[canon], want.astype(np.float16))
+    code, out, err = cli("convert", path)
+    auto = "q4_0" if kind == "Q8_0" else "q4_1"
+    assert code == 0 and find_model(f"tiny-k:{auto}").variant == auto, err
+    assert f"source tensors are {kind}: dequantised and requantised to {auto.upper()}" in err, err
 
 
 def test_bundled_smollm2_pull_and_show(cli):

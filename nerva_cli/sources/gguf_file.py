@@ -15,7 +15,11 @@ from nerva_cli.quant import BLOCK_BYTES, split_blocks
 from nerva_cli.sources import Source, SourceTensor
 from nerva_cli.sources.gguf_header import GGUFHeader, read_header
 
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+# Every type gguf-py (0.10 on) dequantises in NumPy: the K-quant files llama.cpp writes hold Q5_0,
+# Q5_1 or Q8_0 where a row is not a multiple of 256 wide (SmolLM2's 576: most of a Q4_K_M), and
+# the i-quants (IQ*) come from the same quantiser. Q4_0 and Q4_1 import as they are.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                   "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS")
 
 _LAYER_NAMES = {
     "attn_norm.weight": "attn_norm", "attn_q.weight": "q", "attn_k.weight": "k", "attn_v.weight": "v",
