@@ -210,8 +210,17 @@ def _find_or_pull(model_ref: str):
             return _pull(alias, variant.lower(), None, None, False, report=output.info)
         if not is_source_spec(model_ref):
             raise
-        output.info(f"{model_ref} is not in the store yet: pulling it")
-        return _pull(model_ref, "auto", None, None, False, report=output.info)
+        # `run ./model.gguf` a second time: what the first one converted, unless the file changed
+        model = store.find_pulled_from(Path(model_ref)) if model_ref not in ALIASES else None
+        if model is None:
+            output.info(f"{model_ref} is not in the store yet: pulling it")
+            return _pull(model_ref, "auto", None, None, False, report=output.info)
+        from nerva_cli.pull import source_changed
+
+        if source_changed(model, model_ref):
+            output.info(f"{model_ref} changed since {model.name}:{model.variant} was converted from it: "
+                        "converting it again")
+            return _pull(model_ref, model.variant, model.name, None, True, report=output.info)
     if model.q4_token_table:
         output.note(f"{model.name}:{model.variant} keeps its token table at {model.variant.upper()}, as "
                     f"conversions before Q8_0 tables did (SmolLM2's q4_1: perplexity 26.28 against 24.97 "

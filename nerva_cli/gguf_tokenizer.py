@@ -124,16 +124,21 @@ def tokenizer_files_from_gguf(fields: Mapping[str, Any], path: str = "") -> dict
     named = {name: token_of(f"{name}_token_id") for name in ("bos", "eos", "padding")}
     named["unknown"] = token_of("unknown_token_id") or next(
         (t for t, k in zip(tokens, types) if k == UNKNOWN), None)
-    if kind == "gpt2":
-        if not merges:
-            raise BadInput(f"{path}: byte-level BPE tokenizer without tokenizer.ggml.merges")
-        tok = _byte_level(tokens, types, merges, pre)
-    else:
-        scores = fields.get("tokenizer.ggml.scores")
-        if not scores and not merges:
-            raise BadInput(f"{path}: SentencePiece tokenizer without tokenizer.ggml.scores")
-        tok = _sentencepiece(tokens, scores, merges, bool(fields.get("tokenizer.ggml.add_space_prefix", True)),
-                             named["unknown"])
+    try:
+        if kind == "gpt2":
+            if not merges:
+                raise BadInput(f"{path}: byte-level BPE tokenizer without tokenizer.ggml.merges")
+            tok = _byte_level(tokens, types, merges, pre)
+        else:
+            scores = fields.get("tokenizer.ggml.scores")
+            if not scores and not merges:
+                raise BadInput(f"{path}: SentencePiece tokenizer without tokenizer.ggml.scores")
+            tok = _sentencepiece(tokens, scores, merges, bool(fields.get("tokenizer.ggml.add_space_prefix", True)),
+                                 named["unknown"])
+    except Exception as e:  # tokenizers raises a bare Exception for a merge of unknown tokens
+        if isinstance(e, BadInput):
+            raise
+        raise BadInput(f"{path}: its tokenizer does not build ({str(e).splitlines()[0]}): a damaged file?") from None
 
     # llama.cpp matches these whole in the text, by type (a pad id may point at a plain token);
     # the special ones are dropped by decode(skip_special_tokens). Each keeps its id: its text is

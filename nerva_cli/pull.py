@@ -38,3 +38,16 @@ def pull(spec: str, variant: str = "auto", name: str | None = None, out: Path | 
     finally:
         source.close()
     return load_metadata(target)
+
+
+def source_changed(model: StoredModel, spec: str) -> bool:
+    """Whether the source `model` was converted from (a local path) now differs from what it was
+    then, by the fingerprint the conversion recorded (a GGUF's name, size and first MB; a
+    safetensors directory's file names, sizes and tensor table)."""
+    from nerva_cli.sources.resolve import open_source
+
+    source = open_source(spec)
+    try:
+        return source.fingerprint != model.meta.get("source", {}).get("fingerprint")
+    finally:
+        source.close()

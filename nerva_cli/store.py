@@ -238,7 +238,10 @@ def find_model(ref: str) -> StoredModel:
     as_path = Path(ref).expanduser()
     if (as_path / "metadata.json").exists():
         return load_metadata(as_path)
-    name, variant = parse_ref(ref)
+    try:
+        name, variant = parse_ref(ref)
+    except BadInput as e:  # not a store name at all (a path, a repo id): `run` may pull it
+        raise NotInStore(str(e)) from None
     have = variants_of(name)
     if not have:
         raise NotInStore(f"model '{name}' is not in the store ({models_root()}); `nerva pull` it first "
@@ -251,6 +254,16 @@ def find_model(ref: str) -> StoredModel:
         return load_metadata(model_dir)
     except BadInput as e:
         raise BadInput(f"{e}; `nerva rm {name}:{variant}` removes the broken entry") from None
+
+
+def find_pulled_from(path: Path) -> StoredModel | None:
+    """The store's model converted from this local file or directory (a GGUF, a safetensors
+    directory), as metadata.json's source names it; where several variants were, the one a bare
+    name picks. None if there is none."""
+    where = str(Path(path).expanduser().resolve())
+    found = [m for m in list_models() if m.meta.get("source", {}).get("id") == where]
+    return min(found, key=lambda m: PICK_ORDER.index(m.variant) if m.variant in PICK_ORDER else len(PICK_ORDER),
+               default=None)
 
 
 def list_models() -> list[StoredModel]:

@@ -117,6 +117,22 @@ def test_gguf_tensor_in_a_type_nerva_cannot_read(tmp_path, tiny_models, cli):
     assert_refused(cli, ["convert", f], "odd.gguf", "'blk.0.attn_q.weight' has type F64", "supported: ")
 
 
+def test_gguf_whose_tokenizer_does_not_build(tmp_path, tiny_models, cli):
+    """A merge naming a token the vocabulary lacks (a damaged header): the file, one line."""
+    from test_convert import write_q4_gguf
+
+    f = tmp_path / "damaged.gguf"
+    write_q4_gguf(f, tiny_models("llama"))
+    data = bytearray(f.read_bytes())
+    tok = json.loads((tiny_models("llama") / "tokenizer.json").read_text())
+    merges = [" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]]
+    merge = next(m for m in merges if m.isascii() and m[0].isalpha())
+    at = data.index(merge.encode(), data.index(b"tokenizer.ggml.merges"))
+    data[at] = 0x7F  # DEL: byte-level vocabularies spell that byte otherwise, so no token starts with it
+    f.write_bytes(bytes(data))
+    assert_refused(cli, ["convert", f], "damaged.gguf", "tokenizer does not build")
+
+
 def test_gguf_cut_short(tmp_path, cli):
     from conftest import smollm2_gguf
 

@@ -153,3 +153,23 @@ def test_an_answer_the_context_cuts_short_says_so_and_one_max_tokens_cuts_does_n
     assert "stop: context" in err and "note: the answer stopped at the end of the context (32 tokens)" in err, err
     code, out, err = cli("run", model.path, *args, "-n", "3")
     assert code == 0 and "stop: length" in err and "end of the context" not in err, err
+
+
+def test_running_a_gguf_path_converts_it_once_and_again_when_it_changes(tiny_models, cli, tmp_path):
+    from test_convert import write_q4_gguf
+
+    from nerva_cli.store import list_models
+
+    path = tmp_path / "tiny-run.Q4_0.gguf"
+    write_q4_gguf(path, tiny_models("llama"))
+    args = ["-p", "the quick brown fox", "--raw", "-n", "2", "--temperature", "0", "--no-profile", "--ctx", "64"]
+    code, first, err = cli("run", path, *args)
+    assert code == 0 and "not in the store yet: pulling it" in err, err
+    code, again, err = cli("run", path, *args)
+    assert code == 0 and again == first and "pulling" not in err and "converting" not in err, err
+    write_q4_gguf(path, tiny_models("llama"), seed=2)  # other weights, same path
+    code, out, err = cli("run", path, *args)
+    assert code == 0 and "changed since tiny-run:q4_0 was converted from it: converting it again" in err, err
+    assert [f"{m.name}:{m.variant}" for m in list_models()] == ["tiny-run:q4_0"]
+    code, last, err = cli("run", path, *args)
+    assert code == 0 and last == out and "converting" not in err, err
