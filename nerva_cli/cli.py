@@ -58,9 +58,10 @@ def _pull(spec: str, quant: str, name: Optional[str], out: Optional[Path], force
 
 @app.command(short_help="Fetch a model (HF Hub, local directory or GGUF) and convert it into the store.",
              epilog="Examples: nerva pull smollm2-135m | nerva pull smollm2-135m:f16 | "
+                    "nerva pull hf.co/bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M | "
                     "nerva pull Qwen/Qwen3-0.6B --quant f16")
 def pull(
-    source: Annotated[str, typer.Argument(help="HF repo id, local HF directory, .gguf file, or alias (smollm2-135m).")],
+    source: Annotated[str, typer.Argument(help="HF repo id (safetensors, or a GGUF repo with its file's quantisation as a tag: hf.co/USER/REPO:Q4_K_M), local HF directory, .gguf file, or alias (smollm2-135m).")],
     name: Annotated[Optional[str], typer.Option(help="Store name (default: from the source).")] = None,
     quant: Quant = "auto",
     revision: Annotated[Optional[str], typer.Option(help="HF branch, tag or commit.")] = None,
@@ -199,7 +200,7 @@ def _find_or_pull(model_ref: str):
     """Store model (pulled first if MODEL is an alias, with or without a variant, or a path, and
     not yet in the store)."""
     from nerva_cli import output, store
-    from nerva_cli.sources.resolve import ALIASES, is_source_spec
+    from nerva_cli.sources.resolve import ALIASES, is_source_spec, source_id
 
     try:
         model = store.find_model(model_ref)
@@ -210,14 +211,16 @@ def _find_or_pull(model_ref: str):
             return _pull(alias, variant.lower(), None, None, False, report=output.info)
         if not is_source_spec(model_ref):
             raise
-        # `run ./model.gguf` a second time: what the first one converted, unless the file changed
-        model = store.find_pulled_from(Path(model_ref)) if model_ref not in ALIASES else None
+        # `run ./model.gguf` (or hf.co/USER/REPO) a second time: what the first one converted,
+        # unless the local file changed since (a Hub repo is pulled again by `pull --force`)
+        sid = source_id(model_ref)
+        model = store.find_pulled_from(sid) if sid else None
         if model is None:
             output.info(f"{model_ref} is not in the store yet: pulling it")
             return _pull(model_ref, "auto", None, None, False, report=output.info)
         from nerva_cli.pull import source_changed
 
-        if source_changed(model, model_ref):
+        if Path(model_ref).expanduser().exists() and source_changed(model, model_ref):
             output.info(f"{model_ref} changed since {model.name}:{model.variant} was converted from it: "
                         "converting it again")
             return _pull(model_ref, model.variant, model.name, None, True, report=output.info)
@@ -457,7 +460,7 @@ def _warm_up_while_typing(engine, tokenizer, threads: int, template: bool):
 @app.command(epilog='Examples: nerva run smollm2-135m -p "Why is the sky blue?" | nerva run smollm2-135m Why is the sky blue? | '
                      'echo "hi" | nerva run smollm2-135m | cat notes.txt | nerva run smollm2-135m summarise this')
 def run(
-    model: Annotated[str, typer.Argument(help="name[:variant] in the store, a model directory, or a source to pull first (smollm2-135m).")],
+    model: Annotated[str, typer.Argument(help="name[:variant] in the store, a model directory, or a source to pull first (smollm2-135m, a .gguf file, hf.co/USER/REPO[:TAG]).")],
     words: Annotated[Optional[list[str]], typer.Argument(metavar="[PROMPT]...", show_default=False, help="The prompt as ollama takes it: the words after the model, joined by spaces, after the text piped to stdin if any.")] = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="One prompt, answer, exit; stdin is not read. Without it or words: interactive chat (or the prompt from stdin when piped).")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template (a model that has none always does).")] = False,
@@ -667,7 +670,7 @@ def bench(
 @app.command(short_help="MCAP per-layer importance (what run's mixed precision and hot-only mode use).",
              epilog="Examples: nerva profile smollm2-135m | nerva profile qwen3-8b --prompts code.txt --json")
 def profile(
-    model: Annotated[str, typer.Argument(help="name[:variant] in the store, a model directory, or a source to pull first (smollm2-135m).")],
+    model: Annotated[str, typer.Argument(help="name[:variant] in the store, a model directory, or a source to pull first (smollm2-135m, a .gguf file, hf.co/USER/REPO[:TAG]).")],
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Calibration prompts instead of the 12 built-in ones: one per line, or a JSON array of strings.")] = None,
     json_: Json = False,
     backend: Backend = "auto",

@@ -256,12 +256,10 @@ def find_model(ref: str) -> StoredModel:
         raise BadInput(f"{e}; `nerva rm {name}:{variant}` removes the broken entry") from None
 
 
-def find_pulled_from(path: Path) -> StoredModel | None:
-    """The store's model converted from this local file or directory (a GGUF, a safetensors
-    directory), as metadata.json's source names it; where several variants were, the one a bare
-    name picks. None if there is none."""
-    where = str(Path(path).expanduser().resolve())
-    found = [m for m in list_models() if m.meta.get("source", {}).get("id") == where]
+def find_pulled_from(source_id: str) -> StoredModel | None:
+    """The store's model converted from this source (metadata.json's source.id: a path's absolute
+    form, a Hub repo's id); where several variants were, the one a bare name picks."""
+    found = [m for m in list_models() if m.meta.get("source", {}).get("id") == source_id]
     return min(found, key=lambda m: PICK_ORDER.index(m.variant) if m.variant in PICK_ORDER else len(PICK_ORDER),
                default=None)
 

