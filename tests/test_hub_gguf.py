@@ -71,17 +71,17 @@ def hub(monkeypatch, tmp_path, tiny_models):
 
 def test_run_pulls_a_hub_gguf_once_and_finds_it_again_without_the_hub(hub, cli):
     spec = "hf.co/me/tiny-GGUF:q4_k"
-    assert is_source_spec(spec) and source_id(spec) == "me/tiny-GGUF:q4_k"
+    assert is_source_spec(spec) and source_id(spec) == source_id("me/tiny-GGUF:Q4_K") == "me/tiny-GGUF:Q4_K"
     args = ["-p", "the quick brown fox", "--raw", "-n", "2", "--temperature", "0", "--no-profile", "--ctx", "64"]
     code, first, err = cli("run", spec, *args)
     assert code == 0 and "not in the store yet: pulling it" in err, err
     assert "source tensors are Q4_K" in err and "tiny-k:q4_1" in err, err  # auto: a K-quant becomes q4_1
     assert hub == [("info", "me/tiny-GGUF"), ("download", "tiny-k-Q4_K.gguf")]
-    code, again, err = cli("run", spec, *args)
+    code, again, err = cli("run", spec.upper().replace("HF.CO/ME/TINY-GGUF", "hf.co/me/tiny-GGUF"), *args)
     assert code == 0 and again == first and "pulling" not in err, err
     assert len(hub) == 2  # the second run asked the Hub nothing
     code, out, err = cli("show", "tiny-k", "--json")
-    assert code == 0 and '"id": "me/tiny-GGUF:q4_k"' in out and '"kind": "hf-gguf"' in out, out
+    assert code == 0 and '"id": "me/tiny-GGUF:Q4_K"' in out and '"kind": "hf-gguf"' in out, out
 
 
 def test_hub_errors_are_one_line(hub, cli):

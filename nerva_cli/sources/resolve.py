@@ -51,13 +51,14 @@ def hub_spec(spec: str) -> tuple[str, str | None] | None:
 
 def source_id(spec: str) -> str | None:
     """The source id (metadata.json's source.id) a pull of `spec` records, found without opening
-    it: a path's absolute form, a Hub repo's id and tag; None for an alias or anything else."""
+    it: a path's absolute form, a Hub repo's id and tag (upper case, as the tag is matched);
+    None for an alias or anything else."""
     if spec in ALIASES:
         return None
     if Path(spec).expanduser().exists():
         return str(Path(spec).expanduser().resolve())
     hub = hub_spec(spec)
-    return None if hub is None else f"{hub[0]}:{hub[1]}" if hub[1] else hub[0]
+    return None if hub is None else f"{hub[0]}:{hub[1].upper()}" if hub[1] else hub[0]
 
 
 def gguf_quant(filename: str) -> str | None:
