@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 
 from nerva_cli.errors import BadInput
@@ -30,7 +31,10 @@ class ModelConfig:
     rope_theta: float
     max_context: int
     tie_embeddings: bool
-    rope_scaling: dict | None = None  # {"type": "linear"|"llama3", "factor": ..., ...}
+    # {"type": "linear"|"llama3", "factor": ..., ...}, or a GGUF's {"type": "freq_factors",
+    # "factors": [head_dim / 2 divisors of the frequencies]} (its rope_freqs tensor: llama3's
+    # scaling as llama.cpp's converter writes it)
+    rope_scaling: dict | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     qkv_bias: bool = False
@@ -48,9 +52,14 @@ class ModelConfig:
                            f"num_kv_heads {self.num_kv_heads}")
         if self.head_dim % 2:
             raise BadInput(f"config: head_dim {self.head_dim} must be even for RoPE")
-        if self.rope_scaling and self.rope_scaling.get("type") not in ("linear", "llama3"):
+        if self.rope_scaling and self.rope_scaling.get("type") not in ("linear", "llama3", "freq_factors"):
             raise BadInput(f"config: rope scaling '{self.rope_scaling.get('type')}' is not supported "
                            "(supported: linear, llama3)")
+        if self.rope_scaling and self.rope_scaling.get("type") == "freq_factors":
+            factors = self.rope_scaling.get("factors") or []
+            if len(factors) != self.head_dim // 2 or not all(math.isfinite(f) and f > 0 for f in factors):
+                raise BadInput(f"config: RoPE frequency factors must be {self.head_dim // 2} positive numbers "
+                               f"(head_dim / 2), got {len(factors)}")
 
     @property
     def q_dim(self) -> int:

@@ -1,4 +1,5 @@
-"""RoPE frequency tables: plain, linear and llama3 scaling, as HF computes them (in float32)."""
+"""RoPE frequency tables: plain, linear and llama3 scaling, as HF computes them (in float32), and
+a GGUF's per-frequency factors, as llama.cpp applies them."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ def inv_freq(cfg: ModelConfig) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old / high) & ~(wavelen > old / low)
         freqs = np.where(medium, smoothed, scaled).astype(np.float32)
+    elif rs.get("type") == "freq_factors":  # a GGUF's rope_freqs: llama.cpp divides each frequency by its factor
+        freqs = (freqs / np.asarray(rs["factors"], dtype=np.float32)).astype(np.float32)
     return freqs
 
 

@@ -188,26 +188,23 @@ def quantized_rows(rng, shape, kind):
             blocks[bad] = rng.integers(0, 256, size=(int(bad.sum()), block_bytes), dtype=np.uint8)
 
 
-def write_q4_gguf(path, tok_dir, layers=2, hidden=64, inter=128, heads=4, kv_heads=2, seed=1, kind="Q4_0",
-                  as_given=None):
-    """A Llama-architecture GGUF whose layer matrices are Q4_0 (or `kind`) and token table Q8_0, as
-    llama.cpp's quantiser writes a table whose rows Q6_K does not fit, written with the gguf package.
-    as_given: {tensor name: array} written as that array instead (its dtype its GGUF type)."""
+def gguf_writer(path, tok_dir, layers, hidden, inter, heads, kv_heads, context, rope_theta, rms_eps):
+    """(gguf.GGUFWriter, vocabulary size) for a Llama-architecture file, its keys and the tokenizer
+    in tok_dir (tokenizer.json's vocabulary and merges, as llama.cpp's converter writes a GPT-2
+    style one) written; the caller adds the tensors and writes the file out."""
     import gguf
-    from gguf import GGMLQuantizationType, quants
 
-    rng = np.random.default_rng(seed)
     tok = json.loads((tok_dir / "tokenizer.json").read_text())
     vocab = [t for t, _ in sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])]
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(layers)
-    w.add_context_length(256)
+    w.add_context_length(context)
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(inter)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(rms_eps)
+    w.add_rope_freq_base(rope_theta)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(vocab)
@@ -215,6 +212,19 @@ def write_q4_gguf(path, tok_dir, layers=2, hidden=64, inter=128, heads=4, kv_hea
     w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
+    return w, len(vocab)
+
+
+def write_q4_gguf(path, tok_dir, layers=2, hidden=64, inter=128, heads=4, kv_heads=2, seed=1, kind="Q4_0",
+                  as_given=None):
+    """A Llama-architecture GGUF whose layer matrices are Q4_0 (or `kind`) and token table Q8_0, as
+    llama.cpp's quantiser writes a table whose rows Q6_K does not fit, written with the gguf package.
+    as_given: {tensor name: array} written as that array instead (its dtype its GGUF type)."""
+    from gguf import GGMLQuantizationType
+
+    rng = np.random.default_rng(seed)
+    w, n_vocab = gguf_writer(path, tok_dir, layers, hidden, inter, heads, kv_heads, context=256,
+                             rope_theta=10000.0, rms_eps=1e-5)
     raw = {}
 
     def q4(name, shape, kind=kind):
@@ -224,7 +234,7 @@ def write_q4_gguf(path, tok_dir, layers=2, hidden=64, inter=128, heads=4, kv_hea
         raw[name] = quantized_rows(rng, shape, kind)
         w.add_tensor(name, raw[name], raw_shape=raw[name].shape, raw_dtype=GGMLQuantizationType[kind])
 
-    q4("token_embd.weight", (len(vocab), hidden), "Q8_0")
+    q4("token_embd.weight", (n_vocab, hidden), "Q8_0")
     w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     for i in range(layers):
         for n, shape in (("attn_q", (hidden, hidden)), ("attn_k", (hidden // heads * kv_heads, hidden)),
@@ -419,3 +429,67 @@ def test_a_model_directory_that_cannot_be_written_still_loads(tiny_models, tmp_p
     m.read_bytes("layer_000.bin")
     assert not (model.path / store.VERIFIED).exists()
     assert not list(model.path.glob("*.tmp"))
+
+
+def test_gguf_rope_freqs_are_llama3_scaling_as_transformers_computes_it(tiny_models, tmp_path, cli):
+    """A Llama 3.1-style GGUF carries its RoPE scaling as rope_freqs, a divisor per frequency
+    (llama.cpp's converter computes them from config.json). Written here as transformers' own
+    unscaled / llama3-scaled frequencies for the tiny llama3-scaled model, with its weights in
+    F32 (q/k rows permuted as llama.cpp's converter does): nerva's frequencies from the file equal
+    transformers' to f32 rounding, and the model converted from the file gives the logits of the
+    one converted from the HF directory, which test_engine holds to transformers'. Tolerance:
+    the tables differ by an ulp or so (a division here, HF's formula there), which three layers
+    carry to about 1e-6 of the logits; 1e-4 leaves room and still fails a missing scaling."""
+    import gguf
+    import torch
+    import transformers
+    from safetensors.numpy import load_file
+
+    from nerva_cli.engine import Engine
+    from nerva_cli.rope import inv_freq
+
+    src = tiny_models("llama3-scaled")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    cfg = hf.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]  # transformers 4 / 5
+    scaled = hf.model.rotary_emb.inv_freq.numpy().astype(np.float32)
+    plain = (1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)))
+    assert not np.allclose(scaled, plain)  # the scaling moves some frequencies
+    path = tmp_path / "tiny-llama31.gguf"
+    w, _ = gguf_writer(path, src, cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size,
+                       cfg.num_attention_heads, cfg.num_key_value_heads, context=cfg.max_position_embeddings,
+                       rope_theta=theta, rms_eps=cfg.rms_norm_eps)
+    w.add_tensor("rope_freqs.weight", (plain / scaled).astype(np.float32))
+
+    def permute(m, n_head):  # llama.cpp's converter: each head's two rotary halves interleaved
+        return m.reshape(n_head, 2, m.shape[0] // n_head // 2, *m.shape[1:]).swapaxes(1, 2).reshape(m.shape)
+
+    t = load_file(str(src / "model.safetensors"))
+    w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", t["model.norm.weight"])
+    for i in range(cfg.num_hidden_layers):
+        for gname, hf_name in (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
+                               ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
+                               ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
+                               ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"),
+                               ("ffn_down", "mlp.down_proj")):
+            m = t[f"model.layers.{i}.{hf_name}.weight"]
+            if gname in ("attn_q", "attn_k"):
+                m = permute(m, cfg.num_attention_heads if gname == "attn_q" else cfg.num_key_value_heads)
+            w.add_tensor(f"blk.{i}.{gname}.weight", np.ascontiguousarray(m))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert cli("convert", path, "--quant", "f16")[0] == 0
+    assert cli("convert", src, "--quant", "f16", "--name", "tiny-hf31")[0] == 0
+    from_gguf, from_hf = find_model("tiny-llama31:f16"), find_model("tiny-hf31:f16")
+    assert from_gguf.config.rope_scaling["type"] == "freq_factors"
+    np.testing.assert_allclose(inv_freq(from_gguf.config), scaled, rtol=2e-7)
+    prompt = [5, 17, 42, 99, 3, 250, 8, 77]
+    a, b = Engine(from_gguf, ctx=64, kv_cache="f32"), Engine(from_hf, ctx=64, kv_cache="f32")
+    la, lb = a.prefill(prompt), b.prefill(prompt)
+    for token in (11, 200, 31):
+        assert np.abs(la - lb).max() <= 1e-4 * np.abs(lb).max(), np.abs(la - lb).max()
+        la, lb = a.decode(token), b.decode(token)

@@ -49,7 +49,20 @@ def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
         w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
-def _config(header: GGUFHeader, path: Path, embed_shape) -> ModelConfig:
+def _rope_factors(path: Path, t, size: int) -> list[float] | None:
+    """The rope_freqs tensor's values (F32, a divisor per rotary frequency: how llama.cpp's
+    converter writes Llama 3.1's scaling), or None without one."""
+    if t is None:
+        return None
+    if t.type.name != "F32" or len(t.shape) != 1 or t.data_offset + t.n_bytes > size:
+        raise BadInput(f"{path}: rope_freqs.weight must be one row of F32 within the file, got {t.type.name} "
+                       f"{list(t.shape)}")
+    with open(path, "rb") as f:
+        f.seek(t.data_offset)
+        return np.frombuffer(f.read(t.n_bytes), dtype=np.float32).tolist()
+
+
+def _config(header: GGUFHeader, path: Path, embed_shape, rope_factors: list[float] | None = None) -> ModelConfig:
     fields = header.fields
     arch = fields.get("general.architecture")
     if arch not in FAMILY_OF:
@@ -64,8 +77,11 @@ def _config(header: GGUFHeader, path: Path, embed_shape) -> ModelConfig:
 
     heads, hidden = int(key("attention.head_count")), int(key("embedding_length"))
     scaling = None
-    if fields.get(f"{arch}.rope.scaling.type") == "linear":
-        scaling = {"type": "linear", "factor": float(key("rope.scaling.factor"))}
+    linear = float(key("rope.scaling.factor")) if fields.get(f"{arch}.rope.scaling.type") == "linear" else None
+    if rope_factors is not None:  # llama.cpp divides each frequency by its factor, then by a linear one
+        scaling = {"type": "freq_factors", "factors": [f * (linear or 1.0) for f in rope_factors]}
+    elif linear is not None:
+        scaling = {"type": "linear", "factor": linear}
     eos = fields.get("tokenizer.ggml.eos_token_id")
     names = {t.name for t in header.tensors}
     return ModelConfig(
@@ -90,11 +106,11 @@ def open_gguf(path: Path) -> Source:
     path = Path(path)
     size = path.stat().st_size
     header = read_header(path)
-    tensors = {}
+    tensors, rope_freqs = {}, None
     for t in header.tensors:
         if t.name == "rope_freqs.weight":
-            raise BadInput(f"{path}: per-frequency rope factors (rope_freqs) are not supported; "
-                           "convert the HF safetensors of this model instead")
+            rope_freqs = t
+            continue
         canon = canonical_name(t.name)
         if canon is None:
             raise BadInput(f"{path}: unexpected tensor '{t.name}'")
@@ -106,7 +122,7 @@ def open_gguf(path: Path) -> Source:
         tensors[canon] = t
     if "embed" not in tensors:
         raise BadInput(f"{path}: no token_embd.weight tensor")
-    cfg = _config(header, path, tensors["embed"].shape)
+    cfg = _config(header, path, tensors["embed"].shape, _rope_factors(path, rope_freqs, size))
     tokenizer_files = tokenizer_files_from_gguf(header.fields, path=str(path))
 
     def read_raw(t) -> np.ndarray:
