@@ -17,7 +17,7 @@ _SPLIT_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 # A GGUF repo's file when the spec names no tag: ollama's choice for hf.co models first
 GGUF_PREFERENCE = ("Q4_K_M", "Q4_K_S", "Q4_1", "Q4_0", "Q5_K_M", "Q5_K_S", "Q6_K", "Q8_0")
 _HF_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "chat_template.jinja", "*.safetensors", "model.safetensors.index.json"]
+                "chat_template.jinja", "model.safetensors.index.json"]
 
 
 def bundled_gguf(alias: str) -> Path:
@@ -123,7 +123,7 @@ def open_source(spec: str, revision: str | None = None) -> Source:
             src = open_gguf(_hub_file(repo, choose_gguf(repo, files, tag), revision))
             src.origin = {"kind": "hf-gguf", "id": source_id(spec), "revision": revision}  # the spec pulls it again
             return src
-        return open_safetensors_dir(_download(repo, revision), display_id=repo, revision=revision)
+        return open_safetensors_dir(_download(repo, revision, files), display_id=repo, revision=revision)
     raise BadInput(f"{spec}: not a file, a directory, a Hugging Face repo id or a known alias "
                    f"({', '.join(ALIASES)})")
 
@@ -159,8 +159,18 @@ def _hub_file(repo_id: str, filename: str, revision: str | None) -> Path:
         return Path(huggingface_hub.hf_hub_download(repo_id, filename, revision=revision))
 
 
-def _download(repo_id: str, revision: str | None) -> Path:
+def weight_patterns(files: list[str]) -> list[str]:
+    """The safetensors a repo's download takes: transformers' model*.safetensors where the repo
+    has them (Mistral's repos also hold the same weights again as consolidated.safetensors, in
+    another naming: 14.5 GB more for the 7B), else every one."""
+    if "model.safetensors" in files or "model.safetensors.index.json" in files:
+        return ["model*.safetensors"]
+    return ["*.safetensors"]
+
+
+def _download(repo_id: str, revision: str | None, files: list[str]) -> Path:
     import huggingface_hub
 
     with _hub_errors(repo_id):
-        return Path(huggingface_hub.snapshot_download(repo_id, revision=revision, allow_patterns=_HF_PATTERNS))
+        return Path(huggingface_hub.snapshot_download(repo_id, revision=revision,
+                                                      allow_patterns=_HF_PATTERNS + weight_patterns(files)))

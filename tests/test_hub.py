@@ -1,7 +1,7 @@
-"""Pulling a GGUF from a Hugging Face repo (ollama's hf.co/USER/REPO:TAG). This machine has no
-network, so huggingface_hub's two calls are replaced by a repo made of local files; what is
-tested is nerva's side: which file a tag picks, the name and source it is stored under, and a
-second `run` finding it without the Hub."""
+"""Pulling from a Hugging Face repo: a GGUF (ollama's hf.co/USER/REPO:TAG) or safetensors. This
+machine has no network, so huggingface_hub's calls are replaced by a repo made of local files;
+what is tested is nerva's side: which file a tag picks, what a download asks for, the name and
+source a model is stored under, and a second `run` finding it without the Hub."""
 
 from __future__ import annotations
 
@@ -90,3 +90,29 @@ def test_hub_errors_are_one_line(hub, cli):
     code, out, err = cli("pull", "hf.co/me/nothing-here")
     assert code == 1 and err.strip() == ("error: me/nothing-here: no such repository on the Hugging Face Hub "
                                          "(or it is gated)"), err
+
+
+def test_a_safetensors_repo_downloads_transformers_weights_only(monkeypatch, tiny_models, cli):
+    """A repo with both transformers' shards and Mistral's consolidated.safetensors: the download
+    asks for the shards and the configs, not the second copy; a repo of other names takes all."""
+    import huggingface_hub
+
+    src = tiny_models("llama")
+    asked = []
+    files = ["config.json", "tokenizer.json", "model.safetensors", "consolidated.safetensors", "params.json"]
+    monkeypatch.setattr(huggingface_hub, "model_info", lambda repo_id, revision=None: types.SimpleNamespace(
+        siblings=[types.SimpleNamespace(rfilename=f) for f in files]))
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=None):
+        asked.append(allow_patterns)
+        return str(src)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    code, out, err = cli("pull", "me/tiny-llama", "--quant", "f16")
+    assert code == 0, err
+    assert "model*.safetensors" in asked[0] and "*.safetensors" not in asked[0] and "config.json" in asked[0]
+    from fnmatch import fnmatch
+    assert not any(fnmatch("consolidated.safetensors", p) for p in asked[0])
+    files[2] = "weights.safetensors"
+    assert cli("pull", "me/tiny-llama", "--quant", "f16", "--force")[0] == 0
+    assert "*.safetensors" in asked[1]
