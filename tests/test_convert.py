@@ -440,7 +440,6 @@ def test_gguf_rope_freqs_are_llama3_scaling_as_transformers_computes_it(tiny_mod
     one converted from the HF directory, which test_engine holds to transformers'. Tolerance:
     the tables differ by an ulp or so (a division here, HF's formula there), which three layers
     carry to about 1e-6 of the logits; 1e-4 leaves room and still fails a missing scaling."""
-    import gguf
     import torch
     import transformers
     from safetensors.numpy import load_file
