@@ -26,6 +26,15 @@ def test_hub_specs(spec, want):
     assert hub_spec(spec) == want
 
 
+def test_a_local_source_is_known_by_its_absolute_path(tmp_path, monkeypatch):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "f.gguf").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    assert source_id("m/model.safetensors") == source_id("./m") == str(tmp_path / "m")  # open_source's directory
+    assert source_id("f.gguf") == str(tmp_path / "f.gguf") and source_id("smollm2-135m") is None
+
+
 def test_a_tag_picks_its_file_in_any_case_and_no_tag_takes_q4_k_m_first():
     assert [gguf_quant(f) for f in FILES[1:4]] == ["Q4_K_M", "Q8_0", "IQ4_XS"]
     assert choose_gguf("r", FILES, "q8_0") == "SmolLM2-135M-Instruct-Q8_0.gguf"

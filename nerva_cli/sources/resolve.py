@@ -55,8 +55,9 @@ def source_id(spec: str) -> str | None:
     None for an alias or anything else."""
     if spec in ALIASES:
         return None
-    if Path(spec).expanduser().exists():
-        return str(Path(spec).expanduser().resolve())
+    path = Path(spec).expanduser()
+    if path.exists():  # a .safetensors file stands for its directory, as open_source takes it
+        return str((path.parent if path.suffix.lower() == ".safetensors" else path).resolve())
     hub = hub_spec(spec)
     return None if hub is None else f"{hub[0]}:{hub[1].upper()}" if hub[1] else hub[0]
 
