@@ -31,22 +31,40 @@ def to_bf16(w: np.ndarray) -> np.ndarray:
     return ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
 
 
+def _row_slices(t: SourceTensor):
+    """(r0, r1, rows r0..r1 as f32) of matrix t, about ROWS_PER_CHUNK_ELEMS weights at a time,
+    read a slice at a time where the source can (else from one whole read)."""
+    n, cols = t.shape
+    whole = t.read_f32() if t.read_f32_rows is None else None
+    step = max(1, ROWS_PER_CHUNK_ELEMS // cols)
+    for r in range(0, n, step):
+        r1 = min(n, r + step)
+        yield r, r1, whole[r:r1] if whole is not None else t.read_f32_rows(r, r1)
+
+
 def _planes(t: SourceTensor, kind: str) -> tuple:
     """(codes, d, m) of t in block format kind (Q4_0, Q4_1, Q8_0): the source's planes as they are
     when it holds that format, else quantised in slices of rows."""
     if t.read_planes is not None and t.stored_dtype == kind:
         return t.read_planes()
-    w = t.read_f32()
-    rows = max(1, ROWS_PER_CHUNK_ELEMS // w.shape[1])
+    n, cols = t.shape
     q8 = kind == TABLE_KIND
-    qs = np.empty((w.shape[0], w.shape[1] if q8 else w.shape[1] // 2), dtype=np.int8 if q8 else np.uint8)
-    d = np.empty((w.shape[0], w.shape[1] // 32), dtype=np.float16)
+    qs = np.empty((n, cols if q8 else cols // 2), dtype=np.int8 if q8 else np.uint8)
+    d = np.empty((n, cols // 32), dtype=np.float16)
     m = np.empty_like(d) if kind == "q4_1" else None
-    for r in range(0, w.shape[0], rows):
-        qs[r:r + rows], d[r:r + rows], m_rows = quantize_blocks(w[r:r + rows], kind)
+    for r0, r1, w in _row_slices(t):
+        qs[r0:r1], d[r0:r1], m_rows = quantize_blocks(w, kind)
         if m is not None:
-            m[r:r + rows] = m_rows
+            m[r0:r1] = m_rows
     return qs, d, m
+
+
+def _exact(t: SourceTensor, variant: str) -> np.ndarray:
+    """Matrix t as f16, or as bf16 bits, converted a slice of rows at a time."""
+    out = np.empty(t.shape, dtype=np.float16 if variant == "f16" else np.uint16)
+    for r0, r1, w in _row_slices(t):
+        out[r0:r1] = w.astype(np.float16) if variant == "f16" else to_bf16(w)
+    return out
 
 
 def _write_tensor(writer: LayerFileWriter, name: str, t: SourceTensor, variant: str) -> None:
@@ -60,10 +78,8 @@ def _write_tensor(writer: LayerFileWriter, name: str, t: SourceTensor, variant: 
         writer.add(f"{name}.d", d, "f16")
         if m is not None:
             writer.add(f"{name}.m", m, "f16")
-    elif variant == "f16" and quantised(name):
-        writer.add(name, t.read_f32().astype(np.float16), "f16")
-    elif variant == "bf16" and quantised(name):
-        writer.add(name, to_bf16(t.read_f32()), "bf16")
+    elif variant in ("f16", "bf16") and quantised(name):
+        writer.add(name, _exact(t, variant), variant)
     else:  # norms and biases stay f32 in every variant
         writer.add(name, t.read_f32(), "f32")
 

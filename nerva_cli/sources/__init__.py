@@ -21,6 +21,10 @@ class SourceTensor:
     read_planes: Callable[[], tuple] | None = None
     stored_dtype: str = "f32"  # f32 / f16 / bf16 / a GGUF quant type name
     where: str = ""  # the file it comes from, for error messages
+    # For a matrix: rows r0..r1 as f32 [r1 - r0, cols], read apart from the rest, so a token table
+    # converts a slice at a time (an 8B model's is 2.1 GB in f32); None where a row's place in the
+    # source is not its place in the model (a GGUF's permuted q/k rows).
+    read_f32_rows: Callable[[int, int], np.ndarray] | None = None
 
 
 @dataclass

@@ -147,18 +147,22 @@ def open_gguf(path: Path) -> Source:
     cfg = _config(header, path, tensors["embed"][1].shape, _rope_factors(*rope_freqs) if rope_freqs else None)
     tokenizer_files = tokenizer_files_from_gguf(header.fields, path=str(path))
 
-    def read_raw(where: Path, t) -> np.ndarray:
-        buf = np.empty(t.n_bytes, dtype=np.uint8)
+    def read_raw(where: Path, t, skip: int = 0, n: int | None = None) -> np.ndarray:
+        """n bytes (all) of tensor t's data from byte `skip` of it."""
+        buf = np.empty(t.n_bytes - skip if n is None else n, dtype=np.uint8)
         with open(where, "rb") as f:
-            f.seek(t.data_offset)
+            f.seek(t.data_offset + skip)
             if f.readinto(memoryview(buf)) != buf.size:
                 raise BadInput(f"{where}: cut short while reading '{t.name}'")
         return buf
 
+    def permuted(canon: str) -> bool:
+        """Rows llama.cpp's converter reordered (a Llama's q and k)."""
+        return cfg.family == "llama" and canon.rsplit(".", 1)[-1] in ("q", "k")
+
     def unpermute(canon: str, w: np.ndarray) -> np.ndarray:
-        if cfg.family == "llama" and canon.rsplit(".", 1)[-1] in ("q", "k"):
-            n_head = cfg.num_heads if canon.endswith(".q") else cfg.num_kv_heads
-            return _unpermute_rows(w, n_head)
+        if permuted(canon):
+            return _unpermute_rows(w, cfg.num_heads if canon.endswith(".q") else cfg.num_kv_heads)
         return w
 
     def tensor(canon: str) -> SourceTensor:
@@ -168,8 +172,7 @@ def open_gguf(path: Path) -> Source:
         shape = t.shape
         qtype = t.type
 
-        def read_f32():
-            raw = read_raw(where, t)
+        def decode(raw: np.ndarray, rows: int) -> np.ndarray:
             if qtype == GGMLQuantizationType.F32:
                 w = raw.view(np.float32)
             elif qtype == GGMLQuantizationType.F16:
@@ -177,16 +180,24 @@ def open_gguf(path: Path) -> Source:
             elif qtype == GGMLQuantizationType.BF16:
                 w = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
             else:
-                rows = int(np.prod(shape[:-1], dtype=np.int64))
                 w = quants.dequantize(raw.reshape(rows, -1), qtype)
-            return unpermute(canon, np.ascontiguousarray(w, dtype=np.float32).reshape(shape))
+            return np.ascontiguousarray(w, dtype=np.float32)
+
+        def read_f32():
+            return unpermute(canon, decode(read_raw(where, t), int(np.prod(shape[:-1], dtype=np.int64))).reshape(shape))
+
+        def read_f32_rows(r0: int, r1: int) -> np.ndarray:
+            row_bytes = t.n_bytes // shape[0]
+            return decode(read_raw(where, t, r0 * row_bytes, (r1 - r0) * row_bytes), r1 - r0).reshape(r1 - r0, shape[1])
 
         def read_planes():
             planes = split_blocks(read_raw(where, t).reshape(shape[0], -1), shape[1], qtype.name.lower())
             return tuple(None if p is None else unpermute(canon, p) for p in planes)
 
+        apart = len(shape) == 2 and not permuted(canon)
         return SourceTensor(shape=shape, read_f32=read_f32, stored_dtype=qtype.name.lower(), where=str(where),
-                            read_planes=read_planes if qtype.name.lower() in BLOCK_BYTES else None)
+                            read_planes=read_planes if qtype.name.lower() in BLOCK_BYTES else None,
+                            read_f32_rows=read_f32_rows if apart else None)
 
     fp = hashlib.sha256(f"{path.name}:{sizes[0] if len(sizes) == 1 else sizes}".encode())  # one file: as before
     with open(path, "rb") as f:

@@ -87,6 +87,8 @@ def read_header(path: Path) -> tuple[int, dict]:
 
 
 def _read_tensor(path: Path, start: int, dtype: str, shape, b: int, e: int) -> np.ndarray:
+    """The tensor at bytes b..e of the data (which starts at `start`) as f32 of `shape`; a row
+    slice where b, e and shape say one."""
     np_dtype, _ = DTYPES[dtype]
     with open(path, "rb") as f:
         f.seek(start + b)
@@ -158,8 +160,14 @@ def open_safetensors_dir(root: Path, display_id: str | None = None, revision: st
         if name not in where:
             raise BadInput(f"{root}: tensor for '{name}' not found in the safetensors files")
         f, start, (dtype, shape, b, e) = where[name]
+
+        def rows(r0: int, r1: int) -> np.ndarray:
+            row = (e - b) // shape[0]
+            return _read_tensor(f, start, dtype, (r1 - r0, *shape[1:]), b + r0 * row, b + r1 * row)
+
         return SourceTensor(shape=shape, stored_dtype=dtype.lower(), where=str(f),
-                            read_f32=lambda: _read_tensor(f, start, dtype, shape, b, e))
+                            read_f32=lambda: _read_tensor(f, start, dtype, shape, b, e),
+                            read_f32_rows=rows if len(shape) == 2 else None)
 
     name = (display_id or root.resolve().name).split("/")[-1].lower()
     origin = {"kind": "hf-repo" if display_id else "hf-dir", "id": display_id or str(root.resolve()),
