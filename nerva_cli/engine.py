@@ -390,7 +390,8 @@ class Engine(EngineBase):
         it holds) where layers of that precision are paged, so the pager reads nothing."""
         cfg, ws, paged = self.cfg, self.pw, getattr(self.weights, "paged", [])
         resident = {self.layer_precision[L.index]: L for L in self._resident_layers()}
-        layers = list(resident.items()) + [(p, self.weights.views()[0]) for p in {self.layer_precision[i] for i in paged}]
+        slot = self.weights.views()[0] if paged else None
+        layers = list(resident.items()) + [(p, slot) for p in {self.layer_precision[i] for i in paged}]
         for precision, layer in sorted(layers, key=lambda pl: pl[0]):
             m = layer.mats
             short = self.k.short_prefill_rows("exact" if m["o"].w is not None else precision)

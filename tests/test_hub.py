@@ -64,7 +64,8 @@ def hub(monkeypatch, tmp_path, tiny_models):
     def model_info(repo_id, revision=None):
         calls.append(("info", repo_id))
         if repo_id != "me/tiny-GGUF":  # the Hub's 404 (built bare: its constructor wants an HTTP response)
-            missing = huggingface_hub.errors.RepositoryNotFoundError.__new__(huggingface_hub.errors.RepositoryNotFoundError)
+            cls = huggingface_hub.errors.RepositoryNotFoundError
+            missing = cls.__new__(cls)
             Exception.__init__(missing, f"404: {repo_id}")
             raise missing
         return types.SimpleNamespace(siblings=[types.SimpleNamespace(rfilename=f)
