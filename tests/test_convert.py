@@ -189,15 +189,18 @@ def quantized_rows(rng, shape, kind):
 
 
 def gguf_writer(path, tok_dir, layers, hidden, inter, heads, kv_heads, context, rope_theta, rms_eps,
-                split_max_tensors=0):
-    """(gguf.GGUFWriter, vocabulary size) for a Llama-architecture file, its keys and the tokenizer
-    in tok_dir (tokenizer.json's vocabulary and merges, as llama.cpp's converter writes a GPT-2
-    style one) written; the caller adds the tensors and writes the file out."""
+                split_max_tensors=0, arch="llama", head_dim=None):
+    """(gguf.GGUFWriter, vocabulary size) for a file of `arch`, its keys and the tokenizer in
+    tok_dir (tokenizer.json's vocabulary and merges, as llama.cpp's converter writes a GPT-2 style
+    one) written; the caller adds the tensors and writes the file out."""
     import gguf
 
     tok = json.loads((tok_dir / "tokenizer.json").read_text())
     vocab = [t for t, _ in sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])]
-    w = gguf.GGUFWriter(str(path), "llama", split_max_tensors=split_max_tensors)  # >0: gguf-split's parts
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)  # >0: gguf-split's parts
+    if head_dim is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_block_count(layers)
     w.add_context_length(context)
     w.add_embedding_length(hidden)
@@ -456,6 +459,75 @@ def test_a_model_directory_that_cannot_be_written_still_loads(tiny_models, tmp_p
     assert not list(model.path.glob("*.tmp"))
 
 
+def hf_to_gguf(src, path, extra=None):
+    """The HF model in `src` as llama.cpp's converter writes it, every tensor F32 (so its f16
+    conversion must equal the HF directory's byte for byte): its config as keys, a Llama's q/k
+    rows permuted (each head's two rotary halves interleaved), biases and q/k norms under their
+    GGUF names. extra: {tensor name: array} added as they are (rope_freqs)."""
+    import transformers
+    from safetensors.numpy import load_file
+
+    cfg = transformers.AutoConfig.from_pretrained(src)
+    arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg.model_type]
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]  # transformers 4 / 5
+    w, _ = gguf_writer(path, src, cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size,
+                       cfg.num_attention_heads, cfg.num_key_value_heads, context=cfg.max_position_embeddings,
+                       rope_theta=theta, rms_eps=cfg.rms_norm_eps, arch=arch, head_dim=head_dim)
+    for name, a in (extra or {}).items():
+        w.add_tensor(name, a)
+
+    def permute(m, n_head):
+        return m.reshape(n_head, 2, m.shape[0] // n_head // 2, *m.shape[1:]).swapaxes(1, 2).reshape(m.shape)
+
+    t = load_file(str(src / "model.safetensors"))
+    w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", t["model.norm.weight"])
+    if "lm_head.weight" in t:
+        w.add_tensor("output.weight", t["lm_head.weight"])
+    names = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+             "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+             "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+    for i in range(cfg.num_hidden_layers):
+        for gname, hf_name in names.items():
+            for kind in ("weight", "bias"):
+                m = t.get(f"model.layers.{i}.{hf_name}.{kind}")
+                if m is None:
+                    continue
+                if arch == "llama" and gname in ("attn_q", "attn_k"):
+                    m = permute(m, cfg.num_attention_heads if gname == "attn_q" else cfg.num_key_value_heads)
+                w.add_tensor(f"blk.{i}.{gname}.{kind}", np.ascontiguousarray(m))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "llama-untied", "qwen2", "qwen3"])
+def test_a_gguf_of_hf_weights_converts_as_the_hf_directory_does(family, tiny_models, tmp_path, cli):
+    """Each family nerva runs, as llama.cpp's converter would write it (F32 tensors: Qwen2's q/k/v
+    biases, Qwen3's q/k norms and head_dim, an untied lm_head, a Llama's permuted q/k): its f16
+    conversion equals the HF directory's, tensor for tensor, and so does the config nerva reads
+    from the keys (but for the source it names)."""
+    src = tiny_models(family)
+    hf_to_gguf(src, tmp_path / "g.gguf")
+    assert cli("convert", tmp_path / "g.gguf", "--quant", "f16", "--name", "from-gguf")[0] == 0
+    assert cli("convert", src, "--quant", "f16", "--name", "from-hf")[0] == 0
+    a, b = find_model("from-gguf:f16"), find_model("from-hf:f16")
+    got, want = a.config.to_dict(), b.config.to_dict()
+    for key in ("bos_token_id", "eos_token_ids", "max_context"):  # the tiny tokenizer's and GGUF's own
+        got.pop(key), want.pop(key)
+    assert np.float32(got.pop("rms_eps")) == np.float32(want.pop("rms_eps"))  # a GGUF key is an f32
+    assert got == want
+    assert a.meta["files"].keys() == b.meta["files"].keys()
+    for fname in b.meta["files"]:
+        ta, tb = a.read_file(fname), b.read_file(fname)
+        assert ta.keys() == tb.keys(), fname
+        for name in tb:
+            np.testing.assert_array_equal(ta[name], tb[name], err_msg=f"{fname} {name}")
+
+
 def test_gguf_rope_freqs_are_llama3_scaling_as_transformers_computes_it(tiny_models, tmp_path, cli):
     """A Llama 3.1-style GGUF carries its RoPE scaling as rope_freqs, a divisor per frequency
     (llama.cpp's converter computes them from config.json). Written here as transformers' own
@@ -467,7 +539,6 @@ def test_gguf_rope_freqs_are_llama3_scaling_as_transformers_computes_it(tiny_mod
     carry to about 1e-6 of the logits; 1e-4 leaves room and still fails a missing scaling."""
     import torch
     import transformers
-    from safetensors.numpy import load_file
 
     from nerva_cli.engine import Engine
     from nerva_cli.rope import inv_freq
@@ -481,31 +552,7 @@ def test_gguf_rope_freqs_are_llama3_scaling_as_transformers_computes_it(tiny_mod
     plain = (1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)))
     assert not np.allclose(scaled, plain)  # the scaling moves some frequencies
     path = tmp_path / "tiny-llama31.gguf"
-    w, _ = gguf_writer(path, src, cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size,
-                       cfg.num_attention_heads, cfg.num_key_value_heads, context=cfg.max_position_embeddings,
-                       rope_theta=theta, rms_eps=cfg.rms_norm_eps)
-    w.add_tensor("rope_freqs.weight", (plain / scaled).astype(np.float32))
-
-    def permute(m, n_head):  # llama.cpp's converter: each head's two rotary halves interleaved
-        return m.reshape(n_head, 2, m.shape[0] // n_head // 2, *m.shape[1:]).swapaxes(1, 2).reshape(m.shape)
-
-    t = load_file(str(src / "model.safetensors"))
-    w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
-    w.add_tensor("output_norm.weight", t["model.norm.weight"])
-    for i in range(cfg.num_hidden_layers):
-        for gname, hf_name in (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
-                               ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
-                               ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
-                               ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"),
-                               ("ffn_down", "mlp.down_proj")):
-            m = t[f"model.layers.{i}.{hf_name}.weight"]
-            if gname in ("attn_q", "attn_k"):
-                m = permute(m, cfg.num_attention_heads if gname == "attn_q" else cfg.num_key_value_heads)
-            w.add_tensor(f"blk.{i}.{gname}.weight", np.ascontiguousarray(m))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    hf_to_gguf(src, path, {"rope_freqs.weight": (plain / scaled).astype(np.float32)})
     assert cli("convert", path, "--quant", "f16")[0] == 0
     assert cli("convert", src, "--quant", "f16", "--name", "tiny-hf31")[0] == 0
     from_gguf, from_hf = find_model("tiny-llama31:f16"), find_model("tiny-hf31:f16")
