@@ -142,13 +142,22 @@ def _print_show(m) -> None:
 
     cfg = m.config
     output.out.print(f"[bold]{m.name}:{m.variant}[/bold]  {m.path}")
-    output.facts([*((k, str(v)) for k, v in cfg.to_dict().items()), ("arch_hash", m.meta["arch_hash"]),
+    output.facts([*((k, _config_fact(v)) for k, v in cfg.to_dict().items()), ("arch_hash", m.meta["arch_hash"]),
                   ("source", f"{m.meta['source'].get('kind')}: {m.meta['source'].get('id')}"),
                   ("size", f"{output.human_bytes(m.size)} in {len(m.meta['files'])} files")])
     dtypes = Counter(t["dtype"] for f in m.meta["files"].values() for t in f["tensors"].values())
     largest = max(m.meta["files"].items(), key=lambda kv: kv[1]["size"])
     output.out.print(f"tensors: {sum(dtypes.values())} ({', '.join(f'{n} {d}' for d, n in sorted(dtypes.items()))}); "
                      f"largest file {largest[0]} {output.human_bytes(largest[1]['size'])}")
+
+
+def _config_fact(value) -> str:
+    """A config value for `show`: a GGUF's per-frequency RoPE factors summarised (64 numbers for a
+    128-wide head), anything else as it is (--json gives every value)."""
+    if isinstance(value, dict) and value.get("type") == "freq_factors":
+        f = value["factors"]
+        return f"freq_factors: {len(f)} per-frequency divisors, {min(f):g} to {max(f):g}"
+    return str(value)
 
 
 @app.command()

@@ -557,6 +557,8 @@ def test_gguf_rope_freqs_are_llama3_scaling_as_transformers_computes_it(tiny_mod
     assert cli("convert", src, "--quant", "f16", "--name", "tiny-hf31")[0] == 0
     from_gguf, from_hf = find_model("tiny-llama31:f16"), find_model("tiny-hf31:f16")
     assert from_gguf.config.rope_scaling["type"] == "freq_factors"
+    shown = cli("show", "tiny-llama31")[1]
+    assert f"freq_factors: {head_dim // 2} per-frequency divisors, 1 to {(plain / scaled).max():g}" in shown, shown
     np.testing.assert_allclose(inv_freq(from_gguf.config), scaled, rtol=2e-7)
     prompt = [5, 17, 42, 99, 3, 250, 8, 77]
     a, b = Engine(from_gguf, ctx=64, kv_cache="f32"), Engine(from_hf, ctx=64, kv_cache="f32")
