@@ -51,16 +51,6 @@ def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
         w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
-def _rope_factors(path: Path, t) -> list[float]:
-    """The rope_freqs tensor's values (F32, a divisor per rotary frequency: how llama.cpp's
-    converter writes Llama 3.1's scaling)."""
-    if t.type.name != "F32" or len(t.shape) != 1:
-        raise BadInput(f"{path}: rope_freqs.weight must be one row of F32, got {t.type.name} {list(t.shape)}")
-    with open(path, "rb") as f:
-        f.seek(t.data_offset)
-        return np.frombuffer(f.read(t.n_bytes), dtype=np.float32).tolist()
-
-
 def _config(header: GGUFHeader, path: Path, embed_shape, rope_factors: list[float] | None = None) -> ModelConfig:
     fields = header.fields
     arch = fields.get("general.architecture")
@@ -97,15 +87,22 @@ def _config(header: GGUFHeader, path: Path, embed_shape, rope_factors: list[floa
     )
 
 
+def split_part_names(name: str) -> list[str]:
+    """The file names of the GGUF that `name` is, or is a gguf-split part of, in order."""
+    m = SPLIT_PART.search(name)
+    if m is None:
+        return [name]
+    count = int(m.group(2))
+    return [f"{name[:m.start()]}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+
+
 def split_parts(path: Path) -> list[Path]:
     """The files of a GGUF: itself, or all parts of a gguf-split one (named by its first part)."""
     m = SPLIT_PART.search(path.name)
-    if m is None:
-        return [path]
-    part, count = int(m.group(1)), int(m.group(2))
-    if part != 1:
+    if m is not None and int(m.group(1)) != 1:
+        part, count = int(m.group(1)), int(m.group(2))
         raise BadInput(f"{path}: part {part} of {count} of a split GGUF: give its first part, -00001-of-{count:05d}")
-    parts = [path.with_name(f"{path.name[:m.start()]}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    parts = [path.with_name(name) for name in split_part_names(path.name)]
     for p in parts:
         if not p.exists():
             raise BadInput(f"{p}: missing (part of the split GGUF {path.name})")
@@ -144,8 +141,6 @@ def open_gguf(path: Path) -> Source:
             tensors[canon] = (part, t)
     if "embed" not in tensors:
         raise BadInput(f"{path}: no token_embd.weight tensor")
-    cfg = _config(header, path, tensors["embed"][1].shape, _rope_factors(*rope_freqs) if rope_freqs else None)
-    tokenizer_files = tokenizer_files_from_gguf(header.fields, path=str(path))
 
     def read_raw(where: Path, t, skip: int = 0, n: int | None = None) -> np.ndarray:
         """n bytes (all) of tensor t's data from byte `skip` of it."""
@@ -155,6 +150,15 @@ def open_gguf(path: Path) -> Source:
             if f.readinto(memoryview(buf)) != buf.size:
                 raise BadInput(f"{where}: cut short while reading '{t.name}'")
         return buf
+
+    factors = None  # rope_freqs: a divisor per frequency, as llama.cpp's converter writes Llama 3.1's scaling
+    if rope_freqs is not None:
+        where, t = rope_freqs
+        if t.type.name != "F32" or len(t.shape) != 1:
+            raise BadInput(f"{where}: rope_freqs.weight must be one row of F32, got {t.type.name} {list(t.shape)}")
+        factors = read_raw(where, t).view(np.float32).tolist()
+    cfg = _config(header, path, tensors["embed"][1].shape, factors)
+    tokenizer_files = tokenizer_files_from_gguf(header.fields, path=str(path))
 
     def permuted(canon: str) -> bool:
         """Rows llama.cpp's converter reordered (a Llama's q and k)."""

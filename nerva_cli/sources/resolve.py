@@ -73,7 +73,7 @@ def gguf_quant(filename: str) -> str | None:
 def choose_gguf(repo: str, files: list[str], tag: str | None) -> list[str]:
     """The repo files of the GGUF a spec's tag names, or without one of the first of
     GGUF_PREFERENCE the repo has (or its only GGUF): one file, or a split one's parts in order."""
-    from nerva_cli.sources.gguf_file import SPLIT_PART
+    from nerva_cli.sources.gguf_file import SPLIT_PART, split_part_names
 
     later_part = [f for f in files if (m := SPLIT_PART.search(f)) and int(m.group(1)) > 1]
     ggufs = sorted(f for f in files if f.lower().endswith(".gguf") and f not in later_part)
@@ -90,14 +90,10 @@ def choose_gguf(repo: str, files: list[str], tag: str | None) -> list[str]:
         if pick is None:
             raise BadInput(f"{repo}: several GGUF files and none of {', '.join(GGUF_PREFERENCE)}: "
                            f"name one with a tag ({tags})")
-    split = SPLIT_PART.search(pick)
-    if split is None:
-        return [pick]
-    head, count = pick[:split.start()], int(split.group(2))
-    parts = [f"{head}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+    parts = split_part_names(pick)
     missing = [f for f in parts if f not in files]
     if missing:
-        raise BadInput(f"{repo}: {pick} is part 1 of {count}, and the repo lacks {', '.join(missing)}")
+        raise BadInput(f"{repo}: {pick} is part 1 of {len(parts)}, and the repo lacks {', '.join(missing)}")
     return parts
 
 
