@@ -42,12 +42,16 @@ def pull(spec: str, variant: str = "auto", name: str | None = None, out: Path | 
 
 def source_changed(model: StoredModel, spec: str) -> bool:
     """Whether the source `model` was converted from (a local path) now differs from what it was
-    then, by the fingerprint the conversion recorded (a GGUF's name, size and first MB; a
-    safetensors directory's file names, sizes and tensor table)."""
+    then, by the fingerprint the conversion recorded (a GGUF's name, size and first MB, read
+    without parsing the file; a safetensors directory's file names, sizes and tensor table)."""
+    from nerva_cli.sources.gguf_file import fingerprint
     from nerva_cli.sources.resolve import open_source
 
-    source = open_source(spec)
-    try:
-        return source.fingerprint != model.meta.get("source", {}).get("fingerprint")
-    finally:
+    path = Path(spec).expanduser()
+    if path.suffix.lower() == ".gguf":
+        now = fingerprint(path)
+    else:
+        source = open_source(spec)
+        now = source.fingerprint
         source.close()
+    return now != model.meta.get("source", {}).get("fingerprint")

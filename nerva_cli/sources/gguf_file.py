@@ -109,6 +109,16 @@ def split_parts(path: Path) -> list[Path]:
     return parts
 
 
+def fingerprint(path: Path) -> str:
+    """A GGUF's source fingerprint (metadata.json's source.fingerprint): its name, its parts' sizes
+    and its first MB, without parsing it, so that `run PATH` can tell a changed file cheaply."""
+    sizes = [p.stat().st_size for p in split_parts(path)]
+    fp = hashlib.sha256(f"{path.name}:{sizes[0] if len(sizes) == 1 else sizes}".encode())  # one file: as before
+    with open(path, "rb") as f:
+        fp.update(f.read(1 << 20))
+    return fp.hexdigest()[:32]
+
+
 def open_gguf(path: Path) -> Source:
     """A GGUF file, or a split one through its first part (-00001-of-0000N.gguf): the metadata
     from the first part, the tensors from whichever part holds each."""
@@ -122,10 +132,9 @@ def open_gguf(path: Path) -> Source:
     if len(parts) != int(header.fields.get("split.count", 1)):
         raise BadInput(f"{path}: its name says {len(parts)} parts, its split.count "
                        f"{header.fields.get('split.count', 1)}")
-    tensors, rope_freqs, sizes = {}, None, []
+    tensors, rope_freqs = {}, None
     for part in parts:
         size = part.stat().st_size
-        sizes.append(size)
         for t in (header if part == path else read_header(part)).tensors:
             if t.data_offset + t.n_bytes > size:
                 raise BadInput(f"{part}: tensor '{t.name}' runs past the end of the file: cut short?")
@@ -203,11 +212,8 @@ def open_gguf(path: Path) -> Source:
                             read_planes=read_planes if qtype.name.lower() in BLOCK_BYTES else None,
                             read_f32_rows=read_f32_rows if apart else None)
 
-    fp = hashlib.sha256(f"{path.name}:{sizes[0] if len(sizes) == 1 else sizes}".encode())  # one file: as before
-    with open(path, "rb") as f:
-        fp.update(f.read(1 << 20))
     name = _QUANT_SUFFIX.sub("", SPLIT_PART.sub("", path.name).removesuffix(".gguf") if len(parts) > 1
                              else path.stem).lower()
     return Source(config=cfg, origin={"kind": "gguf", "id": str(path.resolve()), "revision": None},
-                  fingerprint=fp.hexdigest()[:32], tensors=tensor, tokenizer_files=tokenizer_files,
+                  fingerprint=fingerprint(path), tensors=tensor, tokenizer_files=tokenizer_files,
                   default_name=name)
