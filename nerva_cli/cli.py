@@ -152,11 +152,16 @@ def _print_show(m) -> None:
 
 
 def _config_fact(value) -> str:
-    """A config value for `show`: a GGUF's per-frequency RoPE factors summarised (64 numbers for a
-    128-wide head), anything else as it is (--json gives every value)."""
+    """A config value for `show`: RoPE's per-frequency factors summarised (64 numbers for a 128-wide
+    head; LongRoPE's two lists), anything else as it is (--json gives every value)."""
     if isinstance(value, dict) and value.get("type") == "freq_factors":
         f = value["factors"]
         return f"freq_factors: {len(f)} per-frequency divisors, {min(f):g} to {max(f):g}"
+    if isinstance(value, dict) and value.get("type") == "longrope":
+        short, long = value["short_factor"], value["long_factor"]
+        return (f"longrope: {len(short)} short factors {min(short):g} to {max(short):g}, long {min(long):g} to "
+                f"{max(long):g} (past {value['original_max_position_embeddings']} tokens), attention "
+                f"factor {value['attention_factor']:g}")
     return str(value)
 
 

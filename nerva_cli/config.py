@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 
 from nerva_cli.errors import BadInput
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
-# HF model_type / GGUF general.architecture -> family. Mistral and SmolLM are Llama-shaped.
-FAMILY_OF = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-SUPPORTED_TEXT = "llama (Llama 2/3.x, Mistral, SmolLM, TinyLlama), qwen2, qwen3"
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "phi3")
+# HF model_type / GGUF general.architecture -> family. Mistral and SmolLM are Llama-shaped; so is
+# Phi-3 once its fused q/k/v and gate/up matrices are split (sources.fused_part).
+FAMILY_OF = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+SUPPORTED_TEXT = "llama (Llama 2/3.x, Mistral, SmolLM, TinyLlama), qwen2, qwen3, phi3 (Phi-3, Phi-3.5, Phi-4-mini)"
+ROPE_SCALINGS = ("linear", "llama3", "freq_factors", "longrope")
 
 
 @dataclass
@@ -33,12 +35,20 @@ class ModelConfig:
     tie_embeddings: bool
     # {"type": "linear"|"llama3", "factor": ..., ...}, or a GGUF's {"type": "freq_factors",
     # "factors": [head_dim / 2 divisors of the frequencies]} (its rope_freqs tensor: llama3's
-    # scaling as llama.cpp's converter writes it)
+    # scaling as llama.cpp's converter writes it), or Phi-3's {"type": "longrope", "short_factor":
+    # [...], "long_factor": [...], "original_max_position_embeddings": n, "attention_factor": f}
+    # (rotary_dim / 2 divisors each; the long ones where the context is past n, as llama.cpp
+    # picks them)
     rope_scaling: dict | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     qkv_bias: bool = False
     qk_norm: bool = False
+    # The dimensions of each head RoPE rotates (HF's partial_rotary_factor: Phi-4-mini's 96 of
+    # 128), None for all. The store keeps q/k rows in an order where the rotated pairs sit where
+    # a whole head's would (rope.partial_rotary_order), so the kernels rotate every pair and the
+    # others' angle is 0.
+    rotary_dim: int | None = None
 
     def __post_init__(self):
         if self.family not in SUPPORTED_FAMILIES:
@@ -52,14 +62,29 @@ class ModelConfig:
                            f"num_kv_heads {self.num_kv_heads}")
         if self.head_dim % 2:
             raise BadInput(f"config: head_dim {self.head_dim} must be even for RoPE")
-        if self.rope_scaling and self.rope_scaling.get("type") not in ("linear", "llama3", "freq_factors"):
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise BadInput(f"config: the rotary dimensions ({self.rotary_dim}) must be even and at most "
+                           f"head_dim ({self.head_dim})")
+        if self.rope_scaling and self.rope_scaling.get("type") not in ROPE_SCALINGS:
             raise BadInput(f"config: rope scaling '{self.rope_scaling.get('type')}' is not supported "
-                           "(supported: linear, llama3)")
+                           f"(supported: {', '.join(ROPE_SCALINGS)})")
+        if self.rope_scaling and self.rope_scaling.get("type") == "longrope":
+            rs, pairs = self.rope_scaling, self.rotation // 2
+            for name in ("short_factor", "long_factor"):
+                factors = rs.get(name) or []
+                if len(factors) != pairs or not all(math.isfinite(f) and f > 0 for f in factors):
+                    raise BadInput(f"config: longrope's {name} must be {pairs} positive numbers (the rotary "
+                                   f"dimensions / 2), got {len(factors)}")
         if self.rope_scaling and self.rope_scaling.get("type") == "freq_factors":
             factors = self.rope_scaling.get("factors") or []
             if len(factors) != self.head_dim // 2 or not all(math.isfinite(f) and f > 0 for f in factors):
                 raise BadInput(f"config: RoPE frequency factors must be {self.head_dim // 2} positive numbers "
                                f"(head_dim / 2), got {len(factors)}")
+
+    @property
+    def rotation(self) -> int:
+        """The dimensions of a head RoPE rotates."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def q_dim(self) -> int:
@@ -81,7 +106,10 @@ class ModelConfig:
         """Identifies the architecture (not the weights): profiles are keyed by it."""
         keys = ("family", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                 "num_kv_heads", "head_dim", "vocab_size", "qkv_bias", "qk_norm", "tie_embeddings")
-        blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
+        arch = {k: getattr(self, k) for k in keys}
+        if self.rotary_dim is not None:  # only where set: the hashes (and shipped profiles) before it stand
+            arch["rotary_dim"] = self.rotary_dim
+        blob = json.dumps(arch, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -105,7 +133,33 @@ def _hf_rope_scaling(cfg: dict) -> dict | None:
                 "low_freq_factor": float(rs["low_freq_factor"]),
                 "high_freq_factor": float(rs["high_freq_factor"]),
                 "original_max_position_embeddings": int(rs["original_max_position_embeddings"])}
+    if kind in ("longrope", "su"):  # "su": Phi-3's first configs' name for it
+        original = int(rs.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+        factor = rs.get("factor") or int(cfg.get("max_position_embeddings", original)) / original
+        attention = rs.get("attention_factor")
+        if attention is None:  # transformers' and the LongRoPE paper's default
+            attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return {"type": "longrope", "short_factor": [float(f) for f in rs["short_factor"]],
+                "long_factor": [float(f) for f in rs["long_factor"]],
+                "original_max_position_embeddings": original, "attention_factor": float(attention)}
     return {"type": kind}  # refused by __post_init__ with its name
+
+
+def _hf_rotary_dim(cfg: dict, head_dim: int) -> int | None:
+    fraction = cfg.get("partial_rotary_factor") or (cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
+    if fraction is None or int(head_dim * float(fraction)) == head_dim:
+        return None
+    return int(head_dim * float(fraction))  # as transformers rounds it
+
+
+def _hf_max_context(cfg: dict) -> int:
+    """max_position_embeddings, or the attention window where one is smaller: a model trained
+    with sliding-window attention (Phi-3-mini-4k's 2047 tokens, Mistral 7B v0.1's 4096) attends
+    as transformers does while the context fits in the window, which nerva's attention (all of
+    the context) does not model past it. Qwen2's configs name a window they do not use."""
+    longest = int(cfg.get("max_position_embeddings", 4096))
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    return min(longest, int(window)) if window else longest
 
 
 def _hf_rope_theta(cfg: dict) -> float:
@@ -121,9 +175,13 @@ def from_hf_config(cfg: dict, path: str) -> ModelConfig:
     if model_type not in FAMILY_OF:
         raise BadInput(f"{path}: architecture '{model_type}' is not supported (supported: {SUPPORTED_TEXT})")
     family = FAMILY_OF[model_type]
+    act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
+    if act != "silu":
+        raise BadInput(f"{path}: activation '{act}' is not supported (nerva's MLP is SwiGLU: silu)")
     try:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
         return ModelConfig(
             family=family,
             hidden_size=hidden,
@@ -131,17 +189,18 @@ def from_hf_config(cfg: dict, path: str) -> ModelConfig:
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             vocab_size=int(cfg["vocab_size"]),
             rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=_hf_rope_theta(cfg),
-            max_context=int(cfg.get("max_position_embeddings", 4096)),
+            max_context=_hf_max_context(cfg),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope_scaling=_hf_rope_scaling(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_list(cfg.get("eos_token_id")),
             qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=family == "qwen3",
+            rotary_dim=_hf_rotary_dim(cfg, head_dim),
         )
     except KeyError as e:
         raise BadInput(f"{path}: missing key {e.args[0]!r}") from None

@@ -16,7 +16,7 @@ from nerva_cli import __version__
 from nerva_cli.errors import BadInput
 from nerva_cli.layout import TABLES, global_files, layer_file, layer_shapes, quantised
 from nerva_cli.quant import Q4_KINDS, TABLE_KIND, quantize_blocks
-from nerva_cli.sources import Source, SourceTensor
+from nerva_cli.sources import Source, SourceTensor, row_order
 from nerva_cli.store import ALIGN, FORMAT, VARIANTS, LayerFileWriter
 
 ROWS_PER_CHUNK_ELEMS = 1 << 20  # quantise in slices of about 1M weights: bounded temporaries
@@ -84,6 +84,19 @@ def _write_tensor(writer: LayerFileWriter, name: str, t: SourceTensor, variant: 
         writer.add(name, t.read_f32(), "f32")
 
 
+def _stored(source: Source, canon: str) -> SourceTensor:
+    """A source tensor in the store's layout: where RoPE rotates part of each head, the rows of q
+    and k (and of their biases and norms) in rope.partial_rotary_order."""
+    from nerva_cli.rope import partial_rotary_order
+
+    t, cfg = source.tensors(canon), source.config
+    if cfg.rotary_dim is None or _short(canon) not in ("q", "k", "q_bias", "k_bias", "q_norm", "k_norm"):
+        return t
+    head = partial_rotary_order(cfg.head_dim, cfg.rotary_dim)
+    heads = np.arange(t.shape[0] // cfg.head_dim)[:, None] * cfg.head_dim
+    return row_order(t, (heads + head).ravel())
+
+
 def _plan(cfg) -> list[tuple[str, dict[str, tuple[int, ...]]]]:
     """(file, {canonical tensor name: shape}) of every file a conversion writes, in order."""
     return list(global_files(cfg).items()) + [
@@ -146,7 +159,7 @@ def convert(source: Source, variant: str, target: Path, force: bool = False,
     plan = _plan(cfg)
     for _, tensors in plan:  # every shape is checked before anything is written
         for canon, want in tensors.items():
-            t = source.tensors(canon)
+            t = _stored(source, canon)
             if tuple(t.shape) != tuple(want):
                 raise BadInput(f"{t.where or source.origin['id']}: tensor '{canon}' has shape "
                                f"{list(t.shape)}, the config says {list(want)}")
@@ -161,7 +174,7 @@ def convert(source: Source, variant: str, target: Path, force: bool = False,
                 progress(fname, step, len(plan))
             writer = LayerFileWriter(tmp / fname)
             for canon in tensors:
-                _write_tensor(writer, _short(canon), source.tensors(canon), variant)
+                _write_tensor(writer, _short(canon), _stored(source, canon), variant)
             files[fname] = writer.close()
         for fname, text in source.tokenizer_files.items():
             (tmp / fname).write_text(text)

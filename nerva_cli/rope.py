@@ -1,5 +1,6 @@
-"""RoPE frequency tables: plain, linear and llama3 scaling, as HF computes them (in float32), and
-a GGUF's per-frequency factors, as llama.cpp applies them."""
+"""RoPE frequency tables: plain, linear, llama3 and longrope scaling, as HF computes them (in
+float32), and a GGUF's per-frequency factors, as llama.cpp applies them; partial rotation
+(rotary_dim) through the store's q/k row order (partial_rotary_order)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,19 @@ import numpy as np
 from nerva_cli.config import ModelConfig
 
 
-def inv_freq(cfg: ModelConfig) -> np.ndarray:
-    dim = cfg.head_dim
-    freqs = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))))
-    freqs = freqs.astype(np.float32)
+def inv_freq(cfg: ModelConfig, max_pos: int | None = None) -> np.ndarray:
+    """f32 [head_dim / 2]: the frequency of each rotated pair, 0 for the pairs a partial rotation
+    leaves alone. `max_pos`, the context, picks longrope's long factors where it is past the
+    original one (llama.cpp's choice, by the context; transformers' by the sequence so far)."""
+    dim = cfg.rotation
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
     rs = cfg.rope_scaling or {}
+    if rs.get("type") == "longrope":
+        long = max_pos is not None and max_pos > rs["original_max_position_embeddings"]
+        ext = np.asarray(rs["long_factor" if long else "short_factor"], dtype=np.float32)
+        freqs = (np.float32(1.0) / (ext * np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
+    else:
+        freqs = (1.0 / (np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
     if rs.get("type") == "linear":
         freqs = freqs / np.float32(rs["factor"])
     elif rs.get("type") == "llama3":
@@ -28,10 +37,30 @@ def inv_freq(cfg: ModelConfig) -> np.ndarray:
         freqs = np.where(medium, smoothed, scaled).astype(np.float32)
     elif rs.get("type") == "freq_factors":  # a GGUF's rope_freqs: llama.cpp divides each frequency by its factor
         freqs = (freqs / np.asarray(rs["factors"], dtype=np.float32)).astype(np.float32)
-    return freqs
+    return np.concatenate([freqs, np.zeros((cfg.head_dim - dim) // 2, dtype=np.float32)])
 
 
 def tables(cfg: ModelConfig, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin f32 [max_pos, head_dim/2]."""
-    angles = np.arange(max_pos, dtype=np.float32)[:, None] * inv_freq(cfg)[None, :]
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    """cos, sin f32 [max_pos, head_dim/2]; longrope's attention factor scales the rotated pairs'
+    (transformers multiplies its cos and sin, llama.cpp its rotation), the others stay 1 and 0."""
+    angles = np.arange(max_pos, dtype=np.float32)[:, None] * inv_freq(cfg, max_pos)[None, :]
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    rs = cfg.rope_scaling or {}
+    if rs.get("type") == "longrope":
+        rotated = cfg.rotation // 2
+        cos[:, :rotated] *= np.float32(rs["attention_factor"])
+        sin[:, :rotated] *= np.float32(rs["attention_factor"])
+    return cos, sin
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> np.ndarray:
+    """Where each of a head's stored rows comes from, for a rotation of its first rotary_dim
+    dimensions: HF rotates the pairs (i, i + rotary_dim/2) and passes the rest through; nerva's
+    kernels rotate (i, i + head_dim/2). Stored row i < r (r = rotary_dim/2) is row i, row
+    head_dim/2 + i is r + i, and the pass-through rows fill the pairs above r in order (their
+    frequency is 0). The same order for q and k leaves every q.k product as it was."""
+    half, r = head_dim // 2, rotary_dim // 2
+    passed = np.arange(rotary_dim, head_dim)
+    first = np.concatenate([np.arange(r), passed[:half - r]])
+    second = np.concatenate([r + np.arange(r), passed[half - r:]])
+    return np.concatenate([first, second])

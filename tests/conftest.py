@@ -94,6 +94,14 @@ FAMILIES = {
                                                        "original_max_position_embeddings": 64}}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 32}),
+    # fused q/k/v and gate/up; the second rotates half of each 16-wide head with LongRoPE's
+    # short factors (the context, 256 at most in the tests, within its original 256) and its
+    # attention factor (max 512 / original 256: sqrt(1 + ln 2 / ln 256) = 1.061)
+    "phi3": ("Phi3Config", {"pad_token_id": 0}),
+    "phi3-longrope": ("Phi3Config", {"pad_token_id": 0, "partial_rotary_factor": 0.5,
+                                     "original_max_position_embeddings": 256,
+                                     "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.3, 2.1, 3.7],
+                                                      "long_factor": [1.5, 2.9, 5.3, 9.1]}}),
 }
 
 

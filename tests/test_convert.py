@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -459,16 +460,19 @@ def test_a_model_directory_that_cannot_be_written_still_loads(tiny_models, tmp_p
     assert not list(model.path.glob("*.tmp"))
 
 
-def hf_to_gguf(src, path, extra=None):
+def hf_to_gguf(src, path, extra=None, layer_quant=None):
     """The HF model in `src` as llama.cpp's converter writes it, every tensor F32 (so its f16
     conversion must equal the HF directory's byte for byte): its config as keys, a Llama's q/k
     rows permuted (each head's two rotary halves interleaved), biases and q/k norms under their
-    GGUF names. extra: {tensor name: array} added as they are (rope_freqs)."""
+    GGUF names; a Phi-3's fused matrices as they are (gate_up under ffn_up's name), its rotary
+    dimensions, and LongRoPE's factors as tensors with the original context and attention factor
+    as keys. extra: {tensor name: array} added as they are (rope_freqs). layer_quant: a GGUF
+    type (Q4_0) the layers' matrices are quantised to by gguf-py, where not F32."""
     import transformers
     from safetensors.numpy import load_file
 
     cfg = transformers.AutoConfig.from_pretrained(src)
-    arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg.model_type]
+    arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}[cfg.model_type]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]  # transformers 4 / 5
     w, _ = gguf_writer(path, src, cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size,
@@ -476,6 +480,15 @@ def hf_to_gguf(src, path, extra=None):
                        rope_theta=theta, rms_eps=cfg.rms_norm_eps, arch=arch, head_dim=head_dim)
     for name, a in (extra or {}).items():
         w.add_tensor(name, a)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if arch == "phi3":
+        w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    if rope.get("rope_type") == "longrope":
+        original = rope["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(cfg.max_position_embeddings / original) / math.log(original)))
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
 
     def permute(m, n_head):
         return m.reshape(n_head, 2, m.shape[0] // n_head // 2, *m.shape[1:]).swapaxes(1, 2).reshape(m.shape)
@@ -489,6 +502,8 @@ def hf_to_gguf(src, path, extra=None):
              "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
              "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+    if arch == "phi3":
+        names.update(attn_qkv="self_attn.qkv_proj", ffn_up="mlp.gate_up_proj")
     for i in range(cfg.num_hidden_layers):
         for gname, hf_name in names.items():
             for kind in ("weight", "bias"):
@@ -497,17 +512,23 @@ def hf_to_gguf(src, path, extra=None):
                     continue
                 if arch == "llama" and gname in ("attn_q", "attn_k"):
                     m = permute(m, cfg.num_attention_heads if gname == "attn_q" else cfg.num_key_value_heads)
-                w.add_tensor(f"blk.{i}.{gname}.{kind}", np.ascontiguousarray(m))
+                if layer_quant is not None and m.ndim == 2:
+                    from gguf import quants
+
+                    w.add_tensor(f"blk.{i}.{gname}.{kind}", quants.quantize(m, layer_quant), raw_dtype=layer_quant)
+                else:
+                    w.add_tensor(f"blk.{i}.{gname}.{kind}", np.ascontiguousarray(m))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
-@pytest.mark.parametrize("family", ["llama", "llama-untied", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "llama-untied", "qwen2", "qwen3", "phi3", "phi3-longrope"])
 def test_a_gguf_of_hf_weights_converts_as_the_hf_directory_does(family, tiny_models, tmp_path, cli):
     """Each family nerva runs, as llama.cpp's converter would write it (F32 tensors: Qwen2's q/k/v
-    biases, Qwen3's q/k norms and head_dim, an untied lm_head, a Llama's permuted q/k): its f16
+    biases, Qwen3's q/k norms and head_dim, an untied lm_head, a Llama's permuted q/k, Phi-3's
+    fused matrices, partial rotation and LongRoPE factors): its f16
     conversion equals the HF directory's, tensor for tensor, and so does the config nerva reads
     from the keys (but for the source it names)."""
     src = tiny_models(family)
@@ -519,6 +540,9 @@ def test_a_gguf_of_hf_weights_converts_as_the_hf_directory_does(family, tiny_mod
     for key in ("bos_token_id", "eos_token_ids", "max_context"):  # the tiny tokenizer's and GGUF's own
         got.pop(key), want.pop(key)
     assert np.float32(got.pop("rms_eps")) == np.float32(want.pop("rms_eps"))  # a GGUF key is an f32
+    if want["rope_scaling"]:  # LongRoPE's factors are F32 tensors, its attention factor an f32 key
+        for key in ("short_factor", "long_factor", "attention_factor"):
+            assert np.array_equal(np.float32(got["rope_scaling"].pop(key)), np.float32(want["rope_scaling"].pop(key)))
     assert got == want
     assert a.meta["files"].keys() == b.meta["files"].keys()
     for fname in b.meta["files"]:
@@ -566,3 +590,125 @@ def test_gguf_rope_freqs_are_llama3_scaling_as_transformers_computes_it(tiny_mod
     for token in (11, 200, 31):
         assert np.abs(la - lb).max() <= 1e-4 * np.abs(lb).max(), np.abs(la - lb).max()
         la, lb = a.decode(token), b.decode(token)
+
+
+def test_longrope_tables_are_transformers_short_and_long_ones(tiny_models):
+    """Phi-3's LongRoPE: within the original context (256 for the tiny model) the short factors,
+    past it the long ones (nerva picks by the context, as llama.cpp does; transformers by the
+    sequence so far, so its long table is the one for any sequence past 256), with the attention
+    factor on the rotated pairs' cos and sin and a partial rotation's other pairs left alone
+    (angle 0, factor 1). Against transformers' own longrope function: the frequencies to f32
+    rounding (1/(f * b^x) there, the same here: 2e-7), the factor exactly."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from nerva_cli.rope import inv_freq, tables
+    from nerva_cli.sources.resolve import open_source
+
+    src = tiny_models("phi3-longrope")
+    hf_cfg = transformers.AutoConfig.from_pretrained(src)
+    cfg = open_source(str(src)).config
+    rotated = cfg.rotation // 2
+    assert cfg.rotary_dim == 8 and cfg.head_dim == 16
+    for ctx, seq_len in ((256, None), (512, 512)):
+        want, factor = ROPE_INIT_FUNCTIONS["longrope"](hf_cfg, seq_len=seq_len)
+        got = inv_freq(cfg, ctx)
+        np.testing.assert_allclose(got[:rotated], want.numpy(), rtol=2e-7)
+        assert not got[rotated:].any()
+        cos, sin = tables(cfg, ctx)
+        assert np.float32(factor) == np.float32(cfg.rope_scaling["attention_factor"]) and factor > 1.05
+        angles = np.arange(ctx, dtype=np.float32)[:, None] * want.numpy()  # f32, as transformers takes them
+        np.testing.assert_allclose(cos[:, :rotated], np.cos(angles) * factor, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(sin[:, :rotated], np.sin(angles) * factor, rtol=1e-5, atol=1e-6)
+        assert (cos[:, rotated:] == 1).all() and (sin[:, rotated:] == 0).all()
+    assert not np.allclose(inv_freq(cfg, 256), inv_freq(cfg, 512))
+
+
+def test_a_sliding_window_caps_the_context(tiny_models, tmp_path, cli):
+    """A model trained with sliding-window attention (Phi-3-mini-4k: 2047 of 4096) runs with the
+    window as its context, where nerva's attention (all of it) is the model's; a Qwen2 config's
+    unused window does not."""
+    import shutil
+
+    from nerva_cli.sources.resolve import open_source
+
+    d = tmp_path / "windowed"
+    shutil.copytree(tiny_models("phi3"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "sliding_window": 100}))
+    assert open_source(str(d)).config.max_context == 100
+    (d / "config.json").write_text(json.dumps({**cfg, "sliding_window": 100, "use_sliding_window": False}))
+    assert open_source(str(d)).config.max_context == cfg["max_position_embeddings"]
+
+
+def test_a_fused_matrix_of_the_wrong_size_is_refused(tiny_models, tmp_path, cli):
+    """Phi-3's qkv matrix one head short: one line naming the file and the rows the config wants."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    d = tmp_path / "short-qkv"
+    shutil.copytree(tiny_models("phi3"), d)
+    t = load_file(str(d / "model.safetensors"))
+    t["model.layers.1.self_attn.qkv_proj.weight"] = t["model.layers.1.self_attn.qkv_proj.weight"][:-16]
+    save_file(t, str(d / "model.safetensors"))
+    code, out, err = cli("convert", d, "--quant", "f16")
+    assert code != 0 and "model.safetensors: the fused matrix holding 'layers.1.q' has shape [112, 64], " \
+                          "the config says 128 rows" in err, err
+    assert not list(models_root().glob("short-qkv*"))
+
+
+def test_a_q4_0_phi3_gguf_keeps_its_fused_blocks_bit_for_bit(tiny_models, tmp_path, cli):
+    """A Phi-3 GGUF whose fused q/k/v and gate/up are Q4_0 (gguf-py's quantiser), rotating half of
+    each head: its q4_0 conversion stores each part's blocks as they are in the file, q and k rows
+    in the partial rotation's order (rope.partial_rotary_order), nothing requantised."""
+    from gguf import GGMLQuantizationType, quants
+    from safetensors.numpy import load_file
+
+    from nerva_cli.rope import partial_rotary_order
+
+    src = tiny_models("phi3-longrope")
+    hf_to_gguf(src, tmp_path / "phi.gguf", layer_quant=GGMLQuantizationType.Q4_0)
+    assert cli("convert", tmp_path / "phi.gguf", "--name", "phi-q4")[0] == 0
+    model = find_model("phi-q4")
+    cfg, t = model.config, load_file(str(src / "model.safetensors"))
+    assert model.variant == "q4_0" and cfg.rotary_dim == 8
+    heads = lambda n: (np.arange(n)[:, None] * cfg.head_dim + partial_rotary_order(cfg.head_dim, 8)).ravel()
+    q, kv, ff = cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
+    for i in range(cfg.num_layers):
+        qkv = quants.quantize(t[f"model.layers.{i}.self_attn.qkv_proj.weight"], GGMLQuantizationType.Q4_0)
+        gate_up = quants.quantize(t[f"model.layers.{i}.mlp.gate_up_proj.weight"], GGMLQuantizationType.Q4_0)
+        want = {"q": qkv[:q][heads(cfg.num_heads)], "k": qkv[q:q + kv][heads(cfg.num_kv_heads)],
+                "v": qkv[q + kv:], "gate": gate_up[:ff], "up": gate_up[ff:]}
+        stored = model.read_file(f"layer_{i:03d}.bin")
+        for name, blocks in want.items():
+            np.testing.assert_array_equal(join_blocks(stored[f"{name}.qs"], stored[f"{name}.d"]), blocks,
+                                          err_msg=f"layer {i} {name}")
+
+
+def test_phi_configs_as_their_repos_write_them():
+    """config.json as Phi-3-mini-4k, Phi-3.5-mini and Phi-4-mini's repos write it (transformers 4's
+    keys: rope_scaling, a top-level original context and partial_rotary_factor): the window caps
+    the first's context; LongRoPE's attention factor comes from max / original context as
+    transformers derives it (Phi-4-mini's GGUF from llama.cpp's converter carries 1.190238);
+    Phi-4-mini rotates 96 of its 128 head dimensions."""
+    from nerva_cli.config import from_hf_config
+
+    base = {"model_type": "phi3", "hidden_act": "silu", "hidden_size": 3072, "intermediate_size": 8192,
+            "num_attention_heads": 32, "num_key_value_heads": 32, "num_hidden_layers": 32, "vocab_size": 32064,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "bos_token_id": 1, "eos_token_id": 32000}
+    mini_4k = from_hf_config({**base, "max_position_embeddings": 4096, "original_max_position_embeddings": 4096,
+                              "rope_scaling": None, "sliding_window": 2047}, "config.json")
+    assert mini_4k.max_context == 2047 and mini_4k.rope_scaling is None and mini_4k.rotary_dim is None
+    factors = {"long_factor": [1.0 + i / 10 for i in range(48)], "short_factor": [1.0] * 48, "type": "longrope"}
+    mini_35 = from_hf_config({**base, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+                              "rope_scaling": factors, "sliding_window": 262144}, "config.json")
+    assert mini_35.max_context == 131072 and mini_35.rope_scaling["original_max_position_embeddings"] == 4096
+    assert abs(mini_35.rope_scaling["attention_factor"] - math.sqrt(1 + math.log(32) / math.log(4096))) < 1e-12
+    four = from_hf_config({**base, "num_attention_heads": 24, "num_key_value_heads": 8,
+                           "partial_rotary_factor": 0.75, "max_position_embeddings": 131072,
+                           "original_max_position_embeddings": 4096, "sliding_window": 262144,
+                           "rope_scaling": factors}, "config.json")
+    assert four.head_dim == 128 and four.rotary_dim == 96 and round(four.rope_scaling["attention_factor"], 6) == 1.190238
+    with pytest.raises(Exception, match="activation 'gelu_new' is not supported"):
+        from_hf_config({**base, "hidden_act": "gelu_new", "max_position_embeddings": 4096}, "config.json")

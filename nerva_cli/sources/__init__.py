@@ -8,6 +8,7 @@ from typing import Callable
 import numpy as np
 
 from nerva_cli.config import ModelConfig
+from nerva_cli.errors import BadInput
 
 
 @dataclass
@@ -36,3 +37,41 @@ class Source:
     tokenizer_files: dict[str, str]
     default_name: str
     close: Callable[[], None] = lambda: None
+
+
+def fused_part(cfg: ModelConfig, canon: str) -> tuple[str, int, int, int] | None:
+    """(fused tensor, first row, end row, the fused tensor's rows) that holds `canon` where a
+    checkpoint fuses it with its neighbours (Phi-3: q/k/v in one qkv matrix, gate/up in one
+    gate_up, in that order), else None."""
+    prefix, _, name = canon.rpartition(".")
+    parts = {"q": ("qkv", 0, cfg.q_dim), "k": ("qkv", cfg.q_dim, cfg.q_dim + cfg.kv_dim),
+             "v": ("qkv", cfg.q_dim + cfg.kv_dim, cfg.q_dim + 2 * cfg.kv_dim),
+             "gate": ("gate_up", 0, cfg.intermediate_size),
+             "up": ("gate_up", cfg.intermediate_size, 2 * cfg.intermediate_size)}
+    if not prefix.startswith("layers.") or name not in parts:
+        return None
+    fused, r0, r1 = parts[name]
+    return f"{prefix}.{fused}", r0, r1, parts["v" if fused == "qkv" else "up"][2]
+
+
+def row_range(t: SourceTensor, r0: int, r1: int, rows: int, name: str) -> SourceTensor:
+    """Rows r0..r1 of fused matrix t, which must have `rows` rows, as the tensor `name`."""
+    if len(t.shape) != 2 or t.shape[0] != rows:
+        raise BadInput(f"{t.where}: the fused matrix holding '{name}' has shape {list(t.shape)}, "
+                       f"the config says {rows} rows")
+    read_rows = t.read_f32_rows
+    return SourceTensor(
+        shape=(r1 - r0, t.shape[1]), stored_dtype=t.stored_dtype, where=t.where,
+        read_f32=(lambda: read_rows(r0, r1)) if read_rows is not None else (lambda: t.read_f32()[r0:r1]),
+        read_planes=None if t.read_planes is None else
+        (lambda: tuple(None if p is None else p[r0:r1] for p in t.read_planes())),
+        read_f32_rows=None if read_rows is None else (lambda a, b: read_rows(r0 + a, r0 + b)))
+
+
+def row_order(t: SourceTensor, order: np.ndarray) -> SourceTensor:
+    """t with its rows (a 1-D tensor's values) in `order`: every row read, where it lands apart."""
+    return SourceTensor(
+        shape=t.shape, stored_dtype=t.stored_dtype, where=t.where,
+        read_f32=lambda: np.ascontiguousarray(t.read_f32()[order]),
+        read_planes=None if t.read_planes is None else
+        (lambda: tuple(None if p is None else np.ascontiguousarray(p[order]) for p in t.read_planes())))

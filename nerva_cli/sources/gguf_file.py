@@ -4,6 +4,7 @@ a conversion holds about one layer in memory."""
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import numpy as np
 from nerva_cli.config import FAMILY_OF, SUPPORTED_TEXT, ModelConfig
 from nerva_cli.errors import BadInput
 from nerva_cli.quant import BLOCK_BYTES, split_blocks
-from nerva_cli.sources import Source, SourceTensor
+from nerva_cli.sources import Source, SourceTensor, fused_part, row_range
 from nerva_cli.sources.gguf_header import GGUFHeader, read_header
 
 # Every type gguf-py (0.10 on) dequantises in NumPy: the K-quant files llama.cpp writes hold Q5_0,
@@ -26,7 +27,11 @@ _LAYER_NAMES = {
     "attn_output.weight": "o", "attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias",
     "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm", "ffn_norm.weight": "mlp_norm",
     "ffn_gate.weight": "gate", "ffn_up.weight": "up", "ffn_down.weight": "down",
+    "attn_qkv.weight": "qkv",  # Phi-3's fused q/k/v (and its gate/up, fused under ffn_up: open_gguf)
 }
+# Tensors that configure RoPE rather than hold weights: Llama 3.1's per-frequency divisors,
+# Phi-3's LongRoPE factors
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 _QUANT_SUFFIX = re.compile(r"[.\-_](i?q\d[\w]*|f16|f32|bf16)$", re.IGNORECASE)
@@ -51,7 +56,8 @@ def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
         w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
-def _config(header: GGUFHeader, path: Path, embed_shape, rope_factors: list[float] | None = None) -> ModelConfig:
+def _config(header: GGUFHeader, path: Path, embed_shape, rope: dict[str, list[float]]) -> ModelConfig:
+    """The config from the keys; `rope`: the values of the _ROPE_TENSORS the file holds."""
     fields = header.fields
     arch = fields.get("general.architecture")
     if arch not in FAMILY_OF:
@@ -65,25 +71,43 @@ def _config(header: GGUFHeader, path: Path, embed_shape, rope_factors: list[floa
         return value
 
     heads, hidden = int(key("attention.head_count")), int(key("embedding_length"))
+    head_dim = int(key("attention.key_length", hidden // heads))
+    longest = int(key("context_length", 4096))
     scaling = None
     linear = float(key("rope.scaling.factor")) if fields.get(f"{arch}.rope.scaling.type") == "linear" else None
-    if rope_factors is not None:  # llama.cpp divides each frequency by its factor, then by a linear one
-        scaling = {"type": "freq_factors", "factors": [f * (linear or 1.0) for f in rope_factors]}
+    if "rope_freqs.weight" in rope:  # llama.cpp divides each frequency by its factor, then by a linear one
+        scaling = {"type": "freq_factors", "factors": [f * (linear or 1.0) for f in rope["rope_freqs.weight"]]}
+    elif "rope_factors_long.weight" in rope or "rope_factors_short.weight" in rope:
+        if len(rope) != 2:
+            raise BadInput(f"{path}: LongRoPE needs both rope_factors_long and rope_factors_short")
+        original = int(key("rope.scaling.original_context_length"))
+        factor = longest / original  # as llama.cpp's converter derives the attention factor it writes
+        attention = fields.get(f"{arch}.rope.scaling.attn_factor",
+                               1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original)))
+        scaling = {"type": "longrope", "short_factor": rope["rope_factors_short.weight"],
+                   "long_factor": rope["rope_factors_long.weight"], "original_max_position_embeddings": original,
+                   "attention_factor": float(attention)}
     elif linear is not None:
         scaling = {"type": "linear", "factor": linear}
+    rotary = int(key("rope.dimension_count", head_dim))
+    if rotary != head_dim and family == "llama":  # its q/k rows are interleaved over the whole head
+        raise BadInput(f"{path}: a Llama GGUF rotating {rotary} of {head_dim} head dimensions is not supported")
+    window = fields.get(f"{arch}.attention.sliding_window")  # see config._hf_max_context
     eos = fields.get("tokenizer.ggml.eos_token_id")
     names = {t.name for t in header.tensors}
     return ModelConfig(
         family=family, hidden_size=hidden, intermediate_size=int(key("feed_forward_length")),
         num_layers=int(key("block_count")), num_heads=heads,
         num_kv_heads=int(key("attention.head_count_kv", heads)),
-        head_dim=int(key("attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         vocab_size=int(embed_shape[0]), rms_eps=float(key("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(key("rope.freq_base", 10000.0)), max_context=int(key("context_length", 4096)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        max_context=min(longest, int(window)) if window else longest,
         tie_embeddings="output.weight" not in names, rope_scaling=scaling,
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [int(eos)],
         qkv_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
+        rotary_dim=None if rotary == head_dim else rotary,
     )
 
 
@@ -132,14 +156,14 @@ def open_gguf(path: Path) -> Source:
     if len(parts) != int(header.fields.get("split.count", 1)):
         raise BadInput(f"{path}: its name says {len(parts)} parts, its split.count "
                        f"{header.fields.get('split.count', 1)}")
-    tensors, rope_freqs = {}, None
+    tensors, rope_tensors = {}, {}
     for part in parts:
         size = part.stat().st_size
         for t in (header if part == path else read_header(part)).tensors:
             if t.data_offset + t.n_bytes > size:
                 raise BadInput(f"{part}: tensor '{t.name}' runs past the end of the file: cut short?")
-            if t.name == "rope_freqs.weight":
-                rope_freqs = (part, t)
+            if t.name in _ROPE_TENSORS:
+                rope_tensors[t.name] = (part, t)
                 continue
             canon = canonical_name(t.name)
             if canon is None:
@@ -160,13 +184,15 @@ def open_gguf(path: Path) -> Source:
                 raise BadInput(f"{where}: cut short while reading '{t.name}'")
         return buf
 
-    factors = None  # rope_freqs: a divisor per frequency, as llama.cpp's converter writes Llama 3.1's scaling
-    if rope_freqs is not None:
-        where, t = rope_freqs
+    rope = {}  # a divisor per frequency each
+    for name, (where, t) in rope_tensors.items():
         if t.type.name != "F32" or len(t.shape) != 1:
-            raise BadInput(f"{where}: rope_freqs.weight must be one row of F32, got {t.type.name} {list(t.shape)}")
-        factors = read_raw(where, t).view(np.float32).tolist()
-    cfg = _config(header, path, tensors["embed"][1].shape, factors)
+            raise BadInput(f"{where}: {name} must be one row of F32, got {t.type.name} {list(t.shape)}")
+        rope[name] = read_raw(where, t).view(np.float32).tolist()
+    cfg = _config(header, path, tensors["embed"][1].shape, rope)
+    if cfg.family == "phi3":  # llama.cpp's converter keeps Phi-3's gate/up matrix whole, as ffn_up
+        for canon in [c for c in tensors if c.endswith(".up") and c.removesuffix(".up") + ".gate" not in tensors]:
+            tensors[canon.removesuffix(".up") + ".gate_up"] = tensors.pop(canon)
     tokenizer_files = tokenizer_files_from_gguf(header.fields, path=str(path))
 
     def permuted(canon: str) -> bool:
@@ -179,6 +205,9 @@ def open_gguf(path: Path) -> Source:
         return w
 
     def tensor(canon: str) -> SourceTensor:
+        part = fused_part(cfg, canon)
+        if canon not in tensors and part is not None and part[0] in tensors:
+            return row_range(tensor(part[0]), *part[1:], canon)
         if canon not in tensors:
             raise BadInput(f"{path}: tensor for '{canon}' not found")
         where, t = tensors[canon]

@@ -13,7 +13,7 @@ import numpy as np
 
 from nerva_cli.config import from_hf_config
 from nerva_cli.errors import BadInput, read_json
-from nerva_cli.sources import Source, SourceTensor
+from nerva_cli.sources import Source, SourceTensor, fused_part, row_range
 
 DTYPES = {"F32": (np.float32, 4), "F16": (np.float16, 2), "BF16": (np.uint16, 2)}
 MAX_HEADER = 100 * 1024 * 1024
@@ -26,6 +26,8 @@ _LAYER_NAMES = {
     "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
     "post_attention_layernorm.weight": "mlp_norm",
     "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up", "mlp.down_proj.weight": "down",
+    # Phi-3's fused matrices, read a part at a time (sources.fused_part)
+    "self_attn.qkv_proj.weight": "qkv", "mlp.gate_up_proj.weight": "gate_up",
 }
 _GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm",
                  "lm_head.weight": "lm_head"}
@@ -157,6 +159,9 @@ def open_safetensors_dir(root: Path, display_id: str | None = None, revision: st
             where[canon] = (f, start, info)
 
     def tensor(name: str) -> SourceTensor:
+        part = fused_part(cfg, name)
+        if name not in where and part is not None and part[0] in where:
+            return row_range(tensor(part[0]), *part[1:], name)
         if name not in where:
             raise BadInput(f"{root}: tensor for '{name}' not found in the safetensors files")
         f, start, (dtype, shape, b, e) = where[name]
