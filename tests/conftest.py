@@ -67,8 +67,8 @@ def cli(capsys):
     return run
 
 
-def train_tokenizer(out_dir: Path, vocab_size: int = 384) -> None:
-    """A small byte-level BPE trained on a license text, saved as tokenizer.json."""
+def train_tokenizer(out_dir: Path, vocab_size: int = 384, also: str = "") -> None:
+    """A small byte-level BPE trained on a license text (and `also`), saved as tokenizer.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -77,7 +77,7 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 384) -> None:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<unk>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     text = TEXT_PATH.read_text() if TEXT_PATH.exists() else "the quick brown fox " * 500
-    tok.train_from_iterator([text], trainer)
+    tok.train_from_iterator([text, also], trainer)
     tok.save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
