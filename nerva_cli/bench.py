@@ -75,7 +75,7 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
         most = engine.cfg.max_context
         raise NervaError(f"prompt {opts.prompt_tokens} + gen {opts.gen_tokens} tokens exceed the context "
                          f"({engine.ctx}); " + ("raise --ctx" if engine.ctx < most else
-                                                f"{engine.model.name} was trained on {most} positions"))
+                                                f"{engine.model.name} attends over {most} positions at most"))
     ppl_ids = None
     if opts.ppl_text is not None:
         ppl_ids = tokenizer.encode(opts.ppl_text, add_special=False)

@@ -342,8 +342,8 @@ def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau
     backend = backends.resolve(backend)
     model = _find_or_pull(model_ref)
     if ctx_given and ctx is not None and ctx > model.config.max_context:
-        output.note(f"--ctx {ctx} is past the {model.config.max_context} tokens {model.name} was trained on; "
-                    f"using {model.config.max_context}")
+        output.note(f"--ctx {ctx} is past the {model.config.max_context} tokens {model.name} attends over "
+                    f"(its training context, or its attention window where smaller); using {model.config.max_context}")
     if vram_budget is not None and backend != "cuda":
         output.note(f"--vram-budget {vram_budget} is ignored: the {backend} backend holds everything in RAM")
     if kv_cache != "f16" and backend == "cuda":

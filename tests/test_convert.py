@@ -748,3 +748,12 @@ def test_a_gguf_runs_as_llama_cpp_runs_it(family, tiny_models, tmp_path):
     for step, logits in enumerate(got):
         want = theirs[len(prompt) - 1 + step]
         assert np.linalg.norm(logits - want) / np.linalg.norm(want) < 1e-4, step
+
+
+def test_a_llama_gguf_with_a_fused_qkv_is_refused(tiny_models, tmp_path, cli, rng):
+    """Only Phi-3's GGUFs fuse q/k/v: a Llama's q and k rows are permuted apart, so a fused one is
+    refused by name rather than split without undoing that."""
+    path = tmp_path / "fused.gguf"
+    hf_to_gguf(tiny_models("llama"), path, {"blk.0.attn_qkv.weight": rng.standard_normal((128, 64)).astype(np.float32)})
+    code, _, err = cli("convert", path)
+    assert code == 1 and "fused.gguf: a Llama GGUF with a fused attn_qkv is not supported" in err, err

@@ -41,6 +41,8 @@ def test_a_tag_picks_its_file_in_any_case_and_no_tag_takes_q4_k_m_first():
     assert choose_gguf("r", FILES, "IQ4_XS") == ["SmolLM2-135M-Instruct.IQ4_XS.gguf"]
     assert choose_gguf("r", FILES, None) == ["SmolLM2-135M-Instruct-Q4_K_M.gguf"]
     assert choose_gguf("r", ["only-IQ2_XXS.gguf"], None) == ["only-IQ2_XXS.gguf"]
+    phi = ["Phi-3-mini-4k-instruct-fp16.gguf", "Phi-3-mini-4k-instruct-q4.gguf"]  # microsoft/...-gguf
+    assert choose_gguf("r", phi, None) == phi[1:] and choose_gguf("r", phi, "fp16") == phi[:1]
     with pytest.raises(BadInput, match=r"r: no GGUF file for the tag :Q3_K_S \(the repo has :F16, :IQ4_XS, "
                                        r":Q4_K_M, :Q8_0\)"):
         choose_gguf("r", FILES, "Q3_K_S")

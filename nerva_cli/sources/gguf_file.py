@@ -34,7 +34,7 @@ _LAYER_NAMES = {
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
-_QUANT_SUFFIX = re.compile(r"[.\-_](i?q\d[\w]*|f16|f32|bf16)$", re.IGNORECASE)
+_QUANT_SUFFIX = re.compile(r"[.\-_](i?q\d[\w]*|f16|f32|bf16|fp16|fp32)$", re.IGNORECASE)  # fp16: Microsoft's names
 # llama.cpp's gguf-split names: Model-Q6_K-00001-of-00003.gguf; part 1 holds the metadata
 SPLIT_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 
@@ -190,6 +190,8 @@ def open_gguf(path: Path) -> Source:
             raise BadInput(f"{where}: {name} must be one row of F32, got {t.type.name} {list(t.shape)}")
         rope[name] = read_raw(where, t).view(np.float32).tolist()
     cfg = _config(header, path, tensors["embed"][1].shape, rope)
+    if cfg.family == "llama" and any(c.endswith(".qkv") for c in tensors):  # rows permuted per q and k apart
+        raise BadInput(f"{path}: a Llama GGUF with a fused attn_qkv is not supported")
     if cfg.family == "phi3":  # llama.cpp's converter keeps Phi-3's gate/up matrix whole, as ffn_up
         for canon in [c for c in tensors if c.endswith(".up") and c.removesuffix(".up") + ".gate" not in tensors]:
             tensors[canon.removesuffix(".up") + ".gate_up"] = tensors.pop(canon)

