@@ -19,6 +19,7 @@ PARAMETERS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float
 COMMANDS = (
     ("/set parameter NAME VALUE", f"change a sampling parameter ({', '.join(PARAMETERS)})"),
     ("/set system TEXT", "the system message from the next message on (no TEXT: none)"),
+    ("/set verbose", "the prompt and answer rates, TTFT and stop reason after each answer (/set quiet: not)"),
     ("/show info", "the model, each layer's precision, the context, the backend"),
     ("/show parameters", "the sampling parameters in force"),
     ("/clear", "forget the conversation"),
@@ -45,9 +46,10 @@ def read_message(read=input) -> str:
     return "\n".join(lines).strip("\n")
 
 
-def chat_loop(session, write, runtime: str, verbose: bool = False, stats_line=None, book=None,
+def chat_loop(session, write, runtime: str, verbose: bool = False, stats_line=str, book=None,
               every: int = 1, ready=None) -> None:
-    """`runtime`: the backend and threads, as /show info tells them. `ready`: None, or work
+    """`runtime`: the backend and threads, as /show info tells them. `verbose`: stats_line(the
+    answer's stats) after each answer, as --verbose or /set verbose asks. `ready`: None, or work
     begun on the engine while the chat waits for its first message (the CLI's warm-up): ready()
     waits for it, raising what it raised, and is called before the engine is touched;
     ready(quiet=True) on leaving."""
@@ -86,8 +88,11 @@ def _loop(session, write, runtime, verbose, stats_line, book, every, ready) -> N
             continue
         try:
             if text.lstrip().startswith("/") and "\n" not in text:  # a """ block is always a message
-                if command(session, text.strip(), write, runtime) == "bye":
+                done = command(session, text.strip(), write, runtime)
+                if done == "bye":
                     return
+                if done in ("verbose", "quiet"):
+                    verbose = done == "verbose"
                 continue
             stats = session.answer(text, write=write)
         except NervaError as e:
@@ -96,7 +101,7 @@ def _loop(session, write, runtime, verbose, stats_line, book, every, ready) -> N
         write("\n\n" if stats.stop_reason != "interrupted" else "\n^C\n\n")
         if stats.stop_reason == "context":
             output.note(session.context_note())
-        if verbose and stats_line:
+        if verbose:
             output.info(stats_line(stats))
         if book is not None:
             book.print_table(output.err, every)
@@ -104,7 +109,8 @@ def _loop(session, write, runtime, verbose, stats_line, book, every, ready) -> N
 
 
 def command(session, line: str, write, runtime: str = "") -> str | None:
-    """Runs one slash command; "bye" when the chat should end. NervaError for a bad one."""
+    """Runs one slash command; "bye" when the chat should end, "verbose" or "quiet" when the
+    answers' stats should follow them or not. NervaError for a bad one."""
     words = line.split()
     head = words[0]
     if head in ("/bye", "/exit", "/quit"):
@@ -122,6 +128,9 @@ def command(session, line: str, write, runtime: str = "") -> str | None:
         output.info("system message set" if text else "system message removed")
     elif head == "/set" and len(words) >= 3 and words[1] == "parameter":
         _set_parameter(session, words[2], words[3:])
+    elif head == "/set" and words[1:] in (["verbose"], ["quiet"]):
+        output.info("stats after each answer" if words[1] == "verbose" else "no stats after answers")
+        return words[1]
     elif head == "/show" and len(words) == 2 and words[1] == "info":
         write(_aligned(info(session, runtime)))
     elif head == "/show" and len(words) == 2 and words[1] == "parameters":
@@ -129,7 +138,7 @@ def command(session, line: str, write, runtime: str = "") -> str | None:
     elif head == "/show":
         raise NervaError(f"{line!r}: /show info or /show parameters")
     elif head == "/set":
-        raise NervaError(f"{line!r}: /set parameter NAME VALUE or /set system TEXT")
+        raise NervaError(f"{line!r}: /set parameter NAME VALUE, /set system TEXT, /set verbose or /set quiet")
     else:
         raise NervaError(f"unknown command {line!r}: /? lists the commands")
     return None

@@ -61,5 +61,10 @@ def test_chat_commands_and_a_multi_line_message(tiny_models, tmp_path, nerva_hom
     info = say(chat, "/show info")
     assert "tokens in use" in info and "Traceback" not in info
     assert int(info.split("context")[1].split()[0]) > 0  # the two-line message was answered
+    assert "tok/s" not in say(chat, "jumps over")  # ollama's /set verbose: the rates after each answer
+    say(chat, "/set verbose")
+    assert "tok/s" in say(chat, "the lazy dog") and "stop: " in chat.before
+    say(chat, "/set quiet")
+    assert "tok/s" not in say(chat, "and runs")
     chat.sendline("/bye")
     assert leave(chat) == 0
