@@ -16,7 +16,7 @@ SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "phi3")
 # Phi-3 once its fused q/k/v and gate/up matrices are split (sources.fused_part).
 FAMILY_OF = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 SUPPORTED_TEXT = "llama (Llama 2/3.x, Mistral, SmolLM, TinyLlama), qwen2, qwen3, phi3 (Phi-3, Phi-3.5, Phi-4-mini)"
-ROPE_SCALINGS = ("linear", "llama3", "freq_factors", "longrope")
+ROPE_SCALINGS = ("linear", "llama3", "freq_factors", "longrope", "yarn")
 
 
 @dataclass
@@ -38,7 +38,8 @@ class ModelConfig:
     # scaling as llama.cpp's converter writes it), or Phi-3's {"type": "longrope", "short_factor":
     # [...], "long_factor": [...], "original_max_position_embeddings": n, "attention_factor": f}
     # (rotary_dim / 2 divisors each; the long ones where the context is past n, as llama.cpp
-    # picks them)
+    # picks them), or YaRN's {"type": "yarn", "factor": f, "original_max_position_embeddings": n,
+    # "beta_fast": 32, "beta_slow": 1, "truncate": True, "attention_factor": a}
     rope_scaling: dict | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -75,6 +76,11 @@ class ModelConfig:
                 if len(factors) != pairs or not all(math.isfinite(f) and f > 0 for f in factors):
                     raise BadInput(f"config: longrope's {name} must be {pairs} positive numbers (the rotary "
                                    f"dimensions / 2), got {len(factors)}")
+        if self.rope_scaling and self.rope_scaling.get("type") == "yarn":
+            rs = self.rope_scaling
+            if not (rs.get("factor", 0) >= 1 and rs.get("original_max_position_embeddings", 0) > 0
+                    and rs.get("beta_fast", 0) > 0 and rs.get("beta_slow", 0) > 0):
+                raise BadInput(f"config: YaRN needs a factor >= 1, the original context and positive betas, got {rs}")
         if self.rope_scaling and self.rope_scaling.get("type") == "freq_factors":
             factors = self.rope_scaling.get("factors") or []
             if len(factors) != self.head_dim // 2 or not all(math.isfinite(f) and f > 0 for f in factors):
@@ -133,8 +139,13 @@ def _hf_rope_scaling(cfg: dict) -> dict | None:
                 "low_freq_factor": float(rs["low_freq_factor"]),
                 "high_freq_factor": float(rs["high_freq_factor"]),
                 "original_max_position_embeddings": int(rs["original_max_position_embeddings"])}
+    if kind == "yarn":
+        original = _original_context(cfg, rs)
+        factor = float(rs.get("factor") or int(cfg["max_position_embeddings"]) / original)
+        return yarn_scaling(factor, original, rs.get("beta_fast"), rs.get("beta_slow"), rs.get("truncate", True),
+                            rs.get("attention_factor"), rs.get("mscale"), rs.get("mscale_all_dim"))
     if kind in ("longrope", "su"):  # "su": Phi-3's first configs' name for it
-        original = int(rs.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+        original = _original_context(cfg, rs)
         factor = rs.get("factor") or int(cfg.get("max_position_embeddings", original)) / original
         attention = rs.get("attention_factor")
         if attention is None:  # transformers' and the LongRoPE paper's default
@@ -143,6 +154,28 @@ def _hf_rope_scaling(cfg: dict) -> dict | None:
                 "long_factor": [float(f) for f in rs["long_factor"]],
                 "original_max_position_embeddings": original, "attention_factor": float(attention)}
     return {"type": kind}  # refused by __post_init__ with its name
+
+
+def _original_context(cfg: dict, rs: dict) -> int:
+    """The pretraining context a scaling starts from: transformers takes a top-level
+    original_max_position_embeddings (Phi-3's place for it) before the scaling's own."""
+    return int(cfg.get("original_max_position_embeddings") or rs.get("original_max_position_embeddings")
+               or cfg["max_position_embeddings"])
+
+
+def yarn_scaling(factor: float, original: int, beta_fast=None, beta_slow=None, truncate=True,
+                 attention_factor=None, mscale=None, mscale_all_dim=None) -> dict:
+    """YaRN's rope_scaling, its attention factor derived as transformers does where not given:
+    0.1 ln(factor) + 1 (DeepSeek's mscale / mscale_all_dim form where both are set)."""
+    def get_mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if attention_factor is None:
+        attention_factor = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else get_mscale(factor))
+    return {"type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original),
+            "beta_fast": float(beta_fast or 32), "beta_slow": float(beta_slow or 1), "truncate": bool(truncate),
+            "attention_factor": float(attention_factor)}
 
 
 def _hf_rotary_dim(cfg: dict, head_dim: int) -> int | None:
@@ -206,3 +239,10 @@ def from_hf_config(cfg: dict, path: str) -> ModelConfig:
         raise BadInput(f"{path}: missing key {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
         raise BadInput(f"{path}: {e}") from None
+    except BadInput as e:  # ModelConfig's checks, said of the file
+        raise in_file(e, path) from None
+
+
+def in_file(e: BadInput, path) -> BadInput:
+    """ModelConfig's "config: ..." error as one about the file it was read from."""
+    return BadInput(f"{path}: {str(e).removeprefix('config: ')}")

@@ -1,4 +1,4 @@
-"""RoPE frequency tables: plain, linear, llama3 and longrope scaling, as HF computes them (in
+"""RoPE frequency tables: plain, linear, llama3, longrope and YaRN scaling, as HF computes them (in
 float32), and a GGUF's per-frequency factors, as llama.cpp applies them; partial rotation
 (rotary_dim) through the store's q/k row order (partial_rotary_order)."""
 
@@ -37,16 +37,42 @@ def inv_freq(cfg: ModelConfig, max_pos: int | None = None) -> np.ndarray:
         freqs = np.where(medium, smoothed, scaled).astype(np.float32)
     elif rs.get("type") == "freq_factors":  # a GGUF's rope_freqs: llama.cpp divides each frequency by its factor
         freqs = (freqs / np.asarray(rs["factors"], dtype=np.float32)).astype(np.float32)
+    elif rs.get("type") == "yarn":
+        freqs = _yarn(freqs, cfg, rs)
     return np.concatenate([freqs, np.zeros((cfg.head_dim - dim) // 2, dtype=np.float32)])
 
 
+def _yarn(freqs: np.ndarray, cfg: ModelConfig, rs: dict) -> np.ndarray:
+    """YaRN: each frequency between itself (extrapolated) and itself / factor (interpolated),
+    the blend a ramp over the pairs between the ones that turn beta_fast and beta_slow times
+    over the original context (floored and ceiled unless truncate is off), in f32 as
+    transformers computes it."""
+    dim, base, original = cfg.rotation, cfg.rope_theta, rs["original_max_position_embeddings"]
+
+    def correction_dim(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rs["beta_fast"]), correction_dim(rs["beta_slow"])
+    if rs["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolated = (np.float32(1) - ramp).astype(np.float32)
+    periods = np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))  # 1 / freqs
+    interpolated = (np.float32(1) / (np.float32(rs["factor"]) * periods)).astype(np.float32)
+    return (interpolated * (np.float32(1) - extrapolated) + freqs * extrapolated).astype(np.float32)
+
+
 def tables(cfg: ModelConfig, max_pos: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin f32 [max_pos, head_dim/2]; longrope's attention factor scales the rotated pairs'
-    (transformers multiplies its cos and sin, llama.cpp its rotation), the others stay 1 and 0."""
+    """cos, sin f32 [max_pos, head_dim/2]; longrope's and YaRN's attention factor scales the
+    rotated pairs' (transformers multiplies its cos and sin, llama.cpp its rotation), the others
+    stay 1 and 0."""
     angles = np.arange(max_pos, dtype=np.float32)[:, None] * inv_freq(cfg, max_pos)[None, :]
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     rs = cfg.rope_scaling or {}
-    if rs.get("type") == "longrope":
+    if rs.get("type") in ("longrope", "yarn"):
         rotated = cfg.rotation // 2
         cos[:, :rotated] *= np.float32(rs["attention_factor"])
         sin[:, :rotated] *= np.float32(rs["attention_factor"])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nerva_cli.config import ModelConfig
+from nerva_cli.config import ModelConfig, in_file
 from nerva_cli.errors import BadInput, NervaError, NotInStore, read_json
 
 FORMAT = "nerva/1"
@@ -224,7 +224,10 @@ def load_metadata(model_dir: Path) -> StoredModel:
     for key in ("config", "variant", "files"):
         if key not in meta:
             raise BadInput(f"{path}: no '{key}'")
-    ModelConfig.from_dict(meta["config"])  # validates
+    try:
+        ModelConfig.from_dict(meta["config"])  # validates
+    except BadInput as e:
+        raise in_file(e, path) from None
     return StoredModel(model_dir, meta)
 
 

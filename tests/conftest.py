@@ -94,6 +94,9 @@ FAMILIES = {
                                                        "original_max_position_embeddings": 64}}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 32}),
+    # YaRN as Qwen's model cards add it (factor 4 over a 128-token original context)
+    "qwen3-yarn": ("Qwen3Config", {"head_dim": 32, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                                   "original_max_position_embeddings": 128}}),
     # fused q/k/v and gate/up; the second rotates half of each 16-wide head with LongRoPE's
     # short factors (the context, 256 at most in the tests, within its original 256) and its
     # attention factor (max 512 / original 256: sqrt(1 + ln 2 / ln 256) = 1.061)

@@ -284,3 +284,12 @@ def test_a_broken_store_entry_is_reported_not_pulled_over(tiny_models, cli):
     assert code == 1 and err.startswith("error:") and len(err.strip().splitlines()) == 1, err
     assert str(meta) in err and "not valid JSON" in err and "`nerva rm smollm2-135m:q4_0`" in err, err
     assert meta.read_text() == "{bad" and sorted(p.name for p in meta.parent.parent.iterdir()) == ["q4_0"]
+
+
+def test_a_config_the_model_checks_refuse_names_its_file(tmp_path, tiny_models, cli):
+    """ModelConfig's own checks (here num_heads not a multiple of num_kv_heads) name config.json."""
+    d = copy_model(tiny_models("llama"), tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 3}))
+    code, _, err = cli("convert", d)
+    assert code == 1 and f"{d / 'config.json'}: num_heads 4 is not a multiple of num_kv_heads 3" in err, err

@@ -478,9 +478,15 @@ def hf_to_gguf(src, path, extra=None, layer_quant=None):
     w, _ = gguf_writer(path, src, cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size,
                        cfg.num_attention_heads, cfg.num_key_value_heads, context=cfg.max_position_embeddings,
                        rope_theta=theta, rms_eps=cfg.rms_norm_eps, arch=arch, head_dim=head_dim)
+    import gguf
+
     for name, a in (extra or {}).items():
         w.add_tensor(name, a)
     rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "yarn":  # as llama.cpp's converter writes Qwen's
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if arch == "phi3":
         w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     if rope.get("rope_type") == "longrope":
@@ -524,7 +530,7 @@ def hf_to_gguf(src, path, extra=None, layer_quant=None):
     w.close()
 
 
-@pytest.mark.parametrize("family", ["llama", "llama-untied", "qwen2", "qwen3", "phi3", "phi3-longrope"])
+@pytest.mark.parametrize("family", ["llama", "llama-untied", "qwen2", "qwen3", "qwen3-yarn", "phi3", "phi3-longrope"])
 def test_a_gguf_of_hf_weights_converts_as_the_hf_directory_does(family, tiny_models, tmp_path, cli):
     """Each family nerva runs, as llama.cpp's converter would write it (F32 tensors: Qwen2's q/k/v
     biases, Qwen3's q/k norms and head_dim, an untied lm_head, a Llama's permuted q/k, Phi-3's
@@ -540,8 +546,8 @@ def test_a_gguf_of_hf_weights_converts_as_the_hf_directory_does(family, tiny_mod
     for key in ("bos_token_id", "eos_token_ids", "max_context"):  # the tiny tokenizer's and GGUF's own
         got.pop(key), want.pop(key)
     assert np.float32(got.pop("rms_eps")) == np.float32(want.pop("rms_eps"))  # a GGUF key is an f32
-    if want["rope_scaling"]:  # LongRoPE's factors are F32 tensors, its attention factor an f32 key
-        for key in ("short_factor", "long_factor", "attention_factor"):
+    if want["rope_scaling"]:  # LongRoPE's factors are F32 tensors; its attention factor and YaRN's factor f32 keys
+        for key in {"longrope": ("short_factor", "long_factor", "attention_factor"), "yarn": ("factor",)}[want["rope_scaling"]["type"]]:
             assert np.array_equal(np.float32(got["rope_scaling"].pop(key)), np.float32(want["rope_scaling"].pop(key)))
     assert got == want
     assert a.meta["files"].keys() == b.meta["files"].keys()
@@ -714,7 +720,7 @@ def test_phi_configs_as_their_repos_write_them():
         from_hf_config({**base, "hidden_act": "gelu_new", "max_position_embeddings": 4096}, "config.json")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "phi3-longrope"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3-yarn", "phi3", "phi3-longrope"])
 def test_a_gguf_runs_as_llama_cpp_runs_it(family, tiny_models, tmp_path):
     """The same GGUF (hf_to_gguf's, weights made f16-exact so that nerva's f16 conversion holds the
     file's values) through llama.cpp and through nerva, both with an f32 KV cache: the logits of a
@@ -757,3 +763,35 @@ def test_a_llama_gguf_with_a_fused_qkv_is_refused(tiny_models, tmp_path, cli, rn
     hf_to_gguf(tiny_models("llama"), path, {"blk.0.attn_qkv.weight": rng.standard_normal((128, 64)).astype(np.float32)})
     code, _, err = cli("convert", path)
     assert code == 1 and "fused.gguf: a Llama GGUF with a fused attn_qkv is not supported" in err, err
+
+
+def test_yarn_tables_are_transformers_ones(tiny_models):
+    """YaRN (Qwen's long-context setting): nerva's frequencies equal transformers' own yarn
+    function's to f32 rounding (the same f32 steps: 2e-7), its attention factor exactly, on the
+    rotated pairs' cos and sin; and the attention factor of a DeepSeek-style mscale pair, as
+    transformers derives it. A scaling nerva does not know is refused by name."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from nerva_cli.config import from_hf_config
+    from nerva_cli.rope import inv_freq, tables
+    from nerva_cli.sources.resolve import open_source
+
+    src = tiny_models("qwen3-yarn")
+    hf_cfg = transformers.AutoConfig.from_pretrained(src)
+    cfg = open_source(str(src)).config
+    want, factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg)
+    got = inv_freq(cfg, 256)
+    np.testing.assert_allclose(got, want.numpy(), rtol=2e-7)
+    assert not np.allclose(got, inv_freq(open_source(str(tiny_models("qwen3"))).config, 256))
+    assert cfg.rope_scaling["attention_factor"] == factor == 0.1 * math.log(4) + 1
+    cos, sin = tables(cfg, 64)
+    angles = np.arange(64, dtype=np.float32)[:, None] * want.numpy()
+    np.testing.assert_allclose(cos, np.cos(angles) * factor, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(sin, np.sin(angles) * factor, rtol=1e-5, atol=1e-6)
+    raw = json.loads((src / "config.json").read_text())
+    deepseek = {**raw, "rope_scaling": {"rope_type": "yarn", "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                                        "original_max_position_embeddings": 128}}
+    assert from_hf_config(deepseek, "config.json").rope_scaling["attention_factor"] == 1.0  # 0.707 / 0.707
+    with pytest.raises(Exception, match=r"config.json: .*rope scaling 'dynamic' is not supported"):
+        from_hf_config({**raw, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "config.json")

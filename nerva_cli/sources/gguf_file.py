@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nerva_cli.config import FAMILY_OF, SUPPORTED_TEXT, ModelConfig
+from nerva_cli.config import FAMILY_OF, SUPPORTED_TEXT, ModelConfig, in_file, yarn_scaling
 from nerva_cli.errors import BadInput
 from nerva_cli.quant import BLOCK_BYTES, split_blocks
 from nerva_cli.sources import Source, SourceTensor, fused_part, row_range
@@ -74,7 +74,10 @@ def _config(header: GGUFHeader, path: Path, embed_shape, rope: dict[str, list[fl
     head_dim = int(key("attention.key_length", hidden // heads))
     longest = int(key("context_length", 4096))
     scaling = None
-    linear = float(key("rope.scaling.factor")) if fields.get(f"{arch}.rope.scaling.type") == "linear" else None
+    kind = fields.get(f"{arch}.rope.scaling.type", "none")
+    if kind not in ("none", "linear", "yarn", "longrope"):
+        raise BadInput(f"{path}: RoPE scaling '{kind}' is not supported (supported: linear, yarn, longrope)")
+    linear = float(key("rope.scaling.factor")) if kind == "linear" else None
     if "rope_freqs.weight" in rope:  # llama.cpp divides each frequency by its factor, then by a linear one
         scaling = {"type": "freq_factors", "factors": [f * (linear or 1.0) for f in rope["rope_freqs.weight"]]}
     elif "rope_factors_long.weight" in rope or "rope_factors_short.weight" in rope:
@@ -89,13 +92,24 @@ def _config(header: GGUFHeader, path: Path, embed_shape, rope: dict[str, list[fl
                    "attention_factor": float(attention)}
     elif linear is not None:
         scaling = {"type": "linear", "factor": linear}
+    elif kind == "yarn":
+        odd = [k for k in ("yarn_ext_factor", "yarn_attn_factor", "yarn_log_multiplier") if f"{arch}.rope.scaling.{k}" in fields]
+        if odd:
+            raise BadInput(f"{path}: YaRN with {', '.join(odd)} (DeepSeek's form) is not supported")
+        factor = float(key("rope.scaling.factor"))
+        attention = fields.get(f"{arch}.rope.scaling.attn_factor")  # llama.cpp multiplies its own by it
+        scaling = yarn_scaling(factor, int(key("rope.scaling.original_context_length")),
+                               fields.get(f"{arch}.rope.scaling.yarn_beta_fast"),
+                               fields.get(f"{arch}.rope.scaling.yarn_beta_slow"),
+                               attention_factor=None if attention is None else
+                               float(attention) * yarn_scaling(factor, 1)["attention_factor"])
     rotary = int(key("rope.dimension_count", head_dim))
     if rotary != head_dim and family == "llama":  # its q/k rows are interleaved over the whole head
         raise BadInput(f"{path}: a Llama GGUF rotating {rotary} of {head_dim} head dimensions is not supported")
     window = fields.get(f"{arch}.attention.sliding_window")  # see config._hf_max_context
     eos = fields.get("tokenizer.ggml.eos_token_id")
     names = {t.name for t in header.tensors}
-    return ModelConfig(
+    fields_read = dict(
         family=family, hidden_size=hidden, intermediate_size=int(key("feed_forward_length")),
         num_layers=int(key("block_count")), num_heads=heads,
         num_kv_heads=int(key("attention.head_count_kv", heads)),
@@ -109,6 +123,10 @@ def _config(header: GGUFHeader, path: Path, embed_shape, rope: dict[str, list[fl
         qkv_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
         rotary_dim=None if rotary == head_dim else rotary,
     )
+    try:
+        return ModelConfig(**fields_read)
+    except BadInput as e:  # its checks, said of the file
+        raise in_file(e, path) from None
 
 
 def split_part_names(name: str) -> list[str]:
