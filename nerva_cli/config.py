@@ -12,10 +12,13 @@ from dataclasses import dataclass, field
 from nerva_cli.errors import BadInput
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "phi3")
-# HF model_type / GGUF general.architecture -> family. Mistral and SmolLM are Llama-shaped; so is
-# Phi-3 once its fused q/k/v and gate/up matrices are split (sources.fused_part).
-FAMILY_OF = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
-SUPPORTED_TEXT = "llama (Llama 2/3.x, Mistral, SmolLM, TinyLlama), qwen2, qwen3, phi3 (Phi-3, Phi-3.5, Phi-4-mini)"
+# HF model_type / GGUF general.architecture -> family. Mistral and SmolLM are Llama-shaped (SmolLM3
+# with no RoPE in every fourth layer: nope_layers); so is Phi-3 once its fused q/k/v and gate/up
+# matrices are split (sources.fused_part).
+FAMILY_OF = {"llama": "llama", "mistral": "llama", "smollm3": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+             "phi3": "phi3"}
+SUPPORTED_TEXT = ("llama (Llama 2/3.x, Mistral, SmolLM, SmolLM3, TinyLlama), qwen2, qwen3, "
+                  "phi3 (Phi-3, Phi-3.5, Phi-4-mini)")
 ROPE_SCALINGS = ("linear", "llama3", "freq_factors", "longrope", "yarn")
 
 
@@ -50,6 +53,9 @@ class ModelConfig:
     # a whole head's would (rope.partial_rotary_order), so the kernels rotate every pair and the
     # others' angle is 0.
     rotary_dim: int | None = None
+    # Layers whose attention uses no RoPE at all (SmolLM3's every fourth): their tables are
+    # cos 1, sin 0 (rope.layer_tables), None for none.
+    nope_layers: list[int] | None = None
 
     def __post_init__(self):
         if self.family not in SUPPORTED_FAMILIES:
@@ -63,6 +69,8 @@ class ModelConfig:
                            f"num_kv_heads {self.num_kv_heads}")
         if self.head_dim % 2:
             raise BadInput(f"config: head_dim {self.head_dim} must be even for RoPE")
+        if self.nope_layers is not None and not all(0 <= i < int(self.num_layers) for i in self.nope_layers):
+            raise BadInput(f"config: layers without RoPE {self.nope_layers} must be below num_layers {self.num_layers}")
         if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
             raise BadInput(f"config: the rotary dimensions ({self.rotary_dim}) must be even and at most "
                            f"head_dim ({self.head_dim})")
@@ -113,8 +121,9 @@ class ModelConfig:
         keys = ("family", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                 "num_kv_heads", "head_dim", "vocab_size", "qkv_bias", "qk_norm", "tie_embeddings")
         arch = {k: getattr(self, k) for k in keys}
-        if self.rotary_dim is not None:  # only where set: the hashes (and shipped profiles) before it stand
-            arch["rotary_dim"] = self.rotary_dim
+        for key in ("rotary_dim", "nope_layers"):  # only where set: the hashes (and shipped profiles) before stand
+            if getattr(self, key) is not None:
+                arch[key] = getattr(self, key)
         blob = json.dumps(arch, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -185,6 +194,19 @@ def _hf_rotary_dim(cfg: dict, head_dim: int) -> int | None:
     return int(head_dim * float(fraction))  # as transformers rounds it
 
 
+def _hf_nope_layers(cfg: dict) -> list[int] | None:
+    """SmolLM3's layers without RoPE: its no_rope_layers (1 where a layer uses RoPE), else every
+    no_rope_layer_interval-th, as transformers fills it in."""
+    if cfg.get("model_type") != "smollm3":
+        return None
+    layers = int(cfg["num_hidden_layers"])
+    uses = cfg.get("no_rope_layers") or [int((i + 1) % int(cfg.get("no_rope_layer_interval", 4)) != 0)
+                                         for i in range(layers)]
+    if len(uses) != layers:
+        raise BadInput(f"no_rope_layers has {len(uses)} entries for {layers} layers")
+    return [i for i, rope in enumerate(uses) if not rope] or None
+
+
 def _hf_max_context(cfg: dict) -> int:
     """max_position_embeddings, or the attention window where one is smaller: a model trained
     with sliding-window attention (Phi-3-mini-4k's 2047 tokens, Mistral 7B v0.1's 4096) attends
@@ -234,6 +256,7 @@ def from_hf_config(cfg: dict, path: str) -> ModelConfig:
             qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=family == "qwen3",
             rotary_dim=_hf_rotary_dim(cfg, head_dim),
+            nope_layers=_hf_nope_layers(cfg),
         )
     except KeyError as e:
         raise BadInput(f"{path}: missing key {e.args[0]!r}") from None

@@ -301,8 +301,7 @@ class CudaEngine(EngineBase):
         self.embed_t = matrix(g, "embed")
         self.final_norm = g["final_norm"]
         self.head_t = matrix(g, "lm_head") if any(n.startswith("lm_head") for n in g) else self.embed_t
-        cos, sin = rope.tables(cfg, self.ctx)
-        self.cos, self.sin = dev.upload(cos), dev.upload(sin)
+        self.rope = rope.per_layer(cfg, *rope.tables(cfg, self.ctx), put=dev.upload)  # layer -> (cos, sin)
         self.a = DeviceArena(dev, cfg, self.ctx, self.splits[1])
         self.layers: dict[int, DeviceLayer] = {}
         for i in gp.vram.resident_layers:
@@ -376,8 +375,8 @@ class CudaEngine(EngineBase):
             k.rmsnorm(a.q, t["q_norm"], eps, a.q)
             k.rmsnorm(a.k, t["k_norm"], eps, a.k)
         kc, vc = a.kv[L.index, 0], a.kv[L.index, 1]
-        k.attention_decode(a.q, a.k, a.v, self.cos, self.sin, kc, vc, a.pos, a.part, a.done, a.attn, cfg.num_heads,
-                           self.splits)
+        k.attention_decode(a.q, a.k, a.v, *self.rope[L.index], kc, vc, a.pos, a.part, a.done, a.attn,
+                           cfg.num_heads, self.splits)
         k.matvec(L.mat("o"), a.attn, a.x, p, add=True, norm=(t["mlp_norm"], a.xn, eps, a.norm_done))
         k.glu(L.mat("gate"), L.mat("up"), a.xn, a.act, p)
         after = self._down_norm[L.index]
@@ -702,7 +701,8 @@ class CudaEngine(EngineBase):
                 k.rmsnorm(part, w, eps, part)
                 qkv[:, lo:hi] = part
         kc, vc = a.kv[L.index, 0], a.kv[L.index, 1]
-        k.rope_kv_store(flat, flat[qd:], flat[qd + kvd:], stride, a.pos, self.cos, self.sin, T, cfg.num_heads, kc, vc)
+        k.rope_kv_store(flat, flat[qd:], flat[qd + kvd:], stride, a.pos, *self.rope[L.index], T,
+                        cfg.num_heads, kc, vc)
         attn = a.pattn[:T]
         splits = prefill_splits(T, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.n_past + T, self.dev.sms)
         k.attention_prefill(flat, stride, kc, vc, a.pos, attn, T, cfg.num_heads, splits, a.ppart, a.pdone)

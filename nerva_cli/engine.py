@@ -255,7 +255,7 @@ class Engine(EngineBase):
         self.backend = backend
         self.precision = default_precision(model, precision)
         self.ctx = context_length(cfg, ctx)
-        self.cos, self.sin = rope.tables(cfg, self.ctx)
+        self.rope = rope.per_layer(cfg, *rope.tables(cfg, self.ctx))  # layer -> (cos, sin)
         self.plan = residency_plan(model, self.ctx, ram_budget, importance, active_layers, kv_cache, prefill_rows)
         g = {}
         for fname in ("embed.bin", "final_norm.bin", "lm_head.bin"):
@@ -295,7 +295,7 @@ class Engine(EngineBase):
         self.compiled_layers = {}
         if hasattr(self.k, "decode_layer_halves"):
             for i, layer in resident.items():
-                halves = self.k.decode_layer_halves(layer, self.a, cfg, self.cos, self.sin)
+                halves = self.k.decode_layer_halves(layer, self.a, cfg, *self.rope[i])
                 if halves is not None:
                     self.compiled_layers[i] = halves
 
@@ -498,8 +498,9 @@ class Engine(EngineBase):
         if layer.q_norm is not None:
             k.rmsnorm(a.q, layer.q_norm, cfg.rms_eps, a.q)
             k.rmsnorm(a.k, layer.k_norm, cfg.rms_eps, a.k)
-        k.rope(a.q_rows, a.pos, self.cos, self.sin)
-        k.rope(a.k_rows, a.pos, self.cos, self.sin)
+        cos, sin = self.rope[layer.index]
+        k.rope(a.q_rows, a.pos, cos, sin)
+        k.rope(a.k_rows, a.pos, cos, sin)
         a.k_cache[layer.index][pos] = a.k
         a.v_cache[layer.index][pos] = a.v
         k.attention_decode(a.q, a.k_cache[layer.index], a.v_cache[layer.index], pos + 1, a.attn, a.att_part)
@@ -642,8 +643,9 @@ class Engine(EngineBase):
         if layer.q_norm is not None:
             k.rmsnorm(q, layer.q_norm, cfg.rms_eps, q)
             k.rmsnorm(kk, layer.k_norm, cfg.rms_eps, kk)
-        k.rope(q, pos, self.cos, self.sin)
-        k.rope(kk, pos, self.cos, self.sin)
+        cos, sin = self.rope[layer.index]
+        k.rope(q, pos, cos, sin)
+        k.rope(kk, pos, cos, sin)
         kc, vc = self.a.k_cache[layer.index], self.a.v_cache[layer.index]
         kc[start:start + T] = kk
         vc[start:start + T] = qkv[:, qd + kvd:].reshape(kk.shape)

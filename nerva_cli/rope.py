@@ -90,3 +90,14 @@ def partial_rotary_order(head_dim: int, rotary_dim: int) -> np.ndarray:
     first = np.concatenate([np.arange(r), passed[:half - r]])
     second = np.concatenate([r + np.arange(r), passed[half - r:]])
     return np.concatenate([first, second])
+
+
+
+
+def per_layer(cfg: ModelConfig, cos: np.ndarray, sin: np.ndarray, put=lambda t: t) -> list[tuple]:
+    """Each layer's (cos, sin), as `put` makes them of host tables (the cuda engine's: uploaded):
+    the model's, or for a layer without RoPE (nope_layers) tables of the same shape that rotate by
+    nothing (cos 1, sin 0), so that its kernels are the other layers'. Made once, shared."""
+    rotated = (put(cos), put(sin))
+    still = (put(np.ones_like(cos)), put(np.zeros_like(cos))) if cfg.nope_layers else None
+    return [still if i in (cfg.nope_layers or ()) else rotated for i in range(cfg.num_layers)]

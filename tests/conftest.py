@@ -101,6 +101,8 @@ FAMILIES = {
     # short factors (the context, 256 at most in the tests, within its original 256) and its
     # attention factor (max 512 / original 256: sqrt(1 + ln 2 / ln 256) = 1.061)
     "phi3": ("Phi3Config", {"pad_token_id": 0}),
+    # no RoPE in every fourth layer (the fourth of four), as SmolLM3's config and llama.cpp have it
+    "smollm3": ("SmolLM3Config", {"layers": 4, "pad_token_id": 0}),
     "phi3-longrope": ("Phi3Config", {"pad_token_id": 0, "partial_rotary_factor": 0.5,
                                      "original_max_position_embeddings": 256,
                                      "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.3, 2.1, 3.7],
@@ -117,6 +119,7 @@ def make_tiny_model(out_dir: Path, family: str, dtype: str = "float32", layers: 
     cls_name, extra = FAMILIES[family]
     extra = dict(extra)
     tie = extra.pop("tie_word_embeddings", True)
+    layers = extra.pop("layers", layers)
     cfg = getattr(transformers, cls_name)(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

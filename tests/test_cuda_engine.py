@@ -134,7 +134,7 @@ def test_a_short_prefill_after_a_long_one_splits_its_positions(stored, cuda_devi
     ("llama", "f16", None), ("qwen3", "f16", None), ("llama-untied", "q4_0", "w4a16"),
     ("qwen2", "q4_0", "w4a8"), ("llama3-scaled", "q4_0", "mixed"),
     ("llama-untied", "q4_1", "w4a16"), ("qwen2", "q4_1", "w4a8"), ("llama", "q4_1", "mixed"),
-    ("phi3-longrope", "q4_0", "mixed")])
+    ("phi3-longrope", "q4_0", "mixed"), ("smollm3", "f16", None)])
 def test_greedy_tokens_equal_the_cpu_plane(stored, cuda_device, family, variant, precision):
     model = stored(family, variant)
     per_layer = ["w4a8", "w4a16", "w4a8"] if precision == "mixed" else None

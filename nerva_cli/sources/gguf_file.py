@@ -122,6 +122,8 @@ def _config(header: GGUFHeader, path: Path, embed_shape, rope: dict[str, list[fl
         eos_token_ids=[] if eos is None else [int(eos)],
         qkv_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
         rotary_dim=None if rotary == head_dim else rotary,
+        # llama.cpp's SmolLM3: no RoPE in every fourth layer (its step is fixed, not a key)
+        nope_layers=[i for i in range(3, int(key("block_count")), 4)] or None if arch == "smollm3" else None,
     )
     try:
         return ModelConfig(**fields_read)
