@@ -15,9 +15,9 @@ SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "phi3")
 # HF model_type / GGUF general.architecture -> family. Mistral and SmolLM are Llama-shaped (SmolLM3
 # with no RoPE in every fourth layer: nope_layers); so is Phi-3 once its fused q/k/v and gate/up
 # matrices are split (sources.fused_part).
-FAMILY_OF = {"llama": "llama", "mistral": "llama", "smollm3": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-             "phi3": "phi3"}
-SUPPORTED_TEXT = ("llama (Llama 2/3.x, Mistral, SmolLM, SmolLM3, TinyLlama), qwen2, qwen3, "
+FAMILY_OF = {"llama": "llama", "mistral": "llama", "smollm3": "llama", "granite": "llama", "qwen2": "qwen2",
+             "qwen3": "qwen3", "phi3": "phi3"}
+SUPPORTED_TEXT = ("llama (Llama 2/3.x, Mistral, SmolLM, SmolLM3, Granite 3, TinyLlama), qwen2, qwen3, "
                   "phi3 (Phi-3, Phi-3.5, Phi-4-mini)")
 ROPE_SCALINGS = ("linear", "llama3", "freq_factors", "longrope", "yarn")
 
@@ -56,6 +56,10 @@ class ModelConfig:
     # Layers whose attention uses no RoPE at all (SmolLM3's every fourth): their tables are
     # cos 1, sin 0 (rope.layer_tables), None for none.
     nope_layers: list[int] | None = None
+    # Granite's multipliers {"embedding", "residual", "attention", "logits"}, which convert folds
+    # into the stored weights (convert._stored): the engine applies nothing of them. None: all 1
+    # and attention 1/sqrt(head_dim), as Llama's.
+    folded_scales: dict | None = None
 
     def __post_init__(self):
         if self.family not in SUPPORTED_FAMILIES:
@@ -194,6 +198,17 @@ def _hf_rotary_dim(cfg: dict, head_dim: int) -> int | None:
     return int(head_dim * float(fraction))  # as transformers rounds it
 
 
+def granite_scales(embedding=None, residual=None, attention=None, logits=None) -> dict:
+    """Granite's multipliers, transformers' defaults (1) for those not given: the token
+    embedding's, the residual branches' (after attention, after the MLP), the attention scores'
+    (in place of 1/sqrt(head_dim)) and the logits' divisor."""
+    values = {"embedding": embedding, "residual": residual, "attention": attention, "logits": logits}
+    scales = {k: 1.0 if v is None else float(v) for k, v in values.items()}
+    if not all(math.isfinite(v) and v > 0 for v in scales.values()):
+        raise BadInput(f"Granite's multipliers must be positive numbers, got {scales}")
+    return scales
+
+
 def _hf_nope_layers(cfg: dict) -> list[int] | None:
     """SmolLM3's layers without RoPE: its no_rope_layers (1 where a layer uses RoPE), else every
     no_rope_layer_interval-th, as transformers fills it in."""
@@ -257,6 +272,9 @@ def from_hf_config(cfg: dict, path: str) -> ModelConfig:
             qk_norm=family == "qwen3",
             rotary_dim=_hf_rotary_dim(cfg, head_dim),
             nope_layers=_hf_nope_layers(cfg),
+            folded_scales=granite_scales(cfg.get("embedding_multiplier"), cfg.get("residual_multiplier"),
+                                         cfg.get("attention_multiplier"), cfg.get("logits_scaling"))
+            if model_type == "granite" else None,
         )
     except KeyError as e:
         raise BadInput(f"{path}: missing key {e.args[0]!r}") from None

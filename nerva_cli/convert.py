@@ -16,7 +16,7 @@ from nerva_cli import __version__
 from nerva_cli.errors import BadInput
 from nerva_cli.layout import TABLES, global_files, layer_file, layer_shapes, quantised
 from nerva_cli.quant import Q4_KINDS, TABLE_KIND, quantize_blocks
-from nerva_cli.sources import Source, SourceTensor, row_order
+from nerva_cli.sources import Source, SourceTensor, row_order, scaled
 from nerva_cli.store import ALIGN, FORMAT, VARIANTS, LayerFileWriter
 
 ROWS_PER_CHUNK_ELEMS = 1 << 20  # quantise in slices of about 1M weights: bounded temporaries
@@ -85,16 +85,33 @@ def _write_tensor(writer: LayerFileWriter, name: str, t: SourceTensor, variant: 
 
 
 def _stored(source: Source, canon: str) -> SourceTensor:
-    """A source tensor in the store's layout: where RoPE rotates part of each head, the rows of q
-    and k (and of their biases and norms) in rope.partial_rotary_order."""
+    """A source tensor in the store's layout: Granite's multipliers folded in (_folded); where
+    RoPE rotates part of each head, the rows of q and k (and of their biases and norms) in
+    rope.partial_rotary_order."""
     from nerva_cli.rope import partial_rotary_order
 
-    t, cfg = source.tensors(canon), source.config
+    t, cfg = _folded(source, canon), source.config
     if cfg.rotary_dim is None or _short(canon) not in ("q", "k", "q_bias", "k_bias", "q_norm", "k_norm"):
         return t
     head = partial_rotary_order(cfg.head_dim, cfg.rotary_dim)
     heads = np.arange(t.shape[0] // cfg.head_dim)[:, None] * cfg.head_dim
     return row_order(t, (heads + head).ravel())
+
+
+def _folded(source: Source, canon: str) -> SourceTensor:
+    """Granite's multipliers as Llama weights: the token table times the embedding's; q (and its
+    bias) times the attention's over Llama's 1/sqrt(head_dim); o and down, whose outputs join the
+    residual, times the residual's; the final norm over the logits' divisor (and over the
+    embedding's where the table is also the lm_head, as it then was multiplied too)."""
+    t, cfg = source.tensors(canon), source.config
+    s = cfg.folded_scales
+    if not s:
+        return t
+    name = _short(canon)
+    factor = {"embed": s["embedding"], "q": s["attention"] * cfg.head_dim ** 0.5,
+              "q_bias": s["attention"] * cfg.head_dim ** 0.5, "o": s["residual"], "down": s["residual"],
+              "final_norm": 1 / (s["logits"] * (s["embedding"] if cfg.tie_embeddings else 1))}.get(name, 1.0)
+    return t if factor == 1.0 else scaled(t, factor)
 
 
 def _plan(cfg) -> list[tuple[str, dict[str, tuple[int, ...]]]]:

@@ -103,6 +103,10 @@ FAMILIES = {
     "phi3": ("Phi3Config", {"pad_token_id": 0}),
     # no RoPE in every fourth layer (the fourth of four), as SmolLM3's config and llama.cpp have it
     "smollm3": ("SmolLM3Config", {"layers": 4, "pad_token_id": 0}),
+    # Granite's multipliers, powers of two (folded into the weights exactly; 16-wide heads, so
+    # attention 1/8 is half of Llama's 1/4)
+    "granite": ("GraniteConfig", {"embedding_multiplier": 4.0, "residual_multiplier": 0.5,
+                                  "attention_multiplier": 0.125, "logits_scaling": 2.0}),
     "phi3-longrope": ("Phi3Config", {"pad_token_id": 0, "partial_rotary_factor": 0.5,
                                      "original_max_position_embeddings": 256,
                                      "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.3, 2.1, 3.7],

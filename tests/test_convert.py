@@ -472,7 +472,8 @@ def hf_to_gguf(src, path, extra=None, layer_quant=None):
     from safetensors.numpy import load_file
 
     cfg = transformers.AutoConfig.from_pretrained(src)
-    arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "smollm3": "smollm3"}[cfg.model_type]
+    arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "smollm3": "smollm3",
+            "granite": "granite"}[cfg.model_type]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     theta = getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]  # transformers 4 / 5
     w, _ = gguf_writer(path, src, cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size,
@@ -487,6 +488,11 @@ def hf_to_gguf(src, path, extra=None, layer_quant=None):
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if arch == "granite":
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_attention_scale(cfg.attention_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
     if arch == "phi3":
         w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     if rope.get("rope_type") == "longrope":
@@ -516,7 +522,7 @@ def hf_to_gguf(src, path, extra=None, layer_quant=None):
                 m = t.get(f"model.layers.{i}.{hf_name}.{kind}")
                 if m is None:
                     continue
-                if arch in ("llama", "smollm3") and gname in ("attn_q", "attn_k"):
+                if arch in ("llama", "smollm3", "granite") and gname in ("attn_q", "attn_k"):
                     m = permute(m, cfg.num_attention_heads if gname == "attn_q" else cfg.num_key_value_heads)
                 if layer_quant is not None and m.ndim == 2:
                     from gguf import quants
@@ -531,7 +537,7 @@ def hf_to_gguf(src, path, extra=None, layer_quant=None):
 
 
 @pytest.mark.parametrize("family", ["llama", "llama-untied", "qwen2", "qwen3", "qwen3-yarn", "phi3", "phi3-longrope",
-                                    "smollm3"])
+                                    "smollm3", "granite"])
 def test_a_gguf_of_hf_weights_converts_as_the_hf_directory_does(family, tiny_models, tmp_path, cli):
     """Each family nerva runs, as llama.cpp's converter would write it (F32 tensors: Qwen2's q/k/v
     biases, Qwen3's q/k norms and head_dim, an untied lm_head, a Llama's permuted q/k, Phi-3's
@@ -721,7 +727,8 @@ def test_phi_configs_as_their_repos_write_them():
         from_hf_config({**base, "hidden_act": "gelu_new", "max_position_embeddings": 4096}, "config.json")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3-yarn", "phi3", "phi3-longrope", "smollm3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3-yarn", "phi3", "phi3-longrope", "smollm3",
+                                    "granite"])
 def test_a_gguf_runs_as_llama_cpp_runs_it(family, tiny_models, tmp_path):
     """The same GGUF (hf_to_gguf's, weights made f16-exact so that nerva's f16 conversion holds the
     file's values) through llama.cpp and through nerva, both with an f32 KV cache: the logits of a

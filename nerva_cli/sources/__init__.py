@@ -75,3 +75,18 @@ def row_order(t: SourceTensor, order: np.ndarray) -> SourceTensor:
         read_f32=lambda: np.ascontiguousarray(t.read_f32()[order]),
         read_planes=None if t.read_planes is None else
         (lambda: tuple(None if p is None else np.ascontiguousarray(p[order]) for p in t.read_planes())))
+
+
+def scaled(t: SourceTensor, factor: float) -> SourceTensor:
+    """t times factor: f32 values, or a block format's scales (and Q4_1's offsets), rounded to f16."""
+    def planes():
+        qs, d, m = t.read_planes()
+        times = lambda p: None if p is None else (p.astype(np.float32) * np.float32(factor)).astype(p.dtype)
+        return qs, times(d), times(m)
+
+    rows = t.read_f32_rows
+    return SourceTensor(
+        shape=t.shape, stored_dtype=t.stored_dtype, where=t.where,
+        read_f32=lambda: t.read_f32() * np.float32(factor),
+        read_planes=None if t.read_planes is None else planes,
+        read_f32_rows=None if rows is None else (lambda a, b: rows(a, b) * np.float32(factor)))

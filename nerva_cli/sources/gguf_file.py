@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nerva_cli.config import FAMILY_OF, SUPPORTED_TEXT, ModelConfig, in_file, yarn_scaling
+from nerva_cli.config import FAMILY_OF, SUPPORTED_TEXT, ModelConfig, granite_scales, in_file, yarn_scaling
 from nerva_cli.errors import BadInput
 from nerva_cli.quant import BLOCK_BYTES, split_blocks
 from nerva_cli.sources import Source, SourceTensor, fused_part, row_range
@@ -124,6 +124,9 @@ def _config(header: GGUFHeader, path: Path, embed_shape, rope: dict[str, list[fl
         rotary_dim=None if rotary == head_dim else rotary,
         # llama.cpp's SmolLM3: no RoPE in every fourth layer (its step is fixed, not a key)
         nope_layers=[i for i in range(3, int(key("block_count")), 4)] or None if arch == "smollm3" else None,
+        folded_scales=granite_scales(*(fields.get(f"{arch}.{k}") for k in ("embedding_scale", "residual_scale",
+                                                                          "attention.scale", "logit_scale")))
+        if arch == "granite" else None,
     )
     try:
         return ModelConfig(**fields_read)
