@@ -34,8 +34,14 @@ _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 _GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Mistral's Tekken (Mistral Nemo, Small 3, Ministral): GPT-4o's without the contraction suffix,
+# a digit at a time
+_TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_PRE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "smaug-bpe"}
-SPLITS = {**dict.fromkeys(LLAMA3_PRE, _LLAMA3), "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "gpt-4o": _GPT4O}
+SPLITS = {**dict.fromkeys(LLAMA3_PRE, _LLAMA3), "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "gpt-4o": _GPT4O,
+          "tekken": _TEKKEN}
 # llama.cpp isolates every digit first, then applies GPT-2's split (SmolLM's tokenizer.json too).
 DIGIT_SPLIT = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"}
 

@@ -264,13 +264,16 @@ BYTE_LEVEL_TEXTS = ["Hello world", "HelloWorld and CamelCaseWords, ALLCAPS then 
                     "  leading and trailing  ", "if x:\n    1"]
 
 
-@pytest.mark.parametrize("pre", ["llama3", "qwen2", "smollm", "gpt-4o"])
+@pytest.mark.parametrize("pre", ["llama3", "llama-bpe", "falcon3", "pixtral", "smaug-bpe", "qwen2", "deepseek-r1-qwen",
+                                 "smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "gpt-4o",
+                                 "tekken", "gpt-2", "mpt", "olmo"])
 def test_byte_level_splits_match_llama_cpp(tmp_path, pre):
-    """Each byte-level `pre` nerva names splits text as llama.cpp does (its own expressions; the
-    GPT-4o / o200k one, Phi-4-mini's, groups digits by three and splits case runs), through the
+    """Each byte-level `pre` nerva names, and GPT-2's for the ones it leaves to it, splits text as
+    llama.cpp does (its own expressions; the GPT-4o / o200k one, Phi-4-mini's, groups digits by
+    three and splits case runs; Mistral's Tekken splits them too, a digit at a time), through the
     same GGUF: a small vocabulary trained here on GPT-2's split (one piece for "HelloWorld", for
     "12345678") with these texts among its lines, so that it holds merges across the places the
-    splits differ (with llama3's split for "gpt-4o", this test fails)."""
+    splits differ (with llama3's split for "gpt-4o", or gpt-4o's for "tekken", this test fails)."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
     from conftest import train_tokenizer
     from nerva_cli.gguf_tokenizer import tokenizer_files_from_gguf
