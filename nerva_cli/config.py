@@ -285,5 +285,7 @@ def from_hf_config(cfg: dict, path: str) -> ModelConfig:
 
 
 def in_file(e: BadInput, path) -> BadInput:
-    """ModelConfig's "config: ..." error as one about the file it was read from."""
-    return BadInput(f"{path}: {str(e).removeprefix('config: ')}")
+    """ModelConfig's "config: ..." error (or another of reading a config) as one about the file
+    it was read from, where it does not name it already."""
+    message = str(e)
+    return e if message.startswith(f"{path}:") else BadInput(f"{path}: {message.removeprefix('config: ')}")

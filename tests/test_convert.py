@@ -498,7 +498,8 @@ def hf_to_gguf(src, path, extra=None, layer_quant=None):
     if rope.get("rope_type") == "longrope":
         original = rope["original_max_position_embeddings"]
         w.add_rope_scaling_orig_ctx_len(original)
-        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(cfg.max_position_embeddings / original) / math.log(original)))
+        scale = cfg.max_position_embeddings / original
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
         w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
         w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
 
@@ -554,7 +555,8 @@ def test_a_gguf_of_hf_weights_converts_as_the_hf_directory_does(family, tiny_mod
         got.pop(key), want.pop(key)
     assert np.float32(got.pop("rms_eps")) == np.float32(want.pop("rms_eps"))  # a GGUF key is an f32
     if want["rope_scaling"]:  # LongRoPE's factors are F32 tensors; its attention factor and YaRN's factor f32 keys
-        for key in {"longrope": ("short_factor", "long_factor", "attention_factor"), "yarn": ("factor",)}[want["rope_scaling"]["type"]]:
+        f32 = {"longrope": ("short_factor", "long_factor", "attention_factor"), "yarn": ("factor",)}
+        for key in f32[want["rope_scaling"]["type"]]:
             assert np.array_equal(np.float32(got["rope_scaling"].pop(key)), np.float32(want["rope_scaling"].pop(key)))
     assert got == want
     assert a.meta["files"].keys() == b.meta["files"].keys()
@@ -722,7 +724,8 @@ def test_phi_configs_as_their_repos_write_them():
                            "partial_rotary_factor": 0.75, "max_position_embeddings": 131072,
                            "original_max_position_embeddings": 4096, "sliding_window": 262144,
                            "rope_scaling": factors}, "config.json")
-    assert four.head_dim == 128 and four.rotary_dim == 96 and round(four.rope_scaling["attention_factor"], 6) == 1.190238
+    assert four.head_dim == 128 and four.rotary_dim == 96
+    assert round(four.rope_scaling["attention_factor"], 6) == 1.190238
     with pytest.raises(Exception, match="activation 'gelu_new' is not supported"):
         from_hf_config({**base, "hidden_act": "gelu_new", "max_position_embeddings": 4096}, "config.json")
 

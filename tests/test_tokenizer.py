@@ -259,9 +259,9 @@ def test_byte_level_special_token_outside_the_byte_alphabet_stays_whole(tmp_path
         assert ids == llm.tokenize(text.encode(), add_bos=False, special=True)
 
 
-BYTE_LEVEL_TEXTS = ["Hello world", "HelloWorld and CamelCaseWords, ALLCAPS then lower", "I'm sure they'LL say we'd DON'T",
-                    "12345 678.9 x2y 1000000", "a\n\n  b/c\n/path\r\n\tend", "naïve café 東京 😀", "...!!? -- (x)",
-                    "  leading and trailing  ", "if x:\n    1"]
+BYTE_LEVEL_TEXTS = ["Hello world", "HelloWorld and CamelCaseWords, ALLCAPS then lower",
+                    "I'm sure they'LL say we'd DON'T", "12345 678.9 x2y 1000000", "a\n\n  b/c\n/path\r\n\tend",
+                    "naïve café 東京 😀", "...!!? -- (x)", "  leading and trailing  ", "if x:\n    1"]
 
 
 @pytest.mark.parametrize("pre", ["llama3", "llama-bpe", "falcon3", "pixtral", "smaug-bpe", "qwen2", "deepseek-r1-qwen",

@@ -93,7 +93,8 @@ def _config(header: GGUFHeader, path: Path, embed_shape, rope: dict[str, list[fl
     elif linear is not None:
         scaling = {"type": "linear", "factor": linear}
     elif kind == "yarn":
-        odd = [k for k in ("yarn_ext_factor", "yarn_attn_factor", "yarn_log_multiplier") if f"{arch}.rope.scaling.{k}" in fields]
+        odd = [k for k in ("yarn_ext_factor", "yarn_attn_factor", "yarn_log_multiplier")
+               if f"{arch}.rope.scaling.{k}" in fields]
         if odd:
             raise BadInput(f"{path}: YaRN with {', '.join(odd)} (DeepSeek's form) is not supported")
         factor = float(key("rope.scaling.factor"))
@@ -109,27 +110,26 @@ def _config(header: GGUFHeader, path: Path, embed_shape, rope: dict[str, list[fl
     window = fields.get(f"{arch}.attention.sliding_window")  # see config._hf_max_context
     eos = fields.get("tokenizer.ggml.eos_token_id")
     names = {t.name for t in header.tensors}
-    fields_read = dict(
-        family=family, hidden_size=hidden, intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")), num_heads=heads,
-        num_kv_heads=int(key("attention.head_count_kv", heads)),
-        head_dim=head_dim,
-        vocab_size=int(embed_shape[0]), rms_eps=float(key("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
-        max_context=min(longest, int(window)) if window else longest,
-        tie_embeddings="output.weight" not in names, rope_scaling=scaling,
-        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=[] if eos is None else [int(eos)],
-        qkv_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
-        rotary_dim=None if rotary == head_dim else rotary,
-        # llama.cpp's SmolLM3: no RoPE in every fourth layer (its step is fixed, not a key)
-        nope_layers=[i for i in range(3, int(key("block_count")), 4)] or None if arch == "smollm3" else None,
-        folded_scales=granite_scales(*(fields.get(f"{arch}.{k}") for k in ("embedding_scale", "residual_scale",
-                                                                          "attention.scale", "logit_scale")))
-        if arch == "granite" else None,
-    )
     try:
-        return ModelConfig(**fields_read)
+        return ModelConfig(
+            family=family, hidden_size=hidden, intermediate_size=int(key("feed_forward_length")),
+            num_layers=int(key("block_count")), num_heads=heads,
+            num_kv_heads=int(key("attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            vocab_size=int(embed_shape[0]), rms_eps=float(key("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            max_context=min(longest, int(window)) if window else longest,
+            tie_embeddings="output.weight" not in names, rope_scaling=scaling,
+            bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=[] if eos is None else [int(eos)],
+            qkv_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
+            rotary_dim=None if rotary == head_dim else rotary,
+            # llama.cpp's SmolLM3: no RoPE in every fourth layer (its step is fixed, not a key)
+            nope_layers=[i for i in range(3, int(key("block_count")), 4)] or None if arch == "smollm3" else None,
+            folded_scales=granite_scales(*(fields.get(f"{arch}.{k}") for k in ("embedding_scale", "residual_scale",
+                                                                              "attention.scale", "logit_scale")))
+            if arch == "granite" else None,
+        )
     except BadInput as e:  # its checks, said of the file
         raise in_file(e, path) from None
 
