@@ -54,10 +54,10 @@ class ModelConfig:
     # others' angle is 0.
     rotary_dim: int | None = None
     # Layers whose attention uses no RoPE at all (SmolLM3's every fourth): their tables are
-    # cos 1, sin 0 (rope.layer_tables), None for none.
+    # cos 1, sin 0 (rope.per_layer), None for none.
     nope_layers: list[int] | None = None
     # Granite's multipliers {"embedding", "residual", "attention", "logits"}, which convert folds
-    # into the stored weights (convert._stored): the engine applies nothing of them. None: all 1
+    # into the stored weights (convert._folded): the engine applies nothing of them. None: all 1
     # and attention 1/sqrt(head_dim), as Llama's.
     folded_scales: dict | None = None
 

@@ -92,8 +92,6 @@ def partial_rotary_order(head_dim: int, rotary_dim: int) -> np.ndarray:
     return np.concatenate([first, second])
 
 
-
-
 def per_layer(cfg: ModelConfig, cos: np.ndarray, sin: np.ndarray, put=lambda t: t) -> list[tuple]:
     """Each layer's (cos, sin), as `put` makes them of host tables (the cuda engine's: uploaded):
     the model's, or for a layer without RoPE (nope_layers) tables of the same shape that rotate by
