@@ -22,6 +22,8 @@ COMMANDS = (
     ("/set verbose", "the prompt and answer rates, TTFT and stop reason after each answer (/set quiet: not)"),
     ("/show info", "the model, each layer's precision, the context, the backend"),
     ("/show parameters", "the sampling parameters in force"),
+    ("/show system", "the system message in force"),
+    ("/show template", "the chat template the messages go through"),
     ("/clear", "forget the conversation"),
     ("/bye", "leave (Ctrl-D too)"),
     ('"""', 'begin and end a message of several lines'),
@@ -135,8 +137,13 @@ def command(session, line: str, write, runtime: str = "") -> str | None:
         write(_aligned(info(session, runtime)))
     elif head == "/show" and len(words) == 2 and words[1] == "parameters":
         write(_aligned(parameters(session)))
+    elif head == "/show" and words[1:] == ["system"]:
+        write(f"{session.system}\n" if session.system else "no system message\n")
+    elif head == "/show" and words[1:] == ["template"]:
+        template = None if session.raw else session.tok.template
+        write(f"{template}\n" if template else "no chat template: messages go to the model as they are\n")
     elif head == "/show":
-        raise NervaError(f"{line!r}: /show info or /show parameters")
+        raise NervaError(f"{line!r}: /show info, parameters, system or template")
     elif head == "/set":
         raise NervaError(f"{line!r}: /set parameter NAME VALUE, /set system TEXT, /set verbose or /set quiet")
     else:

@@ -84,7 +84,7 @@ def test_set_parameter_changes_the_sampler_and_rejects_bad_values(session):
                      ("/set parameter top_p 2", r"\(0, 1\]"), ("/set parameter min_p 1.5", r"\[0, 1\]"),
                      ("/set parameter temperature nan", "a number >= 0"), ("/set parameter num_predict 0", ">= 1"),
                      ("/set parameter warmth 1", "unknown parameter 'warmth'"), ("/set parameter seed", "one value"),
-                     ("/frobnicate", "unknown command"), ("/show", "/show info or /show parameters"),
+                     ("/frobnicate", "unknown command"), ("/show", "/show info, parameters, system or template"),
                      ("/set temperature 1", "/set parameter NAME VALUE")]:
         with pytest.raises(NervaError, match=why):
             command(s, bad, quiet)
@@ -101,6 +101,10 @@ def test_set_system_replaces_the_system_message_and_show_tells_it(session):
     shown = []
     command(s, "/show parameters", shown.append)
     assert "temperature     0\n" in shown[0] and "seed            random\n" in shown[0]
+    command(s, "/set system be brief", quiet)
+    command(s, "/show system", shown.append)
+    command(s, "/show template", shown.append)
+    assert shown[1:] == ["be brief\n", STRICT + "\n"]  # ollama's /show system and /show template
     rows = dict(info(s, "cpu, 2 threads"))
     assert rows["backend"] == "cpu, 2 threads"
     assert rows["context"].startswith(f"{s.engine.n_past} of 96 tokens")
