@@ -86,7 +86,7 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 384, also: str = "") -> Non
 
 
 FAMILIES = {
-    # name: (transformers config class, extra config)
+    # name: (transformers config class, extra config; its "layers" the layer count where not 3)
     "llama": ("LlamaConfig", {}),
     "llama-untied": ("LlamaConfig", {"tie_word_embeddings": False}),
     "llama3-scaled": ("LlamaConfig", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
@@ -101,16 +101,16 @@ FAMILIES = {
     # short factors (the context, 256 at most in the tests, within its original 256) and its
     # attention factor (max 512 / original 256: sqrt(1 + ln 2 / ln 256) = 1.061)
     "phi3": ("Phi3Config", {"pad_token_id": 0}),
+    "phi3-longrope": ("Phi3Config", {"pad_token_id": 0, "partial_rotary_factor": 0.5,
+                                     "original_max_position_embeddings": 256,
+                                     "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.3, 2.1, 3.7],
+                                                      "long_factor": [1.5, 2.9, 5.3, 9.1]}}),
     # no RoPE in every fourth layer (the fourth of four), as SmolLM3's config and llama.cpp have it
     "smollm3": ("SmolLM3Config", {"layers": 4, "pad_token_id": 0}),
     # Granite's multipliers, powers of two (folded into the weights exactly; 16-wide heads, so
     # attention 1/8 is half of Llama's 1/4)
     "granite": ("GraniteConfig", {"embedding_multiplier": 4.0, "residual_multiplier": 0.5,
                                   "attention_multiplier": 0.125, "logits_scaling": 2.0}),
-    "phi3-longrope": ("Phi3Config", {"pad_token_id": 0, "partial_rotary_factor": 0.5,
-                                     "original_max_position_embeddings": 256,
-                                     "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.3, 2.1, 3.7],
-                                                      "long_factor": [1.5, 2.9, 5.3, 9.1]}}),
 }
 
 
