@@ -495,6 +495,8 @@ def hf_to_gguf(src, path, extra=None, layer_quant=None):
         w.add_logit_scale(cfg.logits_scaling)
     if arch == "phi3":
         w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    if arch == "phi3" and cfg.sliding_window:  # as llama.cpp's converter writes Phi-3's
+        w.add_sliding_window(cfg.sliding_window)
     if rope.get("rope_type") == "longrope":
         original = rope["original_max_position_embeddings"]
         w.add_rope_scaling_orig_ctx_len(original)
@@ -653,6 +655,8 @@ def test_a_sliding_window_caps_the_context(tiny_models, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "sliding_window": 100}))
     assert open_source(str(d)).config.max_context == 100
+    hf_to_gguf(d, tmp_path / "windowed.gguf")  # the GGUF's attention.sliding_window key
+    assert open_source(str(tmp_path / "windowed.gguf")).config.max_context == 100
     (d / "config.json").write_text(json.dumps({**cfg, "sliding_window": 100, "use_sliding_window": False}))
     assert open_source(str(d)).config.max_context == cfg["max_position_embeddings"]
 
