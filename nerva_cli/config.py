@@ -160,12 +160,7 @@ def _hf_rope_scaling(cfg: dict) -> dict | None:
     if kind in ("longrope", "su"):  # "su": Phi-3's first configs' name for it
         original = _original_context(cfg, rs)
         factor = rs.get("factor") or int(cfg.get("max_position_embeddings", original)) / original
-        attention = rs.get("attention_factor")
-        if attention is None:  # transformers' and the LongRoPE paper's default
-            attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
-        return {"type": "longrope", "short_factor": [float(f) for f in rs["short_factor"]],
-                "long_factor": [float(f) for f in rs["long_factor"]],
-                "original_max_position_embeddings": original, "attention_factor": float(attention)}
+        return longrope_scaling(rs["short_factor"], rs["long_factor"], original, factor, rs.get("attention_factor"))
     return {"type": kind}  # refused by __post_init__ with its name
 
 
@@ -174,6 +169,22 @@ def _original_context(cfg: dict, rs: dict) -> int:
     original_max_position_embeddings (Phi-3's place for it) before the scaling's own."""
     return int(cfg.get("original_max_position_embeddings") or rs.get("original_max_position_embeddings")
                or cfg["max_position_embeddings"])
+
+
+def longrope_scaling(short, long, original: int, factor: float, attention_factor=None) -> dict:
+    """LongRoPE's rope_scaling, its attention factor derived as transformers and llama.cpp's
+    converter do where not given: sqrt(1 + ln(factor) / ln(original)), factor the longest context
+    over the original one."""
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"type": "longrope", "short_factor": [float(f) for f in short], "long_factor": [float(f) for f in long],
+            "original_max_position_embeddings": int(original), "attention_factor": float(attention_factor)}
+
+
+def attended_context(longest: int, window) -> int:
+    """The longest context, or a sliding attention window where one is set and smaller (see
+    _hf_max_context)."""
+    return min(int(longest), int(window)) if window else int(longest)
 
 
 def yarn_scaling(factor: float, original: int, beta_fast=None, beta_slow=None, truncate=True,
@@ -227,9 +238,8 @@ def _hf_max_context(cfg: dict) -> int:
     with sliding-window attention (Phi-3-mini-4k's 2047 tokens, Mistral 7B v0.1's 4096) attends
     as transformers does while the context fits in the window, which nerva's attention (all of
     the context) does not model past it. Qwen2's configs name a window they do not use."""
-    longest = int(cfg.get("max_position_embeddings", 4096))
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-    return min(longest, int(window)) if window else longest
+    return attended_context(cfg.get("max_position_embeddings", 4096), window)
 
 
 def _hf_rope_theta(cfg: dict) -> float:

@@ -107,9 +107,8 @@ def _folded(source: Source, canon: str) -> SourceTensor:
     s = cfg.folded_scales
     if not s:
         return t
-    name = _short(canon)
-    factor = {"embed": s["embedding"], "q": s["attention"] * cfg.head_dim ** 0.5,
-              "q_bias": s["attention"] * cfg.head_dim ** 0.5, "o": s["residual"], "down": s["residual"],
+    name, q = _short(canon), s["attention"] * cfg.head_dim ** 0.5
+    factor = {"embed": s["embedding"], "q": q, "q_bias": q, "o": s["residual"], "down": s["residual"],
               "final_norm": 1 / (s["logits"] * (s["embedding"] if cfg.tie_embeddings else 1))}.get(name, 1.0)
     return t if factor == 1.0 else scaled(t, factor)
 

@@ -4,13 +4,13 @@ a conversion holds about one layer in memory."""
 from __future__ import annotations
 
 import hashlib
-import math
 import re
 from pathlib import Path
 
 import numpy as np
 
-from nerva_cli.config import FAMILY_OF, SUPPORTED_TEXT, ModelConfig, granite_scales, in_file, yarn_scaling
+from nerva_cli.config import (FAMILY_OF, SUPPORTED_TEXT, ModelConfig, attended_context, granite_scales, in_file,
+                              longrope_scaling, yarn_scaling)
 from nerva_cli.errors import BadInput
 from nerva_cli.quant import BLOCK_BYTES, split_blocks
 from nerva_cli.sources import Source, SourceTensor, fused_part, row_range
@@ -84,12 +84,8 @@ def _config(header: GGUFHeader, path: Path, embed_shape, rope: dict[str, list[fl
         if len(rope) != 2:
             raise BadInput(f"{path}: LongRoPE needs both rope_factors_long and rope_factors_short")
         original = int(key("rope.scaling.original_context_length"))
-        factor = longest / original  # as llama.cpp's converter derives the attention factor it writes
-        attention = fields.get(f"{arch}.rope.scaling.attn_factor",
-                               1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original)))
-        scaling = {"type": "longrope", "short_factor": rope["rope_factors_short.weight"],
-                   "long_factor": rope["rope_factors_long.weight"], "original_max_position_embeddings": original,
-                   "attention_factor": float(attention)}
+        scaling = longrope_scaling(rope["rope_factors_short.weight"], rope["rope_factors_long.weight"], original,
+                                   longest / original, fields.get(f"{arch}.rope.scaling.attn_factor"))
     elif linear is not None:
         scaling = {"type": "linear", "factor": linear}
     elif kind == "yarn":
@@ -107,7 +103,6 @@ def _config(header: GGUFHeader, path: Path, embed_shape, rope: dict[str, list[fl
     rotary = int(key("rope.dimension_count", head_dim))
     if rotary != head_dim and family == "llama":  # its q/k rows are interleaved over the whole head
         raise BadInput(f"{path}: a Llama GGUF rotating {rotary} of {head_dim} head dimensions is not supported")
-    window = fields.get(f"{arch}.attention.sliding_window")  # see config._hf_max_context
     eos = fields.get("tokenizer.ggml.eos_token_id")
     names = {t.name for t in header.tensors}
     try:
@@ -118,7 +113,7 @@ def _config(header: GGUFHeader, path: Path, embed_shape, rope: dict[str, list[fl
             head_dim=head_dim,
             vocab_size=int(embed_shape[0]), rms_eps=float(key("attention.layer_norm_rms_epsilon")),
             rope_theta=float(key("rope.freq_base", 10000.0)),
-            max_context=min(longest, int(window)) if window else longest,
+            max_context=attended_context(longest, fields.get(f"{arch}.attention.sliding_window")),
             tie_embeddings="output.weight" not in names, rope_scaling=scaling,
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[] if eos is None else [int(eos)],
