@@ -11,14 +11,15 @@ from dataclasses import dataclass, field
 
 from nerva_cli.errors import BadInput
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "phi3")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 # HF model_type / GGUF general.architecture -> family. Mistral and SmolLM are Llama-shaped (SmolLM3
 # with no RoPE in every fourth layer: nope_layers); so is Phi-3 once its fused q/k/v and gate/up
 # matrices are split (sources.fused_part).
 FAMILY_OF = {"llama": "llama", "mistral": "llama", "smollm3": "llama", "granite": "llama", "qwen2": "qwen2",
-             "qwen3": "qwen3", "phi3": "phi3"}
+             "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3", "gemma3_text": "gemma3"}
 SUPPORTED_TEXT = ("llama (Llama 2/3.x, Mistral, SmolLM, SmolLM3, Granite 3, TinyLlama), qwen2, qwen3, "
-                  "phi3 (Phi-3, Phi-3.5, Phi-4-mini)")
+                  "phi3 (Phi-3, Phi-3.5, Phi-4-mini), gemma3 (Gemma 3's text model)")
+ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate: SwiGLU's, or GeGLU's (GeLU, tanh approximation)
 ROPE_SCALINGS = ("linear", "llama3", "freq_factors", "longrope", "yarn")
 
 
@@ -60,6 +61,17 @@ class ModelConfig:
     # into the stored weights (convert._folded): the engine applies nothing of them. None: all 1
     # and attention 1/sqrt(head_dim), as Llama's.
     folded_scales: dict | None = None
+    # Gemma 3's: GeGLU's gate (gelu_tanh); the token embedding times embed_scale (sqrt(hidden),
+    # which the engine applies: folded into the table it would round an exact variant's rows);
+    # norms after attention and after the MLP, before each joins the residual (the layer files'
+    # post_attn_norm and post_mlp_norm); attention over the last sliding_window positions in
+    # sliding_layers, whose RoPE turns at local_rope_theta, unscaled.
+    activation: str = "silu"
+    embed_scale: float | None = None
+    post_norms: bool = False
+    sliding_window: int | None = None
+    sliding_layers: list[int] | None = None
+    local_rope_theta: float | None = None
 
     def __post_init__(self):
         if self.family not in SUPPORTED_FAMILIES:
@@ -78,6 +90,14 @@ class ModelConfig:
         if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
             raise BadInput(f"config: the rotary dimensions ({self.rotary_dim}) must be even and at most "
                            f"head_dim ({self.head_dim})")
+        if self.activation not in ACTIVATIONS:
+            raise BadInput(f"config: activation '{self.activation}' is not supported (supported: {', '.join(ACTIVATIONS)})")
+        if self.sliding_layers is not None:
+            if not all(0 <= i < int(self.num_layers) for i in self.sliding_layers):
+                raise BadInput(f"config: sliding-window layers {self.sliding_layers} must be below num_layers "
+                               f"{self.num_layers}")
+            if not (self.sliding_window or 0) > 0:
+                raise BadInput(f"config: sliding-window layers need a positive sliding_window, got {self.sliding_window}")
         if self.rope_scaling and self.rope_scaling.get("type") not in ROPE_SCALINGS:
             raise BadInput(f"config: rope scaling '{self.rope_scaling.get('type')}' is not supported "
                            f"(supported: {', '.join(ROPE_SCALINGS)})")
@@ -125,9 +145,12 @@ class ModelConfig:
         keys = ("family", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                 "num_kv_heads", "head_dim", "vocab_size", "qkv_bias", "qk_norm", "tie_embeddings")
         arch = {k: getattr(self, k) for k in keys}
-        for key in ("rotary_dim", "nope_layers"):  # only where set: the hashes (and shipped profiles) before stand
+        # only where set: the hashes (and shipped profiles) before stand
+        for key in ("rotary_dim", "nope_layers", "embed_scale", "sliding_window", "sliding_layers"):
             if getattr(self, key) is not None:
                 arch[key] = getattr(self, key)
+        if self.activation != "silu" or self.post_norms:
+            arch.update(activation=self.activation, post_norms=self.post_norms)
         blob = json.dumps(arch, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -249,19 +272,77 @@ def _hf_rope_theta(cfg: dict) -> float:
     return float(params.get("rope_theta", 10000.0))
 
 
+# Gemma3TextConfig's defaults, which a Gemma 3 checkpoint's config.json leaves out (the 4B's
+# text_config names little more than its sizes)
+GEMMA3_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                   "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                   "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
+                   "rms_norm_eps": 1e-6, "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True,
+                   "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_theta": 1_000_000.0,
+                   "rope_local_base_freq": 10_000.0}
+HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _text_config(cfg: dict) -> dict:
+    """A multimodal Gemma 3's text_config (its language model, with its defaults) merged over the
+    top level's ids; any other config as it is."""
+    if cfg.get("model_type") not in ("gemma3", "gemma3_text"):
+        return cfg
+    text = cfg.get("text_config") or {}
+    top = {k: cfg[k] for k in ("eos_token_id", "bos_token_id") if cfg.get(k) is not None}
+    merged = {**GEMMA3_DEFAULTS, **{k: v for k, v in cfg.items() if k != "text_config"}, **top, **text,
+              "model_type": "gemma3"}
+    params = merged.get("rope_parameters") or {}
+    if "full_attention" in params:  # transformers 5's form: one entry per kind of layer
+        full, local = params["full_attention"] or {}, params.get("sliding_attention") or {}
+        merged.update(rope_parameters=full, rope_theta=full.get("rope_theta", merged["rope_theta"]),
+                      rope_local_base_freq=local.get("rope_theta", merged["rope_local_base_freq"]))
+    return merged
+
+
+def _gemma3_fields(cfg: dict, head_dim: int, layers: int) -> dict:
+    """Gemma 3's ModelConfig fields from its config.json: the layers with a sliding window (its
+    layer_types, else every layer but each sliding_window_pattern-th), their RoPE base (the
+    sliding_attention entry of rope_parameters, else rope_local_base_freq), the full layers'
+    scaling, and the attention's 1/sqrt(query_pre_attn_scalar), which convert folds into the q
+    norm where it is not Llama's 1/sqrt(head_dim) (the 27B's)."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise BadInput(f"{key} {cfg[key]} is not supported (Gemma 2's logit capping)")
+    types = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        == 0 else "sliding_attention" for i in range(layers)]
+    if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise BadInput(f"layer_types must be {layers} of sliding_attention / full_attention, got {types}")
+    return {"activation": "gelu_tanh", "embed_scale": float(cfg["hidden_size"]) ** 0.5, "post_norms": True,
+            "sliding_window": int(cfg["sliding_window"]),
+            "sliding_layers": [i for i, t in enumerate(types) if t == "sliding_attention"] or None,
+            "local_rope_theta": float(cfg["rope_local_base_freq"])}
+
+
+def gemma3_attention(query_pre_attn_scalar, head_dim: int) -> dict | None:
+    """Gemma 3's attention scale 1/sqrt(query_pre_attn_scalar) as folded_scales (convert folds it
+    into the q norm), None where it is Llama's 1/sqrt(head_dim) (all but the 27B)."""
+    attention = float(query_pre_attn_scalar or head_dim) ** -0.5
+    return None if abs(attention * head_dim ** 0.5 - 1) < 1e-9 else granite_scales(attention=attention)
+
+
 def from_hf_config(cfg: dict, path: str) -> ModelConfig:
     """HF config.json -> ModelConfig; `path` names the file in errors."""
+    cfg = _text_config(cfg)
     model_type = cfg.get("model_type")
     if model_type not in FAMILY_OF:
         raise BadInput(f"{path}: architecture '{model_type}' is not supported (supported: {SUPPORTED_TEXT})")
     family = FAMILY_OF[model_type]
     act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
-    if act != "silu":
-        raise BadInput(f"{path}: activation '{act}' is not supported (nerva's MLP is SwiGLU: silu)")
+    if act not in HF_ACTIVATIONS or (act != "silu") != (family == "gemma3"):
+        raise BadInput(f"{path}: activation '{act}' is not supported for {family} (nerva's MLP is SwiGLU: silu; "
+                       "Gemma 3's GeGLU: gelu_pytorch_tanh)")
     try:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = int(cfg.get("head_dim") or hidden // heads)
+        gemma = _gemma3_fields(cfg, head_dim, int(cfg["num_hidden_layers"])) if family == "gemma3" else {}
         return ModelConfig(
             family=family,
             hidden_size=hidden,
@@ -273,18 +354,20 @@ def from_hf_config(cfg: dict, path: str) -> ModelConfig:
             vocab_size=int(cfg["vocab_size"]),
             rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=_hf_rope_theta(cfg),
-            max_context=_hf_max_context(cfg),
+            max_context=_hf_max_context(cfg) if not gemma else int(cfg["max_position_embeddings"]),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope_scaling=_hf_rope_scaling(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_list(cfg.get("eos_token_id")),
             qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "gemma3"),
             rotary_dim=_hf_rotary_dim(cfg, head_dim),
             nope_layers=_hf_nope_layers(cfg),
             folded_scales=granite_scales(cfg.get("embedding_multiplier"), cfg.get("residual_multiplier"),
                                          cfg.get("attention_multiplier"), cfg.get("logits_scaling"))
-            if model_type == "granite" else None,
+            if model_type == "granite" else
+            gemma3_attention(cfg.get("query_pre_attn_scalar"), head_dim) if gemma else None,
+            **gemma,
         )
     except KeyError as e:
         raise BadInput(f"{path}: missing key {e.args[0]!r}") from None

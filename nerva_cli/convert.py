@@ -102,14 +102,20 @@ def _folded(source: Source, canon: str) -> SourceTensor:
     """Granite's multipliers as Llama weights: the token table times the embedding's; q (and its
     bias) times the attention's over Llama's 1/sqrt(head_dim); o and down, whose outputs join the
     residual, times the residual's; the final norm over the logits' divisor (and over the
-    embedding's where the table is also the lm_head, as it then was multiplied too)."""
+    embedding's where the table is also the lm_head, as it then was multiplied too). Where a norm
+    follows, the factor goes into the norm, which would cancel it: the attention's into the q norm
+    (Gemma 3 27B's 1/sqrt(query_pre_attn_scalar)), the residual's into the post norms."""
     t, cfg = source.tensors(canon), source.config
     s = cfg.folded_scales
     if not s:
         return t
-    name, q = _short(canon), s["attention"] * cfg.head_dim ** 0.5
-    factor = {"embed": s["embedding"], "q": q, "q_bias": q, "o": s["residual"], "down": s["residual"],
-              "final_norm": 1 / (s["logits"] * (s["embedding"] if cfg.tie_embeddings else 1))}.get(name, 1.0)
+    q, residual = s["attention"] * cfg.head_dim ** 0.5, s["residual"]
+    factors = {"embed": s["embedding"],
+               "final_norm": 1 / (s["logits"] * (s["embedding"] if cfg.tie_embeddings else 1))}
+    factors.update({"q_norm": q} if cfg.qk_norm else {"q": q, "q_bias": q})
+    factors.update({"post_attn_norm": residual, "post_mlp_norm": residual} if cfg.post_norms else
+                   {"o": residual, "down": residual})
+    factor = factors.get(_short(canon), 1.0)
     return t if factor == 1.0 else scaled(t, factor)
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from nerva_cli import rope
 from nerva_cli.backends.cuda import (RECENT, Kernels, attention_splits, most_prefill_partials, prefill_splits,
-                                     unsupported_shapes)
+                                     unsupported_layers, unsupported_shapes)
 from nerva_cli.engine import EngineBase, context_length, ctx_hint, default_precision
 from nerva_cli.errors import NervaError
 from nerva_cli.layout import layer_file
@@ -239,7 +239,7 @@ class CudaEngine(EngineBase):
         self.dev = dev = device
         self.model, self.cfg = model, model.config
         cfg = self.cfg
-        if problem := unsupported_shapes(cfg):
+        if problem := unsupported_shapes(cfg) or unsupported_layers(cfg):
             raise NervaError(f"{model.path}: {problem}")
         self.precision = default_precision(model, precision)
         if layer_precisions is not None:

@@ -106,9 +106,11 @@ class Layer:
     mlp_norm: np.ndarray
     mats: dict[str, Linear]  # qkv (fused), o, gate_up (fused), down
     qkv_bias: np.ndarray | None  # Qwen2
-    q_norm: np.ndarray | None  # Qwen3
+    q_norm: np.ndarray | None  # Qwen3, Gemma 3
     k_norm: np.ndarray | None
     precision: str  # exact / w4a16 / w4a8
+    post_attn_norm: np.ndarray | None = None  # Gemma 3: on attention's and the MLP's outputs
+    post_mlp_norm: np.ndarray | None = None
 
     @classmethod
     def from_stored(cls, index: int, t: dict, precision: str) -> "Layer":
@@ -116,8 +118,8 @@ class Layer:
                 "gate_up": Linear.owned(t, ("gate", "up")), "down": Linear.owned(t, ("down",))}
         bias = np.concatenate([as_f32(t[f"{m}_bias"]) for m in ("q", "k", "v")]) if "q_bias" in t else None
         return cls(index, as_f32(t["attn_norm"]), as_f32(t["mlp_norm"]), mats, bias,
-                   as_f32(t["q_norm"]) if "q_norm" in t else None,
-                   as_f32(t["k_norm"]) if "k_norm" in t else None, precision)
+                   *(as_f32(t[n]) if n in t else None for n in ("q_norm", "k_norm")), precision,
+                   *(as_f32(t[n]) if n in t else None for n in ("post_attn_norm", "post_mlp_norm")))
 
     @classmethod
     def viewing(cls, t: dict, precision: str):
@@ -132,7 +134,8 @@ class Layer:
             if bias is not None:
                 np.concatenate(biases, out=bias)
 
-        layer = cls(-1, t["attn_norm"], t["mlp_norm"], mats, bias, t.get("q_norm"), t.get("k_norm"), precision)
+        layer = cls(-1, t["attn_norm"], t["mlp_norm"], mats, bias, t.get("q_norm"), t.get("k_norm"), precision,
+                    t.get("post_attn_norm"), t.get("post_mlp_norm"))
         return layer, refresh
 
     @property
@@ -202,6 +205,12 @@ def ctx_hint(fixed_at, budget: int, slots_bytes: int, ctx: int) -> str:
     return f" at --ctx {ctx}" + ("" if fits is None else f"; --ctx {fits} fits {human_bytes(budget)}")
 
 
+def gemma_layers(cfg: ModelConfig) -> bool:
+    """Whether cfg's layers have what only the kernel-by-kernel step runs: GeGLU, post norms,
+    sliding windows (Gemma 3)."""
+    return cfg.activation != "silu" or cfg.post_norms or bool(cfg.sliding_layers)
+
+
 def default_precision(model: StoredModel, precision: str | None) -> str:
     if model.variant in ("f16", "bf16"):
         if precision not in (None, "exact"):
@@ -253,9 +262,13 @@ class Engine(EngineBase):
         self.cfg = cfg = model.config
         self.k = get_backend(backend)
         self.backend = backend
+        self.glu = self.k.gelu_mul if cfg.activation == "gelu_tanh" else self.k.silu_mul  # gate_up -> act
         self.precision = default_precision(model, precision)
         self.ctx = context_length(cfg, ctx)
         self.rope = rope.per_layer(cfg, *rope.tables(cfg, self.ctx))  # layer -> (cos, sin)
+        # layer -> the positions its attention sees back from a query, itself included (0: all)
+        self.window = [cfg.sliding_window if i in (cfg.sliding_layers or ()) else 0 for i in range(cfg.num_layers)]
+        self.embed_scale = None if cfg.embed_scale is None else np.float32(cfg.embed_scale)
         self.plan = residency_plan(model, self.ctx, ram_budget, importance, active_layers, kv_cache, prefill_rows)
         g = {}
         for fname in ("embed.bin", "final_norm.bin", "lm_head.bin"):
@@ -291,9 +304,9 @@ class Engine(EngineBase):
         else:
             self.weights = ResidentWeights([resident[i] for i in self.active])
         # layer index -> its decode step's two halves in a few compiled calls, where the backend
-        # has them (cpu: resident Q4 layers)
+        # has them (cpu: resident Q4 and exact layers of the SwiGLU families)
         self.compiled_layers = {}
-        if hasattr(self.k, "decode_layer_halves"):
+        if hasattr(self.k, "decode_layer_halves") and not gemma_layers(cfg):
             for i, layer in resident.items():
                 halves = self.k.decode_layer_halves(layer, self.a, cfg, *self.rope[i])
                 if halves is not None:
@@ -329,6 +342,8 @@ class Engine(EngineBase):
             self.k.embed_q8(self.embed.q8, self.embed.d, token, out)
         else:
             self.k.embed_q4(self.embed.qs, self.embed.d, self.embed.m, token, out)
+        if self.embed_scale is not None:
+            out *= self.embed_scale
 
     # -- decode ------------------------------------------------------------------------------
     def kernel_kinds(self) -> str:
@@ -503,13 +518,18 @@ class Engine(EngineBase):
         k.rope(a.k_rows, a.pos, cos, sin)
         a.k_cache[layer.index][pos] = a.k
         a.v_cache[layer.index][pos] = a.v
-        k.attention_decode(a.q, a.k_cache[layer.index], a.v_cache[layer.index], pos + 1, a.attn, a.att_part)
+        first = max(0, pos + 1 - self.window[layer.index]) if self.window[layer.index] else 0
+        k.attention_decode(a.q, a.k_cache[layer.index][first:], a.v_cache[layer.index][first:], pos + 1 - first,
+                           a.attn, a.att_part)
         if w4a8:
             self._quantize_input(a.attn_flat)
         self._matvec(m["o"], a.attn_flat, a.o, layer.precision)
+        if layer.post_attn_norm is not None:
+            k.rmsnorm(a.o, layer.post_attn_norm, cfg.rms_eps, a.o)
 
     def _decode_mlp(self, layer: Layer) -> None:
-        """The residual add and norm, gate/up, SiLU * up, down and its residual add, for any layer."""
+        """The residual add and norm, gate/up, SiLU (GeLU) * up, down and its residual add, for any
+        layer."""
         a, k, m = self.a, self.k, layer.mats
         w4a8 = layer.precision == "w4a8"
         k.add_rmsnorm(a.o, a.x, layer.mlp_norm, self.cfg.rms_eps, a.xn)
@@ -520,10 +540,12 @@ class Engine(EngineBase):
         else:
             self._matvec(m["gate"], a.xn, a.gate, layer.precision)
             self._matvec(m["up"], a.xn, a.up, layer.precision)
-        k.silu_mul(a.gate_up, a.act)
+        self.glu(a.gate_up, a.act)
         if w4a8:
             self._quantize_input(a.act)
         self._matvec(m["down"], a.act, a.down, layer.precision)
+        if layer.post_mlp_norm is not None:
+            k.rmsnorm(a.down, layer.post_mlp_norm, self.cfg.rms_eps, a.down)
         a.x += a.down
 
     # -- prefill -----------------------------------------------------------------------------
@@ -650,15 +672,22 @@ class Engine(EngineBase):
         kc[start:start + T] = kk
         vc[start:start + T] = qkv[:, qd + kvd:].reshape(kk.shape)
         attn = ws.take("attn", T, cfg.num_heads, cfg.head_dim)
-        k.attention_prefill(q, kc[: start + T], vc[: start + T], start, attn, ws.bufs["attention"])
+        window = self.window[layer.index]
+        first = max(0, start + 1 - window) if window else 0  # the first position any query of the chunk sees
+        k.attention_prefill(q, kc[first: start + T], vc[first: start + T], start - first, attn, ws.bufs["attention"],
+                            window)
         proj = ws.take("proj", T, h)
         self._dense([m["o"]], attn.reshape(T, -1), p, proj)
+        if layer.post_attn_norm is not None:
+            k.rmsnorm(proj, layer.post_attn_norm, cfg.rms_eps, proj)
         x += proj
         k.rmsnorm(x, layer.mlp_norm, cfg.rms_eps, xn)
         gate_up, act = ws.take("gate_up", T, 2 * f), ws.take("act", T, f)
         self._dense([m["gate_up"]] if "gate_up" in m else [m["gate"], m["up"]], xn, p, gate_up, f)
-        k.silu_mul(gate_up, act)
+        self.glu(gate_up, act)
         self._dense([m["down"]], act, p, proj)
+        if layer.post_mlp_norm is not None:
+            k.rmsnorm(proj, layer.post_mlp_norm, cfg.rms_eps, proj)
         if taps is not None:
             taps["mlp"] = proj.copy()
         x += proj

@@ -15,7 +15,12 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update(q_bias=(q,), k_bias=(kv,), v_bias=(kv,))
     if cfg.qk_norm:
         shapes.update(q_norm=(cfg.head_dim,), k_norm=(cfg.head_dim,))
-    shapes.update(o=(h, q), mlp_norm=(h,), gate=(f, h), up=(f, h), down=(h, f))
+    shapes["o"] = (h, q)
+    if cfg.post_norms:
+        shapes["post_attn_norm"] = (h,)
+    shapes.update(mlp_norm=(h,), gate=(f, h), up=(f, h), down=(h, f))
+    if cfg.post_norms:
+        shapes["post_mlp_norm"] = (h,)
     return shapes
 
 

@@ -4,6 +4,7 @@ float32), and a GGUF's per-frequency factors, as llama.cpp applies them; partial
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -95,7 +96,14 @@ def partial_rotary_order(head_dim: int, rotary_dim: int) -> np.ndarray:
 def per_layer(cfg: ModelConfig, cos: np.ndarray, sin: np.ndarray, put=lambda t: t) -> list[tuple]:
     """Each layer's (cos, sin), as `put` makes them of host tables (the cuda engine's: uploaded):
     the model's, or for a layer without RoPE (nope_layers) tables of the same shape that rotate by
-    nothing (cos 1, sin 0), so that its kernels are the other layers'. Made once, shared."""
+    nothing (cos 1, sin 0), or for a sliding-window layer where the model gives those their own
+    base (Gemma 3's local_rope_theta) that base's, unscaled, so that every layer's kernels are the
+    same. Made once, shared."""
     rotated = (put(cos), put(sin))
     still = (put(np.ones_like(cos)), put(np.zeros_like(cos))) if cfg.nope_layers else None
-    return [still if i in (cfg.nope_layers or ()) else rotated for i in range(cfg.num_layers)]
+    local = None
+    if cfg.sliding_layers and cfg.local_rope_theta is not None:
+        local = tuple(map(put, tables(dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None),
+                                      cos.shape[0])))
+    return [still if i in (cfg.nope_layers or ()) else local if local and i in cfg.sliding_layers else rotated
+            for i in range(cfg.num_layers)]

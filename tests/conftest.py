@@ -111,6 +111,19 @@ FAMILIES = {
     # attention 1/8 is half of Llama's 1/4)
     "granite": ("GraniteConfig", {"embedding_multiplier": 4.0, "residual_multiplier": 0.5,
                                   "attention_multiplier": 0.125, "logits_scaling": 2.0}),
+    # Gemma 3: GeGLU, norms after attention and the MLP, q/k norms, the embedding times
+    # sqrt(hidden) = 8; an 8-position window (a 10-token prompt and its answer reach past it) in
+    # all layers but every sixth (transformers' and llama.cpp's pattern), whose RoPE turns at
+    # 10000, the full layer's at 1e6 scaled linearly by 8, as the 4B's
+    "gemma3": ("Gemma3TextConfig", {
+        "layers": 6, "head_dim": 16, "pad_token_id": 0, "sliding_window": 8, "query_pre_attn_scalar": 16,
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
+    # the 27B's kind of query_pre_attn_scalar: attention 1/sqrt(64) where head_dim 16 gives 1/4 (a
+    # factor of 2 folded into the q norm, exactly); its layers named by layer_types
+    "gemma3-qpas": ("Gemma3TextConfig", {
+        "head_dim": 16, "pad_token_id": 0, "sliding_window": 8, "query_pre_attn_scalar": 64,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
 }
 
 
@@ -137,6 +150,9 @@ def make_tiny_model(out_dir: Path, family: str, dtype: str = "float32", layers: 
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.25 if p.ndim > 1 else 0.05)
+        if family.startswith("gemma"):  # its embedding is multiplied by sqrt(hidden): std 0.25 after
+            # that, or the token's own row outweighs every layer's output and greedy repeats it
+            model.get_input_embeddings().weight.div_(hidden ** 0.5)
     model = model.to(getattr(torch, dtype))
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)

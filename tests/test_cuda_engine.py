@@ -512,6 +512,28 @@ def test_q4_1_models_run_on_the_cuda_plane_where_auto_picks_it(cli, stored, monk
         assert json.loads(out)["backend"] == "cuda" and "cpu backend" not in err
 
 
+def test_gemma3_runs_on_the_cpu_where_auto_would_pick_cuda(cli, stored, monkeypatch):
+    """Gemma 3's GeGLU, post norms and sliding windows have no cuda kernels: with a GPU, --backend
+    auto runs it on the cpu with a note, --backend cuda refuses it in one line, and so does the
+    cuda engine itself."""
+    from cuda_emu.device import EmuDevice
+
+    from nerva_cli.backends import cuda
+
+    monkeypatch.setattr(cuda, "cupy_or_none", lambda: object())
+    monkeypatch.setattr(cuda, "CupyDevice", EmuDevice)
+    model = stored("gemma3", "q4_0")
+    args = ("bench", str(model.path), "--prompt-tokens", "8", "--gen-tokens", "4", "--repeat", "1", "--no-profile")
+    code, out, err = cli(*args, "--backend", "auto")
+    assert code == 0 and json.loads(out)["backend"] == "cpu", err
+    assert "runs on the cpu backend only so far; running there" in err
+    code, out, err = cli(*args, "--backend", "cuda")
+    assert code == 1 and len(err.strip().splitlines()) == 1
+    assert err.startswith("error: --backend cuda: ") and "gemma3 (GeGLU, post norms, sliding windows)" in err
+    with pytest.raises(NervaError, match="runs on the cpu backend only so far"):
+        CudaEngine(model, device=EmuDevice(), ctx=32)
+
+
 @pytest.mark.parametrize("eager_copies", [False, True], ids=["lazy", "eager-copies"])
 def test_stream_ordering_under_adversarial_schedules(stored, eager_copies, fake_kvikio):
     """Paged decode (warm, cold, and cold by GPUDirect Storage), host-sampled and streamed, on streams

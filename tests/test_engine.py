@@ -51,8 +51,8 @@ def rel_err(a, b):
 
 @pytest.mark.parametrize("family,backend", [  # cpu on every family; the slow ref on two
     (f, "cpu") for f in ("llama", "llama-untied", "llama3-scaled", "qwen2", "qwen3", "qwen3-yarn", "phi3",
-                         "phi3-longrope", "smollm3", "granite")] + [
-    ("qwen3", "ref"), ("llama3-scaled", "ref"), ("phi3-longrope", "ref")])
+                         "phi3-longrope", "smollm3", "granite", "gemma3", "gemma3-qpas")] + [
+    ("qwen3", "ref"), ("llama3-scaled", "ref"), ("phi3-longrope", "ref"), ("gemma3", "ref")])
 def test_f16_greedy_and_logits_equal_transformers(family, backend, tiny_models, tmp_path):
     src = tiny_models(family)
     model = pull(str(src), variant="f16", out=tmp_path / "m")
@@ -155,8 +155,9 @@ def test_q4_1_logits_equal_transformers_on_its_weights(precision, tiny_models, t
         assert 0.001 < max(errs) < 0.2, errs
 
 
-def test_prefill_in_chunks_equals_one_chunk(tiny_models, tmp_path, rng):
-    model = pull(str(tiny_models("qwen2")), variant="f16", out=tmp_path / "m")
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])  # gemma3: chunks start inside the 8-position window
+def test_prefill_in_chunks_equals_one_chunk(family, tiny_models, tmp_path, rng):
+    model = pull(str(tiny_models(family)), variant="f16", out=tmp_path / "m")
     ids = list(rng.integers(0, 384, size=40))
     # the f32 cache: with f16, a K value that f32 noise moves across an f16 rounding boundary
     # would move the logits by up to 2^-11 of its share, past this bound
@@ -205,7 +206,8 @@ def test_prefill_without_numpys_openblas(variant, precision, tiny_models, tmp_pa
 
 
 @pytest.mark.parametrize("family,variant,precision", [
-    ("qwen2", "q4_0", "w4a8"), ("qwen3", "q4_1", "w4a16"), ("llama-untied", "f16", None)])
+    ("qwen2", "q4_0", "w4a8"), ("qwen3", "q4_1", "w4a16"), ("llama-untied", "f16", None),
+    ("gemma3", "q4_0", "w4a16")])
 def test_prefill_allocates_only_its_logits(family, variant, precision, tiny_models, tmp_path, rng):
     """Every buffer a prompt needs is in the workspace the plan counts: over a prompt of three
     128-token chunks, traced memory rises by the logits row prefill returns and at most 8 KiB
@@ -233,9 +235,9 @@ def test_prefill_allocates_only_its_logits(family, variant, precision, tiny_mode
     assert logits <= peak - start <= logits + (8 << 10)
 
 
-@pytest.mark.parametrize("variant", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("family,variant", [("llama", "q4_0"), ("llama", "q4_1"), ("gemma3", "q4_1")])
 @pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
-def test_q4_decode_matches_prefill_and_ref(precision, variant, tiny_models, tmp_path, rng):
+def test_q4_decode_matches_prefill_and_ref(precision, family, variant, tiny_models, tmp_path, rng):
     """Decode (integer W4A8 / float W4A16 kernels) and prefill (dequantise + GEMM) are two
     implementations of the same numerics: the logits of the same positions agree, over three
     random 24-token sequences.
@@ -253,7 +255,7 @@ def test_q4_decode_matches_prefill_and_ref(precision, variant, tiny_models, tmp_
     exactly in test_kernels.py. The KV cache is f32 here, so that the f16 cache's rounding, a
     discrete step of the same kind, does not blur the W4A16 bound.
     """
-    model = pull(str(tiny_models("llama")), variant=variant, out=tmp_path / "m")
+    model = pull(str(tiny_models(family)), variant=variant, out=tmp_path / "m")
     sequences = [[int(t) for t in rng.integers(0, 384, size=24)] for _ in range(3)]
     batches = [Engine(model, precision=precision, ctx=64, kv_cache="f32").prefill(ids, all_logits=True)
                for ids in sequences]
@@ -354,6 +356,8 @@ def test_decode_allocates_nothing_after_warmup(tiny_models, tmp_path):
                                ("f16", None)):
         engine = Engine(models[variant], precision=precision, ctx=64)
         assert hot_path_allocations(engine, [3, 4, 5], steps=12) == 0, variant
+    gemma = pull(str(tiny_models("gemma3")), variant="q4_0", out=tmp_path / "gemma3")  # its windows' cache views
+    assert hot_path_allocations(Engine(gemma, ctx=64), [3, 4, 5], steps=12) == 0
 
 
 def test_allocation_counter_sees_an_allocation_in_decode(tiny_models, tmp_path, monkeypatch):

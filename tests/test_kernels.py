@@ -263,6 +263,24 @@ def test_silu_mul(rng, shape):
     assert rel(want, g64 / (1 + np.exp(-g64)) * up) < 8 * EPS
 
 
+@pytest.mark.parametrize("shape", [(37,), (6912,), (5, 576)])
+def test_gelu_mul(rng, shape):
+    """GeGLU as Gemma's gelu_pytorch_tanh, against its tanh formula in float64. cpu computes
+    0.5 (1 + tanh(u)) as sigmoid(2u) with its own exp, ref through NumPy's tanh: each within a few
+    ulps of it (8 eps on the vector, as silu_mul)."""
+    gate, up = 4 * randn(rng, *shape), randn(rng, *shape)
+    gate.flat[0], gate.flat[-1] = -100.0, 60.0  # the cube overflows the exp's range both ways: 0 and g
+    gate_up = np.concatenate([gate, up], axis=-1)
+    want, got = np.empty_like(gate), np.empty_like(gate)
+    ref.gelu_mul(gate_up, want)
+    cpu.gelu_mul(gate_up, got)
+    assert np.isfinite(got).all()
+    assert rel(got, want) < 8 * EPS
+    g64 = gate.astype(np.float64)
+    exact = 0.5 * g64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (g64 + 0.044715 * g64 ** 3))) * up
+    assert rel(want, exact) < 8 * EPS and rel(got, exact) < 8 * EPS
+
+
 # -- activation quantiser and Q4_0 matvecs ---------------------------------------------------
 
 @pytest.mark.parametrize("bits", (8, 16))
@@ -1152,6 +1170,20 @@ def test_attention_prefill(rng, heads, kv_heads, head_dim, T, start, cache):
     for t in range(T):
         ref.attention_decode(q[t], k, v, start + t + 1, step)
         assert rel(want[t], step) < ATT_TOL
+    # a sliding window of w positions: query t is decode attention over the w up to its own, on
+    # both backends, and on the cpu also through a cache that starts part of the way in (the
+    # engine's slice from the chunk's first query's window)
+    for w in sorted({1, 5, max(1, n // 2), n + 3}):
+        ref.attention_prefill(q, k, v, start, want, window=w)
+        cpu.attention_prefill(q, k, v, start, got, work, w)
+        assert rel(got, want) < ATT_TOL, w
+        lo = max(0, start + 1 - w)
+        cpu.attention_prefill(q, k[lo:], v[lo:], start - lo, got, work, w)
+        assert rel(got, want) < ATT_TOL, w
+        for t in range(T):
+            first = max(0, start + t + 1 - w)
+            ref.attention_decode(q[t], k[first:], v[first:], start + t + 1 - first, step)
+            assert rel(want[t], step) < ATT_TOL, (w, t)
 
 
 # -- the decode hot path --------------------------------------------------------------------
@@ -1207,6 +1239,7 @@ def test_decode_kernels_do_not_allocate(rng):
                                     np.empty((5, n // 32), np.float32), np.empty((5, 40), np.float32)[:, 2:39]))]
           if cpu._AVX512BF16 else []),
         (cpu.silu_mul, (np.concatenate([x, w]), out)),
+        (cpu.gelu_mul, (np.concatenate([x, w]), out)),
         (cpu.attention_kernel(heads, kv), (q[0], kc, vc, 9, att, part, 2)),
         (cpu.attention_kernel(heads, kv), (q[0], kc.astype(np.float16).view(np.uint16),
                                            vc.astype(np.float16).view(np.uint16), 9, att, part, 2)),

@@ -115,6 +115,25 @@ def test_paged_decode_equals_resident_at_30_percent(variant, policy, deep_tiny, 
         paged.weights.close()
 
 
+@pytest.mark.parametrize("variant", ["q4_0", "f16"])
+def test_a_paged_gemma3_decodes_as_resident(variant, deep_tiny, tmp_path, rng):
+    """Gemma 3's post norms come from a staging slot's views as from a resident layer's copies:
+    paged, a 30-token prompt (past its 8-position window) and 40 greedy tokens are the resident
+    engine's, and so are the prompt's logits, to the bit."""
+    model = pull(str(deep_tiny("gemma3")), variant=variant, out=tmp_path / "m")
+    prompt = [int(t) for t in rng.integers(0, 384, size=30)]
+    full = Engine(model, ctx=128)
+    want = greedy(full, prompt, 40)
+    paged = Engine(model, ctx=128, ram_budget=budget_at(full, 0.5))
+    assert paged.plan.paged_layers and paged.plan.used_bytes <= paged.plan.budget
+    try:
+        assert greedy(paged, prompt, 40) == want
+        full.reset(), paged.reset()
+        assert np.array_equal(paged.prefill(prompt), full.prefill(prompt))
+    finally:
+        paged.weights.close()
+
+
 @pytest.mark.parametrize("variant,precision", [("q4_0", "w4a8"), ("q4_1", "w4a16"), ("f16", None)])
 def test_paged_prefill_gemms_equal_resident_to_the_bit(variant, precision, deep_tiny, tmp_path, rng):
     """A prompt past the short-chunk kernels (SHORT_PREFILL_MOST) goes through the GEMMs, where a

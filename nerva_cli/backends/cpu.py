@@ -2025,8 +2025,30 @@ def silu_mul(gate_up, out):
     for t in range(o2.shape[0]):
         for i in range(f):
             g = gu[t, i]
-            e = _exp_nonpositive(-abs(g))
-            o2[t, i] = g * ((F32(1) if g >= 0 else e) / (F32(1) + e)) * gu[t, f + i]
+            o2[t, i] = g * _sigmoid(g) * gu[t, f + i]
+
+
+@njit(cache=True, fastmath=_FAST, inline="always", error_model="numpy")
+def _sigmoid(a):
+    # 1 / (1 + exp(-a)) from e = exp(-|a|) <= 1: 1 / (1 + e) for a >= 0, e / (1 + e) below
+    e = _exp_nonpositive(-abs(a))
+    return (F32(1) if a >= 0 else e) / (F32(1) + e)
+
+
+_GELU_C1 = F32(2 * np.sqrt(2 / np.pi))  # 0.5 (1 + tanh(u)) is sigmoid(2u)
+_GELU_C3 = F32(2 * np.sqrt(2 / np.pi) * 0.044715)
+
+
+@njit(cache=True, nogil=True, fastmath=_FAST, error_model="numpy")
+def gelu_mul(gate_up, out):
+    # GeGLU, GeLU's tanh form as g sigmoid(2 sqrt(2 / pi) (g + 0.044715 g^3)): silu_mul's
+    # vectorising sigmoid on another argument
+    f = out.shape[-1]
+    gu, o2 = gate_up.reshape(-1, 2 * f), out.reshape(-1, f)
+    for t in range(o2.shape[0]):
+        for i in range(f):
+            g = gu[t, i]
+            o2[t, i] = g * _sigmoid(g * (_GELU_C1 + _GELU_C3 * g * g)) * gu[t, f + i]
 
 
 _ATT_CHUNK = ATT_SPLIT_MIN  # positions a chunk of scores covers; a split takes whole chunks
@@ -2605,7 +2627,7 @@ def decode_layer_halves(layer, a, cfg, cos, sin):
 ATT_PREFILL_ROWS = 64  # queries of one kv head's group a job of attention_prefill takes, at most
 
 
-def attention_prefill(q, k, v, start, out, work):
+def attention_prefill(q, k, v, start, out, work, window=0):
     # Jobs of up to ATT_PREFILL_ROWS queries of one kv head's group, on numba's threads, each in
     # its own part of `work`: the group's queries copied together, one GEMM for their scores
     # against the positions the job's last query sees (causal: the first jobs read the fewest),
@@ -2622,7 +2644,7 @@ def attention_prefill(q, k, v, start, out, work):
     if not _SGEMM:  # NumPy has another BLAS
         from . import ref
 
-        ref.attention_prefill(q, k[:n], v[:n], start, out)
+        ref.attention_prefill(q, k[:n], v[:n], start, out, window=window)
         return
     k, v = k[:n], v[:n]  # a longer cache holds no positions this chunk sees
     if k.dtype != F32:
@@ -2636,11 +2658,11 @@ def attention_prefill(q, k, v, start, out, work):
     rows = max(1, min(ATT_PREFILL_ROWS, T // _threads[0]))  # a job for every thread, even for a short chunk
     workers = min(_threads[0], kv_heads * -(-T // rows), T // rows)  # their parts within the work's bound
     _attention_prefill(_SGEMM, np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v), start,
-                       out, work, rows, workers, F32(1.0 / np.sqrt(dim)))
+                       out, work, rows, workers, F32(1.0 / np.sqrt(dim)), window)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def _attention_prefill(sgemm, q, k, v, start, out, work, rows, workers, scale):
+def _attention_prefill(sgemm, q, k, v, start, out, work, rows, workers, scale, window):
     # Job j is query block j // kv_heads of kv head j % kv_heads; a worker takes every workers-th
     # job, so the costly last blocks spread over the threads. A worker's part of work holds the
     # group's queries [group * rows, dim], their scores [group * rows, seen], weighted values
@@ -2665,8 +2687,9 @@ def _attention_prefill(sgemm, q, k, v, start, out, work, rows, workers, scale):
                         work[qg + (j * nb + i) * dim + c] = q[t0 + i, g * group + j, c]
             _sgemm(sgemm, True, R, seen, dim, work, qg, dim, k, g * dim, kv_heads * dim, work, s, seen)
             for r in range(R):
-                row = s + r * seen
-                work[inv + r] = F32(1) / _causal_weights(work[row:row + seen], start + t0 + r % nb + 1, scale)
+                row, at = s + r * seen, start + t0 + r % nb
+                first = max(0, at + 1 - window) if window > 0 else 0
+                work[inv + r] = F32(1) / _causal_weights(work[row:row + seen], first, at + 1, scale)
             _sgemm(sgemm, False, R, dim, seen, work, s, seen, v, g * dim, kv_heads * dim, work, pv, dim)
             for j in range(group):
                 for i in range(nb):
@@ -2676,13 +2699,13 @@ def _attention_prefill(sgemm, q, k, v, start, out, work, rows, workers, scale):
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
-def _causal_weights(row, seen, scale):
-    # The first `seen` scores of a query's row become exp(scale (s - max)), the rest (the future)
-    # 0; -> their sum. The max is taken in 8 running maxima (one was a chain of dependent
-    # vmaxss; SmolLM2's last chunk of an 1800-token prompt, [3, 256, 1792], 0.90 -> 0.48 ms with
-    # the scaling moved into the exp).
+def _causal_weights(row, first, seen, scale):
+    # Scores first..seen-1 of a query's row become exp(scale (s - max)), the rest (the future,
+    # and the past a sliding window leaves out) 0; -> their sum. The max is taken in 8 running
+    # maxima (one was a chain of dependent vmaxss; SmolLM2's last chunk of an 1800-token prompt,
+    # [3, 256, 1792], 0.90 -> 0.48 ms with the scaling moved into the exp).
     m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = F32(-np.inf)
-    j = 0
+    j = first
     while j + 8 <= seen:
         m0, m1, m2, m3 = max(m0, row[j]), max(m1, row[j + 1]), max(m2, row[j + 2]), max(m3, row[j + 3])
         m4, m5, m6, m7 = max(m4, row[j + 4]), max(m5, row[j + 5]), max(m6, row[j + 6]), max(m7, row[j + 7])
@@ -2691,7 +2714,9 @@ def _causal_weights(row, seen, scale):
         m0 = max(m0, row[i])
     m = max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
     total = F32(0)
-    for j in range(seen):
+    for j in range(first):
+        row[j] = 0
+    for j in range(first, seen):
         row[j] = _exp_nonpositive(scale * (row[j] - m))
         total += row[j]
     for j in range(seen, row.shape[0]):

@@ -78,6 +78,14 @@ def unsupported_shapes(cfg) -> str | None:
     return None
 
 
+def unsupported_layers(cfg) -> str | None:
+    """Why kernels/*.cu cannot run a model of cfg's layer kind, or None: Gemma 3's GeGLU, norms
+    after attention and the MLP and sliding windows run on the cpu and ref backends only."""
+    if cfg.activation != "silu" or cfg.post_norms or cfg.sliding_layers:
+        return f"{cfg.family} (GeGLU, post norms, sliding windows) runs on the cpu backend only so far"
+    return None
+
+
 def prefill_block_rows(hd: int) -> int:
     """(query, head) rows a prefill attention block takes (attention.cu): 8 a warp up to 128-wide
     heads, 2 above."""

@@ -189,6 +189,15 @@ def silu_mul(gate_up, out):
         out[...] = gate / (F32(1.0) + np.exp(-gate)) * up
 
 
+def gelu_mul(gate_up, out):
+    """out [..., f] = gelu(gate) * up (GeGLU), GeLU by its tanh approximation (Gemma's
+    gelu_pytorch_tanh): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))); gate_up as silu_mul's."""
+    f = out.shape[-1]
+    gate, up = gate_up[..., :f], gate_up[..., f:]
+    inner = F32(np.sqrt(2 / np.pi)) * (gate + F32(0.044715) * gate * gate * gate)
+    out[...] = F32(0.5) * gate * (F32(1) + np.tanh(inner)) * up
+
+
 ATT_SPLIT_MIN = 64  # positions a split of decode attention covers at least
 SHORT_PREFILL_MOST = 64  # prompt tokens a chunk may send through the matvecs' batch kernels, at most
 
@@ -225,8 +234,9 @@ def attention_prefill_work(T, n, heads, kv_heads, head_dim):
     return group * T * (n + 2 * head_dim + 1) + 2 * n * kv_heads * head_dim
 
 
-def attention_prefill(q, k, v, start, out, work=None):
-    """Causal attention for a chunk: query t (position start + t) sees positions 0..start + t.
+def attention_prefill(q, k, v, start, out, work=None, window=0):
+    """Causal attention for a chunk: query t (position start + t) sees positions 0..start + t, or
+    with a window (> 0) the last `window` of them, itself included (a sliding-window layer's).
 
     q [T, heads, head_dim], k/v [start + T, kv_heads, head_dim], out [T, heads, head_dim];
     work: see attention_prefill_work (unused here).
@@ -235,7 +245,9 @@ def attention_prefill(q, k, v, start, out, work=None):
     n = k.shape[0]
     group = heads // k.shape[1]
     scale = F32(1.0 / np.sqrt(head_dim))
-    future = np.arange(n)[None, :] > (start + np.arange(T))[:, None]
+    seen = np.arange(n)[None, :]
+    query = (start + np.arange(T))[:, None]
+    future = (seen > query) | ((seen <= query - window) if window else False)
     for h in range(heads):
         s = (q[:, h] @ k[:, h // group].T) * scale
         s[future] = -np.inf

@@ -90,3 +90,9 @@ def scaled(t: SourceTensor, factor: float) -> SourceTensor:
         read_f32=lambda: t.read_f32() * np.float32(factor),
         read_planes=None if t.read_planes is None else planes,
         read_f32_rows=None if rows is None else (lambda a, b: rows(a, b) * np.float32(factor)))
+
+
+def offset(t: SourceTensor, amount: float) -> SourceTensor:
+    """A 1-D f32 tensor t plus amount (Gemma's norm weights, which multiply by 1 + w)."""
+    return SourceTensor(shape=t.shape, stored_dtype=t.stored_dtype, where=t.where,
+                        read_f32=lambda: t.read_f32() + np.float32(amount))

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from nerva_cli.config import (FAMILY_OF, SUPPORTED_TEXT, ModelConfig, attended_context, granite_scales, in_file,
-                              longrope_scaling, yarn_scaling)
+from nerva_cli.config import (FAMILY_OF, SUPPORTED_TEXT, ModelConfig, attended_context, gemma3_attention,
+                              granite_scales, in_file, longrope_scaling, yarn_scaling)
 from nerva_cli.errors import BadInput
 from nerva_cli.quant import BLOCK_BYTES, split_blocks
 from nerva_cli.sources import Source, SourceTensor, fused_part, row_range
@@ -28,6 +28,7 @@ _LAYER_NAMES = {
     "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm", "ffn_norm.weight": "mlp_norm",
     "ffn_gate.weight": "gate", "ffn_up.weight": "up", "ffn_down.weight": "down",
     "attn_qkv.weight": "qkv",  # Phi-3's fused q/k/v (and its gate/up, fused under ffn_up: open_gguf)
+    "post_attention_norm.weight": "post_attn_norm", "post_ffw_norm.weight": "post_mlp_norm",  # Gemma 3's
 }
 # Tensors that configure RoPE rather than hold weights: Llama 3.1's per-frequency divisors,
 # Phi-3's LongRoPE factors
@@ -105,15 +106,24 @@ def _config(header: GGUFHeader, path: Path, embed_shape, rope: dict[str, list[fl
         raise BadInput(f"{path}: a Llama GGUF rotating {rotary} of {head_dim} head dimensions is not supported")
     eos = fields.get("tokenizer.ggml.eos_token_id")
     names = {t.name for t in header.tensors}
+    layers = int(key("block_count"))
+    window = fields.get(f"{arch}.attention.sliding_window")
+    gemma = {}
+    if arch == "gemma3":  # as llama.cpp runs it: every sixth layer full, the others windowed at base 10000
+        gemma = {"activation": "gelu_tanh", "embed_scale": float(hidden) ** 0.5, "post_norms": True,
+                 "sliding_window": int(key("attention.sliding_window")),
+                 "sliding_layers": [i for i in range(layers) if (i + 1) % 6] or None, "local_rope_theta": 10_000.0,
+                 # the 27B's 1/sqrt(hidden / heads), which llama.cpp knows by its 62 layers
+                 "folded_scales": gemma3_attention(hidden // heads if layers == 62 else head_dim, head_dim)}
     try:
         return ModelConfig(
             family=family, hidden_size=hidden, intermediate_size=int(key("feed_forward_length")),
-            num_layers=int(key("block_count")), num_heads=heads,
+            num_layers=layers, num_heads=heads,
             num_kv_heads=int(key("attention.head_count_kv", heads)),
             head_dim=head_dim,
             vocab_size=int(embed_shape[0]), rms_eps=float(key("attention.layer_norm_rms_epsilon")),
             rope_theta=float(key("rope.freq_base", 10000.0)),
-            max_context=attended_context(longest, fields.get(f"{arch}.attention.sliding_window")),
+            max_context=longest if gemma else attended_context(longest, window),
             tie_embeddings="output.weight" not in names, rope_scaling=scaling,
             bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[] if eos is None else [int(eos)],
@@ -123,7 +133,8 @@ def _config(header: GGUFHeader, path: Path, embed_shape, rope: dict[str, list[fl
             nope_layers=[i for i in range(3, int(key("block_count")), 4)] or None if arch == "smollm3" else None,
             folded_scales=granite_scales(*(fields.get(f"{arch}.{k}") for k in ("embedding_scale", "residual_scale",
                                                                               "attention.scale", "logit_scale")))
-            if arch == "granite" else None,
+            if arch == "granite" else gemma.pop("folded_scales", None),
+            **gemma,
         )
     except BadInput as e:  # its checks, said of the file
         raise in_file(e, path) from None

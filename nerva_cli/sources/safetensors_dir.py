@@ -13,7 +13,7 @@ import numpy as np
 
 from nerva_cli.config import from_hf_config
 from nerva_cli.errors import BadInput, read_json
-from nerva_cli.sources import Source, SourceTensor, fused_part, row_range
+from nerva_cli.sources import Source, SourceTensor, fused_part, offset, row_range
 
 DTYPES = {"F32": (np.float32, 4), "F16": (np.float16, 2), "BF16": (np.uint16, 2)}
 MAX_HEADER = 100 * 1024 * 1024
@@ -29,19 +29,30 @@ _LAYER_NAMES = {
     # Phi-3's fused matrices, read a part at a time (sources.fused_part)
     "self_attn.qkv_proj.weight": "qkv", "mlp.gate_up_proj.weight": "gate_up",
 }
+# Gemma's norms: post_attention_layernorm is the one after attention, pre_feedforward_layernorm
+# the MLP's input norm (Llama's post_attention_layernorm)
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_layernorm.weight": "post_attn_norm",
+                      "pre_feedforward_layernorm.weight": "mlp_norm",
+                      "post_feedforward_layernorm.weight": "post_mlp_norm"}
 _GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm",
                  "lm_head.weight": "lm_head"}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-# Tensors a checkpoint may carry that inference does not use.
-_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+# A multimodal Gemma 3's language model, under the prefix its checkpoint gives it (transformers 5
+# saves model.language_model., the Hub's first uploads language_model.model.)
+_LANGUAGE_MODEL = re.compile(r"^(model\.language_model\.|language_model\.model\.)")
+# Tensors a checkpoint may carry that inference does not use: a multimodal model's vision tower
+# and projector among them (nerva runs text).
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$|^(model\.)?(vision_tower|multi_modal_projector)\.")
 
 
-def canonical_name(hf_name: str) -> str | None:
+def canonical_name(hf_name: str, family: str = "llama") -> str | None:
+    hf_name = _LANGUAGE_MODEL.sub("model.", hf_name).removeprefix("language_model.")  # its lm_head, if saved
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     m = _LAYER_RE.match(hf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"layers.{int(m.group(1))}.{_LAYER_NAMES[m.group(2)]}"
+    names = _GEMMA_LAYER_NAMES if family == "gemma3" else _LAYER_NAMES
+    if m and m.group(2) in names:
+        return f"layers.{int(m.group(1))}.{names[m.group(2)]}"
     return None
 
 
@@ -151,7 +162,7 @@ def open_safetensors_dir(root: Path, display_id: str | None = None, revision: st
         fp.update(f.name.encode() + str(f.stat().st_size).encode())
         fp.update(json.dumps(sorted((k, v[1], v[0]) for k, v in tensors.items())).encode())
         for hf_name, info in tensors.items():
-            canon = canonical_name(hf_name)
+            canon = canonical_name(hf_name, cfg.family)
             if canon is None:
                 if _IGNORED.search(hf_name):
                     continue
@@ -170,9 +181,11 @@ def open_safetensors_dir(root: Path, display_id: str | None = None, revision: st
             row = (e - b) // shape[0]
             return _read_tensor(f, start, dtype, (r1 - r0, *shape[1:]), b + r0 * row, b + r1 * row)
 
-        return SourceTensor(shape=shape, stored_dtype=dtype.lower(), where=str(f),
-                            read_f32=lambda: _read_tensor(f, start, dtype, shape, b, e),
-                            read_f32_rows=rows if len(shape) == 2 else None)
+        t = SourceTensor(shape=shape, stored_dtype=dtype.lower(), where=str(f),
+                         read_f32=lambda: _read_tensor(f, start, dtype, shape, b, e),
+                         read_f32_rows=rows if len(shape) == 2 else None)
+        # Gemma's norms multiply by 1 + weight: stored as that, as a GGUF of it holds them
+        return offset(t, 1.0) if cfg.family == "gemma3" and name.endswith("norm") else t
 
     name = (display_id or root.resolve().name).split("/")[-1].lower()
     origin = {"kind": "hf-repo" if display_id else "hf-dir", "id": display_id or str(root.resolve()),
