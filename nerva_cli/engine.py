@@ -205,12 +205,6 @@ def ctx_hint(fixed_at, budget: int, slots_bytes: int, ctx: int) -> str:
     return f" at --ctx {ctx}" + ("" if fits is None else f"; --ctx {fits} fits {human_bytes(budget)}")
 
 
-def gemma_layers(cfg: ModelConfig) -> bool:
-    """Whether cfg's layers have what only the kernel-by-kernel step runs: GeGLU, post norms,
-    sliding windows (Gemma 3)."""
-    return cfg.activation != "silu" or cfg.post_norms or bool(cfg.sliding_layers)
-
-
 def default_precision(model: StoredModel, precision: str | None) -> str:
     if model.variant in ("f16", "bf16"):
         if precision not in (None, "exact"):
@@ -304,11 +298,11 @@ class Engine(EngineBase):
         else:
             self.weights = ResidentWeights([resident[i] for i in self.active])
         # layer index -> its decode step's two halves in a few compiled calls, where the backend
-        # has them (cpu: resident Q4 and exact layers of the SwiGLU families)
+        # has them (cpu: resident Q4 and exact layers)
         self.compiled_layers = {}
-        if hasattr(self.k, "decode_layer_halves") and not gemma_layers(cfg):
+        if hasattr(self.k, "decode_layer_halves"):
             for i, layer in resident.items():
-                halves = self.k.decode_layer_halves(layer, self.a, cfg, *self.rope[i])
+                halves = self.k.decode_layer_halves(layer, self.a, cfg, *self.rope[i], self.window[i])
                 if halves is not None:
                     self.compiled_layers[i] = halves
 

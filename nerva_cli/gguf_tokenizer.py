@@ -43,6 +43,32 @@ LLAMA3_PRE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "smaug-bp
 SPLITS = {**dict.fromkeys(LLAMA3_PRE, _LLAMA3), "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "gpt-4o": _GPT4O,
           "tekken": _TEKKEN}
 # llama.cpp isolates every digit first, then applies GPT-2's split (SmolLM's tokenizer.json too).
+# Where llama.cpp ends a generation (its vocabulary's end-of-generation set): at the ids a GGUF
+# names for these kinds, or where it names none, the first token spelt as one of the kind's
+# (the FIM ones too: a code model's repository and padding markers), and at every token spelt as
+# one of END_OF_GENERATION. Gemma 3's GGUFs name <eos> alone, where its turns end at <end_of_turn>.
+END_KINDS = {
+    "eos": (), "eom": ("<|eom_id|>",),
+    "eot": ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
+            "_<EOT>", "[EOT]", "<\uff5cend\u2581of\u2581sentence\uff5c>", "<end_of_utterance>"),
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep": ("<|file_sep|>",)}
+END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
+                     "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>")
+
+
+def end_of_generation_ids(fields: Mapping[str, Any], tokens: list[str]) -> list[int]:
+    """The ids llama.cpp ends a generation at for a GGUF's vocabulary (END_KINDS), the eos first."""
+    ids = []
+    for kind, spellings in END_KINDS.items():
+        named = fields.get(f"tokenizer.ggml.{kind}_token_id")
+        found = int(named) if named is not None else next((i for i, t in enumerate(tokens) if t in spellings), None)
+        if found is not None:
+            ids.append(found)
+    return list(dict.fromkeys(ids + [i for i, t in enumerate(tokens) if t in END_OF_GENERATION]))
+
+
 DIGIT_SPLIT = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"}
 
 
@@ -169,11 +195,10 @@ def tokenizer_files_from_gguf(fields: Mapping[str, Any], path: str = "") -> dict
               "clean_up_tokenization_spaces": False,
               "model_max_length": fields.get(f"{fields.get('general.architecture')}.context_length"),
               "chat_template": fields.get("tokenizer.chat_template")}
-    eos = [int(i) for i in (fields.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
-           if i is not None]
+    eos = end_of_generation_ids(fields, tokens)
     bos = fields.get("tokenizer.ggml.bos_token_id")
     generation = {"bos_token_id": None if bos is None else int(bos),
-                  "eos_token_id": eos[0] if len(set(eos)) == 1 else (list(dict.fromkeys(eos)) or None)}
+                  "eos_token_id": eos[0] if len(eos) == 1 else (eos or None)}
     return {"tokenizer.json": tok.to_str(),
             "tokenizer_config.json": json.dumps({k: v for k, v in config.items() if v is not None}, indent=1),
             "generation_config.json": json.dumps(generation, indent=1)}

@@ -284,10 +284,11 @@ def test_q4_0_w4a8_differs_from_w4a16_but_little(tiny_models, tmp_path, rng):
     assert 0.005 < err < 0.2
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])  # plain, qkv bias, q/k norms
+# plain, qkv bias, q/k norms; Gemma 3's GeGLU, post norms and windows (12 positions, 8 seen)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
 @pytest.mark.parametrize("variant", ["q4_0", "q4_1", "f16", "bf16"])
 def test_compiled_layer_halves_equal_the_layer_kernel_by_kernel(family, variant, tiny_models, tmp_path, rng):
-    """The cpu backend runs a resident Q4 or exact layer's decode step in four compiled calls
+    """The cpu backend runs a resident Q4 or exact layer's decode step in a few compiled calls
     bound once (cpu.decode_layer_halves): the same kernels on the same buffers as _decode_layer's
     calls one by one, so the logits are equal to the bit, not merely close, at every precision
     and either KV cache type."""

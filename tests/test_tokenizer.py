@@ -83,7 +83,9 @@ def test_gguf_tokenizer_matches_transformers_gguf_loader(smol_dir, hf_smol):
     assert ours.tok.decode(ids, skip_special_tokens=False) == MIXED
     assert ours.decode(ids) == hf_smol.decode(ids, skip_special_tokens=True) == MIXED.replace(
         "<|im_start|>", "").replace("<|im_end|>", "")
-    assert ours.eos_ids == {2} and not ours.add_bos and ours.encode("hi") == ours.encode("hi", add_special=False)
+    # <|im_end|> the GGUF names; <|endoftext|> and <reponame> (a repository marker) llama.cpp ends
+    # at by their text (test_a_gguf_ends_generation_where_llama_cpp_does)
+    assert ours.eos_ids == {0, 2, 4} and not ours.add_bos and ours.encode("hi") == ours.encode("hi", add_special=False)
 
 
 def test_smollm_splits_digits_like_llama_cpp(smol_dir):
@@ -257,6 +259,36 @@ def test_byte_level_special_token_outside_the_byte_alphabet_stays_whole(tmp_path
 
         llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
         assert ids == llm.tokenize(text.encode(), add_bos=False, special=True)
+
+
+def test_a_gguf_ends_generation_where_llama_cpp_does(tmp_path):
+    """A Gemma 3 GGUF names <eos> as its eos and ends each turn with <end_of_turn>: nerva stops at
+    the ids the GGUF names and at the tokens llama.cpp ends a generation at by their text, and
+    where llama-cpp-python is installed that set is llama.cpp's own (its vocab's is_eog, every id),
+    there and for the bundled SmolLM2's GGUF."""
+    from conftest import smollm2_gguf
+    from nerva_cli.gguf_tokenizer import end_of_generation_ids, tokenizer_files_from_gguf
+    from nerva_cli.sources.gguf_header import read_header
+    from nerva_cli.tokenizer import TextTokenizer
+
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)] + \
+        ["<start_of_turn>", "<end_of_turn>", "<|im_end|>", "<|not_an_end|>", "<|fim_pad|>", "<|file_sep|>",
+         "<reponame>"] + list("abcdefgh")
+    path = write_gguf(tmp_path / "gemma.gguf", "llama", tokens, token_scores=[0.0] * len(tokens),
+                      token_types=[3, 3, 3, 2] + [6] * 256 + [3] * 7 + [1] * 8,
+                      bos_token_id=2, eos_token_id=1, unk_token_id=3, add_space_prefix=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    ours = TextTokenizer(write_dir(tokenizer_files_from_gguf(read_header(path).fields, str(path)), out))
+    ends = {1} | {tokens.index(t) for t in ("<end_of_turn>", "<|im_end|>", "<|fim_pad|>", "<|file_sep|>", "<reponame>")}
+    assert ours.eos_ids == ends
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    for gguf in (path, smollm2_gguf()):
+        llm = llama_cpp.Llama(model_path=str(gguf), vocab_only=True, verbose=False)
+        vocab = llama_cpp.llama_model_get_vocab(llm.model)
+        theirs = {i for i in range(llama_cpp.llama_vocab_n_tokens(vocab)) if llama_cpp.llama_vocab_is_eog(vocab, i)}
+        fields = read_header(gguf).fields
+        assert set(end_of_generation_ids(fields, fields["tokenizer.ggml.tokens"])) == theirs, gguf
 
 
 BYTE_LEVEL_TEXTS = ["Hello world", "HelloWorld and CamelCaseWords, ALLCAPS then lower",

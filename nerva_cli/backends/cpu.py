@@ -2555,12 +2555,18 @@ def _attention_inputs(x, norm, eps, xn, xq, x_pairs, xd, xs, w4a8, qkv_w, qkv_qs
 
 @njit(cache=True, nogil=True)
 def _mlp(o, x, norm, eps, xn, xq, x_pairs, xd, xs, w4a8, gate_up_w, gate_up_qs, gate_up_d, gate_up_m, gate_up, act,
-         down_w, down_qs, down_d, down_m, down):
-    """Residual add and norm, gate/up, SiLU * up, down, and the residual add."""
+         down_w, down_qs, down_d, down_m, down, gelu, post_norm):
+    """Residual add and norm, gate/up, SiLU (GeLU: gelu) * up, down, its norm (post_norm, where
+    not None) and the residual add."""
     add_rmsnorm(o, x, norm, eps, xn)
     _layer_matvec(gate_up_w, gate_up_qs, gate_up_d, gate_up_m, xn, xq, x_pairs, xd, xs, w4a8, gate_up)
-    silu_mul(gate_up, act)
+    if gelu:
+        gelu_mul(gate_up, act)
+    else:
+        silu_mul(gate_up, act)
     _layer_matvec(down_w, down_qs, down_d, down_m, act, xq, x_pairs, xd, xs, w4a8, down)
+    if post_norm is not None:
+        rmsnorm(down, post_norm, eps, down)
     for i in range(x.shape[0]):
         x[i] += down[i]
 
@@ -2594,10 +2600,11 @@ def compiled_before(decodes: bool = True) -> bool:
         return True
 
 
-def decode_layer_halves(layer, a, cfg, cos, sin):
+def decode_layer_halves(layer, a, cfg, cos, sin, window=0):
     """For a resident Q4 layer (fused qkv and gate/up, W4A8 or W4A16) or exact one over the arena
     `a`: (attention(n_ctx), mlp()), the two halves of its decode step, n_ctx counting this
-    token's position; None for any other layer. The arguments are made here, once."""
+    token's position, attention over the last `window` positions where that is not 0; None for
+    any other layer. The arguments are made here, once."""
     m = layer.mats  # a resident layer's: qkv, o, gate_up, down
     if layer.precision == "exact" and all(m[n].w is not None for n in m):
         planes = lambda lin: (_exact_bits(lin.w), None, None, None)  # noqa: E731
@@ -2614,12 +2621,16 @@ def decode_layer_halves(layer, a, cfg, cos, sin):
     attend = attention_kernel(cfg.num_heads, cfg.num_kv_heads)
     o = (*planes(m["o"]), a.attn_flat, a.xq, x_pairs, a.xd, a.xs, w4a8, a.o)
     mlp = (a.o, a.x, layer.mlp_norm, cfg.rms_eps, a.xn, a.xq, x_pairs, a.xd, a.xs, w4a8, *planes(m["gate_up"]),
-           a.gate_up, a.act, *planes(m["down"]), a.down)
+           a.gate_up, a.act, *planes(m["down"]), a.down, cfg.activation == "gelu_tanh", layer.post_mlp_norm)
+    post_norm = layer.post_attn_norm
 
     def attention(n_ctx):
         _attention_inputs(*inputs)
-        attend(a.q, k_cache, v_cache, n_ctx, a.attn, a.att_part, _threads[0])
+        first = n_ctx - window if 0 < window < n_ctx else 0
+        attend(a.q, k_cache[first:], v_cache[first:], n_ctx - first, a.attn, a.att_part, _threads[0])
         _layer_matvec(*o)
+        if post_norm is not None:
+            rmsnorm(a.o, post_norm, cfg.rms_eps, a.o)
 
     return attention, lambda: _mlp(*mlp)
 
