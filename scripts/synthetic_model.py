@@ -14,6 +14,9 @@ vocabulary (the smollm2-* ones) can be written that way:
 
     python3 scripts/synthetic_model.py smollm2-1.7b /tmp/smollm2-1.7b.gguf --gguf --quant q4_1
 
+gemma3-* shapes are Gemma 3's (GeGLU, post norms, q/k norms, 512-token windows in five layers of
+six); gemma3-1b-v49k is the 1B's layers under that 49152-token vocabulary, which --gguf writes.
+
 --quant f16 writes every matrix, the token table too, in f16 (normal, of the Q4 weights' spread),
 as llama.cpp's F16 files hold them: an exact variant to compare with llama.cpp's f16 path.
 """
@@ -32,9 +35,23 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads, head dim, vocab, ro
     "smollm2-135m": (576, 1536, 30, 9, 3, 64, 49152, 100000.0, True),
     "smollm2-360m": (960, 2560, 32, 15, 5, 64, 49152, 100000.0, True),
     "smollm2-1.7b": (2048, 8192, 24, 32, 32, 64, 49152, 130000.0, True),
+    "gemma3-1b": (1152, 6912, 26, 4, 1, 256, 262144, 1e6, True),
+    "gemma3-1b-v49k": (1152, 6912, 26, 4, 1, 256, 49152, 1e6, True),
 }
 GGUF_NAMES = {"attn_norm": "attn_norm", "mlp_norm": "ffn_norm", "q": "attn_q", "k": "attn_k", "v": "attn_v",
-              "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
+              "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down",
+              "q_norm": "attn_q_norm", "k_norm": "attn_k_norm", "post_attn_norm": "post_attention_norm",
+              "post_mlp_norm": "post_ffw_norm"}
+GEMMA3_WINDOW = 512
+
+
+def family_fields(shape: str, hidden: int, layers: int) -> dict:
+    """ModelConfig's family fields of a shape: Gemma 3's as its config.json gives them, else Llama's."""
+    if not shape.startswith("gemma3"):
+        return {"family": "llama"}
+    return {"family": "gemma3", "qk_norm": True, "activation": "gelu_tanh", "embed_scale": float(hidden) ** 0.5,
+            "post_norms": True, "sliding_window": GEMMA3_WINDOW, "local_rope_theta": 10000.0,
+            "sliding_layers": [i for i in range(layers) if (i + 1) % 6]}
 
 
 def tokenizer_files() -> dict[str, str]:
@@ -56,9 +73,10 @@ def source(shape: str, seed: int = 0, kind: str = "q4_0"):
     from nerva_cli.sources import Source, SourceTensor
 
     h, f, n, heads, kvh, hd, vocab, theta, tied = SHAPES[shape]
-    cfg = ModelConfig(family="llama", hidden_size=h, intermediate_size=f, num_layers=n, num_heads=heads,
+    cfg = ModelConfig(hidden_size=h, intermediate_size=f, num_layers=n, num_heads=heads,
                       num_kv_heads=kvh, head_dim=hd, vocab_size=vocab, rms_eps=1e-5, rope_theta=theta,
-                      max_context=8192, tie_embeddings=tied, bos_token_id=0, eos_token_ids=[1])
+                      max_context=8192, tie_embeddings=tied, bos_token_id=0, eos_token_ids=[1],
+                      **family_fields(shape, h, n))
     rng = np.random.default_rng(seed)
 
     def tensor(name: str) -> SourceTensor:
@@ -109,7 +127,7 @@ def gguf_blocks(qs, d, m) -> np.ndarray:
 
 
 def write_gguf(shape: str, out: Path, kind: str) -> None:
-    """source(shape)'s weights as a llama GGUF (written to a temporary name, then renamed)."""
+    """source(shape)'s weights as a llama (or gemma3) GGUF (written to a temporary name, then renamed)."""
     import gguf
     from nerva_cli.sources.resolve import bundled_gguf
 
@@ -119,7 +137,13 @@ def write_gguf(shape: str, out: Path, kind: str) -> None:
         sys.exit(f"{shape}: --gguf copies SmolLM2's tokenizer (49152 tokens, tied embeddings); this shape has "
                  f"{vocab} (for Llama 3's vocabulary see shared/gpu-peers/make_gguf.py)")
     tmp = out.with_name(out.name + ".tmp")
-    w = gguf.GGUFWriter(str(tmp), "llama")
+    src = source(shape, kind=kind)
+    gemma = src.config.family == "gemma3"
+    w = gguf.GGUFWriter(str(tmp), src.config.family)
+    if gemma:
+        w.add_sliding_window(GEMMA3_WINDOW)
+        w.add_key_length(hd)
+        w.add_value_length(hd)
     w.add_name(f"random-{shape}-shape")
     w.add_context_length(8192)
     w.add_embedding_length(h)
@@ -145,7 +169,6 @@ def write_gguf(shape: str, out: Path, kind: str) -> None:
                 w.add_key_value(name, bytes(field.parts[field.data[0]]).decode(), kind_of)
             else:
                 w.add_key_value(name, field.parts[field.data[0]].tolist()[0], kind_of)
-    src = source(shape, kind=kind)
     qtype = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
              "q8_0": gguf.GGMLQuantizationType.Q8_0}
 
@@ -158,9 +181,11 @@ def write_gguf(shape: str, out: Path, kind: str) -> None:
 
     add("token_embd.weight", "embed")
     add("output_norm.weight", "final_norm")
+    from nerva_cli.layout import layer_shapes
+
     for i in range(n):
-        for base, gguf_base in GGUF_NAMES.items():
-            add(f"blk.{i}.{gguf_base}.weight", f"layers.{i}.{base}")
+        for base in layer_shapes(src.config):
+            add(f"blk.{i}.{GGUF_NAMES[base]}.weight", f"layers.{i}.{base}")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
