@@ -14,6 +14,20 @@ from nerva_cli.errors import NervaError
 from nerva_cli.quant import QK
 
 KV_CACHE_TYPES = {"f16": np.float16, "f32": np.float32}
+# Positions a sliding-window layer's cache keeps beyond its window and a prompt chunk, so that a
+# chat can take back this many of its latest positions (a turn's re-rendered end) and keep the rest
+ROLLBACK = 64
+
+
+def cache_rows(cfg: ModelConfig, ctx: int, chunk: int) -> list[int]:
+    """Each layer's KV cache rows: the context, or for a sliding-window layer whose window, a
+    prompt chunk and ROLLBACK positions are fewer, those (the engine keeps the positions it
+    attends over at the front, moving them down when the rows run out: Engine._make_room).
+    Gemma 3 1B at 32768 tokens: 22 of its 26 layers hold 832 rows."""
+    if not cfg.sliding_layers:
+        return [ctx] * cfg.num_layers
+    ring = cfg.sliding_window + ROLLBACK + chunk
+    return [ring if i in cfg.sliding_layers and ring < ctx else ctx for i in range(cfg.num_layers)]
 
 
 def kv_cache_type(kv_cache: str):
@@ -28,7 +42,7 @@ class Arena:
     default, as llama.cpp's and the GPU plane's: half the bytes that long-context decode streams
     and that a RAM budget must hold, for one rounding (2^-11 relative) of each cached value."""
 
-    def __init__(self, cfg: ModelConfig, ctx: int, kv_cache: str = "f16"):
+    def __init__(self, cfg: ModelConfig, ctx: int, kv_cache: str = "f16", chunk: int = 0):
         h, f = cfg.hidden_size, cfg.intermediate_size
         z = lambda *shape: np.zeros(shape, dtype=np.float32)  # noqa: E731
         self.x, self.xn = z(h), z(h)
@@ -47,6 +61,7 @@ class Arena:
         self.xd = z(widest // QK)
         self.xs = np.zeros(widest // QK, dtype=np.int32)
         self.pos = np.zeros(1, dtype=np.int64)
+        self.kv_base = np.zeros(1, dtype=np.int64)  # the position in the first row of a sliding layer's cache
         # views made once: a view made per call is a Python object per call on the hot path
         self.attn_flat = self.attn.reshape(-1)
         self.q_rows = self.q.reshape(1, cfg.num_heads, cfg.head_dim)
@@ -58,8 +73,9 @@ class Arena:
         self.act_q16 = {h: (self.xq16, self.xd16)}
         self.att_part = z(*attention_decode_partials(ctx, cfg.num_heads, cfg.head_dim))
         kv_type = kv_cache_type(kv_cache)
-        self.k_cache = [np.zeros((ctx, cfg.num_kv_heads, cfg.head_dim), kv_type) for _ in range(cfg.num_layers)]
-        self.v_cache = [np.zeros((ctx, cfg.num_kv_heads, cfg.head_dim), kv_type) for _ in range(cfg.num_layers)]
+        rows = cache_rows(cfg, ctx, chunk)
+        self.k_cache = [np.zeros((n, cfg.num_kv_heads, cfg.head_dim), kv_type) for n in rows]
+        self.v_cache = [np.zeros((n, cfg.num_kv_heads, cfg.head_dim), kv_type) for n in rows]
 
     @property
     def kv_bytes(self) -> int:
@@ -71,16 +87,17 @@ class Arena:
             + self.kv_bytes
 
     @staticmethod
-    def sizes(cfg: ModelConfig, ctx: int, kv_cache: str = "f16") -> tuple[int, int]:
+    def sizes(cfg: ModelConfig, ctx: int, kv_cache: str = "f16", chunk: int = 0) -> tuple[int, int]:
         """(kv_bytes, nbytes) of the arena __init__ would make, without making it."""
         h, f = cfg.hidden_size, cfg.intermediate_size
         widest = max(h, f, cfg.q_dim)
         f32 = (2 * h + cfg.q_dim + 2 * cfg.kv_dim + cfg.num_heads * cfg.head_dim + h + 3 * f + h
                + cfg.vocab_size + widest // QK + h // QK)  # ... xd, xd16
-        kv = cfg.num_layers * 2 * ctx * cfg.num_kv_heads * cfg.head_dim * np.dtype(kv_cache_type(kv_cache)).itemsize
+        kv = sum(cache_rows(cfg, ctx, chunk)) * 2 * cfg.num_kv_heads * cfg.head_dim * \
+            np.dtype(kv_cache_type(kv_cache)).itemsize
         f32 += prod(attention_decode_partials(ctx, cfg.num_heads, cfg.head_dim))
-        # + xq (int8), xs (int32), xq16 (int16), pos (int64)
-        return kv, 4 * f32 + widest + 4 * (widest // QK) + 2 * h + 8 + kv
+        # + xq (int8), xs (int32), xq16 (int16), pos and kv_base (int64)
+        return kv, 4 * f32 + widest + 4 * (widest // QK) + 2 * h + 16 + kv
 
 
 # Prefill's GEMMs dequantise weight rows into f32 in this scratch, a slice a thread (at most the

@@ -79,7 +79,7 @@ class ChatSession:
                 break
             common += 1
         common = min(common, len(ids) - 1)  # at least one token must be prefilled for logits
-        self.engine.truncate(common)
+        common = self.engine.truncate(common)  # fewer where a sliding window's cache lost them
         decoder = self.tok.stream_decoder()
         room = self.engine.ctx - len(ids)
         out, stats = generate(self.engine, ids[common:], self.sampler, min(self.max_tokens, room),

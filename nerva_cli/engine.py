@@ -177,7 +177,7 @@ def residency_plan(model: StoredModel, ctx: int | None, ram_budget: int | None,
     untied = "lm_head.bin" in files
 
     def fixed_at(n: int, with_table: bool = True) -> dict:
-        kv, arena = Arena.sizes(cfg, n, kv_cache)
+        kv, arena = Arena.sizes(cfg, n, kv_cache, min(prefill_rows, n))
         prefill = PrefillWorkspace.size(cfg, min(prefill_rows, n), n)
         fixed = {"kv_cache": ("kv_cache", kv),
                  "workspace": ("workspace", arena - kv + prefill),
@@ -228,9 +228,11 @@ class EngineBase:
     def reset(self) -> None:
         self.n_past = 0
 
-    def truncate(self, n: int) -> None:
-        """Forget positions from n on (the cache rows are simply overwritten later)."""
+    def truncate(self, n: int) -> int:
+        """Forget positions from n on (the cache rows are simply overwritten later); -> the
+        positions kept (n, or fewer where the engine no longer holds what n of them need)."""
         self.n_past = min(self.n_past, n)
+        return self.n_past
 
     @property
     def precision_counts(self) -> dict[str, int]:
@@ -282,8 +284,12 @@ class Engine(EngineBase):
         self.active = sorted(set(range(cfg.num_layers) if active_layers is None else active_layers))
         self.layer_precision = {i: per_layer[i] for i in self.active}
         self.kv_cache = kv_cache
-        self.a = Arena(cfg, self.ctx, kv_cache)  # refuses an unknown kv_cache in one line
+        self.a = Arena(cfg, self.ctx, kv_cache, min(prefill_rows, self.ctx))  # refuses an unknown kv_cache in one line
         self.pw = PrefillWorkspace(cfg, min(prefill_rows, self.ctx), self.ctx)
+        # the sliding-window layers whose caches hold fewer rows than the context (arena.cache_rows):
+        # row r holds position kv_base + r
+        self.ring = [i for i, c in enumerate(self.a.k_cache) if c.shape[0] < self.ctx]
+        self.kv_base = 0
         self.n_past = 0
         self.phase_ns = dict.fromkeys(PHASES, 0)
         self.policy = policy
@@ -302,7 +308,8 @@ class Engine(EngineBase):
         self.compiled_layers = {}
         if hasattr(self.k, "decode_layer_halves"):
             for i, layer in resident.items():
-                halves = self.k.decode_layer_halves(layer, self.a, cfg, *self.rope[i], self.window[i])
+                halves = self.k.decode_layer_halves(layer, self.a, cfg, *self.rope[i], self.window[i],
+                                                    self.a.kv_base if i in self.ring else None)
                 if halves is not None:
                     self.compiled_layers[i] = halves
 
@@ -338,6 +345,43 @@ class Engine(EngineBase):
             self.k.embed_q4(self.embed.qs, self.embed.d, self.embed.m, token, out)
         if self.embed_scale is not None:
             out *= self.embed_scale
+
+    # -- the sliding-window layers' caches ---------------------------------------------------
+    def reset(self) -> None:
+        self.n_past = 0
+        self.kv_base = self.a.kv_base[0] = 0
+
+    def truncate(self, n: int) -> int:
+        """EngineBase.truncate; where a sliding layer's cache no longer holds the window before
+        position n (a rollback past arena.ROLLBACK positions), everything: a prompt then runs
+        from its start."""
+        n = min(self.n_past, n)
+        if self.ring and max(0, n + 1 - self.cfg.sliding_window) < self.kv_base:
+            self.reset()
+            return 0
+        self.n_past = n
+        return n
+
+    def _make_room(self, end: int) -> None:
+        """Positions up to `end` (exclusive) about to be written: where they pass a sliding
+        layer's last row, the positions still attended over (the window before n_past) and
+        arena.ROLLBACK more move to the front of its cache, a block at a time (blocks that do not
+        overlap: NumPy would copy overlapping ones through a temporary)."""
+        if not self.ring:
+            return
+        rows = self.a.k_cache[self.ring[0]].shape[0]
+        if end - self.kv_base <= rows:
+            return
+        from nerva_cli.arena import ROLLBACK
+
+        keep = max(self.kv_base, self.n_past + 1 - self.cfg.sliding_window - ROLLBACK)
+        shift, count = keep - self.kv_base, self.n_past - keep
+        for i in self.ring:
+            for cache in (self.a.k_cache[i], self.a.v_cache[i]):
+                for lo in range(0, count, shift):
+                    hi = min(count, lo + shift)
+                    cache[lo:hi] = cache[shift + lo:shift + hi]
+        self.kv_base = self.a.kv_base[0] = keep
 
     # -- decode ------------------------------------------------------------------------------
     def kernel_kinds(self) -> str:
@@ -453,6 +497,7 @@ class Engine(EngineBase):
         if pos >= self.ctx:
             raise NervaError(f"context is full ({self.ctx} tokens); raise --ctx")
         a.pos[0] = pos
+        self._make_room(pos + 1)
         t0 = perf_counter_ns()
         self._embed_row(token, a.x)
         self.phase_ns["embed"] += perf_counter_ns() - t0
@@ -510,10 +555,12 @@ class Engine(EngineBase):
         cos, sin = self.rope[layer.index]
         k.rope(a.q_rows, a.pos, cos, sin)
         k.rope(a.k_rows, a.pos, cos, sin)
-        a.k_cache[layer.index][pos] = a.k
-        a.v_cache[layer.index][pos] = a.v
-        first = max(0, pos + 1 - self.window[layer.index]) if self.window[layer.index] else 0
-        k.attention_decode(a.q, a.k_cache[layer.index][first:], a.v_cache[layer.index][first:], pos + 1 - first,
+        row = pos - (self.kv_base if layer.index in self.ring else 0)  # the cache row of position pos
+        a.k_cache[layer.index][row] = a.k
+        a.v_cache[layer.index][row] = a.v
+        window = self.window[layer.index]
+        first = max(0, row + 1 - window) if window else 0
+        k.attention_decode(a.q, a.k_cache[layer.index][first:], a.v_cache[layer.index][first:], row + 1 - first,
                            a.attn, a.att_part)
         if w4a8:
             self._quantize_input(a.attn_flat)
@@ -622,6 +669,7 @@ class Engine(EngineBase):
 
     def _prefill_chunk(self, tokens: list[int]) -> np.ndarray:
         start = self.n_past
+        self._make_room(start + len(tokens))
         x = self.embed_rows(tokens, self.pw.take("x", len(tokens), self.cfg.hidden_size))
         for layer in self.weights.layers():
             self.prefill_layer(layer, x, start)
@@ -663,12 +711,13 @@ class Engine(EngineBase):
         k.rope(q, pos, cos, sin)
         k.rope(kk, pos, cos, sin)
         kc, vc = self.a.k_cache[layer.index], self.a.v_cache[layer.index]
-        kc[start:start + T] = kk
-        vc[start:start + T] = qkv[:, qd + kvd:].reshape(kk.shape)
+        row = start - (self.kv_base if layer.index in self.ring else 0)  # the cache row of position start
+        kc[row:row + T] = kk
+        vc[row:row + T] = qkv[:, qd + kvd:].reshape(kk.shape)
         attn = ws.take("attn", T, cfg.num_heads, cfg.head_dim)
         window = self.window[layer.index]
-        first = max(0, start + 1 - window) if window else 0  # the first position any query of the chunk sees
-        k.attention_prefill(q, kc[first: start + T], vc[first: start + T], start - first, attn, ws.bufs["attention"],
+        first = max(0, row + 1 - window) if window else 0  # the row of the first position any query sees
+        k.attention_prefill(q, kc[first: row + T], vc[first: row + T], row - first, attn, ws.bufs["attention"],
                             window)
         proj = ws.take("proj", T, h)
         self._dense([m["o"]], attn.reshape(T, -1), p, proj)

@@ -73,6 +73,37 @@ def test_f16_greedy_and_logits_equal_transformers(family, backend, tiny_models, 
     assert len(set(got_tokens)) > 10  # the test model is not stuck on one token
 
 
+@pytest.mark.parametrize("backend", ["cpu", "ref"])
+def test_gemma3_sliding_caches_follow_transformers_past_their_rows(backend, tiny_models, tmp_path, monkeypatch):
+    """A sliding-window layer's cache holds its window, a prompt chunk and ROLLBACK positions
+    (arena.cache_rows), the positions it attends over moved to the front when the rows run out
+    (Engine._make_room). With ROLLBACK 4 and chunks of 4, the five windowed layers of the tiny
+    Gemma 3 hold 16 rows and move them every few tokens over a 10-token prompt and 100 steps:
+    the logits stay transformers' (LOGIT_RTOL, as above), and truncating keeps what the window
+    still holds, all of it past that."""
+    from nerva_cli import arena
+
+    monkeypatch.setattr(arena, "ROLLBACK", 4)
+    src = tiny_models("gemma3")
+    model = pull(str(src), variant="f16", out=tmp_path / "m")
+    engine = Engine(model, backend=backend, ctx=256, kv_cache="f32", prefill_rows=4)
+    assert engine.ring == [0, 1, 2, 3, 4] and [c.shape[0] for c in engine.a.k_cache] == [16] * 5 + [256]
+    hf = hf_model(src)
+    want = hf_greedy(hf, PROMPT, 100)
+    with torch.no_grad():
+        hf_logits = hf(torch.tensor([want])).logits[0].numpy()
+    logits = engine.prefill(PROMPT)
+    assert rel_err(logits, hf_logits[len(PROMPT) - 1]) < LOGIT_RTOL
+    for step in range(100):
+        logits = engine.decode(want[len(PROMPT) + step])
+        assert rel_err(logits, hf_logits[len(PROMPT) + step]) < LOGIT_RTOL, step
+    assert engine.kv_base > 0
+    kept = engine.truncate(engine.n_past - 5)  # 5 <= ROLLBACK + 1 positions back: the window is still held
+    assert kept == len(want) - 5 and rel_err(engine.prefill(want[kept:kept + 3]), hf_logits[kept + 2]) < LOGIT_RTOL
+    assert engine.truncate(20) == 0 and engine.n_past == engine.kv_base == 0  # its window long overwritten
+    assert rel_err(engine.prefill(want[:30]), hf_logits[29]) < LOGIT_RTOL
+
+
 HF_MATRICES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
                "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 

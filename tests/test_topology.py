@@ -90,10 +90,12 @@ def test_probe_is_cached_and_shown_again(cli, nerva_home, monkeypatch):
 
 
 def test_arena_sizes_without_allocating(tiny_models, tmp_path):
-    for family in ("llama", "qwen2"):
+    for family in ("llama", "qwen2", "gemma3"):
         cfg = pull(str(tiny_models(family)), variant="q4_0", out=tmp_path / family).config
-        a = Arena(cfg, 48)
-        assert Arena.sizes(cfg, 48) == (a.kv_bytes, a.nbytes)
+        for ctx, chunk in ((48, 0), (400, 16)):  # gemma3's windowed layers: 8 + 64 + 16 rows at 400
+            a = Arena(cfg, ctx, chunk=chunk)
+            assert Arena.sizes(cfg, ctx, chunk=chunk) == (a.kv_bytes, a.nbytes)
+    assert [c.shape[0] for c in a.k_cache] == [88] * 5 + [400]
 
 
 @pytest.mark.parametrize("layers", [3, 12])

@@ -2534,8 +2534,9 @@ def _layer_matvec(w, qs, d, m, x, xq, x_pairs, xd, xs, w4a8, out):
 
 @njit(cache=True, nogil=True)
 def _attention_inputs(x, norm, eps, xn, xq, x_pairs, xd, xs, w4a8, qkv_w, qkv_qs, qkv_d, qkv_m, qkv_bias, q_norm,
-                      k_norm, qkv, heads, kv_heads, pos, cos, sin, k_cache, v_cache):
-    """Norm, QKV, bias, q/k norms, RoPE, and this position's K and V rows into the cache."""
+                      k_norm, qkv, heads, kv_heads, pos, cos, sin, k_cache, v_cache, base):
+    """Norm, QKV, bias, q/k norms, RoPE, and this position's K and V rows into the cache (row
+    pos - base: a sliding-window layer's cache starts at position base)."""
     rmsnorm(x, norm, eps, xn)
     _layer_matvec(qkv_w, qkv_qs, qkv_d, qkv_m, xn, xq, x_pairs, xd, xs, w4a8, qkv)
     if qkv_bias is not None:
@@ -2549,8 +2550,8 @@ def _attention_inputs(x, norm, eps, xn, xq, x_pairs, xd, xs, w4a8, qkv_w, qkv_qs
         rmsnorm(k, k_norm, eps, k)
     rope(q, pos, cos, sin)
     rope(k, pos, cos, sin)
-    _cache_row(k_cache, pos[0], k)
-    _cache_row(v_cache, pos[0], v)
+    _cache_row(k_cache, pos[0] - base[0], k)
+    _cache_row(v_cache, pos[0] - base[0], v)
 
 
 @njit(cache=True, nogil=True)
@@ -2600,11 +2601,12 @@ def compiled_before(decodes: bool = True) -> bool:
         return True
 
 
-def decode_layer_halves(layer, a, cfg, cos, sin, window=0):
+def decode_layer_halves(layer, a, cfg, cos, sin, window=0, base=None):
     """For a resident Q4 layer (fused qkv and gate/up, W4A8 or W4A16) or exact one over the arena
     `a`: (attention(n_ctx), mlp()), the two halves of its decode step, n_ctx counting this
-    token's position, attention over the last `window` positions where that is not 0; None for
-    any other layer. The arguments are made here, once."""
+    token's position, attention over the last `window` positions where that is not 0, the cache's
+    first row holding position base[0] (None: 0); None for any other layer. The arguments are made
+    here, once."""
     m = layer.mats  # a resident layer's: qkv, o, gate_up, down
     if layer.precision == "exact" and all(m[n].w is not None for n in m):
         planes = lambda lin: (_exact_bits(lin.w), None, None, None)  # noqa: E731
@@ -2617,7 +2619,7 @@ def decode_layer_halves(layer, a, cfg, cos, sin, window=0):
     x_pairs = _pair_scratch(a.xq.shape[0])
     inputs = (a.x, layer.attn_norm, cfg.rms_eps, a.xn, a.xq, x_pairs, a.xd, a.xs, w4a8, *planes(m["qkv"]),
               layer.qkv_bias, layer.q_norm, layer.k_norm, a.qkv, cfg.num_heads, cfg.num_kv_heads, a.pos,
-              cos, sin, k_cache, v_cache)
+              cos, sin, k_cache, v_cache, _NO_BASE if base is None else base)
     attend = attention_kernel(cfg.num_heads, cfg.num_kv_heads)
     o = (*planes(m["o"]), a.attn_flat, a.xq, x_pairs, a.xd, a.xs, w4a8, a.o)
     mlp = (a.o, a.x, layer.mlp_norm, cfg.rms_eps, a.xn, a.xq, x_pairs, a.xd, a.xs, w4a8, *planes(m["gate_up"]),
@@ -2626,14 +2628,17 @@ def decode_layer_halves(layer, a, cfg, cos, sin, window=0):
 
     def attention(n_ctx):
         _attention_inputs(*inputs)
-        first = n_ctx - window if 0 < window < n_ctx else 0
-        attend(a.q, k_cache[first:], v_cache[first:], n_ctx - first, a.attn, a.att_part, _threads[0])
+        rows = n_ctx if base is None else n_ctx - base[0]
+        first = rows - window if 0 < window < rows else 0
+        attend(a.q, k_cache[first:], v_cache[first:], rows - first, a.attn, a.att_part, _threads[0])
         _layer_matvec(*o)
         if post_norm is not None:
             rmsnorm(a.o, post_norm, cfg.rms_eps, a.o)
 
     return attention, lambda: _mlp(*mlp)
 
+
+_NO_BASE = np.zeros(1, dtype=np.int64)  # a full-context cache's: row r holds position r
 
 ATT_PREFILL_ROWS = 64  # queries of one kv head's group a job of attention_prefill takes, at most
 
