@@ -682,11 +682,13 @@ class Engine(EngineBase):
             self._embed_row(tok, x[t])
         return x
 
-    def prefill_layer(self, layer: Layer, x: np.ndarray, start: int, taps: dict | None = None) -> None:
+    def prefill_layer(self, layer: Layer, x: np.ndarray, start: int, taps: dict | None = None,
+                      slot: int | None = None) -> None:
         """One layer over a chunk x [T, hidden] (T at most the workspace's rows) at positions
-        start.., in place, writing the layer's K/V cache rows. `taps`, when given, receives copies
-        of the fused q/k/v projection output ("qkv", before RoPE) and of the MLP output ("mlp")
-        that MCAP scores are made of."""
+        start.., in place, writing K/V rows into the cache of layer `slot` (by default its own:
+        MCAP's pass lends every layer the first's). `taps`, when given, receives copies of the
+        fused q/k/v projection output ("qkv", before RoPE) and of the MLP output ("mlp", before a
+        post norm) that MCAP scores are made of."""
         cfg, k, ws = self.cfg, self.k, self.pw
         T, p, m = x.shape[0], layer.precision, layer.mats
         h, f, qd, kvd = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim
@@ -710,8 +712,9 @@ class Engine(EngineBase):
         cos, sin = self.rope[layer.index]
         k.rope(q, pos, cos, sin)
         k.rope(kk, pos, cos, sin)
-        kc, vc = self.a.k_cache[layer.index], self.a.v_cache[layer.index]
-        row = start - (self.kv_base if layer.index in self.ring else 0)  # the cache row of position start
+        slot = layer.index if slot is None else slot
+        kc, vc = self.a.k_cache[slot], self.a.v_cache[slot]
+        row = start - (self.kv_base if slot in self.ring else 0)  # the cache row of position start
         kc[row:row + T] = kk
         vc[row:row + T] = qkv[:, qd + kvd:].reshape(kk.shape)
         attn = ws.take("attn", T, cfg.num_heads, cfg.head_dim)
@@ -729,10 +732,10 @@ class Engine(EngineBase):
         self._dense([m["gate_up"]] if "gate_up" in m else [m["gate"], m["up"]], xn, p, gate_up, f)
         self.glu(gate_up, act)
         self._dense([m["down"]], act, p, proj)
-        if layer.post_mlp_norm is not None:
-            k.rmsnorm(proj, layer.post_mlp_norm, cfg.rms_eps, proj)
         if taps is not None:
             taps["mlp"] = proj.copy()
+        if layer.post_mlp_norm is not None:
+            k.rmsnorm(proj, layer.post_mlp_norm, cfg.rms_eps, proj)
         x += proj
 
     def _last_logits(self, x: np.ndarray) -> np.ndarray:

@@ -148,11 +148,12 @@ def measure(model: StoredModel, prompts: list[str], backend: str = "cpu", progre
         if progress:
             progress(f"layer {i}", i, cfg.num_layers)
         # Every layer borrows KV cache slot 0 and every prompt starts at position 0: a prompt
-        # reads only the rows it has just written, so one layer's KV rows are held, not all.
-        layer = Layer.from_stored(0, model.read_file(layer_file(i)), precision)
+        # reads only the rows it has just written, so one layer's KV rows are held, not all. Its
+        # RoPE tables and window are its own (SmolLM3's NoPE layers, Gemma 3's full ones).
+        layer = Layer.from_stored(i, model.read_file(layer_file(i)), precision)
         for j, x in enumerate(xs):
             taps: dict = {}
-            engine.prefill_layer(layer, x, start=0, taps=taps)
+            engine.prefill_layer(layer, x, start=0, taps=taps, slot=0)
             qkv = taps["qkv"].astype(np.float64)
             attn = np.sqrt((qkv[:, :qd] ** 2).sum(1) + (qkv[:, vd:] ** 2).sum(1))
             ffn = np.linalg.norm(taps["mlp"].astype(np.float64), axis=1)
