@@ -210,7 +210,8 @@ __device__ __forceinline__ void combine_splits(const float* p, float* out, int s
 }
 
 // Decode, split over the context: grid (heads, most), ATT_WARPS warps a block. n = pos[0] + 1
-// positions (read on the device, so a replayed graph needs no new arguments) go to `least`
+// positions (the last `window` of them where window > 0: a sliding-window layer's; pos is read
+// on the device, so a replayed graph needs no new arguments) go to `least`
 // blocks a head, or more when each would take more than ATT_LONG_CHUNK, up to the grid's
 // `most` (attention_splits in backends/cuda.py); the blocks beyond return at once. The last
 // position is the new token's: q, k_new and v_new are its q/k/v products before RoPE. Each
@@ -226,14 +227,15 @@ __device__ __forceinline__ void combine_splits(const float* p, float* out, int s
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
     attention_decode(const float* q, const float* k_new, const float* v_new, const float* cos_t,
                      const float* sin_t, u16* k_cache, u16* v_cache, const int* pos, float* part, int* done,
-                     float* out, int heads, int kv_heads, int hd, float scale, int least) {
+                     float* out, int heads, int kv_heads, int hd, float scale, int least, int window) {
     wait_prior_kernels();
     int h = blockIdx.x, split = blockIdx.y, most = gridDim.y, n = pos[0] + 1;
-    int splits = (n + ATT_LONG_CHUNK - 1) / ATT_LONG_CHUNK;
+    int start = window > 0 && n > window ? n - window : 0;  // a sliding window's first position
+    int splits = (n - start + ATT_LONG_CHUNK - 1) / ATT_LONG_CHUNK;
     splits = splits < least ? least : splits > most ? most : splits;
     if (split >= splits) return;  // the whole block, before any barrier
-    int cur = n - 1, chunk = (n + splits - 1) / splits, half = hd / 2;
-    int p0 = split * chunk, p1 = p0 + chunk < n ? p0 + chunk : n;
+    int cur = n - 1, chunk = (n - start + splits - 1) / splits, half = hd / 2;
+    int p0 = start + split * chunk, p1 = p0 + chunk < n ? p0 + chunk : n;
     int row = kv_heads * hd, group = heads / kv_heads, kvh = h / group;
     const float *c = cos_t + (size_t)cur * half, *s = sin_t + (size_t)cur * half;
     bool has_new = p0 <= cur && cur < p1;  // this block's split holds the new position, its last
@@ -303,7 +305,7 @@ struct pf_layout {
 template <int NI, int R>
 __device__ __forceinline__ void prefill_rows(const float* q, int q_stride, const u16* kc, const u16* vc, int pos0,
                                              float* out, float* part, int* done, int T, int heads, int kv_heads,
-                                             int hd, float scale, unsigned char* smem) {
+                                             int hd, float scale, int window, unsigned char* smem) {
     typedef pf_layout<NI, R> L;
     float* qs = (float*)(smem + L::q_at);
     float* ps = (float*)(smem + L::p_at);
@@ -322,12 +324,13 @@ __device__ __forceinline__ void prefill_rows(const float* q, int q_stride, const
         for (int e = lane; e < L::q_row; e += 32)
             qs[r * L::q_row + e] = t < T && e < hd ? q[(size_t)t * q_stride + h * hd + e] * scale : 0.f;
     }
-    int lim[R];
+    int lim[R], lo[R];  // a row sees positions lo .. lim - 1 (lo: a sliding window's first)
     float m[R], l[R], acc[R][NI];
 #pragma unroll
     for (int i = 0; i < R; i++) {
         int t = (mine + i) / group;
         lim[i] = t < T ? pos0 + t + 1 : 1;
+        lo[i] = window > 0 && lim[i] > window ? lim[i] - window : 0;
         m[i] = NEG_INF;
         l[i] = 0.f;
 #pragma unroll
@@ -365,7 +368,7 @@ __device__ __forceinline__ void prefill_rows(const float* q, int q_stride, const
         }
 #pragma unroll
         for (int i = 0; i < R; i++) {
-            float si = p0 + lane < lim[i] ? s[i] : NEG_INF;
+            float si = p0 + lane < lim[i] && p0 + lane >= lo[i] ? s[i] : NEG_INF;
             float mi = fmaxf(m[i], warp_max(si));  // -inf while a split's row has seen no position
             float corr = mi == NEG_INF ? 1.f : expf(m[i] - mi), w = mi == NEG_INF ? 0.f : expf(si - mi);
             m[i] = mi;
@@ -441,20 +444,21 @@ __device__ __forceinline__ void prefill_rows(const float* q, int q_stride, const
 // Prefill, causal: grid (ceil(T * group / rows), kv_heads, splits), ATT_WARPS warps a block,
 // where rows is ATT_WARPS * 8 up to 128-wide heads and ATT_WARPS * 2 above (their accumulators
 // would need 64 registers a lane at 8 rows a warp; backends/cuda.py's prefill_block_rows). Query
-// t (rows q_stride floats apart) at position pos0[0] + t sees cache positions 0 .. pos0[0] + t.
+// t (rows q_stride floats apart) at position pos0[0] + t sees cache positions 0 .. pos0[0] + t, or
+// with window > 0 the last `window` of them.
 // out [T, heads, hd]. splits (1 to 32) divide each block's positions between that many blocks,
 // so that a short prompt after a long context still fills the GPU; with more than one, part holds
 // their partials [row blocks x rows x splits x (hd + 2)] and done a count a row block, zero before
 // and after.
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
     attention_prefill(const float* q, int q_stride, const u16* k_cache, const u16* v_cache, const int* pos0, float* out,
-                      float* part, int* done, int T, int heads, int kv_heads, int hd, float scale) {
+                      float* part, int* done, int T, int heads, int kv_heads, int hd, float scale, int window) {
     wait_prior_kernels();
     __shared__ uint4 smem[PF_SHARED_BYTES / 16];
 #define PREFILL_CASE(ni, r)                                                                                  \
     case ni:                                                                                                 \
         prefill_rows<ni, r>(q, q_stride, k_cache, v_cache, pos0[0], out, part, done, T, heads, kv_heads, hd, \
-                            scale, (unsigned char*)smem);                                                    \
+                            scale, window, (unsigned char*)smem);                                            \
         break;
     switch ((hd + 31) / 32) {
         PREFILL_CASE(1, 8) PREFILL_CASE(2, 8) PREFILL_CASE(3, 8) PREFILL_CASE(4, 8)

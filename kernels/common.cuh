@@ -115,6 +115,10 @@ __device__ __forceinline__ T weights(const T* p) {
 }
 
 // bf16 is the top half of an f32.
+// GeLU's tanh form (Gemma's gelu_pytorch_tanh): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))
+__device__ __forceinline__ float gelu_tanh(float g) {
+    return 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+}
 __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((unsigned)b) << 16); }
 
 // An exact-variant weight: f16 or bf16 bits.

@@ -91,6 +91,23 @@ extern "C" __global__ void silu_mul(const float* gate_up, float* out, int f, int
     }
 }
 
+// gate_up [T, 2f] (gate then up) -> out [T, f] = gelu(gate) * up (GeGLU, GeLU's tanh form)
+extern "C" __global__ void gelu_mul(const float* gate_up, float* out, int f, int T) {
+    wait_prior_kernels();
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < T * f) {
+        int t = i / f, j = i % f;
+        out[i] = gelu_tanh(gate_up[(size_t)t * 2 * f + j]) * gate_up[(size_t)t * 2 * f + f + j];
+    }
+}
+
+// x [n] *= s (Gemma's embedding, times sqrt(hidden))
+extern "C" __global__ void scale(float* x, float s, int n) {
+    wait_prior_kernels();
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= s;
+}
+
 // x [T, n] += b [n] for every row (q, k and v biases)
 extern "C" __global__ void add_rows(float* x, const float* b, int n, int T) {
     wait_prior_kernels();

@@ -166,6 +166,7 @@ __device__ __forceinline__ void q4_rounds(const Slots& s, int cols, Round round)
 #define ADD 1       // out[row] += sum: a layer's o and down products go straight into the residual
                     // stream, rounded once, as a separate add was, without its launch
 #define ADD_NORM 2  // ADD, then the launch's last block: norm_out = rmsnorm(out) * norm_w
+#define GLU_GELU 1  // a glu launch's epilogue: GeLU's tanh form (Gemma's GeGLU) in place of SiLU
 
 #define TAIL_LOADS 4
 
@@ -241,7 +242,7 @@ __device__ __forceinline__ void store_slots(float (&acc)[MV_ROWS], const Slots& 
         float* o = s.out + s.row0 + t;
         if (GLU) {
             for (int w = 0; w < warps; w++) u += part[w][t + HALF];
-            *o = v / (1.f + expf(-v)) * u;
+            *o = (mode == GLU_GELU ? gelu_tanh(v) : v / (1.f + expf(-v))) * u;
         } else {
             *o = mode == STORE ? v : *o + v;
         }
@@ -386,7 +387,7 @@ extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) glu_
     const void* w2, const u16* d2, float* out2, int rows2,
     const float* __restrict__ x, int cols, int epilogue,
     const float* norm_w, float* norm_out, float eps, int* done) {
-    q4_w4a16<true, false>(ALL_MATRICES, nullptr, nullptr, nullptr, x, cols, STORE);
+    q4_w4a16<true, false>(ALL_MATRICES, nullptr, nullptr, nullptr, x, cols, epilogue);  // STORE or GLU_GELU
 }
 extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) matvec_q4_1_w4a16(
     const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
@@ -403,7 +404,7 @@ extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) glu_
     const float* __restrict__ x, int cols, int epilogue,
     const float* norm_w, float* norm_out, float eps, int* done,
     const u16* m0, const u16* m1, const u16* m2) {
-    q4_w4a16<true, true>(ALL_MATRICES, m0, m1, m2, x, cols, STORE);
+    q4_w4a16<true, true>(ALL_MATRICES, m0, m1, m2, x, cols, epilogue);  // STORE or GLU_GELU
 }
 extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_W4A8_MIN_BLOCKS) matvec_q4_w4a8(
     const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
@@ -418,7 +419,7 @@ extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) glu_
     const void* w2, const u16* d2, float* out2, int rows2,
     const float* __restrict__ x, int cols, int epilogue,
     const float* norm_w, float* norm_out, float eps, int* done) {
-    q4_w4a8<true, false>(ALL_MATRICES, nullptr, nullptr, nullptr, x, cols, STORE);
+    q4_w4a8<true, false>(ALL_MATRICES, nullptr, nullptr, nullptr, x, cols, epilogue);  // STORE or GLU_GELU
 }
 extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_W4A8_MIN_BLOCKS) matvec_q4_1_w4a8(
     const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
@@ -435,7 +436,7 @@ extern "C" __global__ void __launch_bounds__(MV_MAX_THREADS, MV_MIN_BLOCKS) glu_
     const float* __restrict__ x, int cols, int epilogue,
     const float* norm_w, float* norm_out, float eps, int* done,
     const u16* m0, const u16* m1, const u16* m2) {
-    q4_w4a8<true, true>(ALL_MATRICES, m0, m1, m2, x, cols, STORE);
+    q4_w4a8<true, true>(ALL_MATRICES, m0, m1, m2, x, cols, epilogue);  // STORE or GLU_GELU
 }
 extern "C" __global__ void matvec_exact(
     const void* w0, const u16* d0, float* out0, int rows0, const void* w1, const u16* d1, float* out1, int rows1,
@@ -452,7 +453,7 @@ extern "C" __global__ void glu_exact(
     int bf16, const float* __restrict__ x, int cols, int epilogue,
     const float* norm_w, float* norm_out, float eps, int* done) {
     wait_prior_kernels();
-    exact<true>(ALL_MATRICES, bf16, x, cols, STORE);
+    exact<true>(ALL_MATRICES, bf16, x, cols, epilogue);  // STORE or GLU_GELU
 }
 
 // Q8_0 (the Q4 variants' token table, read here as the lm_head): codes int8 [rows, cols], one f16

@@ -324,22 +324,6 @@ def _ram_budget(model, backend: str, ctx, budget, mode: str, kv_cache: str = "f1
     return budget
 
 
-def _backend_for(model, asked: str, resolved: str) -> str:
-    """The backend that runs `model`: `resolved` (backends.resolve of --backend `asked`), or the
-    cpu where the cuda kernels do not run its layers (Gemma 3's), said in a note for auto and
-    refused in one line for an explicit --backend cuda."""
-    from nerva_cli import output
-    from nerva_cli.backends.cuda import unsupported_layers
-
-    why = unsupported_layers(model.config) if resolved == "cuda" else None
-    if why is None:
-        return resolved
-    if asked == "cuda":
-        raise NervaError(f"--backend cuda: {model.name}: {why}")
-    output.note(f"{model.name}: {why}; running there")
-    return "cpu"
-
-
 def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau: float = 0.7,
                  use_profile: bool = True, mode: str = "full", active_fraction: float = 1.0,
                  ram_budget: Optional[str] = None, vram_budget: Optional[str] = None, policy: str = "ring",
@@ -355,9 +339,8 @@ def _open_engine(model_ref: str, backend: str, precision, ctx, threads: int, tau
     mcap.check_tau(tau)
     mcap.check_fraction(active_fraction)
     budget = parse_budget(ram_budget, "ram-budget")
-    resolved = backends.resolve(backend)
+    backend = backends.resolve(backend)
     model = _find_or_pull(model_ref)
-    backend = _backend_for(model, backend, resolved)
     if ctx_given and ctx is not None and ctx > model.config.max_context:
         output.note(f"--ctx {ctx} is past the {model.config.max_context} tokens {model.name} attends over "
                     f"(its training context, or its attention window where smaller); using {model.config.max_context}")
@@ -631,7 +614,7 @@ def topology(
     info = topo.collect(probe)
     if model is not None:
         stored = _find_or_pull(model)
-        backend = _backend_for(stored, backend, backends.resolve(backend))
+        backend = backends.resolve(backend)
         budget = _ram_budget(stored, backend, ctx, budget, mode)
         layers = _layer_plan(stored, precision, tau, not no_profile, mode, active_fraction,
                              _profiling_backend(backend))

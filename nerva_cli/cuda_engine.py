@@ -26,7 +26,7 @@ import numpy as np
 
 from nerva_cli import rope
 from nerva_cli.backends.cuda import (RECENT, Kernels, attention_splits, most_prefill_partials, prefill_splits,
-                                     unsupported_layers, unsupported_shapes)
+                                     unsupported_shapes)
 from nerva_cli.engine import EngineBase, context_length, ctx_hint, default_precision
 from nerva_cli.errors import NervaError
 from nerva_cli.layout import layer_file
@@ -239,7 +239,7 @@ class CudaEngine(EngineBase):
         self.dev = dev = device
         self.model, self.cfg = model, model.config
         cfg = self.cfg
-        if problem := unsupported_shapes(cfg) or unsupported_layers(cfg):
+        if problem := unsupported_shapes(cfg):
             raise NervaError(f"{model.path}: {problem}")
         self.precision = default_precision(model, precision)
         if layer_precisions is not None:
@@ -302,6 +302,8 @@ class CudaEngine(EngineBase):
         self.final_norm = g["final_norm"]
         self.head_t = matrix(g, "lm_head") if any(n.startswith("lm_head") for n in g) else self.embed_t
         self.rope = rope.per_layer(cfg, *rope.tables(cfg, self.ctx), put=dev.upload)  # layer -> (cos, sin)
+        # layer -> the positions its attention sees back from a query, itself included (0: all)
+        self.window = [cfg.sliding_window if i in (cfg.sliding_layers or ()) else 0 for i in range(cfg.num_layers)]
         self.a = DeviceArena(dev, cfg, self.ctx, self.splits[1])
         self.layers: dict[int, DeviceLayer] = {}
         for i in gp.vram.resident_layers:
@@ -355,7 +357,11 @@ class CudaEngine(EngineBase):
         graph can reach them. A layer's mlp_norm always is (its own file); the attention norm of
         the next active layer is when that layer is resident, the final norm always. A layer
         whose input arrives unnormalised (the first, or one behind a paged layer's down) starts
-        with its own rmsnorm."""
+        with its own rmsnorm. Where a norm follows o and down before their residual adds (Gemma
+        3's post norms), every norm is a launch of its own."""
+        if self.cfg.post_norms:
+            self._down_norm, self._input_normed = dict.fromkeys(self.active), set()
+            return
         nxt = dict(zip(self.active, self.active[1:]))
         self._down_norm = {i: self.final_norm if i not in nxt else
                            self.layers[nxt[i]].t["attn_norm"] if nxt[i] in self.layers else None
@@ -376,19 +382,32 @@ class CudaEngine(EngineBase):
             k.rmsnorm(a.k, t["k_norm"], eps, a.k)
         kc, vc = a.kv[L.index, 0], a.kv[L.index, 1]
         k.attention_decode(a.q, a.k, a.v, *self.rope[L.index], kc, vc, a.pos, a.part, a.done, a.attn,
-                           cfg.num_heads, self.splits)
-        k.matvec(L.mat("o"), a.attn, a.x, p, add=True, norm=(t["mlp_norm"], a.xn, eps, a.norm_done))
-        k.glu(L.mat("gate"), L.mat("up"), a.xn, a.act, p)
+                           cfg.num_heads, self.splits, self.window[L.index])
+        if "post_attn_norm" in t:  # o's and down's products normed before their adds, through xn (free then)
+            k.matvec(L.mat("o"), a.attn, a.xn, p)
+            k.rmsnorm(a.xn, t["post_attn_norm"], eps, a.xn)
+            k.add_rows(a.x, a.xn, 1)
+            k.rmsnorm(a.x, t["mlp_norm"], eps, a.xn)
+        else:
+            k.matvec(L.mat("o"), a.attn, a.x, p, add=True, norm=(t["mlp_norm"], a.xn, eps, a.norm_done))
+        k.glu(L.mat("gate"), L.mat("up"), a.xn, a.act, p, gelu=cfg.activation == "gelu_tanh")
+        if "post_mlp_norm" in t:
+            k.matvec(L.mat("down"), a.act, a.xn, p)
+            k.rmsnorm(a.xn, t["post_mlp_norm"], eps, a.xn)
+            k.add_rows(a.x, a.xn, 1)
+            return
         after = self._down_norm[L.index]
         k.matvec(L.mat("down"), a.act, a.x, p, add=True,
                  norm=None if after is None else (after, a.xn, eps, a.norm_done))
 
     def _record_head(self) -> None:
         self.k.embed(self.embed_t, self.a.token, self.a.x)
+        if self.cfg.embed_scale is not None:
+            self.k.scale(self.a.x, self.cfg.embed_scale)
 
     def _record_tail(self) -> None:
         a = self.a
-        if not self.active:  # else the last layer's down matvec did the final norm
+        if not self.active or self.cfg.post_norms:  # else the last layer's down matvec did the final norm
             self.k.rmsnorm(a.x, self.final_norm, self.cfg.rms_eps, a.xn)
         p = "w4a8" if self.precision == "w4a8" and "w" not in self.head_t else "w4a16"
         self.k.matvec(self.head_t, a.xn, a.logits, p)
@@ -657,6 +676,8 @@ class CudaEngine(EngineBase):
         ids = self.dev.upload(np.asarray(tokens, dtype=np.int32))
         x = a.px[:T]
         self.k.embed(self.embed_t, ids, x)
+        if self.cfg.embed_scale is not None:
+            self.k.scale(x, self.cfg.embed_scale)
         for i in self.active:
             self._run_layer(i, lambda L: self._prefill_layer(L, x, T))
         self.n_past += T
@@ -705,16 +726,27 @@ class CudaEngine(EngineBase):
                         cfg.num_heads, kc, vc)
         attn = a.pattn[:T]
         splits = prefill_splits(T, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.n_past + T, self.dev.sms)
-        k.attention_prefill(flat, stride, kc, vc, a.pos, attn, T, cfg.num_heads, splits, a.ppart, a.pdone)
-        self._dense(L.mat("o"), self._half(attn, L.mat("o"), p), x, add=True)  # the residual add in the GEMM
+        k.attention_prefill(flat, stride, kc, vc, a.pos, attn, T, cfg.num_heads, splits, a.ppart, a.pdone,
+                            self.window[L.index])
+        self._residual(L.mat("o"), self._half(attn, L.mat("o"), p), x, xn, t.get("post_attn_norm"))
         k.rmsnorm(x, t["mlp_norm"], eps, xn)
         gu = a.pgate_up[:T]
         xh = self._half(xn, L.mat("gate"), p)
         self._dense(L.mat("gate"), xh, gu[:, :f])
         self._dense(L.mat("up"), xh, gu[:, f:])
         act = a.pact[:T]
-        k.silu_mul(gu, act, f, T)
-        self._dense(L.mat("down"), self._half(act, L.mat("down"), p), x, add=True)
+        (k.gelu_mul if cfg.activation == "gelu_tanh" else k.silu_mul)(gu, act, f, T)
+        self._residual(L.mat("down"), self._half(act, L.mat("down"), p), x, xn, t.get("post_mlp_norm"))
+
+    def _residual(self, m: dict, xh, x, tmp, post_norm) -> None:
+        """x += xh @ W.T (the residual add in the GEMM), or where post_norm is given (Gemma 3's)
+        x += rmsnorm(xh @ W.T) * post_norm, the product made in tmp."""
+        if post_norm is None:
+            self._dense(m, xh, x, add=True)
+            return
+        self._dense(m, xh, tmp)
+        self.k.rmsnorm(tmp, post_norm, self.cfg.rms_eps, tmp)
+        x += tmp
 
     def _logits_rows(self, x) -> np.ndarray:
         xn = self.dev.empty(x.shape, np.float32)

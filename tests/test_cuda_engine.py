@@ -134,7 +134,8 @@ def test_a_short_prefill_after_a_long_one_splits_its_positions(stored, cuda_devi
     ("llama", "f16", None), ("qwen3", "f16", None), ("llama-untied", "q4_0", "w4a16"),
     ("qwen2", "q4_0", "w4a8"), ("llama3-scaled", "q4_0", "mixed"),
     ("llama-untied", "q4_1", "w4a16"), ("qwen2", "q4_1", "w4a8"), ("llama", "q4_1", "mixed"),
-    ("phi3-longrope", "q4_0", "mixed"), ("smollm3", "f16", None)])
+    ("phi3-longrope", "q4_0", "mixed"), ("smollm3", "f16", None), ("gemma3", "q4_0", "w4a16"),
+    ("gemma3-qpas", "q4_1", "mixed")])
 def test_greedy_tokens_equal_the_cpu_plane(stored, cuda_device, family, variant, precision):
     model = stored(family, variant)
     per_layer = ["w4a8", "w4a16", "w4a8"] if precision == "mixed" else None
@@ -146,7 +147,7 @@ def test_greedy_tokens_equal_the_cpu_plane(stored, cuda_device, family, variant,
     assert gpu.precision_counts == cpu.precision_counts
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])  # gemma3: 8-position windows, post norms, GeGLU
 def test_64_steps_of_exact_variants_agree_on_the_same_tokens(stored, cuda_device, family):
     model = stored(family, "f16")
     cpu, gpu = Engine(model, backend="cpu", ctx=96), CudaEngine(model, device=cuda_device, ctx=96)
@@ -154,7 +155,8 @@ def test_64_steps_of_exact_variants_agree_on_the_same_tokens(stored, cuda_device
 
 
 @pytest.mark.parametrize("family,variant,precision", [
-    ("llama", "f16", None), ("llama-untied", "q4_0", "w4a16"), ("llama-untied", "q4_1", "w4a16")])
+    ("llama", "f16", None), ("llama-untied", "q4_0", "w4a16"), ("llama-untied", "q4_1", "w4a16"),
+    ("gemma3", "q4_0", "w4a16")])
 def test_decode_alone_agrees_closely(stored, cuda_device, family, variant, precision):
     """Without prefill's f16 GEMM operands the decode kernels are held to 1e-3 against the cpu
     plane (measured 4e-5 on llama f16, 1.6e-4 on q4_0 and 3.6e-4 on q4_1 at W4A16 over 21 steps,
@@ -512,26 +514,15 @@ def test_q4_1_models_run_on_the_cuda_plane_where_auto_picks_it(cli, stored, monk
         assert json.loads(out)["backend"] == "cuda" and "cpu backend" not in err
 
 
-def test_gemma3_runs_on_the_cpu_where_auto_would_pick_cuda(cli, stored, monkeypatch):
-    """Gemma 3's GeGLU, post norms and sliding windows have no cuda kernels: with a GPU, --backend
-    auto runs it on the cpu with a note, --backend cuda refuses it in one line, and so does the
-    cuda engine itself."""
-    from cuda_emu.device import EmuDevice
-
-    from nerva_cli.backends import cuda
-
-    monkeypatch.setattr(cuda, "cupy_or_none", lambda: object())
-    monkeypatch.setattr(cuda, "CupyDevice", EmuDevice)
+def test_a_paged_gemma3_decodes_the_resident_tokens(stored, cuda_device):
+    """Gemma 3's post norms and windows through VRAM slots fed from pinned RAM: the resident
+    engine's tokens, past its 8-position windows."""
     model = stored("gemma3", "q4_0")
-    args = ("bench", str(model.path), "--prompt-tokens", "8", "--gen-tokens", "4", "--repeat", "1", "--no-profile")
-    code, out, err = cli(*args, "--backend", "auto")
-    assert code == 0 and json.loads(out)["backend"] == "cpu", err
-    assert "runs on the cpu backend only so far; running there" in err
-    code, out, err = cli(*args, "--backend", "cuda")
-    assert code == 1 and len(err.strip().splitlines()) == 1
-    assert err.startswith("error: --backend cuda: ") and "gemma3 (GeGLU, post norms, sliding windows)" in err
-    with pytest.raises(NervaError, match="runs on the cpu backend only so far"):
-        CudaEngine(model, device=EmuDevice(), ctx=32)
+    resident, _ = greedy_run(CudaEngine(model, device=cuda_device, ctx=96), 24)
+    layer = model.meta["files"][layer_file(0)]["size"]
+    warm = CudaEngine(model, device=cuda_device, ctx=96, vram_budget=fixed_bytes(model, 96, cuda_device.sms) + 3 * layer)
+    assert warm.gpu_plan.warm and warm.plan.resident_layers
+    assert greedy_run(warm, 24)[0] == resident
 
 
 @pytest.mark.parametrize("eager_copies", [False, True], ids=["lazy", "eager-copies"])

@@ -146,6 +146,13 @@ def test_silu_mul_and_add_rows(k, rng):
     out = up(k, np.zeros((T, f), np.float32))
     k.silu_mul(up(k, gu), out, f, T)
     assert rel(down(k, out), want) < 4 * EPS
+    ref.gelu_mul(gu, want)
+    k.gelu_mul(up(k, gu), out, f, T)
+    assert rel(down(k, out), want) < 4 * EPS  # tanhf and NumPy's tanh: an ulp or two apart
+    x = randn(rng, T, 48)
+    xd = up(k, x)
+    k.scale(xd, 33.9411255)  # Gemma 3 1B's sqrt(1152)
+    np.testing.assert_array_equal(down(k, xd), x * np.float32(33.9411255))
     x, b = randn(rng, T, 48), randn(rng, 48)
     xd, want_x = up(k, x), x.copy()
     k.add_rows(xd, up(k, b), T)
@@ -259,6 +266,13 @@ def test_glu_is_silu_of_gate_times_up(k, rng, precision, kind, rows, cols):
     gate_up, unfused = up(k, np.zeros(2 * rows, np.float32)), up(k, np.zeros(rows, np.float32))
     k.matvecs(mats, up(k, x), [gate_up[:rows], gate_up[rows:]], precision)
     k.silu_mul(gate_up, unfused, rows, 1)
+    np.testing.assert_allclose(got, down(k, unfused), rtol=4 * EPS, atol=0)
+    # GeGLU (Gemma's): GeLU's tanh form, whose slope is at most 1.13 where silu's is 1.1
+    k.glu(mats[0], mats[1], up(k, x), out, precision, gelu=True)
+    got = down(k, out).astype(np.float64)
+    gelu = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
+    assert np.all(np.abs(got - gelu * u) <= 1.2 * dg * np.abs(u) + np.abs(gelu) * du + 8 * EPS * np.abs(gelu * u))
+    k.gelu_mul(gate_up, unfused, rows, 1)
     np.testing.assert_allclose(got, down(k, unfused), rtol=4 * EPS, atol=0)
 
 
@@ -561,6 +575,44 @@ def test_attention_prefill_causal(k, rng, T, start, heads, kvh, hd, splits):
                         splits, part, done)
     assert rel(down(k, out), want) < 64 * EPS
     assert (down(k, done) == 0).all()  # ready for the next launch
+
+
+@pytest.mark.parametrize("window", [1, 8, 37])
+def test_attention_windows(k, rng, window):
+    """A sliding-window layer's attention (Gemma 3's): decode over the last `window` positions,
+    split over them (some splits empty where the window is short), and prefill's queries each
+    over the `window` up to their own, with one split and several; both against ref."""
+    heads, kvh, hd, ctx = 4, 1, 256, 300
+    kc, vc = f16_cache(rng, ctx, kvh, hd), f16_cache(rng, ctx, kvh, hd)
+    cos, sin = rope_tables(ctx, hd)
+    for n, splits in ((5, (1, 1)), (70, (2, 5)), (299, (3, 8))):
+        cur = n - 1
+        q, k_new, v_new = randn(rng, heads, hd), randn(rng, kvh, hd), randn(rng, kvh, hd)
+        kc_d, vc_d = up(k, kc), up(k, vc)
+        out = up(k, np.zeros((heads, hd), np.float32))
+        part, done = up(k, np.zeros(heads * splits[1] * (hd + 2), np.float32)), up(k, np.zeros(heads, np.int32))
+        k.attention_decode(up(k, q), up(k, k_new), up(k, v_new), up(k, cos), up(k, sin), kc_d, vc_d,
+                           up(k, np.array([cur], np.int32)), part, done, out, heads, splits, window)
+        q_rot = q.copy()
+        ref.rope(q_rot, np.array([cur]), cos, sin)
+        first = max(0, n - window)
+        kw, vw = down(k, kc_d)[first:n].astype(np.float32), down(k, vc_d)[first:n].astype(np.float32)
+        want = np.empty((heads, hd), np.float32)
+        ref.attention_decode(q_rot, kw, vw, n - first, want)
+        assert rel(down(k, out), want) < 64 * EPS, (n, window)
+    for T, start, splits in ((19, 0, 1), (9, 45, 2), (40, 200, 3)):
+        stride = heads * hd + 2 * kvh * hd
+        qrows = randn(rng, T, stride)
+        q = qrows[:, : heads * hd].reshape(T, heads, hd).copy()
+        want = np.empty_like(q)
+        ref.attention_prefill(q, kc[: start + T].astype(np.float32), vc[: start + T].astype(np.float32), start, want,
+                              window=window)
+        out = up(k, np.zeros((T, heads, hd), np.float32))
+        part = up(k, randn(rng, prefill_partials(T, heads, kvh, hd, splits)))
+        done = up(k, np.zeros(64, np.int32))
+        k.attention_prefill(up(k, qrows), stride, up(k, kc), up(k, vc), up(k, np.array([start], np.int32)), out, T,
+                            heads, splits, part, done, window)
+        assert rel(down(k, out), want) < 64 * EPS, (T, start, window)
 
 
 def test_prefill_splits_fill_the_gpu_only_when_row_blocks_do_not():

@@ -78,14 +78,6 @@ def unsupported_shapes(cfg) -> str | None:
     return None
 
 
-def unsupported_layers(cfg) -> str | None:
-    """Why kernels/*.cu cannot run a model of cfg's layer kind, or None: Gemma 3's GeGLU, norms
-    after attention and the MLP and sliding windows run on the cpu and ref backends only."""
-    if cfg.activation != "silu" or cfg.post_norms or cfg.sliding_layers:
-        return f"{cfg.family} (GeGLU, post norms, sliding windows) runs on the cpu backend only so far"
-    return None
-
-
 def prefill_block_rows(hd: int) -> int:
     """(query, head) rows a prefill attention block takes (attention.cu): 8 a warp up to 128-wide
     heads, 2 above."""
@@ -179,6 +171,14 @@ class Kernels:
     def silu_mul(self, gate_up, out, f: int, T: int) -> None:
         self._go("silu_mul", (_cdiv(T * f, THREADS),), (THREADS,), (gate_up, out, I32(f), I32(T)))
 
+    def gelu_mul(self, gate_up, out, f: int, T: int) -> None:
+        """silu_mul with GeLU's tanh form (GeGLU)."""
+        self._go("gelu_mul", (_cdiv(T * f, THREADS),), (THREADS,), (gate_up, out, I32(f), I32(T)))
+
+    def scale(self, x, s: float) -> None:
+        """x *= s, every element."""
+        self._go("scale", (_cdiv(x.size, THREADS),), (THREADS,), (x, F32(s), I32(x.size)))
+
     def add_rows(self, x, b, T: int) -> None:
         """x [T, n] += b [n] for every row."""
         n = b.shape[0]
@@ -203,12 +203,14 @@ class Kernels:
         mode = 2 if norm is not None else 1 if add else 0  # ADD_NORM, ADD, STORE (matvec.cu)
         self._matvec_launch("matvec", ms, outs, x, precision, mode, norm, blocks)
 
-    def glu(self, gate: dict, up: dict, x, out, precision: str) -> None:
-        """out = silu(gate x) * up x in one launch: a block computes rows of both (matvec.cu)."""
+    def glu(self, gate: dict, up: dict, x, out, precision: str, gelu: bool = False) -> None:
+        """out = silu(gate x) * up x (gelu: GeLU's tanh form) in one launch: a block computes rows
+        of both (matvec.cu)."""
         rows = _weights(gate).shape[0]
         if _weights(up).shape != _weights(gate).shape:
             raise ValueError(f"glu: gate {_weights(gate).shape} and up {_weights(up).shape} differ")
-        self._matvec_launch("glu", [gate, up], [out, out], x, precision, 0, None, _cdiv(rows, MV_ROWS // 2))
+        self._matvec_launch("glu", [gate, up], [out, out], x, precision, int(gelu), None,  # GLU_GELU
+                            _cdiv(rows, MV_ROWS // 2))
 
     def _matvec_launch(self, kind: str, ms: list[dict], outs: list, x, precision: str, mode: int, norm,
                        blocks: int) -> None:
@@ -266,10 +268,11 @@ class Kernels:
 
     # -- attention -----------------------------------------------------------------------------
     def attention_decode(self, q, k, v, cos, sin, k_cache, v_cache, pos, part, done, out, heads: int,
-                         splits: tuple[int, int]) -> None:
+                         splits: tuple[int, int], window: int = 0) -> None:
         """The new token at position pos[0]: q [heads, hd], k and v [kv_heads, hd] before RoPE
         (rotated here; k and v stored in f16 at that cache row), attending over pos[0] + 1
-        positions. caches [ctx, kv_heads, hd] f16; splits: (least, most) blocks over the context
+        positions (the last `window` of them, where not 0). caches [ctx, kv_heads, hd] f16;
+        splits: (least, most) blocks over the context
         a head (attention_splits); part: the split partials [heads, most, hd + 2]; done: int32
         [heads], zero, and zero again after; out [heads, hd]."""
         kv_heads, hd = k_cache.shape[-2], k_cache.shape[-1]
@@ -279,12 +282,13 @@ class Kernels:
                              f"got {splits}")
         self._go("attention_decode", (heads, most), (ATT_THREADS,),
                  (q, k, v, cos, sin, k_cache, v_cache, pos, part, done, out, I32(heads), I32(kv_heads), I32(hd),
-                  F32(1.0 / np.sqrt(hd)), I32(least)))
+                  F32(1.0 / np.sqrt(hd)), I32(least), I32(window)))
 
     def attention_prefill(self, q, q_stride: int, k_cache, v_cache, pos0, out, T: int, heads: int, splits: int = 1,
-                          part=None, done=None) -> None:
+                          part=None, done=None, window: int = 0) -> None:
         """Causal: query t [T rows q_stride floats apart, heads x hd first] at position pos0[0] + t
-        over the f16 caches [ctx, kv_heads, hd] -> out [T, heads, hd]; a block takes
+        over the f16 caches [ctx, kv_heads, hd] (the last `window` positions, where not 0) -> out
+        [T, heads, hd]; a block takes
         prefill_block_rows(hd) (query, head) rows of one kv group, and `splits` blocks divide its
         positions (prefill_splits). More than one needs part, room for prefill_partials floats,
         and done, int32 [row blocks x kv_heads], zero (and zero again after)."""
@@ -298,7 +302,8 @@ class Kernels:
         grid = (blocks // kv_heads, kv_heads, splits)
         self._go("attention_prefill", grid, (ATT_THREADS,),
                  (q, I32(q_stride), k_cache, v_cache, pos0, out, part if splits > 1 else out,
-                  done if splits > 1 else pos0, I32(T), I32(heads), I32(kv_heads), I32(hd), F32(1.0 / np.sqrt(hd))))
+                  done if splits > 1 else pos0, I32(T), I32(heads), I32(kv_heads), I32(hd), F32(1.0 / np.sqrt(hd)),
+                  I32(window)))
 
     # -- graphs (the ledger counts replays with the launches) ------------------------------------
     def replay(self, graph, stream) -> None:
