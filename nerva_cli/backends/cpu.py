@@ -2704,8 +2704,10 @@ def _attention_prefill(sgemm, q, k, v, start, out, work, rows, workers, scale, w
             _sgemm(sgemm, True, R, seen, dim, work, qg, dim, k, g * dim, kv_heads * dim, work, s, seen)
             for r in range(R):
                 row, at = s + r * seen, start + t0 + r % nb
-                first = max(0, at + 1 - window) if window > 0 else 0
-                work[inv + r] = F32(1) / _causal_weights(work[row:row + seen], first, at + 1, scale)
+                first = max(0, at + 1 - window) if window > 0 else 0  # a sliding window's first position
+                for c in range(first):
+                    work[row + c] = 0
+                work[inv + r] = F32(1) / _causal_weights(work[row + first:row + seen], at + 1 - first, scale)
             _sgemm(sgemm, False, R, dim, seen, work, s, seen, v, g * dim, kv_heads * dim, work, pv, dim)
             for j in range(group):
                 for i in range(nb):
@@ -2715,13 +2717,14 @@ def _attention_prefill(sgemm, q, k, v, start, out, work, rows, workers, scale, w
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
-def _causal_weights(row, first, seen, scale):
-    # Scores first..seen-1 of a query's row become exp(scale (s - max)), the rest (the future,
-    # and the past a sliding window leaves out) 0; -> their sum. The max is taken in 8 running
-    # maxima (one was a chain of dependent vmaxss; SmolLM2's last chunk of an 1800-token prompt,
-    # [3, 256, 1792], 0.90 -> 0.48 ms with the scaling moved into the exp).
+def _causal_weights(row, seen, scale):
+    # The first `seen` scores of a query's row become exp(scale (s - max)), the rest (the future)
+    # 0; -> their sum. The max is taken in 8 running maxima (one was a chain of dependent
+    # vmaxss; SmolLM2's last chunk of an 1800-token prompt, [3, 256, 1792], 0.90 -> 0.48 ms with
+    # the scaling moved into the exp). A sliding window's row starts at its first position (the
+    # caller zeroes those before): a start argument here cost SmolLM2's 250-token chunk 2.5x.
     m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = F32(-np.inf)
-    j = first
+    j = 0
     while j + 8 <= seen:
         m0, m1, m2, m3 = max(m0, row[j]), max(m1, row[j + 1]), max(m2, row[j + 2]), max(m3, row[j + 3])
         m4, m5, m6, m7 = max(m4, row[j + 4]), max(m5, row[j + 5]), max(m6, row[j + 6]), max(m7, row[j + 7])
@@ -2730,9 +2733,7 @@ def _causal_weights(row, first, seen, scale):
         m0 = max(m0, row[i])
     m = max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
     total = F32(0)
-    for j in range(first):
-        row[j] = 0
-    for j in range(first, seen):
+    for j in range(seen):
         row[j] = _exp_nonpositive(scale * (row[j] - m))
         total += row[j]
     for j in range(seen, row.shape[0]):
