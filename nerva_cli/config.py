@@ -125,6 +125,11 @@ class ModelConfig:
         return self.rotary_dim or self.head_dim
 
     @property
+    def windows(self) -> list[int]:
+        """Each layer's attention window: the positions a query sees back, itself included (0: all)."""
+        return [self.sliding_window if i in (self.sliding_layers or ()) else 0 for i in range(self.num_layers)]
+
+    @property
     def q_dim(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -301,11 +306,9 @@ def _text_config(cfg: dict) -> dict:
 
 
 def _gemma3_fields(cfg: dict, head_dim: int, layers: int) -> dict:
-    """Gemma 3's ModelConfig fields from its config.json: the layers with a sliding window (its
-    layer_types, else every layer but each sliding_window_pattern-th), their RoPE base (the
-    sliding_attention entry of rope_parameters, else rope_local_base_freq), the full layers'
-    scaling, and the attention's 1/sqrt(query_pre_attn_scalar), which convert folds into the q
-    norm where it is not Llama's 1/sqrt(head_dim) (the 27B's)."""
+    """Gemma 3's ModelConfig fields from its config.json (as _text_config merged it): the layers
+    with a sliding window (its layer_types, else every layer but each sliding_window_pattern-th)
+    and their RoPE base; its attention scale is gemma3_attention's."""
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if cfg.get(key) is not None:
             raise BadInput(f"{key} {cfg[key]} is not supported (Gemma 2's logit capping)")
@@ -334,7 +337,7 @@ def from_hf_config(cfg: dict, path: str) -> ModelConfig:
     if model_type not in FAMILY_OF:
         raise BadInput(f"{path}: architecture '{model_type}' is not supported (supported: {SUPPORTED_TEXT})")
     family = FAMILY_OF[model_type]
-    act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"  # Gemma's name first, as transformers
     if act not in HF_ACTIVATIONS or (act != "silu") != (family == "gemma3"):
         raise BadInput(f"{path}: activation '{act}' is not supported for {family} (nerva's MLP is SwiGLU: silu; "
                        "Gemma 3's GeGLU: gelu_pytorch_tanh)")

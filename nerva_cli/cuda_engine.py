@@ -302,8 +302,7 @@ class CudaEngine(EngineBase):
         self.final_norm = g["final_norm"]
         self.head_t = matrix(g, "lm_head") if any(n.startswith("lm_head") for n in g) else self.embed_t
         self.rope = rope.per_layer(cfg, *rope.tables(cfg, self.ctx), put=dev.upload)  # layer -> (cos, sin)
-        # layer -> the positions its attention sees back from a query, itself included (0: all)
-        self.window = [cfg.sliding_window if i in (cfg.sliding_layers or ()) else 0 for i in range(cfg.num_layers)]
+        self.window = cfg.windows  # layer -> its attention window (0: all positions)
         self.a = DeviceArena(dev, cfg, self.ctx, self.splits[1])
         self.layers: dict[int, DeviceLayer] = {}
         for i in gp.vram.resident_layers:

@@ -262,8 +262,7 @@ class Engine(EngineBase):
         self.precision = default_precision(model, precision)
         self.ctx = context_length(cfg, ctx)
         self.rope = rope.per_layer(cfg, *rope.tables(cfg, self.ctx))  # layer -> (cos, sin)
-        # layer -> the positions its attention sees back from a query, itself included (0: all)
-        self.window = [cfg.sliding_window if i in (cfg.sliding_layers or ()) else 0 for i in range(cfg.num_layers)]
+        self.window = cfg.windows  # layer -> its attention window (0: all positions)
         self.embed_scale = None if cfg.embed_scale is None else np.float32(cfg.embed_scale)
         self.plan = residency_plan(model, self.ctx, ram_budget, importance, active_layers, kv_cache, prefill_rows)
         g = {}
