@@ -46,7 +46,7 @@ SPLITS = {**dict.fromkeys(LLAMA3_PRE, _LLAMA3), "qwen2": _QWEN2, "deepseek-r1-qw
 # Where llama.cpp ends a generation (its vocabulary's end-of-generation set): at the ids a GGUF
 # names for these kinds, or where it names none, the first token spelt as one of the kind's
 # (the FIM ones too: a code model's repository and padding markers), and at every token spelt as
-# one of END_OF_GENERATION. Gemma 3's GGUFs name <eos> alone, where its turns end at <end_of_turn>.
+# one of END_OF_GENERATION (a GGUF may name <eos> alone where its turns end at <end_of_turn>).
 END_KINDS = {
     "eos": (), "eom": ("<|eom_id|>",),
     "eot": ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
