@@ -288,7 +288,6 @@ class Engine(EngineBase):
         # the sliding-window layers whose caches hold fewer rows than the context (arena.cache_rows):
         # row r holds position kv_base + r
         self.ring = [i for i, c in enumerate(self.a.k_cache) if c.shape[0] < self.ctx]
-        self.kv_base = 0
         self.n_past = 0
         self.phase_ns = dict.fromkeys(PHASES, 0)
         self.policy = policy
@@ -348,7 +347,13 @@ class Engine(EngineBase):
     # -- the sliding-window layers' caches ---------------------------------------------------
     def reset(self) -> None:
         self.n_past = 0
-        self.kv_base = self.a.kv_base[0] = 0
+        self.a.kv_base[0] = 0
+
+    @property
+    def kv_base(self) -> int:
+        """The position a sliding-window layer's first cache row holds (the arena keeps it, for
+        the compiled decode halves)."""
+        return int(self.a.kv_base[0])
 
     def truncate(self, n: int) -> int:
         """EngineBase.truncate; where a sliding layer's cache no longer holds the window before
@@ -380,7 +385,7 @@ class Engine(EngineBase):
                 for lo in range(0, count, shift):
                     hi = min(count, lo + shift)
                     cache[lo:hi] = cache[shift + lo:shift + hi]
-        self.kv_base = self.a.kv_base[0] = keep
+        self.a.kv_base[0] = keep
 
     # -- decode ------------------------------------------------------------------------------
     def kernel_kinds(self) -> str:
@@ -557,10 +562,11 @@ class Engine(EngineBase):
         row = pos - (self.kv_base if layer.index in self.ring else 0)  # the cache row of position pos
         a.k_cache[layer.index][row] = a.k
         a.v_cache[layer.index][row] = a.v
-        window = self.window[layer.index]
+        kc, vc, window = a.k_cache[layer.index], a.v_cache[layer.index], self.window[layer.index]
         first = max(0, row + 1 - window) if window else 0
-        k.attention_decode(a.q, a.k_cache[layer.index][first:], a.v_cache[layer.index][first:], row + 1 - first,
-                           a.attn, a.att_part)
+        if first:  # a view per call only where a window has moved on
+            kc, vc = kc[first:], vc[first:]
+        k.attention_decode(a.q, kc, vc, row + 1 - first, a.attn, a.att_part)
         if w4a8:
             self._quantize_input(a.attn_flat)
         self._matvec(m["o"], a.attn_flat, a.o, layer.precision)

@@ -2626,8 +2626,10 @@ def decode_layer_halves(layer, a, cfg, cos, sin, window=0, base=None):
     def attention(n_ctx):
         _attention_inputs(*inputs)
         rows = n_ctx if base is None else n_ctx - base[0]
-        first = rows - window if 0 < window < rows else 0
-        attend(a.q, k_cache[first:], v_cache[first:], rows - first, a.attn, a.att_part, _threads[0])
+        if 0 < window < rows:  # a view per call only where a window has moved on
+            attend(a.q, k_cache[rows - window:], v_cache[rows - window:], window, a.attn, a.att_part, _threads[0])
+        else:
+            attend(a.q, k_cache, v_cache, rows, a.attn, a.att_part, _threads[0])
         _layer_matvec(*o)
         if post_norm is not None:
             rmsnorm(a.o, post_norm, cfg.rms_eps, a.o)
