@@ -307,20 +307,29 @@ def _text_config(cfg: dict) -> dict:
 
 def _gemma3_fields(cfg: dict, head_dim: int, layers: int) -> dict:
     """Gemma 3's ModelConfig fields from its config.json (as _text_config merged it): the layers
-    with a sliding window (its layer_types, else every layer but each sliding_window_pattern-th)
-    and their RoPE base; its attention scale is gemma3_attention's."""
+    with a sliding window (its layer_types, else gemma3_fields' pattern) and their RoPE base; its
+    attention scale is gemma3_attention's."""
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if cfg.get(key) is not None:
             raise BadInput(f"{key} {cfg[key]} is not supported (Gemma 2's logit capping)")
-    types = cfg.get("layer_types") or [
-        "full_attention" if (i + 1) % int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
-        == 0 else "sliding_attention" for i in range(layers)]
-    if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+    pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+    types = cfg.get("layer_types")
+    if types is not None and (len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}):
         raise BadInput(f"layer_types must be {layers} of sliding_attention / full_attention, got {types}")
-    return {"activation": "gelu_tanh", "embed_scale": float(cfg["hidden_size"]) ** 0.5, "post_norms": True,
-            "sliding_window": int(cfg["sliding_window"]),
-            "sliding_layers": [i for i, t in enumerate(types) if t == "sliding_attention"] or None,
-            "local_rope_theta": float(cfg["rope_local_base_freq"])}
+    sliding = None if types is None else [i for i, t in enumerate(types) if t == "sliding_attention"]
+    return gemma3_fields(int(cfg["hidden_size"]), layers, int(cfg["sliding_window"]),
+                         float(cfg["rope_local_base_freq"]), sliding, pattern)
+
+
+def gemma3_fields(hidden: int, layers: int, window: int, local_rope_theta: float = 10_000.0,
+                  sliding: list[int] | None = None, pattern: int = 6) -> dict:
+    """ModelConfig's Gemma 3 fields: GeGLU, the embedding times sqrt(hidden), post norms, and a
+    window in the `sliding` layers (by default all but every pattern-th: transformers' default
+    and llama.cpp's fixed step), whose RoPE turns at local_rope_theta."""
+    if sliding is None:
+        sliding = [i for i in range(layers) if (i + 1) % pattern]
+    return {"activation": "gelu_tanh", "embed_scale": float(hidden) ** 0.5, "post_norms": True,
+            "sliding_window": window, "sliding_layers": sliding or None, "local_rope_theta": local_rope_theta}
 
 
 def gemma3_attention(query_pre_attn_scalar, head_dim: int) -> dict | None:

@@ -47,11 +47,11 @@ GEMMA3_WINDOW = 512
 
 def family_fields(shape: str, hidden: int, layers: int) -> dict:
     """ModelConfig's family fields of a shape: Gemma 3's as its config.json gives them, else Llama's."""
+    from nerva_cli.config import gemma3_fields
+
     if not shape.startswith("gemma3"):
         return {"family": "llama"}
-    return {"family": "gemma3", "qk_norm": True, "activation": "gelu_tanh", "embed_scale": float(hidden) ** 0.5,
-            "post_norms": True, "sliding_window": GEMMA3_WINDOW, "local_rope_theta": 10000.0,
-            "sliding_layers": [i for i in range(layers) if (i + 1) % 6]}
+    return {"family": "gemma3", "qk_norm": True, **gemma3_fields(hidden, layers, GEMMA3_WINDOW)}
 
 
 def tokenizer_files() -> dict[str, str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from nerva_cli.config import (FAMILY_OF, SUPPORTED_TEXT, ModelConfig, attended_context, gemma3_attention,
-                              granite_scales, in_file, longrope_scaling, yarn_scaling)
+                              gemma3_fields, granite_scales, in_file, longrope_scaling, yarn_scaling)
 from nerva_cli.errors import BadInput
 from nerva_cli.quant import BLOCK_BYTES, split_blocks
 from nerva_cli.sources import Source, SourceTensor, fused_part, row_range
@@ -110,9 +110,7 @@ def _config(header: GGUFHeader, path: Path, embed_shape, rope: dict[str, list[fl
     window = fields.get(f"{arch}.attention.sliding_window")
     gemma = {}
     if arch == "gemma3":  # as llama.cpp runs it: every sixth layer full, the others windowed at base 10000
-        gemma = {"activation": "gelu_tanh", "embed_scale": float(hidden) ** 0.5, "post_norms": True,
-                 "sliding_window": int(key("attention.sliding_window")),
-                 "sliding_layers": [i for i in range(layers) if (i + 1) % 6] or None, "local_rope_theta": 10_000.0,
+        gemma = {**gemma3_fields(hidden, layers, int(key("attention.sliding_window"))),
                  # the 27B's 1/sqrt(hidden / heads), which llama.cpp knows by its 62 layers
                  "folded_scales": gemma3_attention(hidden // heads if layers == 62 else head_dim, head_dim)}
     try:
