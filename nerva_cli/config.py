@@ -11,14 +11,15 @@ from dataclasses import dataclass, field
 
 from nerva_cli.errors import BadInput
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+GEMMA = ("gemma2", "gemma3")  # GeGLU, post norms, norms stored as 1 + w, windowed layers
 # HF model_type / GGUF general.architecture -> family. Mistral and SmolLM are Llama-shaped (SmolLM3
 # with no RoPE in every fourth layer: nope_layers); so is Phi-3 once its fused q/k/v and gate/up
 # matrices are split (sources.fused_part).
 FAMILY_OF = {"llama": "llama", "mistral": "llama", "smollm3": "llama", "granite": "llama", "qwen2": "qwen2",
-             "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3", "gemma3_text": "gemma3"}
+             "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2", "gemma3": "gemma3", "gemma3_text": "gemma3"}
 SUPPORTED_TEXT = ("llama (Llama 2/3.x, Mistral, SmolLM, SmolLM3, Granite 3, TinyLlama), qwen2, qwen3, "
-                  "phi3 (Phi-3, Phi-3.5, Phi-4-mini), gemma3 (Gemma 3's text model)")
+                  "phi3 (Phi-3, Phi-3.5, Phi-4-mini), gemma2, gemma3 (Gemma 3's text model)")
 ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate: SwiGLU's, or GeGLU's (GeLU, tanh approximation)
 ROPE_SCALINGS = ("linear", "llama3", "freq_factors", "longrope", "yarn")
 
@@ -61,17 +62,21 @@ class ModelConfig:
     # into the stored weights (convert._folded): the engine applies nothing of them. None: all 1
     # and attention 1/sqrt(head_dim), as Llama's.
     folded_scales: dict | None = None
-    # Gemma 3's: GeGLU's gate (gelu_tanh); the token embedding times embed_scale (sqrt(hidden),
+    # Gemma's: GeGLU's gate (gelu_tanh); the token embedding times embed_scale (sqrt(hidden),
     # which the engine applies: folded into the table it would round an exact variant's rows);
     # norms after attention and after the MLP, before each joins the residual (the layer files'
     # post_attn_norm and post_mlp_norm); attention over the last sliding_window positions in
-    # sliding_layers, whose RoPE turns at local_rope_theta, unscaled.
+    # sliding_layers, whose RoPE turns at local_rope_theta (Gemma 3's), unscaled.
     activation: str = "silu"
     embed_scale: float | None = None
     post_norms: bool = False
     sliding_window: int | None = None
     sliding_layers: list[int] | None = None
     local_rope_theta: float | None = None
+    # Gemma 2's logit capping: attention scores (after their scale) become c tanh(s / c) with c
+    # attn_softcap, the final logits the same with final_softcap; None: not capped.
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
 
     def __post_init__(self):
         if self.family not in SUPPORTED_FAMILIES:
@@ -98,6 +103,10 @@ class ModelConfig:
                                f"{self.num_layers}")
             if not (self.sliding_window or 0) > 0:
                 raise BadInput(f"config: sliding-window layers need a positive sliding_window, got {self.sliding_window}")
+        for name in ("attn_softcap", "final_softcap"):
+            cap = getattr(self, name)
+            if cap is not None and not (math.isfinite(cap) and cap > 0):
+                raise BadInput(f"config: {name} must be a positive number, got {cap}")
         if self.rope_scaling and self.rope_scaling.get("type") not in ROPE_SCALINGS:
             raise BadInput(f"config: rope scaling '{self.rope_scaling.get('type')}' is not supported "
                            f"(supported: {', '.join(ROPE_SCALINGS)})")
@@ -151,7 +160,8 @@ class ModelConfig:
                 "num_kv_heads", "head_dim", "vocab_size", "qkv_bias", "qk_norm", "tie_embeddings")
         arch = {k: getattr(self, k) for k in keys}
         # only where set: the hashes (and shipped profiles) before stand
-        for key in ("rotary_dim", "nope_layers", "embed_scale", "sliding_window", "sliding_layers"):
+        for key in ("rotary_dim", "nope_layers", "embed_scale", "sliding_window", "sliding_layers", "attn_softcap",
+                    "final_softcap"):
             if getattr(self, key) is not None:
                 arch[key] = getattr(self, key)
         if self.activation != "silu" or self.post_norms:
@@ -288,9 +298,17 @@ GEMMA3_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
+# Gemma2Config's defaults for what changes the model's output, where a config.json leaves them out
+# (google/gemma-2-2b-it's names no tie_word_embeddings, and has no lm_head)
+GEMMA2_DEFAULTS = {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                   "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "tie_word_embeddings": True}
+
+
 def _text_config(cfg: dict) -> dict:
     """A multimodal Gemma 3's text_config (its language model, with its defaults) merged over the
-    top level's ids; any other config as it is."""
+    top level's ids; a Gemma 2's with its defaults; any other config as it is."""
+    if cfg.get("model_type") == "gemma2":
+        return {**GEMMA2_DEFAULTS, **cfg}
     if cfg.get("model_type") not in ("gemma3", "gemma3_text"):
         return cfg
     text = cfg.get("text_config") or {}
@@ -305,36 +323,38 @@ def _text_config(cfg: dict) -> dict:
     return merged
 
 
-def _gemma3_fields(cfg: dict, head_dim: int, layers: int) -> dict:
-    """Gemma 3's ModelConfig fields from its config.json (as _text_config merged it): the layers
-    with a sliding window (its layer_types, else gemma3_fields' pattern) and their RoPE base; its
-    attention scale is gemma3_attention's."""
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if cfg.get(key) is not None:
-            raise BadInput(f"{key} {cfg[key]} is not supported (Gemma 2's logit capping)")
-    pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+def _gemma_fields(cfg: dict, family: str, layers: int) -> dict:
+    """Gemma's ModelConfig fields from its config.json (as _text_config merged it): the layers
+    with a sliding window (its layer_types, else gemma_fields' pattern for the family), Gemma 3's
+    local RoPE base, and the logit caps (Gemma 2's); its attention scale is gemma_attention's."""
+    gemma3 = family == "gemma3"
+    pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or (6 if gemma3 else 2))
     types = cfg.get("layer_types")
     if types is not None and (len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}):
         raise BadInput(f"layer_types must be {layers} of sliding_attention / full_attention, got {types}")
     sliding = None if types is None else [i for i, t in enumerate(types) if t == "sliding_attention"]
-    return gemma3_fields(int(cfg["hidden_size"]), layers, int(cfg["sliding_window"]),
-                         float(cfg["rope_local_base_freq"]), sliding, pattern)
+    caps = {name: float(cfg[key]) for name, key in (("attn_softcap", "attn_logit_softcapping"),
+                                                      ("final_softcap", "final_logit_softcapping"))
+            if cfg.get(key) is not None}
+    return {**gemma_fields(int(cfg["hidden_size"]), layers, int(cfg["sliding_window"]), pattern, sliding,
+                           float(cfg["rope_local_base_freq"]) if gemma3 else None), **caps}
 
 
-def gemma3_fields(hidden: int, layers: int, window: int, local_rope_theta: float = 10_000.0,
-                  sliding: list[int] | None = None, pattern: int = 6) -> dict:
-    """ModelConfig's Gemma 3 fields: GeGLU, the embedding times sqrt(hidden), post norms, and a
+def gemma_fields(hidden: int, layers: int, window: int, pattern: int, sliding: list[int] | None = None,
+                 local_rope_theta: float | None = None) -> dict:
+    """ModelConfig's Gemma fields: GeGLU, the embedding times sqrt(hidden), post norms, and a
     window in the `sliding` layers (by default all but every pattern-th: transformers' default
-    and llama.cpp's fixed step), whose RoPE turns at local_rope_theta."""
+    and llama.cpp's fixed step, Gemma 2's 2 and Gemma 3's 6), whose RoPE turns at
+    local_rope_theta where that is given (Gemma 3's 10000)."""
     if sliding is None:
         sliding = [i for i in range(layers) if (i + 1) % pattern]
     return {"activation": "gelu_tanh", "embed_scale": float(hidden) ** 0.5, "post_norms": True,
             "sliding_window": window, "sliding_layers": sliding or None, "local_rope_theta": local_rope_theta}
 
 
-def gemma3_attention(query_pre_attn_scalar, head_dim: int) -> dict | None:
-    """Gemma 3's attention scale 1/sqrt(query_pre_attn_scalar) as folded_scales (convert folds it
-    into the q norm), None where it is Llama's 1/sqrt(head_dim) (all but the 27B)."""
+def gemma_attention(query_pre_attn_scalar, head_dim: int) -> dict | None:
+    """Gemma's attention scale 1/sqrt(query_pre_attn_scalar) as folded_scales (convert folds it
+    into the q norm, or Gemma 2's q), None where it is Llama's 1/sqrt(head_dim) (all but the 27Bs)."""
     attention = float(query_pre_attn_scalar or head_dim) ** -0.5
     return None if abs(attention * head_dim ** 0.5 - 1) < 1e-9 else granite_scales(attention=attention)
 
@@ -347,14 +367,14 @@ def from_hf_config(cfg: dict, path: str) -> ModelConfig:
         raise BadInput(f"{path}: architecture '{model_type}' is not supported (supported: {SUPPORTED_TEXT})")
     family = FAMILY_OF[model_type]
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"  # Gemma's name first, as transformers
-    if act not in HF_ACTIVATIONS or (act != "silu") != (family == "gemma3"):
+    if act not in HF_ACTIVATIONS or (act != "silu") != (family in GEMMA):
         raise BadInput(f"{path}: activation '{act}' is not supported for {family} (nerva's MLP is SwiGLU: silu; "
-                       "Gemma 3's GeGLU: gelu_pytorch_tanh)")
+                       "Gemma's GeGLU: gelu_pytorch_tanh)")
     try:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = int(cfg.get("head_dim") or hidden // heads)
-        gemma = _gemma3_fields(cfg, head_dim, int(cfg["num_hidden_layers"])) if family == "gemma3" else {}
+        gemma = _gemma_fields(cfg, family, int(cfg["num_hidden_layers"])) if family in GEMMA else {}
         return ModelConfig(
             family=family,
             hidden_size=hidden,
@@ -378,7 +398,7 @@ def from_hf_config(cfg: dict, path: str) -> ModelConfig:
             folded_scales=granite_scales(cfg.get("embedding_multiplier"), cfg.get("residual_multiplier"),
                                          cfg.get("attention_multiplier"), cfg.get("logits_scaling"))
             if model_type == "granite" else
-            gemma3_attention(cfg.get("query_pre_attn_scalar"), head_dim) if gemma else None,
+            gemma_attention(cfg.get("query_pre_attn_scalar"), head_dim) if gemma else None,
             **gemma,
         )
     except KeyError as e:

@@ -264,6 +264,7 @@ class Engine(EngineBase):
         self.rope = rope.per_layer(cfg, *rope.tables(cfg, self.ctx))  # layer -> (cos, sin)
         self.window = cfg.windows  # layer -> its attention window (0: all positions)
         self.embed_scale = None if cfg.embed_scale is None else np.float32(cfg.embed_scale)
+        self.softcap = cfg.attn_softcap or 0.0  # attention's scores capped (Gemma 2), 0: not
         self.plan = residency_plan(model, self.ctx, ram_budget, importance, active_layers, kv_cache, prefill_rows)
         g = {}
         for fname in ("embed.bin", "final_norm.bin", "lm_head.bin"):
@@ -519,6 +520,16 @@ class Engine(EngineBase):
         if precision == "w4a8" and self.lm_head.w is None:
             self._quantize_input(x)
         self._matvec(self.lm_head, x, out, precision)
+        self._cap_logits(out)
+
+    def _cap_logits(self, logits: np.ndarray) -> None:
+        """Gemma 2's final logit capping, cap tanh(logits / cap), in place (NumPy's in-place ufuncs
+        allocate nothing); no change where the model has none."""
+        cap = self.cfg.final_softcap
+        if cap:
+            logits *= np.float32(1 / cap)
+            np.tanh(logits, out=logits)
+            logits *= np.float32(cap)
 
     def _decode_layer(self, layer: Layer, pos: int) -> None:
         halves = self.compiled_layers.get(layer.index)
@@ -566,7 +577,7 @@ class Engine(EngineBase):
         first = max(0, row + 1 - window) if window else 0
         if first:  # a view per call only where a window has moved on
             kc, vc = kc[first:], vc[first:]
-        k.attention_decode(a.q, kc, vc, row + 1 - first, a.attn, a.att_part)
+        k.attention_decode(a.q, kc, vc, row + 1 - first, a.attn, a.att_part, self.softcap)
         if w4a8:
             self._quantize_input(a.attn_flat)
         self._matvec(m["o"], a.attn_flat, a.o, layer.precision)
@@ -726,7 +737,7 @@ class Engine(EngineBase):
         window = self.window[layer.index]
         first = max(0, row + 1 - window) if window else 0  # the row of the first position any query sees
         k.attention_prefill(q, kc[first: row + T], vc[first: row + T], row - first, attn, ws.bufs["attention"],
-                            window)
+                            window, self.softcap)
         proj = ws.take("proj", T, h)
         self._dense([m["o"]], attn.reshape(T, -1), p, proj)
         if layer.post_attn_norm is not None:
@@ -758,6 +769,7 @@ class Engine(EngineBase):
         self.k.rmsnorm(np.ascontiguousarray(x), self.final_norm, self.cfg.rms_eps, xn)
         out = np.empty((x.shape[0], self.lm_head.rows), dtype=np.float32)
         self._dense([self.lm_head], xn, "w4a8" if self.precision == "w4a8" else "w4a16", out)
+        self._cap_logits(out)
         return out
 
     @property

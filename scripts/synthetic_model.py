@@ -47,11 +47,11 @@ GEMMA3_WINDOW = 512
 
 def family_fields(shape: str, hidden: int, layers: int) -> dict:
     """ModelConfig's family fields of a shape: Gemma 3's as its config.json gives them, else Llama's."""
-    from nerva_cli.config import gemma3_fields
+    from nerva_cli.config import gemma_fields
 
     if not shape.startswith("gemma3"):
         return {"family": "llama"}
-    return {"family": "gemma3", "qk_norm": True, **gemma3_fields(hidden, layers, GEMMA3_WINDOW)}
+    return {"family": "gemma3", "qk_norm": True, **gemma_fields(hidden, layers, GEMMA3_WINDOW, 6, local_rope_theta=10_000.0)}
 
 
 def tokenizer_files() -> dict[str, str]:

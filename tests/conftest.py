@@ -124,6 +124,18 @@ FAMILIES = {
     "gemma3-qpas": ("Gemma3TextConfig", {
         "head_dim": 16, "pad_token_id": 0, "sliding_window": 8, "query_pre_attn_scalar": 64,
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+    # Gemma 2: Gemma 3's layer without q/k norms, an 8-position window in every other layer (the
+    # first of each pair, as transformers and llama.cpp have it), one RoPE base, and its logit caps,
+    # small enough to bite here (the scores' std is about 8, the logits' 0.5: without the attention
+    # cap the logits move by their own size)
+    "gemma2": ("Gemma2Config", {
+        "layers": 4, "head_dim": 16, "pad_token_id": 0, "sliding_window": 8, "query_pre_attn_scalar": 16,
+        "attn_logit_softcapping": 10.0, "final_logit_softcapping": 1.5}),
+    # the 27B's kind of query_pre_attn_scalar: attention 1/8 where head_dim 16 gives 1/4, a factor
+    # of 1/2 folded into q (no q norm), exactly
+    "gemma2-qpas": ("Gemma2Config", {
+        "head_dim": 16, "pad_token_id": 0, "sliding_window": 8, "query_pre_attn_scalar": 64,
+        "attn_logit_softcapping": 10.0, "final_logit_softcapping": 1.5}),
 }
 
 

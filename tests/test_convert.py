@@ -474,7 +474,7 @@ def hf_to_gguf(src, path, extra=None, layer_quant=None):
 
     cfg = transformers.AutoConfig.from_pretrained(src)
     arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "smollm3": "smollm3",
-            "granite": "granite", "gemma3_text": "gemma3"}[cfg.model_type]
+            "granite": "granite", "gemma2": "gemma2", "gemma3_text": "gemma3"}[cfg.model_type]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     rope = getattr(cfg, "rope_parameters", None) or {}
     rope = rope.get("full_attention", rope)  # Gemma 3's: the full layers' (llama.cpp fixes the others')
@@ -486,8 +486,11 @@ def hf_to_gguf(src, path, extra=None, layer_quant=None):
 
     for name, a in (extra or {}).items():
         w.add_tensor(name, a)
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
@@ -516,7 +519,7 @@ def hf_to_gguf(src, path, extra=None, layer_quant=None):
         return m.reshape(n_head, 2, m.shape[0] // n_head // 2, *m.shape[1:]).swapaxes(1, 2).reshape(m.shape)
 
     t = load_file(str(src / "model.safetensors"))
-    if arch == "gemma3":  # llama.cpp's converter stores Gemma's norms as the 1 + w they multiply by
+    if arch in ("gemma2", "gemma3"):  # llama.cpp's converter stores Gemma's norms as the 1 + w they multiply by
         t = {k: v + np.float32(1) if k.endswith("norm.weight") else v for k, v in t.items()}
     w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", t["model.norm.weight"])
@@ -528,7 +531,7 @@ def hf_to_gguf(src, path, extra=None, layer_quant=None):
              "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
     if arch == "phi3":
         names.update(attn_qkv="self_attn.qkv_proj", ffn_up="mlp.gate_up_proj")
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         names.update(post_attention_norm="post_attention_layernorm", ffn_norm="pre_feedforward_layernorm",
                      post_ffw_norm="post_feedforward_layernorm")
     for i in range(cfg.num_hidden_layers):
@@ -552,12 +555,12 @@ def hf_to_gguf(src, path, extra=None, layer_quant=None):
 
 
 @pytest.mark.parametrize("family", ["llama", "llama-untied", "qwen2", "qwen3", "qwen3-yarn", "phi3", "phi3-longrope",
-                                    "smollm3", "granite", "gemma3"])
+                                    "smollm3", "granite", "gemma2", "gemma3"])
 def test_a_gguf_of_hf_weights_converts_as_the_hf_directory_does(family, tiny_models, tmp_path, cli):
     """Each family nerva runs, as llama.cpp's converter would write it (F32 tensors: Qwen2's q/k/v
     biases, Qwen3's q/k norms and head_dim, an untied lm_head, a Llama's permuted q/k, Phi-3's
     fused matrices, partial rotation and LongRoPE factors, YaRN's keys, SmolLM3's architecture,
-    Granite's multipliers, Gemma 3's post norms, window and two RoPE bases): its f16
+    Granite's multipliers, Gemma 3's post norms, window and two RoPE bases, Gemma 2's logit caps): its f16
     conversion equals the HF directory's, tensor for tensor, and so does the config nerva reads
     from the keys (but for the source it names)."""
     src = tiny_models(family)
@@ -751,7 +754,7 @@ def test_phi_configs_as_their_repos_write_them():
 def test_gemma3_configs_as_their_repos_write_them():
     """config.json as google/gemma-3-1b-it writes it (the text model alone, rope_local_base_freq),
     and the 4B's and 27B's (a multimodal config whose text_config names little more than sizes:
-    the rest are Gemma3TextConfig's defaults); Gemma 2's logit capping is refused by name."""
+    the rest are Gemma3TextConfig's defaults)."""
     from nerva_cli.config import from_hf_config
 
     one = from_hf_config({
@@ -781,10 +784,42 @@ def test_gemma3_configs_as_their_repos_write_them():
         "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 62, "num_attention_heads": 32,
         "num_key_value_heads": 16, "head_dim": 128, "query_pre_attn_scalar": 168}}, "config.json")
     assert big.folded_scales["attention"] == 168 ** -0.5  # convert folds it into the q norm
-    with pytest.raises(Exception, match="config.json: final_logit_softcapping 30.0 is not supported"):
-        from_hf_config({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, "config.json")
-    with pytest.raises(Exception, match="config.json: architecture 'gemma2' is not supported"):
-        from_hf_config({"model_type": "gemma2"}, "config.json")
+
+
+def test_gemma2_configs_as_their_repos_write_them():
+    """config.json as google/gemma-2-2b-it writes it (every key named: windows in every other
+    layer, the first of each pair; both caps; one RoPE base) and the 27B's (its
+    query_pre_attn_scalar 144 = hidden / heads where head_dim is 128: folded into q), one that
+    leaves the caps out (Gemma2Config's 50 and 30, as transformers and llama.cpp take them) and
+    one whose cap is null (none); a cap that is not a positive number is refused by name."""
+    from nerva_cli.config import from_hf_config
+
+    two = {"architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+           "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid",
+           "eos_token_id": [1, 107], "final_logit_softcapping": 30.0, "head_dim": 256,
+           "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304,
+           "intermediate_size": 9216, "max_position_embeddings": 8192, "model_type": "gemma2",
+           "num_attention_heads": 8, "num_hidden_layers": 26, "num_key_value_heads": 4, "pad_token_id": 0,
+           "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096,
+           "torch_dtype": "float32", "vocab_size": 256000}
+    cfg = from_hf_config(two, "config.json")
+    assert (cfg.family, cfg.head_dim, cfg.num_kv_heads, cfg.max_context, cfg.vocab_size) == ("gemma2", 256, 4, 8192,
+                                                                                              256000)
+    assert cfg.tie_embeddings and not cfg.qk_norm and cfg.post_norms and cfg.activation == "gelu_tanh"
+    assert cfg.sliding_window == 4096 and cfg.sliding_layers == list(range(0, 26, 2))
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling) == (1e4, None, None)
+    assert (cfg.attn_softcap, cfg.final_softcap) == (50.0, 30.0) and cfg.eos_token_ids == [1, 107]
+    assert cfg.embed_scale == math.sqrt(2304) and cfg.folded_scales is None
+    big = from_hf_config({**two, "hidden_size": 4608, "intermediate_size": 36864, "num_hidden_layers": 46,
+                          "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128,
+                          "query_pre_attn_scalar": 144}, "config.json")
+    assert big.folded_scales["attention"] == 144 ** -0.5 and len(big.sliding_layers) == 23  # convert folds it into q
+    bare = {k: v for k, v in two.items() if "softcapping" not in k}
+    assert (from_hf_config(bare, "config.json").attn_softcap, from_hf_config(bare, "config.json").final_softcap) \
+        == (50.0, 30.0)
+    assert from_hf_config({**two, "final_logit_softcapping": None}, "config.json").final_softcap is None
+    with pytest.raises(Exception, match="config.json: attn_softcap must be a positive number, got -1.0"):
+        from_hf_config({**two, "attn_logit_softcapping": -1}, "config.json")
 
 
 def test_a_multimodal_gemma3_checkpoint_converts_its_language_model(tiny_models, tmp_path, cli):
@@ -818,19 +853,20 @@ def test_a_multimodal_gemma3_checkpoint_converts_its_language_model(tiny_models,
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3-yarn", "phi3", "phi3-longrope", "smollm3",
-                                    "granite", "gemma3"])
+                                    "granite", "gemma2", "gemma3"])
 def test_a_gguf_runs_as_llama_cpp_runs_it(family, tiny_models, tmp_path):
     """The same GGUF (hf_to_gguf's, weights made f16-exact so that nerva's f16 conversion holds the
     file's values) through llama.cpp and through nerva, both with an f32 KV cache: the logits of a
     12-token prompt and of 8 decode steps after it. Measured 6.8e-7 to 1.2e-6 at the prompt (sums
     in other orders); 1e-4, as test_engine's bound against transformers, and LongRoPE's or YaRN's
     attention factor left out fails it (tried), as a NoPE layer rotated or Granite's tied table
-    left uncompensated fail the transformers tests. Gemma 3's GeLU is where llama.cpp rounds:
+    left uncompensated fail the transformers tests. Gemma's GeLU is where llama.cpp rounds:
     ggml looks it up in a table of f16 inputs, so its MLP outputs carry the gate rounded to 11
-    bits; measured 3.2e-4 to 8.2e-4 on the whole model (here, Zen 3), and with the down
+    bits; measured 3.2e-4 to 8.2e-4 on the whole Gemma 3 model (here, Zen 3), and with the down
     projections zeroed (every step but the MLP's: windows, both RoPE bases, post norms, the
-    embedding's scale) 4e-7 to 1.2e-6. So gemma3 is held to 1e-4 without its MLPs and to 2e-3 with
-    them. Runs where llama-cpp-python is installed."""
+    embedding's scale) 4e-7 to 1.2e-6; Gemma 2 (its logit caps too) 3.3e-4 to 9.1e-4 and 6.3e-7 to
+    2.5e-6. So both are held to 1e-4 without their MLPs and to 2e-3 with them. Runs where
+    llama-cpp-python is installed."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
     import shutil
 
@@ -859,7 +895,7 @@ def test_a_gguf_runs_as_llama_cpp_runs_it(family, tiny_models, tmp_path):
         print(name, "relative errors", errs)
         return errs
 
-    if family == "gemma3":
+    if family in ("gemma2", "gemma3"):
         no_mlp = {k: np.zeros_like(v) if "down_proj" in k else v for k, v in weights.items()}
         assert max(errors(no_mlp, "no-mlp")) < 1e-4
         assert max(errors(weights, family)) < 2e-3

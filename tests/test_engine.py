@@ -51,8 +51,8 @@ def rel_err(a, b):
 
 @pytest.mark.parametrize("family,backend", [  # cpu on every family; the slow ref on two
     (f, "cpu") for f in ("llama", "llama-untied", "llama3-scaled", "qwen2", "qwen3", "qwen3-yarn", "phi3",
-                         "phi3-longrope", "smollm3", "granite", "gemma3", "gemma3-qpas")] + [
-    ("qwen3", "ref"), ("llama3-scaled", "ref"), ("phi3-longrope", "ref"), ("gemma3", "ref")])
+                         "phi3-longrope", "smollm3", "granite", "gemma2", "gemma2-qpas", "gemma3", "gemma3-qpas")] + [
+    ("qwen3", "ref"), ("llama3-scaled", "ref"), ("phi3-longrope", "ref"), ("gemma2", "ref"), ("gemma3", "ref")])
 def test_f16_greedy_and_logits_equal_transformers(family, backend, tiny_models, tmp_path):
     src = tiny_models(family)
     model = pull(str(src), variant="f16", out=tmp_path / "m")
@@ -186,7 +186,7 @@ def test_q4_1_logits_equal_transformers_on_its_weights(precision, tiny_models, t
         assert 0.001 < max(errs) < 0.2, errs
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3"])  # gemma3: chunks start inside the 8-position window
+@pytest.mark.parametrize("family", ["qwen2", "gemma2", "gemma3"])  # gemma: chunks start inside the 8-position window
 def test_prefill_in_chunks_equals_one_chunk(family, tiny_models, tmp_path, rng):
     model = pull(str(tiny_models(family)), variant="f16", out=tmp_path / "m")
     ids = list(rng.integers(0, 384, size=40))
@@ -266,7 +266,7 @@ def test_prefill_allocates_only_its_logits(family, variant, precision, tiny_mode
     assert logits <= peak - start <= logits + (8 << 10)
 
 
-@pytest.mark.parametrize("family,variant", [("llama", "q4_0"), ("llama", "q4_1"), ("gemma3", "q4_1")])
+@pytest.mark.parametrize("family,variant", [("llama", "q4_0"), ("llama", "q4_1"), ("gemma2", "q4_0"), ("gemma3", "q4_1")])
 @pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
 def test_q4_decode_matches_prefill_and_ref(precision, family, variant, tiny_models, tmp_path, rng):
     """Decode (integer W4A8 / float W4A16 kernels) and prefill (dequantise + GEMM) are two
@@ -316,7 +316,7 @@ def test_q4_0_w4a8_differs_from_w4a16_but_little(tiny_models, tmp_path, rng):
 
 
 # plain, qkv bias, q/k norms; Gemma 3's GeGLU, post norms and windows (12 positions, 8 seen)
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
 @pytest.mark.parametrize("variant", ["q4_0", "q4_1", "f16", "bf16"])
 def test_compiled_layer_halves_equal_the_layer_kernel_by_kernel(family, variant, tiny_models, tmp_path, rng):
     """The cpu backend runs a resident Q4 or exact layer's decode step in a few compiled calls

@@ -1039,6 +1039,32 @@ def test_attention_decode(rng, heads, kv_heads, head_dim, n_ctx, cache):
     assert rel(want, ind) < ATT_TOL
 
 
+@pytest.mark.parametrize("n,splits", [(7, 1), (130, 1), (301, 3)])
+@pytest.mark.parametrize("cache", ["f32", "f16"])
+def test_attention_decode_caps_scores(rng, n, splits, cache):
+    """Gemma 2's capped scores, softcap tanh(s / softcap) after the scale: K rows 4x the usual
+    make scores of std about 8 (here 5, cap 5: most of them bent, many near the cap), against
+    ref and a float64 reference, in one split and in three (the merge compares capped maxima).
+    Same bound as uncapped (ATT_TOL): tanh's own error is an ulp; and against the uncapped result
+    the outputs move by a good part of their size."""
+    heads, kv_heads, dim, cap = 8, 2, 64, 5.0
+    dtype = np.float16 if cache == "f16" else np.float32
+    q = randn(rng, heads, dim)
+    k, v = (4 * randn(rng, n, kv_heads, dim)).astype(dtype), randn(rng, n, kv_heads, dim).astype(dtype)
+    want, got, plain = np.empty_like(q), np.empty_like(q), np.empty_like(q)
+    ref.attention_decode(q, k, v, n, want, softcap=cap)
+    part = np.full((splits, heads, dim + 2), np.nan, np.float32)
+    cpu.attention_kernel(heads, kv_heads)(q, cpu._cache_operand(k), cpu._cache_operand(v), n, got, part, 16,
+                                          np.float32(cap))
+    assert rel(got, want) < ATT_TOL
+    s = np.einsum("hd,nhd->hn", q.astype(np.float64), np.repeat(k.astype(np.float64), heads // kv_heads, 1)) / 8
+    p = np.exp(cap * np.tanh(s / cap))
+    ind = np.einsum("hn,nhd->hd", p / p.sum(1, keepdims=True), np.repeat(v.astype(np.float64), heads // kv_heads, 1))
+    assert rel(want, ind) < ATT_TOL
+    cpu.attention_decode(q, k, v, n, plain, np.empty_like(part))
+    assert n == 7 or rel(plain, want) > 0.1
+
+
 @pytest.mark.parametrize("direction", [1, -1])
 def test_attention_decode_score_ramps(rng, direction):
     # Scores that rise (or fall) steadily over 70 units across 200 positions: with rising ones
@@ -1183,6 +1209,16 @@ def test_attention_prefill(rng, heads, kv_heads, head_dim, T, start, cache):
         for t in range(T):
             first = max(0, start + t + 1 - w)
             ref.attention_decode(q[t], k[first:], v[first:], start + t + 1 - first, step)
+            assert rel(want[t], step) < ATT_TOL, (w, t)
+    # Gemma 2's capped scores (ref.capped; 2 * randn K makes scores of std about 2, cap 1.5 bends
+    # them), with and without a window: query t is capped decode attention, on both backends
+    for w in (0, 5):
+        ref.attention_prefill(q, k, v, start, want, window=w, softcap=1.5)
+        cpu.attention_prefill(q, k, v, start, got, work, w, 1.5)
+        assert rel(got, want) < ATT_TOL, w
+        for t in range(T):
+            first = max(0, start + t + 1 - w) if w else 0
+            ref.attention_decode(q[t], k[first:], v[first:], start + t + 1 - first, step, softcap=1.5)
             assert rel(want[t], step) < ATT_TOL, (w, t)
 
 

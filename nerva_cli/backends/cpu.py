@@ -2328,11 +2328,12 @@ def _att_values(typingctx, s, pack, v_cache, kv, c0, n, acc, h0):
     return types.none(s, pack, v_cache, kv, c0, n, acc, h0), codegen
 
 
-def attention_decode(q, k_cache, v_cache, n_ctx, out, part):
+def attention_decode(q, k_cache, v_cache, n_ctx, out, part, softcap=0.0):
     """k_cache, v_cache: the layer's whole cache [ctx, kv_heads, head_dim], of which n_ctx rows
-    count; part: attention_decode_partials(ctx, heads, head_dim) floats, the splits' partials."""
+    count; part: attention_decode_partials(ctx, heads, head_dim) floats, the splits' partials;
+    softcap > 0 caps the scaled scores (ref.capped)."""
     attention_kernel(q.shape[0], k_cache.shape[1])(q, _cache_operand(k_cache), _cache_operand(v_cache), n_ctx, out,
-                                                   part, _threads[0])
+                                                   part, _threads[0], F32(softcap))
 
 
 @njit(cache=True)
@@ -2355,7 +2356,7 @@ def _attention_decode_for(big: int, small: int):
     pair's kernel apart (the closure's values are part of its cache key)."""
 
     @njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
-    def _attention_decode(q, k_cache, v_cache, n_ctx, out, part, threads):
+    def _attention_decode(q, k_cache, v_cache, n_ctx, out, part, threads, softcap):
         # A unit of work is a split of the positions. It runs an online softmax over them in chunks
         # of 64, taking every kv head's query heads in turn on a chunk (in packs of at most
         # _ATT_PACK heads, as even as they divide), so a chunk's K and V rows are read whole while
@@ -2403,6 +2404,11 @@ def _attention_decode_for(big: int, small: int):
                         _att_scores(q, h0, big, k_cache, v_cache, kv, c0, n, scale, s, peaks)
                     else:
                         _att_scores(q, h0, small, k_cache, v_cache, kv, c0, n, scale, s, peaks)
+                    if softcap > 0:  # Gemma 2's: tanh keeps the order, so a peak caps to its capped scores' peak
+                        for j in range(size):
+                            for u in range(n):
+                                s[j * _ATT_CHUNK + u] = softcap * np.tanh(s[j * _ATT_CHUNK + u] / softcap)
+                            peaks[j] = softcap * np.tanh(peaks[j] / softcap)
                     for j in range(size):
                         h, sj = h0 + j, j * _ATT_CHUNK
                         m = acc[h, dim]
@@ -2621,15 +2627,16 @@ def decode_layer_halves(layer, a, cfg, cos, sin, window=0, base=None):
     o = (*planes(m["o"]), a.attn_flat, a.xq, x_pairs, a.xd, a.xs, w4a8, a.o)
     mlp = (a.o, a.x, layer.mlp_norm, cfg.rms_eps, a.xn, a.xq, x_pairs, a.xd, a.xs, w4a8, *planes(m["gate_up"]),
            a.gate_up, a.act, *planes(m["down"]), a.down, cfg.activation == "gelu_tanh", layer.post_mlp_norm)
-    post_norm = layer.post_attn_norm
+    post_norm, softcap = layer.post_attn_norm, F32(cfg.attn_softcap or 0)
 
     def attention(n_ctx):
         _attention_inputs(*inputs)
         rows = n_ctx if base is None else n_ctx - base[0]
         if 0 < window < rows:  # a view per call only where a window has moved on
-            attend(a.q, k_cache[rows - window:], v_cache[rows - window:], window, a.attn, a.att_part, _threads[0])
+            attend(a.q, k_cache[rows - window:], v_cache[rows - window:], window, a.attn, a.att_part, _threads[0],
+                   softcap)
         else:
-            attend(a.q, k_cache, v_cache, rows, a.attn, a.att_part, _threads[0])
+            attend(a.q, k_cache, v_cache, rows, a.attn, a.att_part, _threads[0], softcap)
         _layer_matvec(*o)
         if post_norm is not None:
             rmsnorm(a.o, post_norm, cfg.rms_eps, a.o)
@@ -2642,7 +2649,7 @@ _NO_BASE = np.zeros(1, dtype=np.int64)  # a full-context cache's: row r holds po
 ATT_PREFILL_ROWS = 64  # queries of one kv head's group a job of attention_prefill takes, at most
 
 
-def attention_prefill(q, k, v, start, out, work, window=0):
+def attention_prefill(q, k, v, start, out, work, window=0, softcap=0.0):
     # Jobs of up to ATT_PREFILL_ROWS queries of one kv head's group, on numba's threads, each in
     # its own part of `work`: the group's queries copied together, one GEMM for their scores
     # against the positions the job's last query sees (causal: the first jobs read the fewest),
@@ -2659,7 +2666,7 @@ def attention_prefill(q, k, v, start, out, work, window=0):
     if not _SGEMM:  # NumPy has another BLAS
         from . import ref
 
-        ref.attention_prefill(q, k[:n], v[:n], start, out, window=window)
+        ref.attention_prefill(q, k[:n], v[:n], start, out, window=window, softcap=softcap)
         return
     k, v = k[:n], v[:n]  # a longer cache holds no positions this chunk sees
     if k.dtype != F32:
@@ -2673,11 +2680,11 @@ def attention_prefill(q, k, v, start, out, work, window=0):
     rows = max(1, min(ATT_PREFILL_ROWS, T // _threads[0]))  # a job for every thread, even for a short chunk
     workers = min(_threads[0], kv_heads * -(-T // rows), T // rows)  # their parts within the work's bound
     _attention_prefill(_SGEMM, np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v), start,
-                       out, work, rows, workers, F32(1.0 / np.sqrt(dim)), window)
+                       out, work, rows, workers, F32(1.0 / np.sqrt(dim)), window, F32(softcap))
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FAST)
-def _attention_prefill(sgemm, q, k, v, start, out, work, rows, workers, scale, window):
+def _attention_prefill(sgemm, q, k, v, start, out, work, rows, workers, scale, window, softcap):
     # Job j is query block j // kv_heads of kv head j % kv_heads; a worker takes every workers-th
     # job, so the costly last blocks spread over the threads. A worker's part of work holds the
     # group's queries [group * rows, dim], their scores [group * rows, seen], weighted values
@@ -2706,7 +2713,12 @@ def _attention_prefill(sgemm, q, k, v, start, out, work, rows, workers, scale, w
                 first = max(0, at + 1 - window) if window > 0 else 0  # a sliding window's first position
                 for c in range(first):
                     work[row + c] = 0
-                work[inv + r] = F32(1) / _causal_weights(work[row + first:row + seen], at + 1 - first, scale)
+                if softcap > 0:  # Gemma 2's capped scores, already scaled for _causal_weights
+                    for c in range(first, at + 1):
+                        work[row + c] = softcap * np.tanh(work[row + c] * scale / softcap)
+                    work[inv + r] = F32(1) / _causal_weights(work[row + first:row + seen], at + 1 - first, F32(1))
+                else:
+                    work[inv + r] = F32(1) / _causal_weights(work[row + first:row + seen], at + 1 - first, scale)
             _sgemm(sgemm, False, R, dim, seen, work, s, seen, v, g * dim, kv_heads * dim, work, pv, dim)
             for j in range(group):
                 for i in range(nb):

@@ -209,17 +209,22 @@ def attention_decode_partials(ctx, heads, head_dim):
     return (ctx + ATT_SPLIT_MIN - 1) // ATT_SPLIT_MIN, heads, head_dim + 2
 
 
-def attention_decode(q, k_cache, v_cache, n_ctx, out, part=None):
+def capped(s, softcap):
+    """Scores s as Gemma 2 caps them, softcap tanh(s / softcap), where softcap > 0; else s."""
+    return s if not softcap else F32(softcap) * np.tanh(s / F32(softcap))
+
+
+def attention_decode(q, k_cache, v_cache, n_ctx, out, part=None, softcap=0.0):
     """One query per head over cache positions 0..n_ctx-1; GQA: head h reads kv head h // group.
-    The cache may be f16 or f32: NumPy widens f16 exactly when it meets the f32 query.
-    part: see attention_decode_partials (unused here)."""
+    The cache may be f16 or f32: NumPy widens f16 exactly when it meets the f32 query. softcap > 0
+    caps the scaled scores (capped). part: see attention_decode_partials (unused here)."""
     heads, head_dim = q.shape
     group = heads // k_cache.shape[1]
     scale = F32(1.0 / np.sqrt(head_dim))
     for h in range(heads):
         k = k_cache[:n_ctx, h // group]
         v = v_cache[:n_ctx, h // group]
-        s = (k @ q[h]) * scale
+        s = capped((k @ q[h]) * scale, softcap)
         p = np.exp(s - s.max())
         out[h] = (p / p.sum()) @ v
 
@@ -234,9 +239,10 @@ def attention_prefill_work(T, n, heads, kv_heads, head_dim):
     return group * T * (n + 2 * head_dim + 1) + 2 * n * kv_heads * head_dim
 
 
-def attention_prefill(q, k, v, start, out, work=None, window=0):
+def attention_prefill(q, k, v, start, out, work=None, window=0, softcap=0.0):
     """Causal attention for a chunk: query t (position start + t) sees positions 0..start + t, or
-    with a window (> 0) the last `window` of them, itself included (a sliding-window layer's).
+    with a window (> 0) the last `window` of them, itself included (a sliding-window layer's);
+    softcap > 0 caps the scaled scores (capped).
 
     q [T, heads, head_dim], k/v [start + T, kv_heads, head_dim], out [T, heads, head_dim];
     work: see attention_prefill_work (unused here).
@@ -249,7 +255,7 @@ def attention_prefill(q, k, v, start, out, work=None, window=0):
     query = (start + np.arange(T))[:, None]
     future = (seen > query) | ((seen <= query - window) if window else False)
     for h in range(heads):
-        s = (q[:, h] @ k[:, h // group].T) * scale
+        s = capped((q[:, h] @ k[:, h // group].T) * scale, softcap)
         s[future] = -np.inf
         p = np.exp(s - s.max(axis=1, keepdims=True))
         out[:, h] = (p / p.sum(axis=1, keepdims=True)) @ v[:, h // group]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nerva_cli.config import from_hf_config
+from nerva_cli.config import GEMMA, from_hf_config
 from nerva_cli.errors import BadInput, read_json
 from nerva_cli.sources import Source, SourceTensor, fused_part, offset, row_range
 
@@ -50,7 +50,7 @@ def canonical_name(hf_name: str, family: str = "llama") -> str | None:
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     m = _LAYER_RE.match(hf_name)
-    names = _GEMMA_LAYER_NAMES if family == "gemma3" else _LAYER_NAMES
+    names = _GEMMA_LAYER_NAMES if family in GEMMA else _LAYER_NAMES
     if m and m.group(2) in names:
         return f"layers.{int(m.group(1))}.{names[m.group(2)]}"
     return None
@@ -185,7 +185,7 @@ def open_safetensors_dir(root: Path, display_id: str | None = None, revision: st
                          read_f32=lambda: _read_tensor(f, start, dtype, shape, b, e),
                          read_f32_rows=rows if len(shape) == 2 else None)
         # Gemma's norms multiply by 1 + weight: stored as that, as a GGUF of it holds them
-        return offset(t, 1.0) if cfg.family == "gemma3" and name.endswith("norm") else t
+        return offset(t, 1.0) if cfg.family in GEMMA and name.endswith("norm") else t
 
     name = (display_id or root.resolve().name).split("/")[-1].lower()
     origin = {"kind": "hf-repo" if display_id else "hf-dir", "id": display_id or str(root.resolve()),
