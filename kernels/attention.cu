@@ -84,10 +84,10 @@ __device__ __forceinline__ void absorb(Partial<NI>& r, const float (&s)[U], cons
 // flight (one position at a time, decode attention was a chain of dependent loads: about 18 us
 // a layer at 512 cached tokens on an H100, for 2 MB of cache). Then, if fold_new (attend_block
 // sets it for warp 0 alone), one more position: decode's new token, whose K and V rows the
-// block wrote to new_rows() behind a barrier.
+// block wrote to new_rows() behind a barrier. softcap > 0 caps the scaled scores (Gemma 2).
 template <int NI>
 __device__ __forceinline__ void attend(const float* q, const u16* kc, const u16* vc, int row, int hd, float scale,
-                                       int p0, int p1, int step, bool fold_new, Partial<NI>& r) {
+                                       float softcap, int p0, int p1, int step, bool fold_new, Partial<NI>& r) {
     int e0 = (threadIdx.x & 31) * NI;
     float qr[NI];
 #pragma unroll
@@ -108,7 +108,7 @@ __device__ __forceinline__ void attend(const float* q, const u16* kc, const u16*
         float sc[ATT_UNROLL];
 #pragma unroll
         for (int u = 0; u < ATT_UNROLL; u++) {
-            float t = score<NI>(qr, kh[u]);
+            float t = capped(score<NI>(qr, kh[u]), softcap);
             sc[u] = p + u * step < p1 ? t : NEG_INF;
         }
         absorb<NI, ATT_UNROLL>(r, sc, vh);
@@ -117,7 +117,7 @@ __device__ __forceinline__ void attend(const float* q, const u16* kc, const u16*
         u16 kh[1][NI], vh[1][NI];
         load_halves<NI>(new_rows(), e0, hd, kh[0]);
         load_halves<NI>(new_rows() + MAX_HEAD_DIM, e0, hd, vh[0]);
-        float sc[1] = {score<NI>(qr, kh[0])};
+        float sc[1] = {capped(score<NI>(qr, kh[0]), softcap)};
         absorb<NI, 1>(r, sc, vh);
     }
 }
@@ -169,13 +169,13 @@ __device__ __forceinline__ void merge_warps(const Partial<NI>& r, int hd, WarpPa
 // into mg, for the NI that hd needs (hd <= MAX_HEAD_DIM).
 // fold_new: decode's new position, folded in by warp 0 (attend).
 __device__ __forceinline__ void attend_block(const float* q, const u16* kc, const u16* vc, int row, int hd,
-                                             float scale, int p0, int p1, bool fold_new, Merged& mg) {
+                                             float scale, float softcap, int p0, int p1, bool fold_new, Merged& mg) {
     __shared__ WarpPartials wp;
     int warp = threadIdx.x >> 5;
 #define ATTEND_CASE(ni)                                                                           \
     case ni: {                                                                                    \
         Partial<ni> r;                                                                            \
-        attend<ni>(q, kc, vc, row, hd, scale, p0 + warp, p1, ATT_WARPS, fold_new && !warp, r);    \
+        attend<ni>(q, kc, vc, row, hd, scale, softcap, p0 + warp, p1, ATT_WARPS, fold_new && !warp, r); \
         merge_warps<ni>(r, hd, wp, mg);                                                           \
         break;                                                                                    \
     }
@@ -210,7 +210,8 @@ __device__ __forceinline__ void combine_splits(const float* p, float* out, int s
 }
 
 // Decode, split over the context: grid (heads, most), ATT_WARPS warps a block. n = pos[0] + 1
-// positions (the last `window` of them where window > 0: a sliding-window layer's; pos is read
+// positions (the last `window` of them where window > 0: a sliding-window layer's; scores capped
+// where softcap > 0, Gemma 2's; pos is read
 // on the device, so a replayed graph needs no new arguments) go to `least`
 // blocks a head, or more when each would take more than ATT_LONG_CHUNK, up to the grid's
 // `most` (attention_splits in backends/cuda.py); the blocks beyond return at once. The last
@@ -227,7 +228,7 @@ __device__ __forceinline__ void combine_splits(const float* p, float* out, int s
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
     attention_decode(const float* q, const float* k_new, const float* v_new, const float* cos_t,
                      const float* sin_t, u16* k_cache, u16* v_cache, const int* pos, float* part, int* done,
-                     float* out, int heads, int kv_heads, int hd, float scale, int least, int window) {
+                     float* out, int heads, int kv_heads, int hd, float scale, int least, int window, float softcap) {
     wait_prior_kernels();
     int h = blockIdx.x, split = blockIdx.y, most = gridDim.y, n = pos[0] + 1;
     int start = window > 0 && n > window ? n - window : 0;  // a sliding window's first position
@@ -257,7 +258,8 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
     }
     __syncthreads();
     __shared__ Merged mg;
-    attend_block(q_rot, k_cache + kvh * hd, v_cache + kvh * hd, row, hd, scale, p0, has_new ? cur : p1, has_new, mg);
+    attend_block(q_rot, k_cache + kvh * hd, v_cache + kvh * hd, row, hd, scale, softcap, p0, has_new ? cur : p1, has_new,
+                 mg);
     float* mine = part + ((size_t)h * most + split) * (hd + 2);
     if (threadIdx.x == 0) {
         mine[0] = mg.m;
@@ -305,7 +307,7 @@ struct pf_layout {
 template <int NI, int R>
 __device__ __forceinline__ void prefill_rows(const float* q, int q_stride, const u16* kc, const u16* vc, int pos0,
                                              float* out, float* part, int* done, int T, int heads, int kv_heads,
-                                             int hd, float scale, int window, unsigned char* smem) {
+                                             int hd, float scale, int window, float softcap, unsigned char* smem) {
     typedef pf_layout<NI, R> L;
     float* qs = (float*)(smem + L::q_at);
     float* ps = (float*)(smem + L::p_at);
@@ -368,7 +370,7 @@ __device__ __forceinline__ void prefill_rows(const float* q, int q_stride, const
         }
 #pragma unroll
         for (int i = 0; i < R; i++) {
-            float si = p0 + lane < lim[i] && p0 + lane >= lo[i] ? s[i] : NEG_INF;
+            float si = p0 + lane < lim[i] && p0 + lane >= lo[i] ? capped(s[i], softcap) : NEG_INF;
             float mi = fmaxf(m[i], warp_max(si));  // -inf while a split's row has seen no position
             float corr = mi == NEG_INF ? 1.f : expf(m[i] - mi), w = mi == NEG_INF ? 0.f : expf(si - mi);
             m[i] = mi;
@@ -445,20 +447,21 @@ __device__ __forceinline__ void prefill_rows(const float* q, int q_stride, const
 // where rows is ATT_WARPS * 8 up to 128-wide heads and ATT_WARPS * 2 above (their accumulators
 // would need 64 registers a lane at 8 rows a warp; backends/cuda.py's prefill_block_rows). Query
 // t (rows q_stride floats apart) at position pos0[0] + t sees cache positions 0 .. pos0[0] + t, or
-// with window > 0 the last `window` of them.
+// with window > 0 the last `window` of them; softcap > 0 caps the scaled scores (Gemma 2).
 // out [T, heads, hd]. splits (1 to 32) divide each block's positions between that many blocks,
 // so that a short prompt after a long context still fills the GPU; with more than one, part holds
 // their partials [row blocks x rows x splits x (hd + 2)] and done a count a row block, zero before
 // and after.
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
     attention_prefill(const float* q, int q_stride, const u16* k_cache, const u16* v_cache, const int* pos0, float* out,
-                      float* part, int* done, int T, int heads, int kv_heads, int hd, float scale, int window) {
+                      float* part, int* done, int T, int heads, int kv_heads, int hd, float scale, int window,
+                      float softcap) {
     wait_prior_kernels();
     __shared__ uint4 smem[PF_SHARED_BYTES / 16];
 #define PREFILL_CASE(ni, r)                                                                                  \
     case ni:                                                                                                 \
         prefill_rows<ni, r>(q, q_stride, k_cache, v_cache, pos0[0], out, part, done, T, heads, kv_heads, hd, \
-                            scale, window, (unsigned char*)smem);                                            \
+                            scale, window, softcap, (unsigned char*)smem);                                   \
         break;
     switch ((hd + 31) / 32) {
         PREFILL_CASE(1, 8) PREFILL_CASE(2, 8) PREFILL_CASE(3, 8) PREFILL_CASE(4, 8)

@@ -114,11 +114,15 @@ __device__ __forceinline__ T weights(const T* p) {
 #endif
 }
 
-// bf16 is the top half of an f32.
+// Gemma 2's logit capping: cap tanh(s / cap) where cap > 0 (attention scores, final logits), else s
+__device__ __forceinline__ float capped(float s, float cap) { return cap > 0.f ? cap * tanhf(s / cap) : s; }
+
 // GeLU's tanh form (Gemma's gelu_pytorch_tanh): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))
 __device__ __forceinline__ float gelu_tanh(float g) {
     return 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
 }
+
+// bf16 is the top half of an f32.
 __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((unsigned)b) << 16); }
 
 // An exact-variant weight: f16 or bf16 bits.

@@ -108,6 +108,13 @@ extern "C" __global__ void scale(float* x, float s, int n) {
     if (i < n) x[i] *= s;
 }
 
+// x [n] = c tanh(x / c) (Gemma 2's final logits, capped)
+extern "C" __global__ void softcap(float* x, float c, int n) {
+    wait_prior_kernels();
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = capped(x[i], c);
+}
+
 // x [T, n] += b [n] for every row (q, k and v biases)
 extern "C" __global__ void add_rows(float* x, const float* b, int n, int T) {
     wait_prior_kernels();

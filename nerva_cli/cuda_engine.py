@@ -303,6 +303,7 @@ class CudaEngine(EngineBase):
         self.head_t = matrix(g, "lm_head") if any(n.startswith("lm_head") for n in g) else self.embed_t
         self.rope = rope.per_layer(cfg, *rope.tables(cfg, self.ctx), put=dev.upload)  # layer -> (cos, sin)
         self.window = cfg.windows  # layer -> its attention window (0: all positions)
+        self.softcap = cfg.attn_softcap or 0.0  # attention's scores capped (Gemma 2), 0: not
         self.a = DeviceArena(dev, cfg, self.ctx, self.splits[1])
         self.layers: dict[int, DeviceLayer] = {}
         for i in gp.vram.resident_layers:
@@ -381,7 +382,7 @@ class CudaEngine(EngineBase):
             k.rmsnorm(a.k, t["k_norm"], eps, a.k)
         kc, vc = a.kv[L.index, 0], a.kv[L.index, 1]
         k.attention_decode(a.q, a.k, a.v, *self.rope[L.index], kc, vc, a.pos, a.part, a.done, a.attn,
-                           cfg.num_heads, self.splits, self.window[L.index])
+                           cfg.num_heads, self.splits, self.window[L.index], self.softcap)
         if "post_attn_norm" in t:  # o's and down's products normed before their adds, through xn (free then)
             k.matvec(L.mat("o"), a.attn, a.xn, p)
             k.rmsnorm(a.xn, t["post_attn_norm"], eps, a.xn)
@@ -410,6 +411,12 @@ class CudaEngine(EngineBase):
             self.k.rmsnorm(a.x, self.final_norm, self.cfg.rms_eps, a.xn)
         p = "w4a8" if self.precision == "w4a8" and "w" not in self.head_t else "w4a16"
         self.k.matvec(self.head_t, a.xn, a.logits, p)
+        self._cap_logits(a.logits)
+
+    def _cap_logits(self, logits) -> None:
+        """Gemma 2's final logit capping, in place; nothing where the model has none."""
+        if self.cfg.final_softcap:
+            self.k.softcap(logits, self.cfg.final_softcap)
 
     def _record_sample_first(self) -> None:
         """The token after a prefill: nothing has been fed at its position yet."""
@@ -663,6 +670,7 @@ class CudaEngine(EngineBase):
                 self.k.rmsnorm(x[len(chunk) - 1], self.final_norm, self.cfg.rms_eps, self.a.xn)
                 p = "w4a8" if self.precision == "w4a8" and "w" not in self.head_t else "w4a16"
                 self.k.matvec(self.head_t, self.a.xn, self.a.logits, p)
+                self._cap_logits(self.a.logits)
                 self.dev.copy_to_host_async(self.logits_host, self.a.logits, self.dev.compute)
             self._write_state(0)  # state[0]: the next position; the token comes from sampling
             self._sync("logits", self.dev.compute)
@@ -726,7 +734,7 @@ class CudaEngine(EngineBase):
         attn = a.pattn[:T]
         splits = prefill_splits(T, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.n_past + T, self.dev.sms)
         k.attention_prefill(flat, stride, kc, vc, a.pos, attn, T, cfg.num_heads, splits, a.ppart, a.pdone,
-                            self.window[L.index])
+                            self.window[L.index], self.softcap)
         self._residual(L.mat("o"), self._half(attn, L.mat("o"), p), x, xn, t.get("post_attn_norm"))
         k.rmsnorm(x, t["mlp_norm"], eps, xn)
         gu = a.pgate_up[:T]
@@ -753,6 +761,7 @@ class CudaEngine(EngineBase):
         p = "w4a8" if self.precision == "w4a8" else "w4a16"
         out = self.dev.empty((x.shape[0], self.cfg.vocab_size), np.float32)
         self._dense(self.head_t, self._half(xn, self.head_t, p), out)
+        self._cap_logits(out)
         return self.dev.download(out)
 
     def count_hot_path_allocations(self, prompt: list[int], steps: int) -> int:

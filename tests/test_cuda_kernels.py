@@ -615,6 +615,49 @@ def test_attention_windows(k, rng, window):
         assert rel(down(k, out), want) < 64 * EPS, (T, start, window)
 
 
+def test_attention_caps_scores(k, rng):
+    """Gemma 2's capped scores (softcap tanh(s / softcap) after the scale): a K cache 4x randn's
+    makes scores of std about 4 at hd 64 (cap 3: most bent), decode over 70 and 299 positions in
+    splits, with and without a window, and prefill in one split and three; against ref's capped
+    attention, to the uncapped kernels' bound (tanhf is within a few ulp). And `softcap` on a
+    vector of logits, against ref.capped."""
+    heads, kvh, hd, ctx, cap = 4, 2, 64, 300, 3.0
+    kc, vc = (4 * f16_cache(rng, ctx, kvh, hd)).astype(np.float16), f16_cache(rng, ctx, kvh, hd)
+    cos, sin = rope_tables(ctx, hd)
+    for n, splits, window in ((70, (2, 5), 0), (299, (3, 8), 0), (299, (3, 8), 37)):
+        q, k_new, v_new = randn(rng, heads, hd), 4 * randn(rng, kvh, hd), randn(rng, kvh, hd)
+        kc_d, vc_d = up(k, kc), up(k, vc)
+        out = up(k, np.zeros((heads, hd), np.float32))
+        part, done = up(k, np.zeros(heads * splits[1] * (hd + 2), np.float32)), up(k, np.zeros(heads, np.int32))
+        k.attention_decode(up(k, q), up(k, k_new), up(k, v_new), up(k, cos), up(k, sin), kc_d, vc_d,
+                           up(k, np.array([n - 1], np.int32)), part, done, out, heads, splits, window, cap)
+        q_rot = q.copy()
+        ref.rope(q_rot, np.array([n - 1]), cos, sin)
+        first = max(0, n - window) if window else 0
+        kw, vw = down(k, kc_d)[first:n].astype(np.float32), down(k, vc_d)[first:n].astype(np.float32)
+        want, plain = np.empty((heads, hd), np.float32), np.empty((heads, hd), np.float32)
+        ref.attention_decode(q_rot, kw, vw, n - first, want, softcap=cap)
+        ref.attention_decode(q_rot, kw, vw, n - first, plain)
+        assert rel(down(k, out), want) < 64 * EPS < rel(plain, want), (n, window)
+    for T, start, splits in ((19, 0, 1), (40, 200, 3)):
+        stride = heads * hd + 2 * kvh * hd
+        qrows = randn(rng, T, stride)
+        q = qrows[:, : heads * hd].reshape(T, heads, hd).copy()
+        want = np.empty_like(q)
+        ref.attention_prefill(q, kc[: start + T].astype(np.float32), vc[: start + T].astype(np.float32), start, want,
+                              softcap=cap)
+        out = up(k, np.zeros((T, heads, hd), np.float32))
+        part = up(k, randn(rng, prefill_partials(T, heads, kvh, hd, splits)))
+        done = up(k, np.zeros(64, np.int32))
+        k.attention_prefill(up(k, qrows), stride, up(k, kc), up(k, vc), up(k, np.array([start], np.int32)), out, T,
+                            heads, splits, part, done, 0, cap)
+        assert rel(down(k, out), want) < 64 * EPS, (T, start)
+    logits = 20 * randn(rng, 1001)
+    got = up(k, logits)
+    k.softcap(got, cap)
+    assert rel(down(k, got), ref.capped(logits, cap)) < 4 * EPS
+
+
 def test_prefill_splits_fill_the_gpu_only_when_row_blocks_do_not():
     # Llama-3-8B's heads on an H100: a 512-token pass is 512 row blocks; a 32-token turn is 32,
     # split 9 ways after 4064 tokens, and not after 100 (4 tiles a split at least)

@@ -179,6 +179,10 @@ class Kernels:
         """x *= s, every element."""
         self._go("scale", (_cdiv(x.size, THREADS),), (THREADS,), (x, F32(s), I32(x.size)))
 
+    def softcap(self, x, c: float) -> None:
+        """x = c tanh(x / c), every element (Gemma 2's final logits)."""
+        self._go("softcap", (_cdiv(x.size, THREADS),), (THREADS,), (x, F32(c), I32(x.size)))
+
     def add_rows(self, x, b, T: int) -> None:
         """x [T, n] += b [n] for every row."""
         n = b.shape[0]
@@ -268,10 +272,11 @@ class Kernels:
 
     # -- attention -----------------------------------------------------------------------------
     def attention_decode(self, q, k, v, cos, sin, k_cache, v_cache, pos, part, done, out, heads: int,
-                         splits: tuple[int, int], window: int = 0) -> None:
+                         splits: tuple[int, int], window: int = 0, softcap: float = 0.0) -> None:
         """The new token at position pos[0]: q [heads, hd], k and v [kv_heads, hd] before RoPE
         (rotated here; k and v stored in f16 at that cache row), attending over pos[0] + 1
-        positions (the last `window` of them, where not 0). caches [ctx, kv_heads, hd] f16;
+        positions (the last `window` of them, where not 0), its scores capped where softcap > 0
+        (ref.capped). caches [ctx, kv_heads, hd] f16;
         splits: (least, most) blocks over the context
         a head (attention_splits); part: the split partials [heads, most, hd + 2]; done: int32
         [heads], zero, and zero again after; out [heads, hd]."""
@@ -282,12 +287,13 @@ class Kernels:
                              f"got {splits}")
         self._go("attention_decode", (heads, most), (ATT_THREADS,),
                  (q, k, v, cos, sin, k_cache, v_cache, pos, part, done, out, I32(heads), I32(kv_heads), I32(hd),
-                  F32(1.0 / np.sqrt(hd)), I32(least), I32(window)))
+                  F32(1.0 / np.sqrt(hd)), I32(least), I32(window), F32(softcap)))
 
     def attention_prefill(self, q, q_stride: int, k_cache, v_cache, pos0, out, T: int, heads: int, splits: int = 1,
-                          part=None, done=None, window: int = 0) -> None:
+                          part=None, done=None, window: int = 0, softcap: float = 0.0) -> None:
         """Causal: query t [T rows q_stride floats apart, heads x hd first] at position pos0[0] + t
-        over the f16 caches [ctx, kv_heads, hd] (the last `window` positions, where not 0) -> out
+        over the f16 caches [ctx, kv_heads, hd] (the last `window` positions, where not 0; scores
+        capped where softcap > 0) -> out
         [T, heads, hd]; a block takes
         prefill_block_rows(hd) (query, head) rows of one kv group, and `splits` blocks divide its
         positions (prefill_splits). More than one needs part, room for prefill_partials floats,
@@ -303,7 +309,7 @@ class Kernels:
         self._go("attention_prefill", grid, (ATT_THREADS,),
                  (q, I32(q_stride), k_cache, v_cache, pos0, out, part if splits > 1 else out,
                   done if splits > 1 else pos0, I32(T), I32(heads), I32(kv_heads), I32(hd), F32(1.0 / np.sqrt(hd)),
-                  I32(window)))
+                  I32(window), F32(softcap)))
 
     # -- graphs (the ledger counts replays with the launches) ------------------------------------
     def replay(self, graph, stream) -> None:
