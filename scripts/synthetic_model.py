@@ -16,6 +16,8 @@ vocabulary (the smollm2-* ones) can be written that way:
 
 gemma3-* shapes are Gemma 3's (GeGLU, post norms, q/k norms, 512-token windows in five layers of
 six); gemma3-1b-v49k is the 1B's layers under that 49152-token vocabulary, which --gguf writes.
+gemma2-* shapes are Gemma 2's (no q/k norms, 4096-token windows in every other layer, scores
+capped at 50 and logits at 30); gemma2-2b-v49k likewise.
 
 --quant f16 writes every matrix, the token table too, in f16 (normal, of the Q4 weights' spread),
 as llama.cpp's F16 files hold them: an exact variant to compare with llama.cpp's f16 path.
@@ -37,21 +39,28 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads, head dim, vocab, ro
     "smollm2-1.7b": (2048, 8192, 24, 32, 32, 64, 49152, 130000.0, True),
     "gemma3-1b": (1152, 6912, 26, 4, 1, 256, 262144, 1e6, True),
     "gemma3-1b-v49k": (1152, 6912, 26, 4, 1, 256, 49152, 1e6, True),
+    "gemma2-2b": (2304, 9216, 26, 8, 4, 256, 256000, 1e4, True),
+    "gemma2-2b-v49k": (2304, 9216, 26, 8, 4, 256, 49152, 1e4, True),
 }
 GGUF_NAMES = {"attn_norm": "attn_norm", "mlp_norm": "ffn_norm", "q": "attn_q", "k": "attn_k", "v": "attn_v",
               "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down",
               "q_norm": "attn_q_norm", "k_norm": "attn_k_norm", "post_attn_norm": "post_attention_norm",
               "post_mlp_norm": "post_ffw_norm"}
-GEMMA3_WINDOW = 512
+GEMMA3_WINDOW, GEMMA2_WINDOW, GEMMA2_CAPS = 512, 4096, (50.0, 30.0)
 
 
 def family_fields(shape: str, hidden: int, layers: int) -> dict:
-    """ModelConfig's family fields of a shape: Gemma 3's as its config.json gives them, else Llama's."""
+    """ModelConfig's family fields of a shape: Gemma 3's or Gemma 2's as their config.json gives
+    them, else Llama's."""
     from nerva_cli.config import gemma_fields
 
-    if not shape.startswith("gemma3"):
-        return {"family": "llama"}
-    return {"family": "gemma3", "qk_norm": True, **gemma_fields(hidden, layers, GEMMA3_WINDOW, 6, local_rope_theta=10_000.0)}
+    if shape.startswith("gemma3"):
+        return {"family": "gemma3", "qk_norm": True,
+                **gemma_fields(hidden, layers, GEMMA3_WINDOW, 6, local_rope_theta=10_000.0)}
+    if shape.startswith("gemma2"):
+        return {"family": "gemma2", **gemma_fields(hidden, layers, GEMMA2_WINDOW, 2),
+                "attn_softcap": GEMMA2_CAPS[0], "final_softcap": GEMMA2_CAPS[1]}
+    return {"family": "llama"}
 
 
 def tokenizer_files() -> dict[str, str]:
@@ -127,7 +136,7 @@ def gguf_blocks(qs, d, m) -> np.ndarray:
 
 
 def write_gguf(shape: str, out: Path, kind: str) -> None:
-    """source(shape)'s weights as a llama (or gemma3) GGUF (written to a temporary name, then renamed)."""
+    """source(shape)'s weights as a llama (or gemma2, gemma3) GGUF (written to a temporary name, then renamed)."""
     import gguf
     from nerva_cli.sources.resolve import bundled_gguf
 
@@ -138,12 +147,15 @@ def write_gguf(shape: str, out: Path, kind: str) -> None:
                  f"{vocab} (for Llama 3's vocabulary see shared/gpu-peers/make_gguf.py)")
     tmp = out.with_name(out.name + ".tmp")
     src = source(shape, kind=kind)
-    gemma = src.config.family == "gemma3"
-    w = gguf.GGUFWriter(str(tmp), src.config.family)
-    if gemma:
-        w.add_sliding_window(GEMMA3_WINDOW)
+    family = src.config.family
+    w = gguf.GGUFWriter(str(tmp), family)
+    if family in ("gemma2", "gemma3"):
+        w.add_sliding_window(src.config.sliding_window)
         w.add_key_length(hd)
         w.add_value_length(hd)
+    if family == "gemma2":
+        w.add_attn_logit_softcapping(GEMMA2_CAPS[0])
+        w.add_final_logit_softcapping(GEMMA2_CAPS[1])
     w.add_name(f"random-{shape}-shape")
     w.add_context_length(8192)
     w.add_embedding_length(h)
