@@ -85,9 +85,13 @@ __device__ __forceinline__ void absorb(Partial<NI>& r, const float (&s)[U], cons
 // a layer at 512 cached tokens on an H100, for 2 MB of cache). Then, if fold_new (attend_block
 // sets it for warp 0 alone), one more position: decode's new token, whose K and V rows the
 // block wrote to new_rows() behind a barrier. softcap > 0 caps the scaled scores (Gemma 2).
+// Position p sits in cache row p % ring (a sliding-window layer's cache holds fewer rows than
+// the context: cache_rows in arena.py); the row follows the position, a subtraction where it
+// passes the end, not a division a position.
 template <int NI>
-__device__ __forceinline__ void attend(const float* q, const u16* kc, const u16* vc, int row, int hd, float scale,
-                                       float softcap, int p0, int p1, int step, bool fold_new, Partial<NI>& r) {
+__device__ __forceinline__ void attend(const float* q, const u16* kc, const u16* vc, int row, int ring, int hd,
+                                       float scale, float softcap, int p0, int p1, int step, bool fold_new,
+                                       Partial<NI>& r) {
     int e0 = (threadIdx.x & 31) * NI;
     float qr[NI];
 #pragma unroll
@@ -97,14 +101,18 @@ __device__ __forceinline__ void attend(const float* q, const u16* kc, const u16*
     }
     r.m = NEG_INF;
     r.l = 0.f;
+    int at = p0 < ring ? p0 : p0 % ring;  // position p's row
     for (int p = p0; p < p1; p += step * ATT_UNROLL) {
         u16 kh[ATT_UNROLL][NI], vh[ATT_UNROLL][NI];
 #pragma unroll
         for (int u = 0; u < ATT_UNROLL; u++) {
-            int pu = p + u * step < p1 ? p + u * step : p;  // past the end: a row already read, weight 0
-            load_halves<NI>(kc + (size_t)pu * row, e0, hd, kh[u]);
-            load_halves<NI>(vc + (size_t)pu * row, e0, hd, vh[u]);
+            int ru = p + u * step < p1 ? at + u * step : at;  // past the end: a row already read, weight 0
+            ru = ru < ring ? ru : ru - ring;
+            load_halves<NI>(kc + (size_t)ru * row, e0, hd, kh[u]);
+            load_halves<NI>(vc + (size_t)ru * row, e0, hd, vh[u]);
         }
+        at += step * ATT_UNROLL;
+        at = at < ring ? at : at - ring;
         float sc[ATT_UNROLL];
 #pragma unroll
         for (int u = 0; u < ATT_UNROLL; u++) {
@@ -168,14 +176,14 @@ __device__ __forceinline__ void merge_warps(const Partial<NI>& r, int hd, WarpPa
 // One head's positions p0 + warp, p0 + warp + ATT_WARPS, ... < p1, merged over the block's warps
 // into mg, for the NI that hd needs (hd <= MAX_HEAD_DIM).
 // fold_new: decode's new position, folded in by warp 0 (attend).
-__device__ __forceinline__ void attend_block(const float* q, const u16* kc, const u16* vc, int row, int hd,
+__device__ __forceinline__ void attend_block(const float* q, const u16* kc, const u16* vc, int row, int ring, int hd,
                                              float scale, float softcap, int p0, int p1, bool fold_new, Merged& mg) {
     __shared__ WarpPartials wp;
     int warp = threadIdx.x >> 5;
 #define ATTEND_CASE(ni)                                                                           \
     case ni: {                                                                                    \
         Partial<ni> r;                                                                            \
-        attend<ni>(q, kc, vc, row, hd, scale, softcap, p0 + warp, p1, ATT_WARPS, fold_new && !warp, r); \
+        attend<ni>(q, kc, vc, row, ring, hd, scale, softcap, p0 + warp, p1, ATT_WARPS, fold_new && !warp, r); \
         merge_warps<ni>(r, hd, wp, mg);                                                           \
         break;                                                                                    \
     }
@@ -209,7 +217,8 @@ __device__ __forceinline__ void combine_splits(const float* p, float* out, int s
     }
 }
 
-// Decode, split over the context: grid (heads, most), ATT_WARPS warps a block. n = pos[0] + 1
+// Decode, split over the context: grid (heads, most), ATT_WARPS warps a block. The caches hold
+// `ring` rows, position p in row p % ring (at least the window's, where window > 0). n = pos[0] + 1
 // positions (the last `window` of them where window > 0: a sliding-window layer's; scores capped
 // where softcap > 0, Gemma 2's; pos is read
 // on the device, so a replayed graph needs no new arguments) go to `least`
@@ -227,8 +236,9 @@ __device__ __forceinline__ void combine_splits(const float* p, float* out, int s
 // head-dim template.
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
     attention_decode(const float* q, const float* k_new, const float* v_new, const float* cos_t,
-                     const float* sin_t, u16* k_cache, u16* v_cache, const int* pos, float* part, int* done,
-                     float* out, int heads, int kv_heads, int hd, float scale, int least, int window, float softcap) {
+                     const float* sin_t, u16* k_cache, u16* v_cache, int ring, const int* pos, float* part,
+                     int* done, float* out, int heads, int kv_heads, int hd, float scale, int least, int window,
+                     float softcap) {
     wait_prior_kernels();
     int h = blockIdx.x, split = blockIdx.y, most = gridDim.y, n = pos[0] + 1;
     int start = window > 0 && n > window ? n - window : 0;  // a sliding window's first position
@@ -245,7 +255,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
     __shared__ float q_rot[MAX_HEAD_DIM];
     for (int e = threadIdx.x; e < hd; e += blockDim.x) q_rot[e] = rope_at(q + h * hd, e, half, c, s);
     if (has_new) {
-        size_t at = ((size_t)cur * kv_heads + kvh) * hd;
+        size_t at = ((size_t)(cur % ring) * kv_heads + kvh) * hd;
         u16 *k_row = new_rows(), *v_row = new_rows() + MAX_HEAD_DIM;
         for (int e = threadIdx.x; e < hd; e += blockDim.x) {
             k_row[e] = f2h(rope_at(k_new + kvh * hd, e, half, c, s));
@@ -258,8 +268,8 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
     }
     __syncthreads();
     __shared__ Merged mg;
-    attend_block(q_rot, k_cache + kvh * hd, v_cache + kvh * hd, row, hd, scale, softcap, p0, has_new ? cur : p1, has_new,
-                 mg);
+    attend_block(q_rot, k_cache + kvh * hd, v_cache + kvh * hd, row, ring, hd, scale, softcap, p0, has_new ? cur : p1,
+                 has_new, mg);
     float* mine = part + ((size_t)h * most + split) * (hd + 2);
     if (threadIdx.x == 0) {
         mine[0] = mg.m;
@@ -305,9 +315,10 @@ struct pf_layout {
 };
 
 template <int NI, int R>
-__device__ __forceinline__ void prefill_rows(const float* q, int q_stride, const u16* kc, const u16* vc, int pos0,
-                                             float* out, float* part, int* done, int T, int heads, int kv_heads,
-                                             int hd, float scale, int window, float softcap, unsigned char* smem) {
+__device__ __forceinline__ void prefill_rows(const float* q, int q_stride, const u16* kc, const u16* vc, int ring,
+                                             int pos0, float* out, float* part, int* done, int T, int heads,
+                                             int kv_heads, int hd, float scale, int window, float softcap,
+                                             unsigned char* smem) {
     typedef pf_layout<NI, R> L;
     float* qs = (float*)(smem + L::q_at);
     float* ps = (float*)(smem + L::p_at);
@@ -318,8 +329,10 @@ __device__ __forceinline__ void prefill_rows(const float* q, int q_stride, const
     int first = blockIdx.x * ATT_WARPS * R, mine = first + warp * R;
     int last_t = (first + ATT_WARPS * R - 1) / group;
     int n = pos0 + (last_t < T ? last_t : T - 1) + 1;  // positions the block's last query sees
-    int splits = gridDim.z, tiles = (n + PF_TILE - 1) / PF_TILE, chunk = (tiles + splits - 1) / splits;
-    int from = (int)blockIdx.z * chunk * PF_TILE, to = from + chunk * PF_TILE < n ? from + chunk * PF_TILE : n;
+    // from the tile of the first position its first query sees: 0, or that query's window's start
+    int seen0 = window > 0 ? pos0 + first / group + 1 - window : 0, base = seen0 > 0 ? seen0 / PF_TILE * PF_TILE : 0;
+    int splits = gridDim.z, tiles = (n - base + PF_TILE - 1) / PF_TILE, chunk = (tiles + splits - 1) / splits;
+    int from = base + (int)blockIdx.z * chunk * PF_TILE, to = from + chunk * PF_TILE < n ? from + chunk * PF_TILE : n;
     // the block's q rows, scaled; a row past the prompt is zeros, sees position 0 and is not stored
     for (int r = warp; r < ATT_WARPS * R; r += ATT_WARPS) {
         int t = (first + r) / group, h = kvh * group + (first + r) % group;
@@ -347,7 +360,7 @@ __device__ __forceinline__ void prefill_rows(const float* q, int q_stride, const
 #pragma unroll
         for (int j = warp; j < PF_TILE; j += ATT_WARPS) {
             bool in = p0 + j < n;  // past n: zeros, which weight 0 keeps out (garbage could be NaN; 0 * NaN is NaN)
-            size_t at = (size_t)(in ? p0 + j : 0) * (row / 2);
+            size_t at = (size_t)(in ? (p0 + j) % ring : 0) * (row / 2);
             for (int w = lane; w < words; w += 32) {
                 ks[j * L::k_row + w] = in ? kb[at + w] : 0u;
                 ((unsigned*)vs)[j * (L::v_row / 2) + w] = in ? vb[at + w] : 0u;
@@ -444,6 +457,7 @@ __device__ __forceinline__ void prefill_rows(const float* q, int q_stride, const
 }
 
 // Prefill, causal: grid (ceil(T * group / rows), kv_heads, splits), ATT_WARPS warps a block,
+// over caches of `ring` rows, position p in row p % ring (at least window + T - 1 where window > 0),
 // where rows is ATT_WARPS * 8 up to 128-wide heads and ATT_WARPS * 2 above (their accumulators
 // would need 64 registers a lane at 8 rows a warp; backends/cuda.py's prefill_block_rows). Query
 // t (rows q_stride floats apart) at position pos0[0] + t sees cache positions 0 .. pos0[0] + t, or
@@ -453,14 +467,15 @@ __device__ __forceinline__ void prefill_rows(const float* q, int q_stride, const
 // their partials [row blocks x rows x splits x (hd + 2)] and done a count a row block, zero before
 // and after.
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
-    attention_prefill(const float* q, int q_stride, const u16* k_cache, const u16* v_cache, const int* pos0, float* out,
+    attention_prefill(const float* q, int q_stride, const u16* k_cache, const u16* v_cache, int ring, const int* pos0,
+                      float* out,
                       float* part, int* done, int T, int heads, int kv_heads, int hd, float scale, int window,
                       float softcap) {
     wait_prior_kernels();
     __shared__ uint4 smem[PF_SHARED_BYTES / 16];
 #define PREFILL_CASE(ni, r)                                                                                  \
     case ni:                                                                                                 \
-        prefill_rows<ni, r>(q, q_stride, k_cache, v_cache, pos0[0], out, part, done, T, heads, kv_heads, hd, \
+        prefill_rows<ni, r>(q, q_stride, k_cache, v_cache, ring, pos0[0], out, part, done, T, heads, kv_heads, hd, \
                             scale, window, softcap, (unsigned char*)smem);                                   \
         break;
     switch ((hd + 31) / 32) {

@@ -51,11 +51,11 @@ extern "C" __global__ void embed_exact(const u16* table, int bf16, const int* to
 // What a layer's prefill does between its q/k/v products and attention, in one launch (decode's
 // attention does it itself): rotate q [T, heads, head_dim] in place and k [T, kv_heads,
 // head_dim] (NeoX pairing (i, i + half), cos/sin [max_pos, half]) for token t at position
-// pos0[0] + t, and store k and v in f16 at that position of the cache [ctx, kv_heads,
-// head_dim]. Rows of q, k and v are `stride` floats apart.
+// pos0[0] + t, and store k and v in f16 at that position's row of the cache [ring, kv_heads,
+// head_dim], row p % ring. Rows of q, k and v are `stride` floats apart.
 extern "C" __global__ void rope_kv_store(float* q, const float* k, const float* v, int stride, const int* pos0,
                                          const float* cos_t, const float* sin_t, int T, int heads, int kv_heads,
-                                         int half, u16* k_cache, u16* v_cache) {
+                                         int half, u16* k_cache, u16* v_cache, int ring) {
     wait_prior_kernels();
     int i = blockIdx.x * blockDim.x + threadIdx.x, all = heads + kv_heads;
     if (i < T * all * half) {
@@ -71,7 +71,7 @@ extern "C" __global__ void rope_kv_store(float* q, const float* k, const float* 
             int kh = h - heads;
             const float* r = k + row + kh * 2 * half;
             const float* w = v + row + kh * 2 * half;
-            size_t dst = (pos * kv_heads + kh) * 2 * half;
+            size_t dst = ((pos % ring) * kv_heads + kh) * 2 * half;
             k_cache[dst + j] = f2h(rope_at(r, j, half, c, s));
             k_cache[dst + j + half] = f2h(rope_at(r, j + half, half, c, s));
             v_cache[dst + j] = f2h(w[j]);

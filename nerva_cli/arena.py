@@ -21,9 +21,12 @@ ROLLBACK = 64
 
 def cache_rows(cfg: ModelConfig, ctx: int, chunk: int) -> list[int]:
     """Each layer's KV cache rows: the context, or for a sliding-window layer whose window, a
-    prompt chunk and ROLLBACK positions are fewer, those (the engine keeps the positions it
-    attends over at the front, moving them down when the rows run out: Engine._make_room).
-    Gemma 3 1B at 32768 tokens: 22 of its 26 layers hold 832 rows."""
+    prompt chunk and ROLLBACK positions are fewer, those. The cpu engine keeps the positions it
+    attends over at the front, moving them down when the rows run out (Engine._make_room), so
+    its attention reads one run of rows; the cuda plane's kernels put position p in row p % rows,
+    as a replayed decode graph, which reads the position on the device, cannot stop for a host
+    move. Gemma 3 1B at 32768 tokens: 22 of its 26 layers hold 832 rows on the cpu (chunks of
+    256), 1088 on the GPU (512)."""
     if not cfg.sliding_layers:
         return [ctx] * cfg.num_layers
     ring = cfg.sliding_window + ROLLBACK + chunk

@@ -25,6 +25,7 @@ from time import perf_counter_ns
 import numpy as np
 
 from nerva_cli import rope
+from nerva_cli.arena import cache_rows
 from nerva_cli.backends.cuda import (RECENT, Kernels, attention_splits, most_prefill_partials, prefill_splits,
                                      unsupported_shapes)
 from nerva_cli.engine import EngineBase, context_length, ctx_hint, default_precision
@@ -51,7 +52,7 @@ def arena_sizes(cfg, ctx: int, most_splits: int, sms: int) -> tuple[int, int]:
                   + cfg.num_heads * (most_splits * (cfg.head_dim + 2) + 1) + 5 + RECENT)
     prefill = 4 * T * (2 * h + 2 * qd + 2 * kvd + 3 * f) + 2 * T * max(h, qd, f)
     prefill += 4 * sum(most_prefill_partials(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, sms, T))
-    kv = cfg.num_layers * 2 * ctx * kvd * 2
+    kv = 2 * kvd * 2 * sum(cache_rows(cfg, ctx, PREFILL_CHUNK))
     return kv, kv + decode + prefill + min(SCRATCH_BYTES, 2 * _widest_matrix(cfg))
 
 
@@ -145,7 +146,16 @@ class DeviceArena:
         self.recent = dev.zeros(RECENT, np.int32)
         self.pos = self.state[0:1]
         self.token = self.state[1:2]
-        self.kv = dev.zeros((cfg.num_layers, 2, ctx, cfg.num_kv_heads, cfg.head_dim), np.float16)
+        # each layer's K and V caches [rows, kv_heads, hd] in one allocation: the context's rows, or
+        # a sliding-window layer's fewer (arena.cache_rows), position p in row p % rows
+        rows = cache_rows(cfg, ctx, T)
+        self.kv_all = dev.zeros(2 * sum(rows) * kvd, np.float16)
+        self.kv, at = [], 0
+        for n in rows:
+            k, v = (self.kv_all[at + i * n * kvd: at + (i + 1) * n * kvd].reshape(n, cfg.num_kv_heads, cfg.head_dim)
+                    for i in (0, 1))
+            self.kv.append((k, v))
+            at += 2 * n * kvd
         # prefill, one chunk of up to T tokens
         self.px, self.pxn, self.pqkv = f32(T, h), f32(T, h), f32(T, qd + 2 * kvd)
         self.pattn, self.pgate_up, self.pact = f32(T, qd), f32(T, 2 * f), f32(T, f)
@@ -157,7 +167,7 @@ class DeviceArena:
 
     @property
     def kv_bytes(self) -> int:
-        return int(self.kv.nbytes)
+        return int(self.kv_all.nbytes)
 
 
 @dataclass
@@ -281,6 +291,19 @@ class CudaEngine(EngineBase):
         self._sample_opts = None
         self.peak_vram_bytes = dev.used_bytes()
 
+    def truncate(self, n: int) -> int:
+        """EngineBase.truncate; where a sliding-window layer's cache (a ring of rows) no longer
+        holds the window before position n, everything: a prompt then runs from its start. Its
+        rows hold the last `rows` positions written, one of them maybe a dropped step's (stream's
+        queued token), so a rollback of up to rows - window positions keeps what n needs."""
+        n = min(self.n_past, n)
+        rings = [kc.shape[0] for kc, _ in self.a.kv if kc.shape[0] < self.ctx]
+        if rings and self.n_past - n > min(rings) - self.cfg.sliding_window:
+            self.reset()
+            return 0
+        self.n_past = n
+        return n
+
     # -- loading -------------------------------------------------------------------------------
     def _upload_file(self, fname: str) -> dict:
         """A file's bytes (size and sha256 checked) in one device buffer; -> its tensors."""
@@ -380,7 +403,7 @@ class CudaEngine(EngineBase):
         if "q_norm" in t:
             k.rmsnorm(a.q, t["q_norm"], eps, a.q)
             k.rmsnorm(a.k, t["k_norm"], eps, a.k)
-        kc, vc = a.kv[L.index, 0], a.kv[L.index, 1]
+        kc, vc = a.kv[L.index]
         k.attention_decode(a.q, a.k, a.v, *self.rope[L.index], kc, vc, a.pos, a.part, a.done, a.attn,
                            cfg.num_heads, self.splits, self.window[L.index], self.softcap)
         if "post_attn_norm" in t:  # o's and down's products normed before their adds, through xn (free then)
@@ -728,13 +751,15 @@ class CudaEngine(EngineBase):
                 part = qkv[:, lo:hi].copy()
                 k.rmsnorm(part, w, eps, part)
                 qkv[:, lo:hi] = part
-        kc, vc = a.kv[L.index, 0], a.kv[L.index, 1]
+        kc, vc = a.kv[L.index]
         k.rope_kv_store(flat, flat[qd:], flat[qd + kvd:], stride, a.pos, *self.rope[L.index], T,
                         cfg.num_heads, kc, vc)
         attn = a.pattn[:T]
-        splits = prefill_splits(T, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.n_past + T, self.dev.sms)
+        window = self.window[L.index]
+        seen = self.n_past + T if not window else min(self.n_past, window) + T  # positions a query block reads, at most
+        splits = prefill_splits(T, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, seen, self.dev.sms)
         k.attention_prefill(flat, stride, kc, vc, a.pos, attn, T, cfg.num_heads, splits, a.ppart, a.pdone,
-                            self.window[L.index], self.softcap)
+                            window, self.softcap)
         self._residual(L.mat("o"), self._half(attn, L.mat("o"), p), x, xn, t.get("post_attn_norm"))
         k.rmsnorm(x, t["mlp_norm"], eps, xn)
         gu = a.pgate_up[:T]

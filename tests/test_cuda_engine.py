@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from nerva_cli import cuda_engine
 from nerva_cli.cuda_engine import HOST_SLOTS, CudaEngine, gpu_residency_plan
 from nerva_cli.engine import Engine
 from nerva_cli.errors import NervaError
@@ -106,7 +107,6 @@ def test_a_short_prefill_after_a_long_one_splits_its_positions(stored, cuda_devi
     (measured 0 to 6.8e-4 on the emulation); a wrong merge would be off by far more. Against the
     cpu plane: 2e-2, as after 290 tokens of history the f16 GEMM operands (LOGIT_REL's 5e-3 at
     PROMPT's length) measured 2.2e-3 to 8.9e-3 over 18 draws."""
-    from nerva_cli import cuda_engine
     from nerva_cli.backends.cuda import Kernels, prefill_splits
 
     splits, launch = [], Kernels.attention_prefill
@@ -153,6 +153,28 @@ def test_64_steps_of_exact_variants_agree_on_the_same_tokens(stored, cuda_device
     model = stored(family, "f16")
     cpu, gpu = Engine(model, backend="cpu", ctx=96), CudaEngine(model, device=cuda_device, ctx=96)
     assert near_ties_following_the_cpu(gpu, cpu, 64, LOGIT_REL["exact"]) <= 2
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_sliding_window_caches_wrap_around_their_rows(stored, cuda_device, monkeypatch, family):
+    """A sliding-window layer's cache on the GPU is a ring of window + prefill chunk + ROLLBACK
+    rows, position p in row p % rows (arena.cache_rows, the cpu plane's sizes). With chunks of 4
+    and ROLLBACK 4, the tiny models' 8-position windows take 16 rows, wrapped again and again
+    over a 9-token prompt (three chunks) and 60 steps: the logits follow the cpu plane's (whose
+    rows here hold the whole context). Truncating 5 positions keeps what the ring holds (the
+    logits after it are the cpu's again); 49 empties the engine."""
+    from nerva_cli import arena
+
+    monkeypatch.setattr(arena, "ROLLBACK", 4)
+    monkeypatch.setattr(cuda_engine, "PREFILL_CHUNK", 4)
+    model = stored(family, "f16")
+    gpu, cpu = CudaEngine(model, device=cuda_device, ctx=96), Engine(model, backend="cpu", ctx=96)
+    assert sorted({kc.shape[0] for kc, _ in gpu.a.kv}) == [16, 96] and not cpu.ring
+    assert near_ties_following_the_cpu(gpu, cpu, 60, LOGIT_REL["exact"]) <= 2
+    assert gpu.n_past == cpu.n_past == len(PROMPT) + 60
+    assert gpu.truncate(gpu.n_past - 5) == cpu.truncate(cpu.n_past - 5) == len(PROMPT) + 55
+    assert max_rel(gpu.prefill([11, 200, 31]), cpu.prefill([11, 200, 31])) < LOGIT_REL["exact"]
+    assert gpu.truncate(len(PROMPT) + 9) == 0 and gpu.n_past == 0
 
 
 @pytest.mark.parametrize("family,variant,precision", [

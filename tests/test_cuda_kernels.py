@@ -615,6 +615,56 @@ def test_attention_windows(k, rng, window):
         assert rel(down(k, out), want) < 64 * EPS, (T, start, window)
 
 
+def test_attention_over_a_ring_of_cache_rows(k, rng):
+    """A sliding-window layer's cache on the GPU holds fewer rows than the context, position p in
+    row p % rows (arena.cache_rows): decode over a 24-position window of 299 positions in 40 rows
+    (its splits cross the wrap; the new row is stored at 298 % 40 and read back from there), and
+    prefill of 19 and 7 queries over 8-position windows in 30 rows (the first tile it reads starts
+    below the window, at rows other positions now hold: masked). Against ref over the positions
+    themselves, to the bound of the whole-context kernels."""
+    heads, kvh, hd = 4, 2, 64
+    cos, sin = rope_tables(320, hd)
+    n, rows, window = 299, 40, 24
+    full_k, full_v = f16_cache(rng, n, kvh, hd), f16_cache(rng, n, kvh, hd)
+    ring = np.arange(n - rows, n) % rows  # the rows of the last `rows` positions
+    kc, vc = np.zeros((rows, kvh, hd), np.float16), np.zeros((rows, kvh, hd), np.float16)
+    kc[ring], vc[ring] = full_k[n - rows:], full_v[n - rows:]
+    q, k_new, v_new = randn(rng, heads, hd), randn(rng, kvh, hd), randn(rng, kvh, hd)
+    kc_d, vc_d = up(k, kc), up(k, vc)
+    out = up(k, np.zeros((heads, hd), np.float32))
+    part, done = up(k, np.zeros(heads * 8 * (hd + 2), np.float32)), up(k, np.zeros(heads, np.int32))
+    k.attention_decode(up(k, q), up(k, k_new), up(k, v_new), up(k, cos), up(k, sin), kc_d, vc_d,
+                       up(k, np.array([n - 1], np.int32)), part, done, out, heads, (3, 8), window)
+    q_rot, k_rot = q.copy(), k_new.copy()
+    ref.rope(q_rot, np.array([n - 1]), cos, sin)
+    ref.rope(k_rot, np.array([n - 1]), cos, sin)
+    got_k = down(k, kc_d)
+    np.testing.assert_array_equal(got_k[(n - 1) % rows], k_rot.astype(np.float16))
+    full_k[n - 1], full_v[n - 1] = k_rot, v_new
+    want = np.empty((heads, hd), np.float32)
+    ref.attention_decode(q_rot, full_k[n - window:].astype(np.float32), full_v[n - window:].astype(np.float32),
+                         window, want)
+    assert rel(down(k, out), want) < 64 * EPS
+    rows, window = 30, 8
+    for T, start, splits in ((19, 45, 1), (7, 70, 2)):
+        n = start + T
+        full_k, full_v = f16_cache(rng, n, kvh, hd), f16_cache(rng, n, kvh, hd)
+        ring = np.arange(n - rows, n) % rows
+        kc, vc = np.zeros((rows, kvh, hd), np.float16), np.zeros((rows, kvh, hd), np.float16)
+        kc[ring], vc[ring] = full_k[n - rows:], full_v[n - rows:]
+        stride = heads * hd + 2 * kvh * hd
+        qrows = randn(rng, T, stride)
+        q = qrows[:, : heads * hd].reshape(T, heads, hd).copy()
+        want = np.empty_like(q)
+        ref.attention_prefill(q, full_k.astype(np.float32), full_v.astype(np.float32), start, want, window=window)
+        out = up(k, np.zeros((T, heads, hd), np.float32))
+        part = up(k, randn(rng, prefill_partials(T, heads, kvh, hd, splits)))
+        done = up(k, np.zeros(64, np.int32))
+        k.attention_prefill(up(k, qrows), stride, up(k, kc), up(k, vc), up(k, np.array([start], np.int32)), out, T,
+                            heads, splits, part, done, window)
+        assert rel(down(k, out), want) < 64 * EPS, (T, start)
+
+
 def test_attention_caps_scores(k, rng):
     """Gemma 2's capped scores (softcap tanh(s / softcap) after the scale): a K cache 4x randn's
     makes scores of std about 4 at hd 64 (cap 3: most bent), decode over 70 and 299 positions in

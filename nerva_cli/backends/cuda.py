@@ -163,10 +163,13 @@ class Kernels:
 
     def rope_kv_store(self, q, k, v, stride: int, pos0, cos, sin, T: int, heads: int, k_cache, v_cache) -> None:
         """Rotates q (in place) and k for tokens at positions pos0[0] + t and stores k and v in f16
-        at those cache rows. q, k, v: T rows `stride` floats apart; caches [ctx, kv_heads, hd]."""
+        at those cache rows. q, k, v: T rows `stride` floats apart; caches [rows, kv_heads, hd],
+        position p in row p % rows (every kernel's: a sliding-window layer's cache holds fewer
+        rows than the context, arena.cache_rows)."""
         half, kv_heads = cos.shape[1], k_cache.shape[-2]
         self._go("rope_kv_store", (_cdiv(T * (heads + kv_heads) * half, THREADS),), (THREADS,),
-                 (q, k, v, I32(stride), pos0, cos, sin, I32(T), I32(heads), I32(kv_heads), I32(half), k_cache, v_cache))
+                 (q, k, v, I32(stride), pos0, cos, sin, I32(T), I32(heads), I32(kv_heads), I32(half), k_cache, v_cache,
+                  I32(k_cache.shape[0])))
 
     def silu_mul(self, gate_up, out, f: int, T: int) -> None:
         self._go("silu_mul", (_cdiv(T * f, THREADS),), (THREADS,), (gate_up, out, I32(f), I32(T)))
@@ -276,7 +279,7 @@ class Kernels:
         """The new token at position pos[0]: q [heads, hd], k and v [kv_heads, hd] before RoPE
         (rotated here; k and v stored in f16 at that cache row), attending over pos[0] + 1
         positions (the last `window` of them, where not 0), its scores capped where softcap > 0
-        (ref.capped). caches [ctx, kv_heads, hd] f16;
+        (ref.capped). caches [rows, kv_heads, hd] f16 (as rope_kv_store's);
         splits: (least, most) blocks over the context
         a head (attention_splits); part: the split partials [heads, most, hd + 2]; done: int32
         [heads], zero, and zero again after; out [heads, hd]."""
@@ -286,18 +289,18 @@ class Kernels:
             raise ValueError(f"attention_decode: splits must be 1 <= least <= most <= 32 (a warp merges them), "
                              f"got {splits}")
         self._go("attention_decode", (heads, most), (ATT_THREADS,),
-                 (q, k, v, cos, sin, k_cache, v_cache, pos, part, done, out, I32(heads), I32(kv_heads), I32(hd),
-                  F32(1.0 / np.sqrt(hd)), I32(least), I32(window), F32(softcap)))
+                 (q, k, v, cos, sin, k_cache, v_cache, I32(k_cache.shape[0]), pos, part, done, out, I32(heads),
+                  I32(kv_heads), I32(hd), F32(1.0 / np.sqrt(hd)), I32(least), I32(window), F32(softcap)))
 
     def attention_prefill(self, q, q_stride: int, k_cache, v_cache, pos0, out, T: int, heads: int, splits: int = 1,
                           part=None, done=None, window: int = 0, softcap: float = 0.0) -> None:
         """Causal: query t [T rows q_stride floats apart, heads x hd first] at position pos0[0] + t
-        over the f16 caches [ctx, kv_heads, hd] (the last `window` positions, where not 0; scores
-        capped where softcap > 0) -> out
-        [T, heads, hd]; a block takes
-        prefill_block_rows(hd) (query, head) rows of one kv group, and `splits` blocks divide its
-        positions (prefill_splits). More than one needs part, room for prefill_partials floats,
-        and done, int32 [row blocks x kv_heads], zero (and zero again after)."""
+        over the f16 caches [rows, kv_heads, hd] (as rope_kv_store's; at least window + T - 1
+        rows where window > 0), the last `window` positions where not 0, scores capped where
+        softcap > 0 -> out [T, heads, hd]; a block takes prefill_block_rows(hd) (query, head)
+        rows of one kv group, and `splits` blocks divide its positions (prefill_splits). More
+        than one needs part, room for prefill_partials floats, and done, int32 [row blocks x
+        kv_heads], zero (and zero again after)."""
         kv_heads, hd = k_cache.shape[-2], k_cache.shape[-1]
         blocks, floats = prefill_row_blocks(T, heads, kv_heads, hd), prefill_partials(T, heads, kv_heads, hd, splits)
         if not 1 <= splits <= PF_MAX_SPLITS:
@@ -307,7 +310,7 @@ class Kernels:
                              f"{blocks} counts")
         grid = (blocks // kv_heads, kv_heads, splits)
         self._go("attention_prefill", grid, (ATT_THREADS,),
-                 (q, I32(q_stride), k_cache, v_cache, pos0, out, part if splits > 1 else out,
+                 (q, I32(q_stride), k_cache, v_cache, I32(k_cache.shape[0]), pos0, out, part if splits > 1 else out,
                   done if splits > 1 else pos0, I32(T), I32(heads), I32(kv_heads), I32(hd), F32(1.0 / np.sqrt(hd)),
                   I32(window), F32(softcap)))
 
