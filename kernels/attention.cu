@@ -79,16 +79,42 @@ __device__ __forceinline__ void absorb(Partial<NI>& r, const float (&s)[U], cons
     r.m = m;
 }
 
-// Positions p0, p0 + step, ... < p1 of one head into a warp's partial, ATT_UNROLL positions a
+// Rows p0, p0 + step, ... < p1 of one head's cache into a warp's partial, ATT_UNROLL rows a
 // round: their K and V rows are loaded before any is used, so a warp has that many rows in
 // flight (one position at a time, decode attention was a chain of dependent loads: about 18 us
-// a layer at 512 cached tokens on an H100, for 2 MB of cache). Then, if fold_new (attend_block
-// sets it for warp 0 alone), one more position: decode's new token, whose K and V rows the
-// block wrote to new_rows() behind a barrier. softcap > 0 caps the scaled scores (Gemma 2).
-// Position p sits in cache row p % ring (a sliding-window layer's cache holds fewer rows than
-// the context: cache_rows in arena.py); the row follows the position, a subtraction where it
-// passes the end, not a division a position.
-template <int NI>
+// a layer at 512 cached tokens on an H100, for 2 MB of cache). CAP: scores capped by softcap.
+template <int NI, bool CAP>
+__device__ __forceinline__ void attend_rows(const float (&qr)[NI], const u16* kc, const u16* vc, int row, int hd,
+                                            float softcap, int p0, int p1, int step, Partial<NI>& r) {
+    int e0 = (threadIdx.x & 31) * NI;
+    for (int p = p0; p < p1; p += step * ATT_UNROLL) {
+        u16 kh[ATT_UNROLL][NI], vh[ATT_UNROLL][NI];
+#pragma unroll
+        for (int u = 0; u < ATT_UNROLL; u++) {
+            int pu = p + u * step < p1 ? p + u * step : p;  // past the end: a row already read, weight 0
+            load_halves<NI>(kc + (size_t)pu * row, e0, hd, kh[u]);
+            load_halves<NI>(vc + (size_t)pu * row, e0, hd, vh[u]);
+        }
+        float sc[ATT_UNROLL];
+#pragma unroll
+        for (int u = 0; u < ATT_UNROLL; u++) {
+            float t = score<NI>(qr, kh[u]);
+            if constexpr (CAP) t = capped(t, softcap);
+            sc[u] = p + u * step < p1 ? t : NEG_INF;
+        }
+        absorb<NI, ATT_UNROLL>(r, sc, vh);
+    }
+}
+
+// Positions p0, p0 + step, ... < p1 of one head into a warp's partial (attend_rows); then, if
+// fold_new (attend_block sets it for warp 0 alone), one more position: decode's new token, whose
+// K and V rows the block wrote to new_rows() behind a barrier. GEMMA: Gemma's layers, whose
+// scores may be capped (softcap > 0, Gemma 2) and whose sliding-window caches hold `ring` rows,
+// position p in row p % ring (cache_rows in arena.py): the positions run through the rows in at
+// most two runs, the second from row 0. The other layers' instantiation has neither: inlined into
+// its loop, a cap and the ring's arithmetic took decode's spill loads from 4 to 84-268 bytes
+// (sass_mix.py, sm_90).
+template <int NI, bool GEMMA>
 __device__ __forceinline__ void attend(const float* q, const u16* kc, const u16* vc, int row, int ring, int hd,
                                        float scale, float softcap, int p0, int p1, int step, bool fold_new,
                                        Partial<NI>& r) {
@@ -101,31 +127,21 @@ __device__ __forceinline__ void attend(const float* q, const u16* kc, const u16*
     }
     r.m = NEG_INF;
     r.l = 0.f;
-    int at = p0 < ring ? p0 : p0 % ring;  // position p's row
-    for (int p = p0; p < p1; p += step * ATT_UNROLL) {
-        u16 kh[ATT_UNROLL][NI], vh[ATT_UNROLL][NI];
-#pragma unroll
-        for (int u = 0; u < ATT_UNROLL; u++) {
-            int ru = p + u * step < p1 ? at + u * step : at;  // past the end: a row already read, weight 0
-            ru = ru < ring ? ru : ru - ring;
-            load_halves<NI>(kc + (size_t)ru * row, e0, hd, kh[u]);
-            load_halves<NI>(vc + (size_t)ru * row, e0, hd, vh[u]);
+    if constexpr (GEMMA) {
+        for (int base = p0 - p0 % ring, lo = p0; lo < p1; base += ring) {
+            int end = p1 < base + ring ? p1 - base : ring;  // this run's rows: lo - base .. end - 1
+            attend_rows<NI, true>(qr, kc, vc, row, hd, softcap, lo - base, end, step, r);
+            lo += (base + end - lo + step - 1) / step * step;  // the warp's first position past the run
         }
-        at += step * ATT_UNROLL;
-        at = at < ring ? at : at - ring;
-        float sc[ATT_UNROLL];
-#pragma unroll
-        for (int u = 0; u < ATT_UNROLL; u++) {
-            float t = capped(score<NI>(qr, kh[u]), softcap);
-            sc[u] = p + u * step < p1 ? t : NEG_INF;
-        }
-        absorb<NI, ATT_UNROLL>(r, sc, vh);
+    } else {
+        attend_rows<NI, false>(qr, kc, vc, row, hd, softcap, p0, p1, step, r);
     }
     if (fold_new) {
         u16 kh[1][NI], vh[1][NI];
         load_halves<NI>(new_rows(), e0, hd, kh[0]);
         load_halves<NI>(new_rows() + MAX_HEAD_DIM, e0, hd, vh[0]);
-        float sc[1] = {capped(score<NI>(qr, kh[0]), softcap)};
+        float sc[1] = {score<NI>(qr, kh[0])};
+        if constexpr (GEMMA) sc[0] = capped(sc[0], softcap);
         absorb<NI, 1>(r, sc, vh);
     }
 }
@@ -176,6 +192,7 @@ __device__ __forceinline__ void merge_warps(const Partial<NI>& r, int hd, WarpPa
 // One head's positions p0 + warp, p0 + warp + ATT_WARPS, ... < p1, merged over the block's warps
 // into mg, for the NI that hd needs (hd <= MAX_HEAD_DIM).
 // fold_new: decode's new position, folded in by warp 0 (attend).
+template <bool GEMMA>
 __device__ __forceinline__ void attend_block(const float* q, const u16* kc, const u16* vc, int row, int ring, int hd,
                                              float scale, float softcap, int p0, int p1, bool fold_new, Merged& mg) {
     __shared__ WarpPartials wp;
@@ -183,7 +200,7 @@ __device__ __forceinline__ void attend_block(const float* q, const u16* kc, cons
 #define ATTEND_CASE(ni)                                                                           \
     case ni: {                                                                                    \
         Partial<ni> r;                                                                            \
-        attend<ni>(q, kc, vc, row, ring, hd, scale, softcap, p0 + warp, p1, ATT_WARPS, fold_new && !warp, r); \
+        attend<ni, GEMMA>(q, kc, vc, row, ring, hd, scale, softcap, p0 + warp, p1, ATT_WARPS, fold_new && !warp, r); \
         merge_warps<ni>(r, hd, wp, mg);                                                           \
         break;                                                                                    \
     }
@@ -233,12 +250,16 @@ __device__ __forceinline__ void combine_splits(const float* p, float* out, int s
 // done[head]; the head's last block merges them into out and resets the count for the next
 // launch (a separate combine kernel took 3.3 us a layer in gpu_profile.py, mostly its launch).
 // The launch bounds hold both attention kernels to 96 registers, 5 blocks an SM, as before the
-// head-dim template.
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
-    attention_decode(const float* q, const float* k_new, const float* v_new, const float* cos_t,
-                     const float* sin_t, u16* k_cache, u16* v_cache, int ring, const int* pos, float* part,
-                     int* done, float* out, int heads, int kv_heads, int hd, float scale, int least, int window,
-                     float softcap) {
+// head-dim template. GEMMA: attend's (attention_decode_gemma for Gemma's layers).
+// (The kernels spell their parameters out: tests/cuda_emu reads them from the source.)
+#define DECODE_ARGS \
+    q, k_new, v_new, cos_t, sin_t, k_cache, v_cache, ring, pos, part, done, out, heads, kv_heads, hd, scale, least, \
+        window, softcap
+template <bool GEMMA>
+__device__ __forceinline__ void decode(const float* q, const float* k_new, const float* v_new, const float* cos_t,
+                                       const float* sin_t, u16* k_cache, u16* v_cache, int ring, const int* pos,
+                                       float* part, int* done, float* out, int heads, int kv_heads, int hd,
+                                       float scale, int least, int window, float softcap) {
     wait_prior_kernels();
     int h = blockIdx.x, split = blockIdx.y, most = gridDim.y, n = pos[0] + 1;
     int start = window > 0 && n > window ? n - window : 0;  // a sliding window's first position
@@ -255,7 +276,7 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
     __shared__ float q_rot[MAX_HEAD_DIM];
     for (int e = threadIdx.x; e < hd; e += blockDim.x) q_rot[e] = rope_at(q + h * hd, e, half, c, s);
     if (has_new) {
-        size_t at = ((size_t)(cur % ring) * kv_heads + kvh) * hd;
+        size_t at = ((size_t)(GEMMA ? cur % ring : cur) * kv_heads + kvh) * hd;
         u16 *k_row = new_rows(), *v_row = new_rows() + MAX_HEAD_DIM;
         for (int e = threadIdx.x; e < hd; e += blockDim.x) {
             k_row[e] = f2h(rope_at(k_new + kvh * hd, e, half, c, s));
@@ -268,8 +289,8 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
     }
     __syncthreads();
     __shared__ Merged mg;
-    attend_block(q_rot, k_cache + kvh * hd, v_cache + kvh * hd, row, ring, hd, scale, softcap, p0, has_new ? cur : p1,
-                 has_new, mg);
+    attend_block<GEMMA>(q_rot, k_cache + kvh * hd, v_cache + kvh * hd, row, ring, hd, scale, softcap, p0,
+                        has_new ? cur : p1, has_new, mg);
     float* mine = part + ((size_t)h * most + split) * (hd + 2);
     if (threadIdx.x == 0) {
         mine[0] = mg.m;
@@ -286,6 +307,22 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
         if (threadIdx.x == 0) done[h] = 0;
     }
 }
+
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
+    attention_decode(const float* q, const float* k_new, const float* v_new, const float* cos_t, const float* sin_t,
+                     u16* k_cache, u16* v_cache, int ring, const int* pos, float* part, int* done, float* out,
+                     int heads, int kv_heads, int hd, float scale, int least, int window, float softcap) {
+    decode<false>(DECODE_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
+    attention_decode_gemma(const float* q, const float* k_new, const float* v_new, const float* cos_t,
+                           const float* sin_t, u16* k_cache, u16* v_cache, int ring, const int* pos, float* part,
+                           int* done, float* out, int heads, int kv_heads, int hd, float scale, int least, int window,
+                           float softcap) {
+    decode<true>(DECODE_ARGS);
+}
+#undef DECODE_ARGS
 
 // Prefill, causal, in tiles: a block takes R query rows a warp, ATT_WARPS * R in all, of one kv
 // group. Row f of the group is query t = f / group of q head kvh * group + f % group, so a
@@ -314,7 +351,9 @@ struct pf_layout {
     static_assert(bytes <= PF_SHARED_BYTES, "the shared buffer is sized for the largest variant");
 };
 
-template <int NI, int R>
+// GEMMA: Gemma's layers (attend's): capped scores, ring caches, and the tiles below the block's
+// first window skipped, which the others' instantiation leaves out of its loop.
+template <int NI, int R, bool GEMMA>
 __device__ __forceinline__ void prefill_rows(const float* q, int q_stride, const u16* kc, const u16* vc, int ring,
                                              int pos0, float* out, float* part, int* done, int T, int heads,
                                              int kv_heads, int hd, float scale, int window, float softcap,
@@ -330,7 +369,8 @@ __device__ __forceinline__ void prefill_rows(const float* q, int q_stride, const
     int last_t = (first + ATT_WARPS * R - 1) / group;
     int n = pos0 + (last_t < T ? last_t : T - 1) + 1;  // positions the block's last query sees
     // from the tile of the first position its first query sees: 0, or that query's window's start
-    int seen0 = window > 0 ? pos0 + first / group + 1 - window : 0, base = seen0 > 0 ? seen0 / PF_TILE * PF_TILE : 0;
+    int seen0 = GEMMA && window > 0 ? pos0 + first / group + 1 - window : 0;
+    int base = seen0 > 0 ? seen0 / PF_TILE * PF_TILE : 0;
     int splits = gridDim.z, tiles = (n - base + PF_TILE - 1) / PF_TILE, chunk = (tiles + splits - 1) / splits;
     int from = base + (int)blockIdx.z * chunk * PF_TILE, to = from + chunk * PF_TILE < n ? from + chunk * PF_TILE : n;
     // the block's q rows, scaled; a row past the prompt is zeros, sees position 0 and is not stored
@@ -360,7 +400,7 @@ __device__ __forceinline__ void prefill_rows(const float* q, int q_stride, const
 #pragma unroll
         for (int j = warp; j < PF_TILE; j += ATT_WARPS) {
             bool in = p0 + j < n;  // past n: zeros, which weight 0 keeps out (garbage could be NaN; 0 * NaN is NaN)
-            size_t at = (size_t)(in ? (p0 + j) % ring : 0) * (row / 2);
+            size_t at = (size_t)(in ? (GEMMA ? (p0 + j) % ring : p0 + j) : 0) * (row / 2);
             for (int w = lane; w < words; w += 32) {
                 ks[j * L::k_row + w] = in ? kb[at + w] : 0u;
                 ((unsigned*)vs)[j * (L::v_row / 2) + w] = in ? vb[at + w] : 0u;
@@ -383,7 +423,7 @@ __device__ __forceinline__ void prefill_rows(const float* q, int q_stride, const
         }
 #pragma unroll
         for (int i = 0; i < R; i++) {
-            float si = p0 + lane < lim[i] && p0 + lane >= lo[i] ? capped(s[i], softcap) : NEG_INF;
+            float si = p0 + lane < lim[i] && p0 + lane >= lo[i] ? (GEMMA ? capped(s[i], softcap) : s[i]) : NEG_INF;
             float mi = fmaxf(m[i], warp_max(si));  // -inf while a split's row has seen no position
             float corr = mi == NEG_INF ? 1.f : expf(m[i] - mi), w = mi == NEG_INF ? 0.f : expf(si - mi);
             m[i] = mi;
@@ -457,26 +497,25 @@ __device__ __forceinline__ void prefill_rows(const float* q, int q_stride, const
 }
 
 // Prefill, causal: grid (ceil(T * group / rows), kv_heads, splits), ATT_WARPS warps a block,
-// over caches of `ring` rows, position p in row p % ring (at least window + T - 1 where window > 0),
 // where rows is ATT_WARPS * 8 up to 128-wide heads and ATT_WARPS * 2 above (their accumulators
 // would need 64 registers a lane at 8 rows a warp; backends/cuda.py's prefill_block_rows). Query
 // t (rows q_stride floats apart) at position pos0[0] + t sees cache positions 0 .. pos0[0] + t, or
-// with window > 0 the last `window` of them; softcap > 0 caps the scaled scores (Gemma 2).
-// out [T, heads, hd]. splits (1 to 32) divide each block's positions between that many blocks,
-// so that a short prompt after a long context still fills the GPU; with more than one, part holds
-// their partials [row blocks x rows x splits x (hd + 2)] and done a count a row block, zero before
-// and after.
-extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
-    attention_prefill(const float* q, int q_stride, const u16* k_cache, const u16* v_cache, int ring, const int* pos0,
-                      float* out,
-                      float* part, int* done, int T, int heads, int kv_heads, int hd, float scale, int window,
-                      float softcap) {
+// with window > 0 the last `window` of them. out [T, heads, hd]. splits (1 to 32) divide each
+// block's positions between that many blocks, so that a short prompt after a long context still
+// fills the GPU; with more than one, part holds their partials [row blocks x rows x splits x (hd
+// + 2)] and done a count a row block, zero before and after. attention_prefill_gemma, for Gemma's
+// layers, caps the scaled scores where softcap > 0 (Gemma 2) and reads caches of `ring` rows,
+// position p in row p % ring (at least window + T - 1 of them); attention_prefill takes neither.
+template <bool GEMMA>
+__device__ __forceinline__ void prefill(const float* q, int q_stride, const u16* k_cache, const u16* v_cache, int ring,
+                                        const int* pos0, float* out, float* part, int* done, int T, int heads,
+                                        int kv_heads, int hd, float scale, int window, float softcap) {
     wait_prior_kernels();
     __shared__ uint4 smem[PF_SHARED_BYTES / 16];
-#define PREFILL_CASE(ni, r)                                                                                  \
-    case ni:                                                                                                 \
-        prefill_rows<ni, r>(q, q_stride, k_cache, v_cache, ring, pos0[0], out, part, done, T, heads, kv_heads, hd, \
-                            scale, window, softcap, (unsigned char*)smem);                                   \
+#define PREFILL_CASE(ni, r)                                                                                    \
+    case ni:                                                                                                   \
+        prefill_rows<ni, r, GEMMA>(q, q_stride, k_cache, v_cache, ring, pos0[0], out, part, done, T, heads,   \
+                                   kv_heads, hd, scale, window, softcap, (unsigned char*)smem);               \
         break;
     switch ((hd + 31) / 32) {
         PREFILL_CASE(1, 8) PREFILL_CASE(2, 8) PREFILL_CASE(3, 8) PREFILL_CASE(4, 8)
@@ -484,3 +523,20 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
     }
 #undef PREFILL_CASE
 }
+
+#define PREFILL_ARGS \
+    q, q_stride, k_cache, v_cache, ring, pos0, out, part, done, T, heads, kv_heads, hd, scale, window, softcap
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
+    attention_prefill(const float* q, int q_stride, const u16* k_cache, const u16* v_cache, int ring, const int* pos0,
+                      float* out, float* part, int* done, int T, int heads, int kv_heads, int hd, float scale,
+                      int window, float softcap) {
+    prefill<false>(PREFILL_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32)
+    attention_prefill_gemma(const float* q, int q_stride, const u16* k_cache, const u16* v_cache, int ring,
+                            const int* pos0, float* out, float* part, int* done, int T, int heads, int kv_heads,
+                            int hd, float scale, int window, float softcap) {
+    prefill<true>(PREFILL_ARGS);
+}
+#undef PREFILL_ARGS

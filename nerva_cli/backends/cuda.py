@@ -35,6 +35,12 @@ MAX_HEAD_DIM = 256  # MAX_HEAD_DIM in common.cuh
 RECENT = 64  # tokens the repetition penalty looks back on (the CPU sampler's repeat_last_n)
 
 
+def _attention_kernel(name: str, window: int, softcap: float) -> str:
+    """attention.cu's kernel for a layer: its _gemma one where the layer has a window (whose cache
+    may be a ring of rows) or capped scores, else the plain one, compiled without either."""
+    return f"{name}_gemma" if window > 0 or softcap > 0 else name
+
+
 def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
@@ -288,7 +294,7 @@ class Kernels:
         if not 1 <= least <= most <= 32:
             raise ValueError(f"attention_decode: splits must be 1 <= least <= most <= 32 (a warp merges them), "
                              f"got {splits}")
-        self._go("attention_decode", (heads, most), (ATT_THREADS,),
+        self._go(_attention_kernel("attention_decode", window, softcap), (heads, most), (ATT_THREADS,),
                  (q, k, v, cos, sin, k_cache, v_cache, I32(k_cache.shape[0]), pos, part, done, out, I32(heads),
                   I32(kv_heads), I32(hd), F32(1.0 / np.sqrt(hd)), I32(least), I32(window), F32(softcap)))
 
@@ -309,7 +315,7 @@ class Kernels:
             raise ValueError(f"attention_prefill: {splits} splits need part of {floats} floats and done of "
                              f"{blocks} counts")
         grid = (blocks // kv_heads, kv_heads, splits)
-        self._go("attention_prefill", grid, (ATT_THREADS,),
+        self._go(_attention_kernel("attention_prefill", window, softcap), grid, (ATT_THREADS,),
                  (q, I32(q_stride), k_cache, v_cache, I32(k_cache.shape[0]), pos0, out, part if splits > 1 else out,
                   done if splits > 1 else pos0, I32(T), I32(heads), I32(kv_heads), I32(hd), F32(1.0 / np.sqrt(hd)),
                   I32(window), F32(softcap)))
