@@ -577,6 +577,26 @@ def test_attention_prefill_causal(k, rng, T, start, heads, kvh, hd, splits):
     assert (down(k, done) == 0).all()  # ready for the next launch
 
 
+def prefill_error(k, rng, kc, vc, heads, T, start, splits, window=0, softcap=0.0, seen=None):
+    """attention_prefill of T random queries at positions start.. over the caches kc, vc (each
+    position's row p % rows) against ref over `seen` (K, V of every position, default the caches'
+    own rows): the relative error."""
+    kvh, hd = kc.shape[1:]
+    full_k, full_v = seen or (kc[: start + T], vc[: start + T])
+    stride = heads * hd + 2 * kvh * hd
+    qrows = randn(rng, T, stride)
+    q = qrows[:, : heads * hd].reshape(T, heads, hd).copy()
+    want = np.empty_like(q)
+    ref.attention_prefill(q, full_k.astype(np.float32), full_v.astype(np.float32), start, want, window=window,
+                          softcap=softcap)
+    out = up(k, np.zeros((T, heads, hd), np.float32))
+    part = up(k, randn(rng, prefill_partials(T, heads, kvh, hd, splits)))  # every partial is written first
+    done = up(k, np.zeros(64, np.int32))
+    k.attention_prefill(up(k, qrows), stride, up(k, kc), up(k, vc), up(k, np.array([start], np.int32)), out, T,
+                        heads, splits, part, done, window, softcap)
+    return rel(down(k, out), want)
+
+
 @pytest.mark.parametrize("window", [1, 8, 37])
 def test_attention_windows(k, rng, window):
     """A sliding-window layer's attention (Gemma 3's): decode over the last `window` positions,
@@ -601,18 +621,7 @@ def test_attention_windows(k, rng, window):
         ref.attention_decode(q_rot, kw, vw, n - first, want)
         assert rel(down(k, out), want) < 64 * EPS, (n, window)
     for T, start, splits in ((19, 0, 1), (9, 45, 2), (40, 200, 3)):
-        stride = heads * hd + 2 * kvh * hd
-        qrows = randn(rng, T, stride)
-        q = qrows[:, : heads * hd].reshape(T, heads, hd).copy()
-        want = np.empty_like(q)
-        ref.attention_prefill(q, kc[: start + T].astype(np.float32), vc[: start + T].astype(np.float32), start, want,
-                              window=window)
-        out = up(k, np.zeros((T, heads, hd), np.float32))
-        part = up(k, randn(rng, prefill_partials(T, heads, kvh, hd, splits)))
-        done = up(k, np.zeros(64, np.int32))
-        k.attention_prefill(up(k, qrows), stride, up(k, kc), up(k, vc), up(k, np.array([start], np.int32)), out, T,
-                            heads, splits, part, done, window)
-        assert rel(down(k, out), want) < 64 * EPS, (T, start, window)
+        assert prefill_error(k, rng, kc, vc, heads, T, start, splits, window) < 64 * EPS, (T, start, window)
 
 
 def test_attention_over_a_ring_of_cache_rows(k, rng):
@@ -652,17 +661,8 @@ def test_attention_over_a_ring_of_cache_rows(k, rng):
         ring = np.arange(n - rows, n) % rows
         kc, vc = np.zeros((rows, kvh, hd), np.float16), np.zeros((rows, kvh, hd), np.float16)
         kc[ring], vc[ring] = full_k[n - rows:], full_v[n - rows:]
-        stride = heads * hd + 2 * kvh * hd
-        qrows = randn(rng, T, stride)
-        q = qrows[:, : heads * hd].reshape(T, heads, hd).copy()
-        want = np.empty_like(q)
-        ref.attention_prefill(q, full_k.astype(np.float32), full_v.astype(np.float32), start, want, window=window)
-        out = up(k, np.zeros((T, heads, hd), np.float32))
-        part = up(k, randn(rng, prefill_partials(T, heads, kvh, hd, splits)))
-        done = up(k, np.zeros(64, np.int32))
-        k.attention_prefill(up(k, qrows), stride, up(k, kc), up(k, vc), up(k, np.array([start], np.int32)), out, T,
-                            heads, splits, part, done, window)
-        assert rel(down(k, out), want) < 64 * EPS, (T, start)
+        error = prefill_error(k, rng, kc, vc, heads, T, start, splits, window, seen=(full_k, full_v))
+        assert error < 64 * EPS, (T, start)
 
 
 def test_attention_caps_scores(k, rng):
@@ -690,18 +690,7 @@ def test_attention_caps_scores(k, rng):
         ref.attention_decode(q_rot, kw, vw, n - first, plain)
         assert rel(down(k, out), want) < 64 * EPS < rel(plain, want), (n, window)
     for T, start, splits in ((19, 0, 1), (40, 200, 3)):
-        stride = heads * hd + 2 * kvh * hd
-        qrows = randn(rng, T, stride)
-        q = qrows[:, : heads * hd].reshape(T, heads, hd).copy()
-        want = np.empty_like(q)
-        ref.attention_prefill(q, kc[: start + T].astype(np.float32), vc[: start + T].astype(np.float32), start, want,
-                              softcap=cap)
-        out = up(k, np.zeros((T, heads, hd), np.float32))
-        part = up(k, randn(rng, prefill_partials(T, heads, kvh, hd, splits)))
-        done = up(k, np.zeros(64, np.int32))
-        k.attention_prefill(up(k, qrows), stride, up(k, kc), up(k, vc), up(k, np.array([start], np.int32)), out, T,
-                            heads, splits, part, done, 0, cap)
-        assert rel(down(k, out), want) < 64 * EPS, (T, start)
+        assert prefill_error(k, rng, kc, vc, heads, T, start, splits, softcap=cap) < 64 * EPS, (T, start)
     logits = 20 * randn(rng, 1001)
     got = up(k, logits)
     k.softcap(got, cap)
