@@ -266,7 +266,8 @@ def test_prefill_allocates_only_its_logits(family, variant, precision, tiny_mode
     assert logits <= peak - start <= logits + (8 << 10)
 
 
-@pytest.mark.parametrize("family,variant", [("llama", "q4_0"), ("llama", "q4_1"), ("gemma2", "q4_0"), ("gemma3", "q4_1")])
+@pytest.mark.parametrize("family,variant", [("llama", "q4_0"), ("llama", "q4_1"), ("gemma2", "q4_0"),
+                                            ("gemma3", "q4_1")])
 @pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
 def test_q4_decode_matches_prefill_and_ref(precision, family, variant, tiny_models, tmp_path, rng):
     """Decode (integer W4A8 / float W4A16 kernels) and prefill (dequantise + GEMM) are two

@@ -1102,7 +1102,8 @@ def test_attention_decode_in_splits_of_the_positions(rng, splits, n, cache):
     want, got = np.empty_like(q), np.empty_like(q)
     ref.attention_decode(q, k, v, n, want)
     part = np.full((splits, heads, dim + 2), np.nan, np.float32)  # the kernel writes all it reads
-    cpu.attention_kernel(heads, kv_heads)(q, cpu._cache_operand(k), cpu._cache_operand(v), n, got, part, 16)
+    cpu.attention_kernel(heads, kv_heads)(q, cpu._cache_operand(k), cpu._cache_operand(v), n, got, part, 16,
+                                          np.float32(0))
     assert rel(got, want) < ATT_TOL
 
 
@@ -1131,7 +1132,7 @@ def test_attention_decode_avx2_geometry(rng, monkeypatch, heads, kv_heads, head_
         monkeypatch.setattr(cpu, name, value)
     kernel = _serial_attention(heads, kv_heads)
     part = np.full((3, heads, head_dim + 2), np.nan, np.float32)
-    kernel(q, cpu._cache_operand(k), cpu._cache_operand(v), n, got, part, 2)
+    kernel(q, cpu._cache_operand(k), cpu._cache_operand(v), n, got, part, 2, np.float32(0))
     llvm = next(iter(kernel.inspect_llvm().values()))
     assert "<8 x half>" in llvm and "<16 x half>" not in llvm  # the K and V rows widened 8 at a time
     assert rel(got, want) < ATT_TOL
@@ -1276,9 +1277,10 @@ def test_decode_kernels_do_not_allocate(rng):
           if cpu._AVX512BF16 else []),
         (cpu.silu_mul, (np.concatenate([x, w]), out)),
         (cpu.gelu_mul, (np.concatenate([x, w]), out)),
-        (cpu.attention_kernel(heads, kv), (q[0], kc, vc, 9, att, part, 2)),
+        (cpu.attention_kernel(heads, kv), (q[0], kc, vc, 9, att, part, 2, np.float32(0))),
         (cpu.attention_kernel(heads, kv), (q[0], kc.astype(np.float16).view(np.uint16),
-                                           vc.astype(np.float16).view(np.uint16), 9, att, part, 2)),
+                                           vc.astype(np.float16).view(np.uint16), 9, att, part, 2,
+                                           np.float32(5))),  # Gemma 2's capped scores too
         (cpu._embed_q4, (qs, d16, None, 5, out)),
         (cpu._embed_q4, (qs, d16, m16, 5, out)),
         (cpu._w8a16, (q8, d8, *act_q16(cpu, x), mv)),
