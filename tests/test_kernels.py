@@ -1043,10 +1043,10 @@ def test_attention_decode(rng, heads, kv_heads, head_dim, n_ctx, cache):
 @pytest.mark.parametrize("cache", ["f32", "f16"])
 def test_attention_decode_caps_scores(rng, n, splits, cache):
     """Gemma 2's capped scores, softcap tanh(s / softcap) after the scale: K rows 4x the usual
-    make scores of std about 8 (here 5, cap 5: most of them bent, many near the cap), against
-    ref and a float64 reference, in one split and in three (the merge compares capped maxima).
-    Same bound as uncapped (ATT_TOL): tanh's own error is an ulp; and against the uncapped result
-    the outputs move by a good part of their size."""
+    make scores of std about 4 (3.5 to 4.4 measured over 5 seeds; cap 5: most of them bent),
+    against ref and a float64 reference, in one split and in three (the merge compares capped
+    maxima). Same bound as uncapped (ATT_TOL): tanh's own error is an ulp. Uncapped, the outputs
+    move by 0.2-0.4 of their size over 7 positions and 2.6-4.7 over 130-301 (same seeds)."""
     heads, kv_heads, dim, cap = 8, 2, 64, 5.0
     dtype = np.float16 if cache == "f16" else np.float32
     q = randn(rng, heads, dim)
@@ -1062,7 +1062,7 @@ def test_attention_decode_caps_scores(rng, n, splits, cache):
     ind = np.einsum("hn,nhd->hd", p / p.sum(1, keepdims=True), np.repeat(v.astype(np.float64), heads // kv_heads, 1))
     assert rel(want, ind) < ATT_TOL
     cpu.attention_decode(q, k, v, n, plain, np.empty_like(part))
-    assert n == 7 or rel(plain, want) > 0.1
+    assert rel(plain, want) > 0.1
 
 
 @pytest.mark.parametrize("direction", [1, -1])
