@@ -25,8 +25,9 @@
 // threads an SM, 128 registers, no spill for Q4_0 (596 instructions); Q4_1's spilled 112 bytes at
 // 96, 32 at 128, and since q4_rounds none on sm_90 and 8 on sm_75. On an H100 (2026-11-27, scripts/gpu_matvec_sweep.py --precision w4a8 --rows 8 --threads
 // 128) matvec_q4_w4a8 read an 8B step's matrices in 2.29 ms at 4 blocks an SM against 2.56 at 5
-// (q/o 1480 GB/s against 1235, down 2107 against 1881); Q4_1's was not timed. At 4 blocks
-// W4A16 would take 121 registers (no spill either way), untimed: -D MV_MIN_BLOCKS=4 sweeps it.
+// (q/o 1480 GB/s against 1235, down 2107 against 1881); Q4_1's read them in 2.26 ms (826a8de's
+// lease). At 4 blocks W4A16 would take 121 registers (no spill either way): it read them in 2.32 ms
+// against 2.23 at 5 (same lease, -D MV_MIN_BLOCKS=4), so W4A16 stays at 5.
 // (The exact kernels need fewer registers: a bound would let ptxas spend up to 96 on them.)
 // Bounded at 96, glu_q4_1_w4a8 spills 24 bytes (20 before q4_rounds on sm_75 to sm_89), and Q4_1's
 // W4A16 kernels, which did not spill but for matvec_q4_1_w4a16's 24 on sm_90, spill 8 (matvec)
@@ -463,7 +464,8 @@ extern "C" __global__ void glu_exact(
 // signed codes with no bias to correct, d_w d_x times the exact integer dot. x is quantised before
 // the codes are loaded: with the loads first, ptxas kept x's 32 floats live beside the 64 code
 // registers and, bounded, spilled 224 bytes (sm_90); now 8 on sm_75 and sm_90, none elsewhere
-// (NVRTC 13.5). (Checked on the CPU emulation; not yet timed on a GPU.)
+// (NVRTC 13.5). On an H100 (826a8de's lease) they read an 8B step's matrices in 3.91 (W8A16) and
+// 3.63 ms (W8A8), the 128256-row lm_head at 2911 and 2993 GB/s.
 template <bool A8>
 __device__ __forceinline__ void q8_0(MATRICES, const float* __restrict__ x, int cols, int mode) {
     Slots s = block_slots<false>(ALL_MATRICES, nullptr, nullptr, nullptr);
