@@ -7,7 +7,7 @@
 
 #define ATT_WARPS 4
 #define ATT_UNROLL 4
-#define ATT_LONG_CHUNK 256  // backends/cuda.py's: positions a decode block takes before more blocks do
+#define ATT_LONG_CHUNK 16  // backends/cuda.py's: positions a decode block takes before more blocks do
 
 // A lane holds NI consecutive elements of a head, lane * NI .. lane * NI + NI - 1 (NI = ceil(hd /
 // 32), a template argument: the kernels switch on it, so a 128-wide head does 4 elements a lane,

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from nerva_cli.backends import ref
-from nerva_cli.backends.cuda import RECENT, Kernels, most_prefill_partials, prefill_partials, prefill_splits
+from nerva_cli.backends.cuda import ATT_LONG_CHUNK, RECENT, Kernels, most_prefill_partials, prefill_partials, prefill_splits
 from nerva_cli.quant import dequantize_q4, dequantize_q8
 from nerva_cli.sampling import Sampler, SamplingOptions
 from test_kernels import EPS, act_q8, dequant_f64, dequant_q8_f64, random_q4, random_q8, randn, rel, rope_tables, sum_tol
@@ -463,12 +463,12 @@ def f16_cache(rng, ctx, kvh, hd):
 
 # head dims: a lane holds hd / 32 elements, loaded as one word for 64, 128 and 256 (80 and 48:
 # lanes with fewer elements, or none). splits (least, most): least until a block would take more
-# than ATT_LONG_CHUNK (256) positions, then more, up to most; the last two cases grow to 3 of 5
+# than ATT_LONG_CHUNK (16) positions, then more, up to most; the last two cases grow to 3 of 5
 # and to all 5 (blocks past them return at once, and the merge takes only those that ran)
 @pytest.mark.parametrize("heads,kvh,hd,n,splits", [(4, 2, 32, 1, (1, 1)), (4, 2, 64, 37, (3, 3)),
                                                    (6, 3, 32, 5, (8, 8)), (2, 1, 256, 70, (2, 2)),
                                                    (8, 8, 128, 130, (4, 4)), (4, 2, 80, 21, (3, 3)),
-                                                   (2, 2, 48, 9, (2, 2)), (4, 2, 64, 700, (2, 5)),
+                                                   (2, 2, 48, 9, (2, 2)), (4, 2, 64, 40, (2, 5)),
                                                    (2, 1, 32, 1400, (1, 5))])
 def test_attention_decode_split_over_context(k, rng, heads, kvh, hd, n, splits):
     """The new token's q, k and v before RoPE: rotated in the launch, k and v stored in f16 at its
@@ -505,7 +505,7 @@ def test_attention_decode_split_over_context(k, rng, heads, kvh, hd, n, splits):
         assert rel(down(k, out), want) < 64 * EPS
         np.testing.assert_array_equal(down(k, done), 0)
         # the blocks that ran wrote their partials' m (-inf for an empty one); the rest kept 0
-        ran = min(max(-(-n_ctx // 256), splits[0]), splits[1])
+        ran = min(max(-(-n_ctx // ATT_LONG_CHUNK), splits[0]), splits[1])
         m = down(k, part).reshape(heads, splits[1], hd + 2)[:, :, 0]
         assert np.all((m != 0).sum(axis=1) == ran)
 

@@ -26,7 +26,7 @@ MV_THREADS, MV_ROWS = 128, 8  # matvecs: most threads splitting K, rows per bloc
 GROUPS_PER_BLOCK = THREADS // 32  # prefill's activation quantiser: one warp per 32-group
 ATT_THREADS = 128  # attention: 4 warps (ATT_WARPS in attention.cu)
 ATT_BLOCKS_PER_SM = 5  # attention.cu's launch bounds
-ATT_LONG_CHUNK = 256  # ATT_LONG_CHUNK in attention.cu
+ATT_LONG_CHUNK = 16  # ATT_LONG_CHUNK in attention.cu
 PF_MAX_SPLITS = 32  # prefill attention: blocks dividing a row block's positions (combine_splits merges a warp's worth)
 PF_MIN_SPLIT_TILES = 4  # prefill attention: fewest 32-position tiles a split takes
 SAMPLE_THREADS = 1024
@@ -338,10 +338,12 @@ def attention_splits(heads: int, ctx: int, sms: int) -> tuple[int, int]:
     """Blocks over the context per head for decode, (least, most). least: enough blocks to fill
     the GPU twice over, none shorter than 64 positions at full context (a block reads 16 of them
     a round). A launch holds `most` (its grid is fixed, as a CUDA graph's is), and the kernel
-    uses least until its blocks would take more than ATT_LONG_CHUNK positions each, then more of
-    them, up to one wave of ATT_BLOCKS_PER_SM blocks an SM: a long context's rounds of loads
-    spread over more warps instead of lengthening (at 8k positions, 9 blocks a head of an 8B
-    model on an H100 run 57 rounds a warp; 20 run 26)."""
+    uses least until its blocks would take more than ATT_LONG_CHUNK positions each (one round
+    of the block's loads), then more of them, up to one wave of ATT_BLOCKS_PER_SM blocks an SM: the rounds
+    spread over more warps instead of lengthening. On an H100 at 8B shapes, 20 blocks a head
+    instead of 9 took attention from 314 to 280 us a step at 512 cached positions (the step
+    graph from 3.06 to 2.95 ms), and the step from 6.14 to 4.35 ms at 7680
+    (docs/perf/gpu_nvidia_h100_80gb_hbm3_826a8de.json)."""
     least = max(1, min(32, _cdiv(2 * sms, heads), ctx // 64))
     return least, max(least, min(32, ATT_BLOCKS_PER_SM * sms // heads, ctx // ATT_LONG_CHUNK))
 
