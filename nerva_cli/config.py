@@ -11,15 +11,18 @@ from dataclasses import dataclass, field
 
 from nerva_cli.errors import BadInput
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
-GEMMA = ("gemma2", "gemma3")  # GeGLU, post norms, norms stored as 1 + w, windowed layers
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3")
+# GeGLU, the embedding times sqrt(hidden), norms stored as 1 + w; Gemma 2 and 3 add post norms
+# and windowed layers (gemma_fields), Gemma 1 neither (geglu_fields)
+GEMMA = ("gemma", "gemma2", "gemma3")
 # HF model_type / GGUF general.architecture -> family. Mistral and SmolLM are Llama-shaped (SmolLM3
 # with no RoPE in every fourth layer: nope_layers); so is Phi-3 once its fused q/k/v and gate/up
 # matrices are split (sources.fused_part).
 FAMILY_OF = {"llama": "llama", "mistral": "llama", "smollm3": "llama", "granite": "llama", "qwen2": "qwen2",
-             "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2", "gemma3": "gemma3", "gemma3_text": "gemma3"}
+             "qwen3": "qwen3", "phi3": "phi3", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3",
+             "gemma3_text": "gemma3"}
 SUPPORTED_TEXT = ("llama (Llama 2/3.x, Mistral, SmolLM, SmolLM3, Granite 3, TinyLlama), qwen2, qwen3, "
-                  "phi3 (Phi-3, Phi-3.5, Phi-4-mini), gemma2, gemma3 (Gemma 3's text model)")
+                  "phi3 (Phi-3, Phi-3.5, Phi-4-mini), gemma (Gemma 1, CodeGemma), gemma2, gemma3 (Gemma 3's text model)")
 ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate: SwiGLU's, or GeGLU's (GeLU, tanh approximation)
 ROPE_SCALINGS = ("linear", "llama3", "freq_factors", "longrope", "yarn")
 
@@ -64,7 +67,7 @@ class ModelConfig:
     folded_scales: dict | None = None
     # Gemma's: GeGLU's gate (gelu_tanh); the token embedding times embed_scale (sqrt(hidden),
     # which the engine applies: folded into the table it would round an exact variant's rows);
-    # norms after attention and after the MLP, before each joins the residual (the layer files'
+    # Gemma 2's and 3's: norms after attention and after the MLP, before each joins the residual (the layer files'
     # post_attn_norm and post_mlp_norm); attention over the last sliding_window positions in
     # sliding_layers, whose RoPE turns at local_rope_theta (Gemma 3's), unscaled.
     activation: str = "silu"
@@ -304,11 +307,20 @@ GEMMA2_DEFAULTS = {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_sca
                    "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "tie_word_embeddings": True}
 
 
+# GemmaConfig's, likewise (google/gemma-2b's names no tie_word_embeddings, and has no lm_head)
+GEMMA_DEFAULTS = {"hidden_act": "gelu_pytorch_tanh", "head_dim": 256, "tie_word_embeddings": True}
+
+
 def _text_config(cfg: dict) -> dict:
     """A multimodal Gemma 3's text_config (its language model, with its defaults) merged over the
-    top level's ids; a Gemma 2's with its defaults; any other config as it is."""
+    top level's ids; a Gemma 1's or 2's with its defaults; any other config as it is."""
     if cfg.get("model_type") == "gemma2":
         return {**GEMMA2_DEFAULTS, **cfg}
+    if cfg.get("model_type") == "gemma":
+        merged = {**GEMMA_DEFAULTS, **cfg}
+        if merged["hidden_act"] == "gelu":  # the first releases' name for the tanh form, as transformers reads it
+            merged["hidden_act"] = "gelu_pytorch_tanh"
+        return merged
     if cfg.get("model_type") not in ("gemma3", "gemma3_text"):
         return cfg
     text = cfg.get("text_config") or {}
@@ -326,7 +338,10 @@ def _text_config(cfg: dict) -> dict:
 def _gemma_fields(cfg: dict, family: str, layers: int) -> dict:
     """Gemma's ModelConfig fields from its config.json (as _text_config merged it): the layers
     with a sliding window (its layer_types, else gemma_fields' pattern for the family), Gemma 3's
-    local RoPE base, and the logit caps (Gemma 2's); its attention scale is gemma_attention's."""
+    local RoPE base, and the logit caps (Gemma 2's); its attention scale is gemma_attention's.
+    Gemma 1's: geglu_fields alone."""
+    if family == "gemma":
+        return geglu_fields(int(cfg["hidden_size"]))
     gemma3 = family == "gemma3"
     pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or (6 if gemma3 else 2))
     types = cfg.get("layer_types")
@@ -342,14 +357,19 @@ def _gemma_fields(cfg: dict, family: str, layers: int) -> dict:
 
 def gemma_fields(hidden: int, layers: int, window: int, pattern: int, sliding: list[int] | None = None,
                  local_rope_theta: float | None = None) -> dict:
-    """ModelConfig's Gemma fields: GeGLU, the embedding times sqrt(hidden), post norms, and a
-    window in the `sliding` layers (by default all but every pattern-th: transformers' default
-    and llama.cpp's fixed step, Gemma 2's 2 and Gemma 3's 6), whose RoPE turns at
-    local_rope_theta where that is given (Gemma 3's 10000)."""
+    """Gemma 2's and 3's ModelConfig fields: geglu_fields, post norms, and a window in the
+    `sliding` layers (by default all but every pattern-th: transformers' default and llama.cpp's
+    fixed step, Gemma 2's 2 and Gemma 3's 6), whose RoPE turns at local_rope_theta where that is
+    given (Gemma 3's 10000)."""
     if sliding is None:
         sliding = [i for i in range(layers) if (i + 1) % pattern]
-    return {"activation": "gelu_tanh", "embed_scale": float(hidden) ** 0.5, "post_norms": True,
-            "sliding_window": window, "sliding_layers": sliding or None, "local_rope_theta": local_rope_theta}
+    return {**geglu_fields(hidden), "post_norms": True, "sliding_window": window, "sliding_layers": sliding or None,
+            "local_rope_theta": local_rope_theta}
+
+
+def geglu_fields(hidden: int) -> dict:
+    """ModelConfig's fields every Gemma has: GeGLU, and the embedding times sqrt(hidden)."""
+    return {"activation": "gelu_tanh", "embed_scale": float(hidden) ** 0.5}
 
 
 def gemma_attention(query_pre_attn_scalar, head_dim: int) -> dict | None:

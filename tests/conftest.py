@@ -111,6 +111,9 @@ FAMILIES = {
     # attention 1/8 is half of Llama's 1/4)
     "granite": ("GraniteConfig", {"embedding_multiplier": 4.0, "residual_multiplier": 0.5,
                                   "attention_multiplier": 0.125, "logits_scaling": 2.0}),
+    # Gemma 1: GeGLU, norms stored as 1 + w, the embedding times sqrt(hidden) = 8, in Llama's layer
+    # (GemmaConfig's head_dim is 256 unless named)
+    "gemma": ("GemmaConfig", {"head_dim": 16, "pad_token_id": 0}),
     # Gemma 3: GeGLU, norms after attention and the MLP, q/k norms, the embedding times
     # sqrt(hidden) = 8; an 8-position window (a 10-token prompt and its answer reach past it) in
     # all layers but every sixth (transformers' and llama.cpp's pattern), whose RoPE turns at

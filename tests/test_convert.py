@@ -474,7 +474,7 @@ def hf_to_gguf(src, path, extra=None, layer_quant=None):
 
     cfg = transformers.AutoConfig.from_pretrained(src)
     arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "smollm3": "smollm3",
-            "granite": "granite", "gemma2": "gemma2", "gemma3_text": "gemma3"}[cfg.model_type]
+            "granite": "granite", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}[cfg.model_type]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     rope = getattr(cfg, "rope_parameters", None) or {}
     rope = rope.get("full_attention", rope)  # Gemma 3's: the full layers' (llama.cpp fixes the others')
@@ -519,7 +519,7 @@ def hf_to_gguf(src, path, extra=None, layer_quant=None):
         return m.reshape(n_head, 2, m.shape[0] // n_head // 2, *m.shape[1:]).swapaxes(1, 2).reshape(m.shape)
 
     t = load_file(str(src / "model.safetensors"))
-    if arch in ("gemma2", "gemma3"):  # llama.cpp's converter stores Gemma's norms as the 1 + w they multiply by
+    if arch in ("gemma", "gemma2", "gemma3"):  # llama.cpp's converter stores Gemma's norms as the 1 + w they multiply by
         t = {k: v + np.float32(1) if k.endswith("norm.weight") else v for k, v in t.items()}
     w.add_tensor("token_embd.weight", t["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", t["model.norm.weight"])
@@ -555,7 +555,7 @@ def hf_to_gguf(src, path, extra=None, layer_quant=None):
 
 
 @pytest.mark.parametrize("family", ["llama", "llama-untied", "qwen2", "qwen3", "qwen3-yarn", "phi3", "phi3-longrope",
-                                    "smollm3", "granite", "gemma2", "gemma3"])
+                                    "smollm3", "granite", "gemma", "gemma2", "gemma3"])
 def test_a_gguf_of_hf_weights_converts_as_the_hf_directory_does(family, tiny_models, tmp_path, cli):
     """Each family nerva runs, as llama.cpp's converter would write it (F32 tensors: Qwen2's q/k/v
     biases, Qwen3's q/k norms and head_dim, an untied lm_head, a Llama's permuted q/k, Phi-3's
@@ -822,6 +822,37 @@ def test_gemma2_configs_as_their_repos_write_them():
         from_hf_config({**two, "attn_logit_softcapping": -1}, "config.json")
 
 
+def test_gemma1_configs_as_their_repos_write_them():
+    """config.json as google/gemma-2b writes it: hidden_act "gelu", the first releases' name for
+    GeLU's tanh form (transformers reads it so, with a warning; llama.cpp runs the tanh form), no
+    tie_word_embeddings (GemmaConfig's True: the checkpoint has no lm_head), one kv head; Gemma
+    1.1's hidden_activation; the 7B's head_dim 256 where hidden / heads is 192, and GemmaConfig's
+    256 where a config leaves it out. No windows, no post norms, no caps; an activation Gemma
+    does not use is refused by name."""
+    from nerva_cli.config import from_hf_config
+
+    two = {"architectures": ["GemmaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+           "bos_token_id": 2, "eos_token_id": 1, "head_dim": 256, "hidden_act": "gelu", "hidden_size": 2048,
+           "initializer_range": 0.02, "intermediate_size": 16384, "max_position_embeddings": 8192,
+           "model_type": "gemma", "num_attention_heads": 8, "num_hidden_layers": 18, "num_key_value_heads": 1,
+           "pad_token_id": 0, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000.0,
+           "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 256000}
+    cfg = from_hf_config(two, "config.json")
+    assert (cfg.family, cfg.head_dim, cfg.num_kv_heads, cfg.max_context, cfg.vocab_size) == ("gemma", 256, 1, 8192,
+                                                                                              256000)
+    assert cfg.tie_embeddings and not cfg.qk_norm and not cfg.post_norms and cfg.activation == "gelu_tanh"
+    assert cfg.sliding_layers is None and (cfg.attn_softcap, cfg.final_softcap) == (None, None)
+    assert cfg.embed_scale == math.sqrt(2048) and cfg.folded_scales is None and cfg.eos_token_ids == [1]
+    one_one = from_hf_config({**two, "hidden_activation": "gelu_pytorch_tanh"}, "config.json")
+    assert one_one.activation == "gelu_tanh"
+    seven = {**two, "hidden_size": 3072, "intermediate_size": 24576, "num_hidden_layers": 28,
+             "num_attention_heads": 16, "num_key_value_heads": 16}
+    assert from_hf_config(seven, "config.json").head_dim == 256
+    assert from_hf_config({k: v for k, v in seven.items() if k != "head_dim"}, "config.json").head_dim == 256
+    with pytest.raises(Exception, match="config.json: activation 'silu' is not supported for gemma"):
+        from_hf_config({**two, "hidden_act": "silu"}, "config.json")
+
+
 def test_a_multimodal_gemma3_checkpoint_converts_its_language_model(tiny_models, tmp_path, cli):
     """A Gemma 3 4B-style checkpoint: the language model's tensors under model.language_model.
     (transformers 5) or language_model.model. (the Hub's first uploads), beside a vision tower
@@ -853,7 +884,7 @@ def test_a_multimodal_gemma3_checkpoint_converts_its_language_model(tiny_models,
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3-yarn", "phi3", "phi3-longrope", "smollm3",
-                                    "granite", "gemma2", "gemma3"])
+                                    "granite", "gemma", "gemma2", "gemma3"])
 def test_a_gguf_runs_as_llama_cpp_runs_it(family, tiny_models, tmp_path):
     """The same GGUF (hf_to_gguf's, weights made f16-exact so that nerva's f16 conversion holds the
     file's values) through llama.cpp and through nerva, both with an f32 KV cache: the logits of a
@@ -865,7 +896,8 @@ def test_a_gguf_runs_as_llama_cpp_runs_it(family, tiny_models, tmp_path):
     bits; measured 3.2e-4 to 8.2e-4 on the whole Gemma 3 model (here, Zen 3), and with the down
     projections zeroed (every step but the MLP's: windows, both RoPE bases, post norms, the
     embedding's scale) 4e-7 to 1.2e-6; Gemma 2 (its logit caps too) 3.3e-4 to 9.1e-4 and 6.3e-7 to
-    2.5e-6. So both are held to 1e-4 without their MLPs and to 2e-3 with them. Runs where
+    2.5e-6; Gemma 1 (no post norms to shrink what the MLP adds) 3.5e-4 to 1.4e-3 and 7e-7 to
+    7.8e-6. So all three are held to 1e-4 without their MLPs and to 2e-3 with them. Runs where
     llama-cpp-python is installed."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
     import shutil
@@ -895,7 +927,7 @@ def test_a_gguf_runs_as_llama_cpp_runs_it(family, tiny_models, tmp_path):
         print(name, "relative errors", errs)
         return errs
 
-    if family in ("gemma2", "gemma3"):
+    if family in ("gemma", "gemma2", "gemma3"):
         no_mlp = {k: np.zeros_like(v) if "down_proj" in k else v for k, v in weights.items()}
         assert max(errors(no_mlp, "no-mlp")) < 1e-4
         assert max(errors(weights, family)) < 2e-3

@@ -135,7 +135,8 @@ def test_a_short_prefill_after_a_long_one_splits_its_positions(stored, cuda_devi
     ("qwen2", "q4_0", "w4a8"), ("llama3-scaled", "q4_0", "mixed"),
     ("llama-untied", "q4_1", "w4a16"), ("qwen2", "q4_1", "w4a8"), ("llama", "q4_1", "mixed"),
     ("phi3-longrope", "q4_0", "mixed"), ("smollm3", "f16", None), ("gemma3", "q4_0", "w4a16"),
-    ("gemma3-qpas", "q4_1", "mixed"), ("gemma2", "q4_0", "w4a16"), ("gemma2-qpas", "q4_1", "mixed")])
+    ("gemma3-qpas", "q4_1", "mixed"), ("gemma2", "q4_0", "w4a16"), ("gemma2-qpas", "q4_1", "mixed"),
+    ("gemma", "q4_0", "w4a8")])
 def test_greedy_tokens_equal_the_cpu_plane(stored, cuda_device, family, variant, precision):
     model = stored(family, variant)
     per_layer = ["w4a8", "w4a16", "w4a8"] if precision == "mixed" else None
@@ -147,7 +148,10 @@ def test_greedy_tokens_equal_the_cpu_plane(stored, cuda_device, family, variant,
     assert gpu.precision_counts == cpu.precision_counts
 
 
-# gemma3: 8-position windows, post norms, GeGLU; gemma2: its logit caps too
+# gemma3: 8-position windows, post norms, GeGLU; gemma2: its logit caps too. (gemma, Gemma 1's
+# tiny model, strays from the cpu plane by up to 8.6e-3 over 12 steps after its prompt, measured
+# on the emulation, where decode alone stays within 1.2e-4: the prompt's K and V come from
+# prefill's f16 GEMM operands. It is held to decode alone and a greedy W4A8 run below.)
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3"])
 def test_64_steps_of_exact_variants_agree_on_the_same_tokens(stored, cuda_device, family):
     model = stored(family, "f16")
@@ -179,7 +183,7 @@ def test_sliding_window_caches_wrap_around_their_rows(stored, cuda_device, monke
 
 @pytest.mark.parametrize("family,variant,precision", [
     ("llama", "f16", None), ("llama-untied", "q4_0", "w4a16"), ("llama-untied", "q4_1", "w4a16"),
-    ("gemma2", "q4_0", "w4a16"), ("gemma3", "q4_0", "w4a16")])
+    ("gemma2", "q4_0", "w4a16"), ("gemma3", "q4_0", "w4a16"), ("gemma", "f16", None)])
 def test_decode_alone_agrees_closely(stored, cuda_device, family, variant, precision):
     """Without prefill's f16 GEMM operands the decode kernels are held to 1e-3 against the cpu
     plane (measured 4e-5 on llama f16, 1.6e-4 on q4_0 and 3.6e-4 on q4_1 at W4A16 over 21 steps,

@@ -51,8 +51,9 @@ def rel_err(a, b):
 
 @pytest.mark.parametrize("family,backend", [  # cpu on every family; the slow ref on two
     (f, "cpu") for f in ("llama", "llama-untied", "llama3-scaled", "qwen2", "qwen3", "qwen3-yarn", "phi3",
-                         "phi3-longrope", "smollm3", "granite", "gemma2", "gemma2-qpas", "gemma3", "gemma3-qpas")] + [
-    ("qwen3", "ref"), ("llama3-scaled", "ref"), ("phi3-longrope", "ref"), ("gemma2", "ref"), ("gemma3", "ref")])
+                         "phi3-longrope", "smollm3", "granite", "gemma", "gemma2", "gemma2-qpas", "gemma3", "gemma3-qpas")] + [
+    ("qwen3", "ref"), ("llama3-scaled", "ref"), ("phi3-longrope", "ref"), ("gemma", "ref"), ("gemma2", "ref"),
+    ("gemma3", "ref")])
 def test_f16_greedy_and_logits_equal_transformers(family, backend, tiny_models, tmp_path):
     src = tiny_models(family)
     model = pull(str(src), variant="f16", out=tmp_path / "m")

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from nerva_cli.config import (FAMILY_OF, SUPPORTED_TEXT, ModelConfig, attended_context, gemma_attention,
-                              gemma_fields, granite_scales, in_file, longrope_scaling, yarn_scaling)
+                              gemma_fields, geglu_fields, granite_scales, in_file, longrope_scaling, yarn_scaling)
 from nerva_cli.errors import BadInput
 from nerva_cli.quant import BLOCK_BYTES, split_blocks
 from nerva_cli.sources import Source, SourceTensor, fused_part, row_range
@@ -113,6 +113,8 @@ def _config(header: GGUFHeader, path: Path, embed_shape, rope: dict[str, list[fl
         gemma = {**gemma_fields(hidden, layers, int(key("attention.sliding_window")), 6, local_rope_theta=10_000.0),
                  # the 27B's 1/sqrt(hidden / heads), which llama.cpp knows by its 62 layers
                  "folded_scales": gemma_attention(hidden // heads if layers == 62 else head_dim, head_dim)}
+    elif arch == "gemma":  # Gemma 1: no windows, no post norms, no caps
+        gemma = geglu_fields(hidden)
     elif arch == "gemma2":  # llama.cpp's: every other layer windowed (4096 unless named), caps 50 and 30 unless named
         gemma = {**gemma_fields(hidden, layers, int(key("attention.sliding_window", 4096)), 2),
                  "attn_softcap": float(key("attn_logit_softcapping", 50.0)),

@@ -29,8 +29,8 @@ _LAYER_NAMES = {
     # Phi-3's fused matrices, read a part at a time (sources.fused_part)
     "self_attn.qkv_proj.weight": "qkv", "mlp.gate_up_proj.weight": "gate_up",
 }
-# Gemma's norms: post_attention_layernorm is the one after attention, pre_feedforward_layernorm
-# the MLP's input norm (Llama's post_attention_layernorm)
+# Gemma 2's and 3's norms: post_attention_layernorm is the one after attention,
+# pre_feedforward_layernorm the MLP's input norm (Llama's and Gemma 1's post_attention_layernorm)
 _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_layernorm.weight": "post_attn_norm",
                       "pre_feedforward_layernorm.weight": "mlp_norm",
                       "post_feedforward_layernorm.weight": "post_mlp_norm"}
@@ -50,7 +50,7 @@ def canonical_name(hf_name: str, family: str = "llama") -> str | None:
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     m = _LAYER_RE.match(hf_name)
-    names = _GEMMA_LAYER_NAMES if family in GEMMA else _LAYER_NAMES
+    names = _GEMMA_LAYER_NAMES if family in ("gemma2", "gemma3") else _LAYER_NAMES
     if m and m.group(2) in names:
         return f"layers.{int(m.group(1))}.{names[m.group(2)]}"
     return None
