@@ -22,7 +22,8 @@ FAMILY_OF = {"llama": "llama", "mistral": "llama", "smollm3": "llama", "granite"
              "qwen3": "qwen3", "phi3": "phi3", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3",
              "gemma3_text": "gemma3"}
 SUPPORTED_TEXT = ("llama (Llama 2/3.x, Mistral, SmolLM, SmolLM3, Granite 3, TinyLlama), qwen2, qwen3, "
-                  "phi3 (Phi-3, Phi-3.5, Phi-4-mini), gemma (Gemma 1, CodeGemma), gemma2, gemma3 (Gemma 3's text model)")
+                  "phi3 (Phi-3, Phi-3.5, Phi-4-mini), gemma (Gemma 1, CodeGemma), gemma2, "
+                  "gemma3 (Gemma 3's text model)")
 ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate: SwiGLU's, or GeGLU's (GeLU, tanh approximation)
 ROPE_SCALINGS = ("linear", "llama3", "freq_factors", "longrope", "yarn")
 
@@ -66,10 +67,10 @@ class ModelConfig:
     # and attention 1/sqrt(head_dim), as Llama's.
     folded_scales: dict | None = None
     # Gemma's: GeGLU's gate (gelu_tanh); the token embedding times embed_scale (sqrt(hidden),
-    # which the engine applies: folded into the table it would round an exact variant's rows);
-    # Gemma 2's and 3's: norms after attention and after the MLP, before each joins the residual (the layer files'
-    # post_attn_norm and post_mlp_norm); attention over the last sliding_window positions in
-    # sliding_layers, whose RoPE turns at local_rope_theta (Gemma 3's), unscaled.
+    # which the engine applies: folded into the table it would round an exact variant's rows).
+    # Gemma 2's and 3's: norms after attention and after the MLP, before each joins the residual
+    # (the layer files' post_attn_norm and post_mlp_norm); attention over the last sliding_window
+    # positions in sliding_layers, whose RoPE turns at local_rope_theta (Gemma 3's), unscaled.
     activation: str = "silu"
     embed_scale: float | None = None
     post_norms: bool = False

@@ -17,7 +17,8 @@ vocabulary (the smollm2-* ones) can be written that way:
 gemma3-* shapes are Gemma 3's (GeGLU, post norms, q/k norms, 512-token windows in five layers of
 six); gemma3-1b-v49k is the 1B's layers under that 49152-token vocabulary, which --gguf writes.
 gemma2-* shapes are Gemma 2's (no q/k norms, 4096-token windows in every other layer, scores
-capped at 50 and logits at 30); gemma2-2b-v49k likewise.
+capped at 50 and logits at 30); gemma2-2b-v49k likewise. gemma-* shapes are Gemma 1's (GeGLU and
+the embedding's scale in Llama's layer; the 2B's one kv head); gemma-2b-v49k likewise.
 
 --quant f16 writes every matrix, the token table too, in f16 (normal, of the Q4 weights' spread),
 as llama.cpp's F16 files hold them: an exact variant to compare with llama.cpp's f16 path.
@@ -39,6 +40,8 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads, head dim, vocab, ro
     "smollm2-1.7b": (2048, 8192, 24, 32, 32, 64, 49152, 130000.0, True),
     "gemma3-1b": (1152, 6912, 26, 4, 1, 256, 262144, 1e6, True),
     "gemma3-1b-v49k": (1152, 6912, 26, 4, 1, 256, 49152, 1e6, True),
+    "gemma-2b": (2048, 16384, 18, 8, 1, 256, 256000, 1e4, True),
+    "gemma-2b-v49k": (2048, 16384, 18, 8, 1, 256, 49152, 1e4, True),
     "gemma2-2b": (2304, 9216, 26, 8, 4, 256, 256000, 1e4, True),
     "gemma2-2b-v49k": (2304, 9216, 26, 8, 4, 256, 49152, 1e4, True),
 }
@@ -50,9 +53,9 @@ GEMMA3_WINDOW, GEMMA2_WINDOW, GEMMA2_CAPS = 512, 4096, (50.0, 30.0)
 
 
 def family_fields(shape: str, hidden: int, layers: int) -> dict:
-    """ModelConfig's family fields of a shape: Gemma 3's or Gemma 2's as their config.json gives
+    """ModelConfig's family fields of a shape: Gemma 3's, 2's or 1's as their config.json gives
     them, else Llama's."""
-    from nerva_cli.config import gemma_fields
+    from nerva_cli.config import geglu_fields, gemma_fields
 
     if shape.startswith("gemma3"):
         return {"family": "gemma3", "qk_norm": True,
@@ -60,6 +63,8 @@ def family_fields(shape: str, hidden: int, layers: int) -> dict:
     if shape.startswith("gemma2"):
         return {"family": "gemma2", **gemma_fields(hidden, layers, GEMMA2_WINDOW, 2),
                 "attn_softcap": GEMMA2_CAPS[0], "final_softcap": GEMMA2_CAPS[1]}
+    if shape.startswith("gemma-"):
+        return {"family": "gemma", **geglu_fields(hidden)}
     return {"family": "llama"}
 
 
@@ -136,7 +141,8 @@ def gguf_blocks(qs, d, m) -> np.ndarray:
 
 
 def write_gguf(shape: str, out: Path, kind: str) -> None:
-    """source(shape)'s weights as a llama (or gemma2, gemma3) GGUF (written to a temporary name, then renamed)."""
+    """source(shape)'s weights as a llama (or gemma, gemma2, gemma3) GGUF (written to a temporary name, then
+    renamed)."""
     import gguf
     from nerva_cli.sources.resolve import bundled_gguf
 
@@ -151,6 +157,7 @@ def write_gguf(shape: str, out: Path, kind: str) -> None:
     w = gguf.GGUFWriter(str(tmp), family)
     if family in ("gemma2", "gemma3"):
         w.add_sliding_window(src.config.sliding_window)
+    if family in ("gemma", "gemma2", "gemma3"):
         w.add_key_length(hd)
         w.add_value_length(hd)
     if family == "gemma2":
