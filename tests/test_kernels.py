@@ -936,7 +936,8 @@ def gemm_planes(rng, kind, rows, cols):
 
 
 @pytest.mark.parametrize("kind", [*KINDS, "q8_0", "f16", "bf16"])
-@pytest.mark.parametrize("T,rows,cols,scratch_rows", [(3, 37, 64, 5), (70, 200, 576, 1000), (33, 576, 1536, 7)])
+@pytest.mark.parametrize("T,rows,cols,scratch_rows", [(3, 37, 64, 5), (70, 200, 576, 1000), (33, 576, 1536, 7),
+                                                     (9, 128, 4096, 300)])
 def test_gemm_against_f64(rng, kind, T, rows, cols, scratch_rows):
     """Prefill's GEMM, into a column range of a wider output (nothing outside it written), in
     slices of rows as the scratch holds them (a scratch of 5 or 7 rows: several slices a
@@ -956,6 +957,23 @@ def test_gemm_against_f64(rng, kind, T, rows, cols, scratch_rows):
         assert np.isnan(out[:, :4]).all() and np.isnan(out[:, 4 + rows:]).all()
         for t in range(T):
             assert_dots_close(out[t, 4:4 + rows], want[t], magnitude[t], cols)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemm_slices_of_wide_rows_take_at_least_min_rows(threads):
+    """Each slice's GEMM packs all of x again, so rows wider than GEMM_SLICE_BYTES holds 64 of
+    (3072 columns) take GEMM_MIN_ROWS rows a slice where the engine's scratch holds them, not
+    the 12 that 768 KB would give at 16384 columns; narrower rows keep the byte bound."""
+    from nerva_cli.arena import DEQUANT_SLICE_BYTES
+
+    scratch = np.empty(DEQUANT_SLICE_BYTES // 4, np.float32)
+    old = cpu._threads[0]
+    cpu.set_threads(min(threads, cpu.numba.config.NUMBA_NUM_THREADS))
+    try:
+        heights = {cols: cpu._gemm_slices(cols, scratch, 2048).shape[1] for cols in (1536, 3072, 8192, 16384)}
+    finally:
+        cpu.set_threads(old)
+    assert cpu.GEMM_MIN_ROWS == 64 and heights == {1536: 128, 3072: 64, 8192: 64, 16384: 64}
 
 
 def test_gemm_refuses_what_sgemm_would_overrun(rng):

@@ -1912,19 +1912,27 @@ def _gemm_exact(sgemm, e, x, out, col, scratch):
                    out, col + r0, out.shape[1])
 
 
-GEMM_SLICE_BYTES = 768 << 10  # a thread's slice of f32 weight rows at most
+GEMM_SLICE_BYTES = 768 << 10  # a thread's slice of f32 weight rows at most, but for GEMM_MIN_ROWS
+# Fewest rows a slice takes where the scratch holds them: each slice's GEMM packs all of x again,
+# so a wide matrix cut into 768 KB slices (8 to 18 rows at 9216 to 16384 columns) spent its time
+# re-reading x. Q4_0, 250 tokens, two threads, a 2-core Zen 3 (scripts/cpu_gemm_slices.py, best
+# of three): 2048x16384 533 -> 153 ms, 2304x9216 189 -> 99, 2048x8192 128 -> 80; at 48 tokens
+# 69 -> 33, 30 -> 22, 24 -> 16 (one thread 80 -> 64, 42 -> 32, 39 -> 33, where 128 rows were
+# slower again: 79, 43, 33). Matrices up to 3072 columns keep their 768 KB slices.
+GEMM_MIN_ROWS = 64
 
 
 def _gemm_slices(cols, scratch, align):
     """scratch as [workers, rows, cols]: a slice of weight rows for each thread that runs (as many
-    as it holds a row for), at most GEMM_SLICE_BYTES or the scratch's share. The slices' height
+    as it holds a row for), at most GEMM_SLICE_BYTES (or GEMM_MIN_ROWS rows) or the scratch's
+    share. The slices' height
     divides `align`, and where it can, `align` rows make a whole number of slices for each thread
     (SmolLM2's o, 576 rows of 576: 4 slices of 144, where 3 of 192 left a thread idle a third of
     the time). OpenBLAS's bits depend on a GEMM's shape (a column's sums differ between 7 and 64
     rows of weights), so a stack of matrices whose heights `align` divides (q, k and v; gate and
     up) makes the same GEMMs multiplied apart as fused: paging changes no bit."""
     workers = max(1, min(_threads[0], scratch.size // cols))
-    most = max(1, min(GEMM_SLICE_BYTES // (4 * cols), scratch.size // (workers * cols), align))
+    most = max(1, min(max(GEMM_SLICE_BYTES // (4 * cols), GEMM_MIN_ROWS), scratch.size // (workers * cols), align))
     heights = [h for h in range(most, 0, -1) if align % h == 0]
     each = next((h for h in heights if align // h % workers == 0), heights[0])
     return scratch[: workers * each * cols].reshape(workers, each, cols)
