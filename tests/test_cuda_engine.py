@@ -149,9 +149,9 @@ def test_greedy_tokens_equal_the_cpu_plane(stored, cuda_device, family, variant,
 
 
 # gemma3: 8-position windows, post norms, GeGLU; gemma2: its logit caps too. (gemma, Gemma 1's
-# tiny model, strays from the cpu plane by up to 8.6e-3 over 12 steps after its prompt, measured
-# on the emulation, where decode alone stays within 1.2e-4: the prompt's K and V come from
-# prefill's f16 GEMM operands. It is held to decode alone and a greedy W4A8 run below.)
+# tiny model, strays from the cpu plane by up to 8.6e-3 in the first 12 steps after its prompt,
+# measured on the emulation, where decode alone stays within 1.2e-4: the prompt's K and V come
+# from prefill's f16 GEMM operands. It is held to decode alone, below, and greedy W4A8, above.)
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3"])
 def test_64_steps_of_exact_variants_agree_on_the_same_tokens(stored, cuda_device, family):
     model = stored(family, "f16")
