@@ -1,3 +1,3 @@
-from nerva_cli.cli import main
+from nerva_cli.cli.app import main
 
 main()

@@ -148,10 +148,10 @@ def llama_cpp(gguf: Path, threads: int, n_prompt: int, n_gen: int, text: str) ->
 
 
 def main() -> None:
-    from nerva_cli import topology
-    from nerva_cli.bench import PROMPT_SEED_TEXT
-    from nerva_cli.machine import cpu_name
-    from nerva_cli.sources.resolve import bundled_gguf
+    from nerva_cli.hardware import topology
+    from nerva_cli.runtime.bench import PROMPT_SEED_TEXT
+    from nerva_cli.hardware.machine import cpu_name
+    from nerva_cli.store.sources.resolve import bundled_gguf
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("docs/perf/cpu_vs_llamacpp.json"))
@@ -175,7 +175,7 @@ def main() -> None:
         for quant in variants:  # already there: pull says so and nothing changes
             subprocess.run([sys.executable, "-m", "nerva_cli", "pull", name, "--quant", quant], capture_output=True)
     else:
-        from nerva_cli.sources.resolve import open_source
+        from nerva_cli.store.sources.resolve import open_source
 
         gguf, name = args.gguf.resolve(), f"compare-{args.gguf.stem}"
         layers = open_source(str(gguf)).tensors("layers.0.q").stored_dtype
@@ -250,8 +250,8 @@ def perplexities(args, gguf: Path, configs: list) -> dict:
     """Both engines' perplexity over args.ppl on nerva's token ids, at the first thread count; nerva's
     f16 variant too, which holds the GGUF's weights rounded to f16 and no activation rounding (so
     it separates nerva's arithmetic from what a format or W4A8 changes)."""
-    from nerva_cli.store import find_model
-    from nerva_cli.tokenizer import TextTokenizer
+    from nerva_cli.store.catalog import find_model
+    from nerva_cli.store.tokenizer import TextTokenizer
 
     threads = args.threads[0]
     ids = TextTokenizer(find_model("smollm2-135m:q4_1").path).encode(args.ppl.read_text(errors="replace"),

@@ -53,7 +53,8 @@ def main() -> None:
 
     if args.lowering != "host":  # cached machine code keys on the source, not on these settings
         os.environ["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="nerva-numba-")
-    from nerva_cli.backends import cpu, ref
+    from nerva_cli.planes import ref
+    from nerva_cli.planes.cpu import kernels as cpu
     if args.lowering == "avx2":
         for name, value in cpu.attention_geometry(avx512=False).items():
             setattr(cpu, name, value)

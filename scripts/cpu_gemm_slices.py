@@ -22,8 +22,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=250)
     ap.add_argument("--heights", type=int, nargs="+", default=[32, 64, 128])
     args = ap.parse_args()
-    from nerva_cli.arena import DEQUANT_SLICE_BYTES
-    from nerva_cli.backends import cpu
+    from nerva_cli.residency.arena import DEQUANT_SLICE_BYTES
+    from nerva_cli.planes.cpu import kernels as cpu
 
     cpu.set_threads(args.threads)
     rng = np.random.default_rng()

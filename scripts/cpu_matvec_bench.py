@@ -50,7 +50,7 @@ def main() -> None:
 
     if args.lowering != "host":  # cached machine code keys on the source, not on these flags
         os.environ["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="nerva-numba-")
-    from nerva_cli.backends import cpu
+    from nerva_cli.planes.cpu import kernels as cpu
     if args.lowering == "avx512":
         if not cpu._AVX512F:  # the row tables' lookups are AVX-512 instructions
             sys.exit("--lowering avx512 needs a host with AVX-512F; this one has none")

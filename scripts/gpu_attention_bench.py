@@ -31,7 +31,7 @@ SHAPES = {"8b T512": (32, 8, 128, 512, 0), "8b T512 at 3584": (32, 8, 128, 512, 
 
 def nerva_ms(dev, k, shape, rng) -> tuple[float, int]:
     """(ms a launch, splits), launched as the engine launches it."""
-    from nerva_cli.backends.cuda import prefill_partials, prefill_row_blocks, prefill_splits
+    from nerva_cli.planes.cuda.launch import prefill_partials, prefill_row_blocks, prefill_splits
 
     heads, kvh, hd, T, start = shape
     stride = (heads + 2 * kvh) * hd  # the q/k/v rows the engine passes, q first
@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from nerva_cli.backends import cuda
+    from nerva_cli.planes.cuda import launch as cuda
 
     dev = cuda.CupyDevice()
     k, rng = cuda.Kernels(dev), np.random.default_rng()

@@ -63,8 +63,8 @@ def main() -> None:
     ap.add_argument("--peer-json", type=Path, help="llama-bench -o json output on the same model")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from nerva_cli.backends.cuda import CupyDevice
-    from nerva_cli.store import load_metadata
+    from nerva_cli.planes.cuda.launch import CupyDevice
+    from nerva_cli.store.catalog import load_metadata
 
     dev = CupyDevice()
     ceilings = dev.bandwidths(1 << 30)

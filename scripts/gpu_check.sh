@@ -40,7 +40,7 @@ done
 [[ ${DEADLINE_S:-0} =~ ^[0-9]+$ ]] || { echo "gpu_check: DEADLINE_S: '$DEADLINE_S' is not a number of seconds" >&2; exit 2; }
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1  # a command cut short by DEADLINE_S keeps what it printed
-python3 -c "import sys; from nerva_cli.backends import cuda
+python3 -c "import sys; from nerva_cli.planes.cuda import launch as cuda
 sys.exit(0 if cuda.cupy_or_none() else 'gpu_check: ' + cuda.why_no_cuda)" || exit 1
 
 has() { [[ $stages == *" $1 "* ]]; }
@@ -185,7 +185,7 @@ if has extra; then
 fi
 if has sanitize; then
   # import_cupy first (nerva's environment for CuPy), then the pool off
-  nopool='import sys, pytest; from nerva_cli.backends.cuda import import_cupy
+  nopool='import sys, pytest; from nerva_cli.planes.cuda.launch import import_cupy
 import_cupy().cuda.set_allocator(None); sys.exit(pytest.main(sys.argv[1:]))'
   sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
   [ -n "$sanitizer" ] || { echo "gpu_check: compute-sanitizer not found (PATH, /usr/local/cuda*/bin)"; failed+=(sanitize); }

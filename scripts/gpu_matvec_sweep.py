@@ -42,7 +42,7 @@ def sweep(dev, fns: dict, shapes: dict, precision: str, kind: str = "q4_0") -> d
     threads) -> the matvec kernel compiled with that MV_ROWS and MV_MAX_THREADS (its launch
     bounds depend on it). Launches go through Kernels.matvec, the engine's own launch code, with
     backends/cuda.py's MV_ROWS and MV_THREADS set to each pair."""
-    from nerva_cli.backends import cuda
+    from nerva_cli.planes.cuda import launch as cuda
 
     k, rng, results = cuda.Kernels(dev), np.random.default_rng(), {}
     name = kernel_name(precision, kind)
@@ -85,8 +85,8 @@ def main() -> None:
     ap.add_argument("-D", dest="defines", action="append", default=[], help="a macro for NVRTC, e.g. MV_MIN_BLOCKS=4")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from nerva_cli import kernels
-    from nerva_cli.backends import cuda
+    from nerva_cli.planes.cuda import nvrtc as kernels
+    from nerva_cli.planes.cuda import launch as cuda
 
     dev = cuda.CupyDevice()
     cp = dev.cp

@@ -75,8 +75,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from nerva_cli.cuda_engine import PREFILL_CHUNK, CudaEngine
-    from nerva_cli.store import load_metadata
+    from nerva_cli.planes.cuda.engine import PREFILL_CHUNK, CudaEngine
+    from nerva_cli.store.catalog import load_metadata
 
     if args.prefill is not None and not 1 <= args.prefill <= PREFILL_CHUNK:
         sys.exit(f"gpu_profile.py: --prefill {args.prefill}: a pass takes 1 to {PREFILL_CHUNK} tokens")
@@ -112,7 +112,7 @@ def print_rows(rows, total_ms: float, unit: str) -> None:
 
 
 def profile_decode(engine, model, args, rng) -> dict:
-    from nerva_cli.sampling import SamplingOptions
+    from nerva_cli.runtime.sampling import SamplingOptions
 
     dev = engine.dev
     engine._use_sampling(SamplingOptions(temperature=args.temperature))

@@ -43,7 +43,7 @@ LAYER_FRACTION = 0.3
 def ram_budget(model, ctx: int, layer_fraction: float) -> int:
     """The plan's fixed part (KV cache, workspaces, token table, norms: in RAM whatever the
     budget) plus `layer_fraction` of the layer files' bytes; the rest of the layers page."""
-    from nerva_cli.engine import residency_plan
+    from nerva_cli.planes.cpu.engine import residency_plan
 
     whole = residency_plan(model, ctx, None)
     return int(sum(b.nbytes for b in whole.fixed) + layer_fraction * sum(whole.layer_bytes.values()))
@@ -51,10 +51,10 @@ def ram_budget(model, ctx: int, layer_fraction: float) -> int:
 
 def main() -> None:
     from compare_llamacpp import nerva_commit
-    from nerva_cli.engine import residency_plan
-    from nerva_cli.layout import layer_file
-    from nerva_cli.machine import cpu_name
-    from nerva_cli.store import find_model
+    from nerva_cli.planes.cpu.engine import residency_plan
+    from nerva_cli.model.layout import layer_file
+    from nerva_cli.hardware.machine import cpu_name
+    from nerva_cli.store.catalog import find_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("docs/perf/paged_smollm2.json"))

@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("-D", dest="defines", action="append", default=[], help="a macro for NVRTC, e.g. MV_ROWS=4")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from nerva_cli.kernels import compile_cubin, resources
+    from nerva_cli.planes.cuda.nvrtc import compile_cubin, resources
 
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compile_cubin(args.source, args.arch, defines=tuple(args.defines)))

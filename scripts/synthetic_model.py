@@ -55,7 +55,7 @@ GEMMA3_WINDOW, GEMMA2_WINDOW, GEMMA2_CAPS = 512, 4096, (50.0, 30.0)
 def family_fields(shape: str, hidden: int, layers: int) -> dict:
     """ModelConfig's family fields of a shape: Gemma 3's, 2's or 1's as their config.json gives
     them, else Llama's."""
-    from nerva_cli.config import geglu_fields, gemma_fields
+    from nerva_cli.model.config import geglu_fields, gemma_fields
 
     if shape.startswith("gemma3"):
         return {"family": "gemma3", "qk_norm": True,
@@ -83,8 +83,8 @@ def tokenizer_files() -> dict[str, str]:
 
 
 def source(shape: str, seed: int = 0, kind: str = "q4_0"):
-    from nerva_cli.config import ModelConfig
-    from nerva_cli.sources import Source, SourceTensor
+    from nerva_cli.model.config import ModelConfig
+    from nerva_cli.store.sources import Source, SourceTensor
 
     h, f, n, heads, kvh, hd, vocab, theta, tied = SHAPES[shape]
     cfg = ModelConfig(hidden_size=h, intermediate_size=f, num_layers=n, num_heads=heads,
@@ -94,7 +94,7 @@ def source(shape: str, seed: int = 0, kind: str = "q4_0"):
     rng = np.random.default_rng(seed)
 
     def tensor(name: str) -> SourceTensor:
-        from nerva_cli.layout import global_files, layer_shapes
+        from nerva_cli.model.layout import global_files, layer_shapes
 
         base = name.rsplit(".", 1)[-1]
         shapes = {**{k: v for g in global_files(cfg).values() for k, v in g.items()}, **layer_shapes(cfg)}
@@ -144,7 +144,7 @@ def write_gguf(shape: str, out: Path, kind: str) -> None:
     """source(shape)'s weights as a llama (or gemma, gemma2, gemma3) GGUF (written to a temporary name, then
     renamed)."""
     import gguf
-    from nerva_cli.sources.resolve import bundled_gguf
+    from nerva_cli.store.sources.resolve import bundled_gguf
 
     h, f, n, heads, kvh, hd, vocab, theta, tied = SHAPES[shape]
     vocab_from = gguf.GGUFReader(str(bundled_gguf("smollm2-135m")))
@@ -200,7 +200,7 @@ def write_gguf(shape: str, out: Path, kind: str) -> None:
 
     add("token_embd.weight", "embed")
     add("output_norm.weight", "final_norm")
-    from nerva_cli.layout import layer_shapes
+    from nerva_cli.model.layout import layer_shapes
 
     for i in range(n):
         for base in layer_shapes(src.config):
@@ -225,7 +225,7 @@ def main() -> None:
         write_gguf(args.shape, args.out, args.quant)
         print(args.out)
         return
-    from nerva_cli.convert import convert
+    from nerva_cli.store.convert import convert
 
     def progress(what, done, total):
         print(f"\r{args.shape}: {done}/{total} {what}   ", end="", file=sys.stderr, flush=True)

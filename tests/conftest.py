@@ -47,7 +47,7 @@ def cli(capsys):
     or CI); returns (exit code, stdout, stderr)."""
     import io
 
-    from nerva_cli.cli import main
+    from nerva_cli.cli.app import main
 
     def run(*args: str, stdin: str = ""):
         capsys.readouterr()  # drop what fixtures printed before the command
@@ -204,7 +204,7 @@ def tiny_models(tmp_path_factory):
 
 def smollm2_gguf() -> Path:
     from nerva_cli.errors import BadInput
-    from nerva_cli.sources.resolve import bundled_gguf
+    from nerva_cli.store.sources.resolve import bundled_gguf
 
     try:
         return bundled_gguf("smollm2-135m")
@@ -216,7 +216,7 @@ def smollm2_gguf() -> Path:
 def smollm2_store(tmp_path_factory):
     """NERVA_HOME-independent directory holding SmolLM2 converted to f16, q4_0 and q4_1 (what
     `pull smollm2-135m` makes: its layers are Q4_1), once."""
-    from nerva_cli.pull import pull
+    from nerva_cli.store.pull import pull
 
     root = tmp_path_factory.mktemp("smollm2")
     gguf = smollm2_gguf()
@@ -231,7 +231,7 @@ def cuda_device(request):
     """What the cuda backend runs on: the CPU emulation of kernels/*.cu (always), and a real GPU
     through CuPy (skipped, with the reason, where none answers)."""
     if request.param == "gpu":
-        from nerva_cli.backends import cuda
+        from nerva_cli.planes.cuda import launch as cuda
 
         if cuda.cupy_or_none() is None:
             pytest.skip(f"GPU test: {cuda.why_no_cuda}")

@@ -247,7 +247,7 @@ class RawModule:
             assert f.read(4) == b"\x7fELF", f"{path}: not a cubin"
         if RawModule._module is None:
             from cuda_emu import EmuModule
-            from nerva_cli import kernels
+            from nerva_cli.planes.cuda import nvrtc as kernels
 
             RawModule._module = EmuModule(list(kernels.sources().values()), kernels.KERNEL_DIR,
                                           dependent_launches=True)

@@ -21,9 +21,9 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from cuda_emu import EmuKernelError  # noqa: E402
 from cuda_emu.device import EmuDevice  # noqa: E402
-from nerva_cli.backends import ref  # noqa: E402
-from nerva_cli.backends.cuda import Kernels, attention_splits, prefill_partials, unsupported_shapes  # noqa: E402
-from nerva_cli.sampling import SamplingOptions  # noqa: E402
+from nerva_cli.planes import ref  # noqa: E402
+from nerva_cli.planes.cuda.launch import Kernels, attention_splits, prefill_partials, unsupported_shapes  # noqa: E402
+from nerva_cli.runtime.sampling import SamplingOptions  # noqa: E402
 from test_kernels import random_q4, random_q8, randn, rel, rope_tables  # noqa: E402
 
 PRECISIONS = ("w4a16", "w4a8", "f16", "bf16")

@@ -10,7 +10,7 @@ import struct
 import numpy as np
 import pytest
 
-from nerva_cli.store import models_root
+from nerva_cli.store.catalog import models_root
 
 
 def copy_model(src, dst):
@@ -147,7 +147,7 @@ def test_unknown_quant(tiny_models, cli):
 
 
 def test_unknown_kv_cache_type(tiny_models, cli, tmp_path):
-    from nerva_cli.pull import pull
+    from nerva_cli.store.pull import pull
 
     model = pull(str(tiny_models("llama")), variant="f16", out=tmp_path / "m")
     assert_refused(cli, ["run", model.path, "-p", "hi", "--kv-cache", "q8", "--backend", "cpu"],
@@ -155,7 +155,7 @@ def test_unknown_kv_cache_type(tiny_models, cli, tmp_path):
 
 
 def test_a_prompt_given_twice(tiny_models, cli, tmp_path):
-    from nerva_cli.pull import pull
+    from nerva_cli.store.pull import pull
 
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
     assert_refused(cli, ["run", model.path, "why", "blue", "-p", "hi", "--no-profile"], "-p", "'why blue'")
@@ -171,7 +171,7 @@ def test_a_prompt_given_twice(tiny_models, cli, tmp_path):
     (["--ledger-every", "0"], "--ledger-every must be >= 1"), ([], "held no prompt"),
     (["--raw", "--system", "be brief"], "--system goes into the chat template")])
 def test_run_refuses_an_out_of_range_option(tiny_models, cli, tmp_path, option, needle):
-    from nerva_cli.pull import pull
+    from nerva_cli.store.pull import pull
 
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
     prompt = ["-p", "hi"] if option else []  # none, and stdin (the fixture's) empty
@@ -183,7 +183,7 @@ def test_run_refuses_an_out_of_range_option(tiny_models, cli, tmp_path, option, 
     (["--ppl", "MISSING"], "No such file"), (["--ppl", "EMPTY"], "no text for a perplexity"),
     (["--repeat", "0"], "must be >= 1")])
 def test_bench_refuses_bad_options_before_it_runs(tiny_models, cli, tmp_path, option, needle):
-    from nerva_cli.pull import pull
+    from nerva_cli.store.pull import pull
 
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
     files = {"TEXT": tmp_path / "t.txt", "MISSING": tmp_path / "none.txt", "EMPTY": tmp_path / "e.txt"}
@@ -226,7 +226,7 @@ def test_a_relative_source_is_named_in_full_and_a_variant_in_any_case(tiny_model
 
 
 def test_no_space_left(tiny_models, cli, monkeypatch):
-    from nerva_cli import store
+    from nerva_cli.store import catalog as store
 
     real = store.LayerFileWriter._write
     calls = {"n": 0}
@@ -242,8 +242,8 @@ def test_no_space_left(tiny_models, cli, monkeypatch):
 
 
 def test_interrupted_convert_leaves_nothing(tiny_models, monkeypatch):
-    from nerva_cli import convert as convert_mod
-    from nerva_cli.pull import pull
+    from nerva_cli.store import convert as convert_mod
+    from nerva_cli.store.pull import pull
 
     def interrupt(what, done, total):
         if done == 3:
@@ -258,7 +258,7 @@ def test_interrupted_convert_leaves_nothing(tiny_models, monkeypatch):
 def test_a_convert_that_another_process_finished_first_keeps_its_copy(tiny_models, cli):
     """Two `pull`s of one model at once both find it missing; the one that finishes second keeps
     the first's directory (a run may be reading it) and drops its own."""
-    from nerva_cli.pull import pull
+    from nerva_cli.store.pull import pull
 
     assert cli("pull", tiny_models("llama"), "--name", "first", "--quant", "q4_0")[0] == 0
     target = models_root() / "tiny" / "q4_0"

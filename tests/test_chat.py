@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from nerva_cli.pull import pull
+from nerva_cli.store.pull import pull
 
 pexpect = pytest.importorskip("pexpect")
 

@@ -8,10 +8,10 @@ import gc
 
 import pytest
 
-from nerva_cli import cli as cli_module
-from nerva_cli.engine import Engine
+from nerva_cli.cli import app as cli_module
+from nerva_cli.planes.cpu.engine import Engine
 from nerva_cli.errors import NervaError
-from nerva_cli.pull import pull
+from nerva_cli.store.pull import pull
 
 
 @pytest.fixture

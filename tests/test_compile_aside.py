@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from numba import njit, prange
 
-from nerva_cli.backends.compile_aside import CompileAside, compile_only
-from nerva_cli.pull import pull
+from nerva_cli.planes.cpu.compile_aside import CompileAside, compile_only
+from nerva_cli.store.pull import pull
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="compile_aside forks")
 
@@ -50,10 +50,10 @@ FIRST_WARM_UP = """
 import sys
 from pathlib import Path
 from numba.core import event
-from nerva_cli import sampling
-from nerva_cli.backends.ref import SHORT_PREFILL_MOST
-from nerva_cli.engine import Engine
-from nerva_cli.store import load_metadata
+from nerva_cli.runtime import sampling
+from nerva_cli.planes.ref import SHORT_PREFILL_MOST
+from nerva_cli.planes.cpu.engine import Engine
+from nerva_cli.store.catalog import load_metadata
 
 model = load_metadata(Path(sys.argv[1]))
 layers = model.config.num_layers

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from nerva_cli.quant import dequantize_q4, join_blocks
-from nerva_cli.store import ALIGN, find_model, models_root
+from nerva_cli.model.quant import dequantize_q4, join_blocks
+from nerva_cli.store.catalog import ALIGN, find_model, models_root
 
 HF_NAMES = {"attn_norm": "input_layernorm.weight", "q": "self_attn.q_proj.weight",
             "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight", "o": "self_attn.o_proj.weight",
@@ -107,7 +107,7 @@ def test_convert_q4_token_tables_are_q8_0(tiny_models, cli):
     llama.cpp's reference quantiser does; each weight within half a step of its block's scale."""
     from gguf import GGMLQuantizationType, quants
 
-    from nerva_cli.quant import dequantize_q8
+    from nerva_cli.model.quant import dequantize_q8
 
     for family in ("qwen2", "llama-untied"):
         src = tiny_models(family)
@@ -133,7 +133,7 @@ def test_a_store_with_a_q4_token_table_runs_and_says_how_to_convert_it_anew(tiny
     the one command that converts them anew (here the source is a local HF directory)."""
     import shlex
 
-    from nerva_cli import convert
+    from nerva_cli.store import convert
 
     src = tiny_models("llama")
     with monkeypatch.context() as m:
@@ -259,7 +259,7 @@ def write_q4_gguf(path, tok_dir, layers=2, hidden=64, inter=128, heads=4, kv_hea
 def test_gguf_q4_imports_bit_exactly(tmp_path, tiny_models, cli, kind):
     """`convert` keeps a Q4_0 or Q4_1 GGUF's format by default (--quant auto), byte for byte, and
     its Q8_0 token table too."""
-    from nerva_cli.sources.gguf_file import _unpermute_rows
+    from nerva_cli.store.sources.gguf_file import _unpermute_rows
 
     path = tmp_path / f"tiny-q4.{kind}.gguf"
     raw = write_q4_gguf(path, tiny_models("llama"), kind=kind)
@@ -318,7 +318,7 @@ def test_gguf_in_other_formats_converts_to_what_gguf_py_dequantises(tmp_path, ti
     and says what it requantised."""
     from gguf import GGMLQuantizationType, quants
 
-    from nerva_cli.sources.gguf_file import _unpermute_rows
+    from nerva_cli.store.sources.gguf_file import _unpermute_rows
 
     path = tmp_path / f"tiny-k.{kind}.gguf"
     # 256 wide: the K- and i-quants' 256-value blocks fit every row (down's is 512)
@@ -401,9 +401,9 @@ def test_sha256_checked_on_a_files_first_load_and_after_it_changes(tiny_models, 
     import os
     import types
 
-    from nerva_cli import store
+    from nerva_cli.store import catalog as store
     from nerva_cli.errors import BadInput
-    from nerva_cli.pull import pull
+    from nerva_cli.store.pull import pull
 
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
     hashed = []
@@ -446,8 +446,8 @@ def test_a_model_directory_that_cannot_be_written_still_loads(tiny_models, tmp_p
     temporary file behind."""
     import os
 
-    from nerva_cli import store
-    from nerva_cli.pull import pull
+    from nerva_cli.store import catalog as store
+    from nerva_cli.store.pull import pull
 
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
 
@@ -598,8 +598,8 @@ def test_gguf_rope_freqs_are_llama3_scaling_as_transformers_computes_it(tiny_mod
     import torch
     import transformers
 
-    from nerva_cli.engine import Engine
-    from nerva_cli.rope import inv_freq
+    from nerva_cli.planes.cpu.engine import Engine
+    from nerva_cli.model.rope import inv_freq
 
     src = tiny_models("llama3-scaled")
     hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
@@ -636,8 +636,8 @@ def test_longrope_tables_are_transformers_short_and_long_ones(tiny_models):
     import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from nerva_cli.rope import inv_freq, tables
-    from nerva_cli.sources.resolve import open_source
+    from nerva_cli.model.rope import inv_freq, tables
+    from nerva_cli.store.sources.resolve import open_source
 
     src = tiny_models("phi3-longrope")
     hf_cfg = transformers.AutoConfig.from_pretrained(src)
@@ -664,7 +664,7 @@ def test_a_sliding_window_caps_the_context(tiny_models, tmp_path):
     unused window does not."""
     import shutil
 
-    from nerva_cli.sources.resolve import open_source
+    from nerva_cli.store.sources.resolve import open_source
 
     d = tmp_path / "windowed"
     shutil.copytree(tiny_models("phi3"), d)
@@ -701,7 +701,7 @@ def test_a_q4_0_phi3_gguf_keeps_its_fused_blocks_bit_for_bit(tiny_models, tmp_pa
     from gguf import GGMLQuantizationType, quants
     from safetensors.numpy import load_file
 
-    from nerva_cli.rope import partial_rotary_order
+    from nerva_cli.model.rope import partial_rotary_order
 
     src = tiny_models("phi3-longrope")
     hf_to_gguf(src, tmp_path / "phi.gguf", layer_quant=GGMLQuantizationType.Q4_0)
@@ -728,7 +728,7 @@ def test_phi_configs_as_their_repos_write_them():
     the first's context; LongRoPE's attention factor comes from max / original context as
     transformers derives it (Phi-4-mini's GGUF from llama.cpp's converter carries 1.190238);
     Phi-4-mini rotates 96 of its 128 head dimensions."""
-    from nerva_cli.config import from_hf_config
+    from nerva_cli.model.config import from_hf_config
 
     base = {"model_type": "phi3", "hidden_act": "silu", "hidden_size": 3072, "intermediate_size": 8192,
             "num_attention_heads": 32, "num_key_value_heads": 32, "num_hidden_layers": 32, "vocab_size": 32064,
@@ -755,7 +755,7 @@ def test_gemma3_configs_as_their_repos_write_them():
     """config.json as google/gemma-3-1b-it writes it (the text model alone, rope_local_base_freq),
     and the 4B's and 27B's (a multimodal config whose text_config names little more than sizes:
     the rest are Gemma3TextConfig's defaults)."""
-    from nerva_cli.config import from_hf_config
+    from nerva_cli.model.config import from_hf_config
 
     one = from_hf_config({
         "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attn_logit_softcapping": None,
@@ -792,7 +792,7 @@ def test_gemma2_configs_as_their_repos_write_them():
     query_pre_attn_scalar 144 = hidden / heads where head_dim is 128: folded into q), one that
     leaves the caps out (Gemma2Config's 50 and 30, as transformers and llama.cpp take them) and
     one whose cap is null (none); a cap that is not a positive number is refused by name."""
-    from nerva_cli.config import from_hf_config
+    from nerva_cli.model.config import from_hf_config
 
     two = {"architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
            "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid",
@@ -829,7 +829,7 @@ def test_gemma1_configs_as_their_repos_write_them():
     1.1's hidden_activation; the 7B's head_dim 256 where hidden / heads is 192, and GemmaConfig's
     256 where a config leaves it out. No windows, no post norms, no caps; an activation Gemma
     does not use is refused by name."""
-    from nerva_cli.config import from_hf_config
+    from nerva_cli.model.config import from_hf_config
 
     two = {"architectures": ["GemmaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
            "bos_token_id": 2, "eos_token_id": 1, "head_dim": 256, "hidden_act": "gelu", "hidden_size": 2048,
@@ -904,8 +904,8 @@ def test_a_gguf_runs_as_llama_cpp_runs_it(family, tiny_models, tmp_path):
 
     from safetensors.numpy import load_file, save_file
 
-    from nerva_cli.engine import Engine
-    from nerva_cli.pull import pull
+    from nerva_cli.planes.cpu.engine import Engine
+    from nerva_cli.store.pull import pull
 
     src = tmp_path / "hf"
     shutil.copytree(tiny_models(family), src)
@@ -952,9 +952,9 @@ def test_yarn_tables_are_transformers_ones(tiny_models):
     import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from nerva_cli.config import from_hf_config
-    from nerva_cli.rope import inv_freq, tables
-    from nerva_cli.sources.resolve import open_source
+    from nerva_cli.model.config import from_hf_config
+    from nerva_cli.model.rope import inv_freq, tables
+    from nerva_cli.store.sources.resolve import open_source
 
     src = tiny_models("qwen3-yarn")
     hf_cfg = transformers.AutoConfig.from_pretrained(src)

@@ -11,8 +11,8 @@ import pytest
 MEASURE = r"""
 import json, sys
 from pathlib import Path
-from nerva_cli.pull import pull
-import nerva_cli.sources.safetensors_dir, nerva_cli.convert, gguf.quants  # imports are not the model
+from nerva_cli.store.pull import pull
+import nerva_cli.store.sources.safetensors_dir, nerva_cli.store.convert, gguf.quants  # imports are not the model
 def rss_now():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
 before = rss_now()

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from nerva_cli import kernels
+from nerva_cli.planes.cuda import nvrtc as kernels
 
 
 @pytest.mark.parametrize("arch", kernels.ARCHES)

@@ -519,7 +519,7 @@ def test_programmatic_dependents_touch_only_weights_before_their_wait(tmp_path, 
     """kernels/common.cuh's wait_prior_kernels rule, as the cuda backend's launches need it on a
     GPU that takes programmatic dependent launch: before the wait, weights() reads only."""
     (tmp_path / "weighted.cu").write_text(DEPENDENT)
-    from nerva_cli.kernels import KERNEL_DIR
+    from nerva_cli.planes.cuda.nvrtc import KERNEL_DIR
 
     f = EmuModule([tmp_path / "weighted.cu"], KERNEL_DIR, tmp_path / "cache",
                   dependent_launches=dependent).get_function("weighted")

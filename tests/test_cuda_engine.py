@@ -30,12 +30,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nerva_cli import cuda_engine
-from nerva_cli.cuda_engine import HOST_SLOTS, CudaEngine, gpu_residency_plan
-from nerva_cli.engine import Engine
+from nerva_cli.planes.cuda import engine as cuda_engine
+from nerva_cli.planes.cuda.engine import HOST_SLOTS, CudaEngine, gpu_residency_plan
+from nerva_cli.planes.cpu.engine import Engine
 from nerva_cli.errors import NervaError
-from nerva_cli.layout import layer_file
-from nerva_cli.sampling import SamplingOptions
+from nerva_cli.model.layout import layer_file
+from nerva_cli.runtime.sampling import SamplingOptions
 
 PROMPT = [0, 5, 17, 33, 2, 99, 250, 7, 64]
 LOGIT_REL = {"exact": 5e-3, "w4a16": 1e-2, "w4a8": 0.1, "mixed": 0.1}
@@ -44,7 +44,7 @@ LOGIT_REL = {"exact": 5e-3, "w4a16": 1e-2, "w4a8": 0.1, "mixed": 0.1}
 @pytest.fixture(scope="module")
 def stored(tiny_models, tmp_path_factory):
     """(family, variant) -> StoredModel, converted once per module."""
-    from nerva_cli.pull import pull
+    from nerva_cli.store.pull import pull
 
     root, cache = tmp_path_factory.mktemp("cuda-tiny"), {}
 
@@ -107,7 +107,7 @@ def test_a_short_prefill_after_a_long_one_splits_its_positions(stored, cuda_devi
     (measured 0 to 6.8e-4 on the emulation); a wrong merge would be off by far more. Against the
     cpu plane: 2e-2, as after 290 tokens of history the f16 GEMM operands (LOGIT_REL's 5e-3 at
     PROMPT's length) measured 2.2e-3 to 8.9e-3 over 18 draws."""
-    from nerva_cli.backends.cuda import Kernels, prefill_splits
+    from nerva_cli.planes.cuda.launch import Kernels, prefill_splits
 
     splits, launch = [], Kernels.attention_prefill
     monkeypatch.setattr(Kernels, "attention_prefill", lambda self, *a: splits.append(a[8]) or launch(self, *a))
@@ -167,7 +167,7 @@ def test_sliding_window_caches_wrap_around_their_rows(stored, cuda_device, monke
     over a 9-token prompt (three chunks) and 60 steps: the logits follow the cpu plane's (whose
     rows here hold the whole context). Truncating 5 positions keeps what the ring holds (the
     logits after it are the cpu's again); 49 empties the engine."""
-    from nerva_cli import arena
+    from nerva_cli.residency import arena
 
     monkeypatch.setattr(arena, "ROLLBACK", 4)
     monkeypatch.setattr(cuda_engine, "PREFILL_CHUNK", 4)
@@ -205,7 +205,7 @@ def test_prefill_in_chunks_equals_one_chunk(stored, cuda_device, monkeypatch, rn
     values, which can flip their f16 rounding in the cache (2^-11 relative): held to LOGIT_REL's
     5e-3 for the same reason (measured 1e-5 to 5e-4 over 12 draws on the emulation); a chunk attending at the
     wrong positions would be off by far more."""
-    from nerva_cli import cuda_engine
+    from nerva_cli.planes.cuda import engine as cuda_engine
 
     model = stored("qwen2", "f16")
     ids = [int(t) for t in rng.integers(0, model.config.vocab_size, 40)]
@@ -281,7 +281,7 @@ def test_mixed_residency_decodes_the_resident_tokens(tmp_path, cuda_device):
     attention norm is in its file), so both ways into a layer run, normalised by the previous
     down or by its own rmsnorm, and decode the all-resident engine's tokens."""
     from conftest import make_tiny_model
-    from nerva_cli.pull import pull
+    from nerva_cli.store.pull import pull
 
     model = pull(str(make_tiny_model(tmp_path / "hf", "llama", layers=5)), variant="q4_0", out=tmp_path / "q4")
     resident, resident_logits = greedy_run(CudaEngine(model, device=cuda_device, ctx=96), 12)
@@ -369,8 +369,8 @@ def test_out_of_memory_is_one_line_with_a_budget(stored, monkeypatch):
 
 
 def test_bench_json_on_the_cuda_backend(stored, cuda_device):
-    from nerva_cli.bench import BenchOptions, run_bench
-    from nerva_cli.tokenizer import TextTokenizer
+    from nerva_cli.runtime.bench import BenchOptions, run_bench
+    from nerva_cli.store.tokenizer import TextTokenizer
 
     model = stored("llama", "q4_0")
     vram = fixed_bytes(model, 64, cuda_device.sms) + 2 * model.meta["files"][layer_file(0)]["size"]
@@ -390,7 +390,7 @@ def test_bench_json_on_the_cuda_backend(stored, cuda_device):
 
 
 def test_cli_backend_cuda_without_a_device_is_one_line(cli, stored):
-    from nerva_cli.backends import cuda
+    from nerva_cli.planes.cuda import launch as cuda
 
     if cuda.cupy_or_none() is not None:
         pytest.skip("a CUDA device answers here")
@@ -405,9 +405,9 @@ def test_ledger_on_the_cuda_backend(stored, cuda_device):
 
     from rich.console import Console
 
-    from nerva_cli.generate import generate
-    from nerva_cli.ledger import Ledger
-    from nerva_cli.sampling import Sampler
+    from nerva_cli.runtime.generate import generate
+    from nerva_cli.runtime.ledger import Ledger
+    from nerva_cli.runtime.sampling import Sampler
 
     model = stored("llama", "q4_0")
     layer = model.meta["files"][layer_file(0)]["size"]
@@ -431,7 +431,7 @@ def test_arena_sizes_are_what_the_arena_allocates(stored):
     """The planner counts the device arena from sizes alone; it must be the arena's real size."""
     from cuda_emu.device import EmuDevice
 
-    from nerva_cli.cuda_engine import DeviceArena, arena_sizes
+    from nerva_cli.planes.cuda.engine import DeviceArena, arena_sizes
 
     for family in ("llama", "qwen3"):
         cfg = stored(family, "q4_0").config
@@ -492,7 +492,7 @@ def test_cold_layers_through_gpudirect_storage(stored, fake_kvikio):
 
 def test_gpudirect_storage_is_reported_when_missing(stored, cuda_device):
     engine = CudaEngine(stored("llama", "q4_0"), device=cuda_device, ctx=96)
-    from nerva_cli.topology import gpudirect_storage
+    from nerva_cli.hardware.topology import gpudirect_storage
 
     g = gpudirect_storage()
     assert engine.gds == {"used": g["available"], "reason": g["reason"]} and engine.gds["reason"]
@@ -504,7 +504,7 @@ def test_cli_run_bench_and_ledger_on_the_cuda_backend(cli, stored, monkeypatch):
 
     from cuda_emu.device import EmuDevice
 
-    from nerva_cli.backends import cuda
+    from nerva_cli.planes.cuda import launch as cuda
 
     monkeypatch.setattr(cuda, "cupy_or_none", lambda: object())
     monkeypatch.setattr(cuda, "CupyDevice", EmuDevice)
@@ -529,7 +529,7 @@ def test_q4_1_models_run_on_the_cuda_plane_where_auto_picks_it(cli, stored, monk
     kernels have Q4_1 entry points), not on the cpu with a note, and --backend cuda is not refused."""
     from cuda_emu.device import EmuDevice
 
-    from nerva_cli.backends import cuda
+    from nerva_cli.planes.cuda import launch as cuda
 
     monkeypatch.setattr(cuda, "cupy_or_none", lambda: object())
     monkeypatch.setattr(cuda, "CupyDevice", EmuDevice)
@@ -584,7 +584,7 @@ def test_cupy_device_code_against_a_stand_in_for_cupy(stored, monkeypatch):
 
     import fake_cupy
     from cuda_emu.device import EmuDevice
-    from nerva_cli.backends import cuda
+    from nerva_cli.planes.cuda import launch as cuda
 
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
     model = stored("qwen2", "q4_0")
@@ -726,8 +726,8 @@ def test_gpu_attention_bench_script_times_each_shape(cuda_device, monkeypatch, t
     through the engine's own launch code, one JSON row a shape. The emulation times nothing and
     CI's torch has no CUDA, so only the rows' shape and the peer's absence are checked here."""
     from conftest import load_script
-    from nerva_cli.backends import cuda
-    from nerva_cli.backends.cuda import prefill_splits
+    from nerva_cli.planes.cuda import launch as cuda
+    from nerva_cli.planes.cuda.launch import prefill_splits
 
     bench = load_script("gpu_attention_bench")
     bench.SHAPES = {"gqa": (4, 2, 64, 40, 0), "gqa after 300": (4, 2, 64, 9, 300)}
@@ -754,7 +754,7 @@ def test_gpu_matvec_sweep_script_launches_through_the_engine(cuda_device, precis
     Kernels.matvec with MV_ROWS and MV_THREADS set to each pair, restored after. On the emulation
     (the kernels as compiled here, 8 rows by up to 128 threads) only that it runs is checked."""
     from conftest import load_script
-    from nerva_cli.backends import cuda
+    from nerva_cli.planes.cuda import launch as cuda
 
     sweep = load_script("gpu_matvec_sweep")
     name = sweep.kernel_name(precision, kind)

@@ -14,10 +14,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nerva_cli.backends import ref
-from nerva_cli.backends.cuda import ATT_LONG_CHUNK, RECENT, Kernels, most_prefill_partials, prefill_partials, prefill_splits
-from nerva_cli.quant import dequantize_q4, dequantize_q8
-from nerva_cli.sampling import Sampler, SamplingOptions
+from nerva_cli.planes import ref
+from nerva_cli.planes.cuda.launch import ATT_LONG_CHUNK, RECENT, Kernels, most_prefill_partials, prefill_partials, prefill_splits
+from nerva_cli.model.quant import dequantize_q4, dequantize_q8
+from nerva_cli.runtime.sampling import Sampler, SamplingOptions
 from test_kernels import EPS, act_q8, dequant_f64, dequant_q8_f64, random_q4, random_q8, randn, rel, rope_tables, sum_tol
 from test_sampling import between_weights
 
@@ -519,7 +519,7 @@ def test_head_dims_the_engine_refuses_are_those_attention_misaligns(rng):
 
     from cuda_emu import EmuKernelError
     from cuda_emu.device import EmuDevice
-    from nerva_cli.backends.cuda import MAX_HEAD_DIM, unsupported_shapes
+    from nerva_cli.planes.cuda.launch import MAX_HEAD_DIM, unsupported_shapes
 
     k, heads, kvh, n = Kernels(EmuDevice()), 2, 2, 3
     refused = []

@@ -11,8 +11,8 @@ import types
 import numpy as np
 import pytest
 
-from nerva_cli.backends import cuda_launch
-from nerva_cli.backends.cuda_launch import (PROGRAMMATIC_STREAM_SERIALIZATION, DependentLauncher, LaunchAttribute,
+from nerva_cli.planes.cuda import dependent_launch as cuda_launch
+from nerva_cli.planes.cuda.dependent_launch import (PROGRAMMATIC_STREAM_SERIALIZATION, DependentLauncher, LaunchAttribute,
                                             LaunchConfig, dependent_launcher, kernel_params)
 
 

@@ -9,10 +9,10 @@ import pytest
 
 from conftest import hf_greedy
 from test_kernels import SPLIT_ERROR
-from nerva_cli.backends import cpu
-from nerva_cli.engine import Engine
-from nerva_cli.pull import pull
-from nerva_cli.quant import dequantize_q4
+from nerva_cli.planes.cpu import kernels as cpu
+from nerva_cli.planes.cpu.engine import Engine
+from nerva_cli.store.pull import pull
+from nerva_cli.model.quant import dequantize_q4
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -82,7 +82,7 @@ def test_gemma3_sliding_caches_follow_transformers_past_their_rows(backend, tiny
     Gemma 3 hold 16 rows and move them every few tokens over a 10-token prompt and 100 steps:
     the logits stay transformers' (LOGIT_RTOL, as above), and truncating keeps what the window
     still holds, all of it past that."""
-    from nerva_cli import arena
+    from nerva_cli.residency import arena
 
     monkeypatch.setattr(arena, "ROLLBACK", 4)
     src = tiny_models("gemma3")
@@ -148,7 +148,7 @@ def test_q4_1_logits_equal_transformers_on_its_weights(precision, tiny_models, t
     is held to the few-percent band test_q4_0_w4a8_differs_from_w4a16_but_little measures."""
     from gguf import GGMLQuantizationType, quants
 
-    from nerva_cli.quant import join_blocks
+    from nerva_cli.model.quant import join_blocks
 
     src = tiny_models("llama-untied")
     model = pull(str(src), variant="q4_1", out=tmp_path / "m")
@@ -208,7 +208,7 @@ def test_prefill_dequantises_in_slices_of_rows(variant, precision, tiny_models, 
     ~1e-6). W4A8 is left out: its activations are quantised before the slicing, and an
     activation that f32 noise moves across an int8 code boundary moved the logits by 4.5e-4 in
     one CI run."""
-    from nerva_cli import arena
+    from nerva_cli.residency import arena
 
     model = pull(str(tiny_models("llama-untied")), variant=variant, out=tmp_path / "m")
     ids = [int(t) for t in rng.integers(0, 384, size=20)]
@@ -227,7 +227,7 @@ def test_prefill_without_numpys_openblas(variant, precision, tiny_models, tmp_pa
     threads), prefill's GEMMs take NumPy's matmul slice by slice and its attention ref's: the
     logits are those of the threaded path, to f32 noise (the GEMMs' blocking and attention's
     order of sums differ)."""
-    from nerva_cli.backends import cpu
+    from nerva_cli.planes.cpu import kernels as cpu
 
     model = pull(str(tiny_models("qwen3")), variant=variant, out=tmp_path / "m")
     ids = [int(t) for t in rng.integers(0, 384, size=90)]  # past the short-prompt kernels
@@ -246,7 +246,7 @@ def test_prefill_allocates_only_its_logits(family, variant, precision, tiny_mode
     more, under the smallest buffer a chunk needs (its K rows, 16 KiB); the views and argument
     tuples of a layer's calls measured 5.5 KiB at once. The f16 cache, so K and V are widened in
     the workspace too."""
-    from nerva_cli.arena import PrefillWorkspace
+    from nerva_cli.residency.arena import PrefillWorkspace
 
     model = pull(str(tiny_models(family)), variant=variant, out=tmp_path / "m")
     engine = Engine(model, precision=precision, ctx=400, prefill_rows=128)
@@ -353,7 +353,7 @@ def test_compiled_before_reads_the_disk_cache_index(tiny_models, tmp_path, monke
     """cpu.compiled_before(), behind the CLI's first-run note, is True once a decode (or, for a run
     that only prefills, a prefill) has put its kernels' code in the disk cache, and False when the
     cache's index was written for another version of the source (numba then compiles again)."""
-    from nerva_cli.backends import cpu
+    from nerva_cli.planes.cpu import kernels as cpu
 
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
     e = Engine(model, ctx=64)
@@ -383,7 +383,7 @@ def test_warm_up_leaves_no_trace_in_the_next_answer(tiny_models, tmp_path, rng, 
 
 
 def test_decode_allocates_nothing_after_warmup(tiny_models, tmp_path):
-    from nerva_cli.bench import hot_path_allocations
+    from nerva_cli.runtime.bench import hot_path_allocations
 
     models = {v: pull(str(tiny_models("qwen3")), variant=v, out=tmp_path / v) for v in ("q4_0", "q4_1", "f16")}
     for variant, precision in (("q4_0", "w4a8"), ("q4_0", "w4a16"), ("q4_1", "w4a8"), ("q4_1", "w4a16"),
@@ -397,7 +397,7 @@ def test_decode_allocates_nothing_after_warmup(tiny_models, tmp_path):
 def test_allocation_counter_sees_an_allocation_in_decode(tiny_models, tmp_path, monkeypatch):
     """The negative control: a decode that makes one intermediate-sized buffer of a real model
     (1536 floats: 6 KiB, SmolLM2's MLP width) is counted."""
-    from nerva_cli.bench import hot_path_allocations
+    from nerva_cli.runtime.bench import hot_path_allocations
 
     model = pull(str(tiny_models("qwen3")), variant="q4_0", out=tmp_path / "m")
     engine = Engine(model, ctx=64)
@@ -444,7 +444,7 @@ def test_short_prompts_take_the_batch_kernels(precision, variant, tiny_models, t
     other code in one path, which moved the logits by up to 1.5e-2 in 16-26% of 150 prompts a
     variant; see test_q4_decode_matches_prefill_and_ref. At W4A16 the prompts' logits differed
     by at most 1.8e-6.)"""
-    from nerva_cli.backends import cpu
+    from nerva_cli.planes.cpu import kernels as cpu
 
     model = pull(str(tiny_models("llama-untied")), variant=variant, out=tmp_path / "m")
     engine = Engine(model, precision=precision, ctx=80, kv_cache="f32")
@@ -482,8 +482,8 @@ def test_short_prompts_take_the_batch_kernels(precision, variant, tiny_models, t
 def test_exact_matrices_back_to_back_in_the_file_are_fused_without_a_copy(rng):
     """Linear.owned views q, k, v (or gate, up) in the file's buffer where nothing lies between
     them, and copies them together where alignment padding does."""
-    from nerva_cli.engine import Linear, back_to_back
-    from nerva_cli.store import tensors_in
+    from nerva_cli.planes.cpu.engine import Linear, back_to_back
+    from nerva_cli.store.catalog import tensors_in
 
     q, k = rng.standard_normal((8, 64)).astype(np.float16), rng.standard_normal((4, 64)).astype(np.float16)
     for gap in (0, 4096):
@@ -505,7 +505,7 @@ def test_exact_variants_hold_their_weights_as_stored(variant, dtype, tiny_models
     """No widening at load: an exact model's matrices and token table keep the file's 2-byte
     elements (f32 copies doubled SmolLM2 f16's 269 MB of weights to 513), and what the engine
     holds of a layer's matrices is what its file holds."""
-    from nerva_cli.layout import MATRICES, layer_file
+    from nerva_cli.model.layout import MATRICES, layer_file
 
     model = pull(str(tiny_models("llama")), variant=variant, out=tmp_path / "m")
     e = Engine(model, ctx=64)

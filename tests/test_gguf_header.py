@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from nerva_cli.errors import BadInput
-from nerva_cli.sources.gguf_header import read_header
+from nerva_cli.store.sources.gguf_header import read_header
 
 
 def gguf_py_view(path):

@@ -10,7 +10,7 @@ import types
 import pytest
 
 from nerva_cli.errors import BadInput
-from nerva_cli.sources.resolve import choose_gguf, gguf_quant, hub_spec, is_source_spec, source_id
+from nerva_cli.store.sources.resolve import choose_gguf, gguf_quant, hub_spec, is_source_spec, source_id
 
 FILES = ["README.md", "SmolLM2-135M-Instruct-Q4_K_M.gguf", "SmolLM2-135M-Instruct-Q8_0.gguf",
          "SmolLM2-135M-Instruct.IQ4_XS.gguf", "big/SmolLM2-135M-Instruct-f16-00001-of-00002.gguf",

@@ -17,7 +17,9 @@ import re
 import numpy as np
 import pytest
 
-from nerva_cli.backends import cpu, get_backend, ref  # cpu at import: its numba cache dir is fixed then
+from nerva_cli.planes import get_backend, ref  # cpu at import: its numba cache dir is fixed then
+
+from nerva_cli.planes.cpu import kernels as cpu
 
 EPS = float(np.finfo(np.float32).eps)
 ROWS = (1, 3, 5, 37, 1536)
@@ -111,7 +113,7 @@ def test_cpu_backend_leaves_optional_imports_out_and_numba_working(tmp_path, mod
 import sys
 import numpy as np
 from numba import njit
-from nerva_cli.backends import cpu
+from nerva_cli.planes.cpu import kernels as cpu
 rng = np.random.default_rng()
 x = rng.standard_normal((48, 3), dtype=np.float32)
 cpu.rmsnorm(x, rng.standard_normal(3, dtype=np.float32), 1e-6, np.empty_like(x))
@@ -143,7 +145,8 @@ def test_cpu_backend_loads_cached_kernels_without_numba_registries(tmp_path):
     script.write_text("""
 import sys
 import numpy as np
-from nerva_cli.backends import cpu, ref
+from nerva_cli.planes import ref
+from nerva_cli.planes.cpu import kernels as cpu
 rng = np.random.default_rng()
 x = rng.standard_normal((3, 64), dtype=np.float32)
 w = rng.standard_normal(64, dtype=np.float32)
@@ -964,7 +967,7 @@ def test_gemm_slices_of_wide_rows_take_at_least_min_rows(threads):
     """Each slice's GEMM packs all of x again, so rows wider than GEMM_SLICE_BYTES holds 64 of
     (3072 columns) take GEMM_MIN_ROWS rows a slice where the engine's scratch holds them, not
     the 12 that 768 KB would give at 16384 columns; narrower rows keep the byte bound."""
-    from nerva_cli.arena import DEQUANT_SLICE_BYTES
+    from nerva_cli.residency.arena import DEQUANT_SLICE_BYTES
 
     scratch = np.empty(DEQUANT_SLICE_BYTES // 4, np.float32)
     old = cpu._threads[0]

@@ -11,7 +11,7 @@ import sys
 PROBE = r"""
 import resource, sys
 if sys.argv[1] == "set-up":
-    from nerva_cli.cli import _threads
+    from nerva_cli.cli.app import _threads
     _threads(1)
 import numpy as np
 faults = []

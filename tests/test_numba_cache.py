@@ -28,7 +28,7 @@ def twice_sum(x):
 COMPILE = """
 import sys, time
 import numpy as np
-import nerva_cli.backends.cpu  # noqa: F401  (what nerva does to numba's cache, at import)
+import nerva_cli.planes.cpu.kernels  # noqa: F401  (what nerva does to numba's cache, at import)
 import numba.core.caching as caching
 write = caching.IndexDataCacheFile._save_index
 def slow(self, overloads):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import load_script
-from nerva_cli.engine import Engine
-from nerva_cli.pull import pull
+from nerva_cli.planes.cpu.engine import Engine
+from nerva_cli.store.pull import pull
 
 
 @pytest.fixture(scope="module")

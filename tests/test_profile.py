@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from nerva_cli import mcap
-from nerva_cli.pull import pull
+from nerva_cli.runtime import mcap
+from nerva_cli.store.pull import pull
 
 
 def hf_scores(src, model, prompts):
@@ -20,7 +20,7 @@ def hf_scores(src, model, prompts):
     import torch
     import transformers
 
-    from nerva_cli.tokenizer import TextTokenizer
+    from nerva_cli.store.tokenizer import TextTokenizer
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     with torch.no_grad():  # the f16 variant stores matrices rounded to f16: give HF the same
@@ -66,9 +66,9 @@ def test_score_equals_the_formula_computed_by_transformers(family, tiny_models, 
 
 MEASURE = r"""
 import json, sys
-from nerva_cli import mcap
+from nerva_cli.runtime import mcap
 from pathlib import Path
-from nerva_cli.store import load_metadata
+from nerva_cli.store.catalog import load_metadata
 def rss_now():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
 # warm-up on a tiny model: numba's runtime and kernel loading are not the profile's memory
@@ -84,7 +84,7 @@ print(json.dumps({"before": before, "peak": peak}))
 
 @pytest.mark.parametrize("variant", ["q4_0", "f16"])
 def test_profiling_holds_about_one_layer(variant, tiny_models, tmp_path):
-    import nerva_cli.backends.cpu  # noqa: F401  (sets NUMBA_CACHE_DIR: the child reuses what compiled here)
+    import nerva_cli.planes.cpu.kernels  # noqa: F401  (sets NUMBA_CACHE_DIR: the child reuses what compiled here)
     from conftest import make_tiny_model
 
     src = make_tiny_model(tmp_path / "src", "llama", layers=16, hidden=256, intermediate=1024, vocab=1024)

@@ -8,10 +8,10 @@ import mmap
 import numpy as np
 import pytest
 
-from nerva_cli.engine import Engine, residency_plan
+from nerva_cli.planes.cpu.engine import Engine, residency_plan
 from nerva_cli.errors import NervaError
-from nerva_cli.pull import pull
-from nerva_cli.residency import IllegalTransition, ResidentBlock, State, fitting_ctx, parse_budget, plan
+from nerva_cli.store.pull import pull
+from nerva_cli.residency.planner import IllegalTransition, ResidentBlock, State, fitting_ctx, parse_budget, plan
 
 
 def test_block_state_machine_refuses_illegal_transitions():
@@ -140,7 +140,7 @@ def test_paged_prefill_gemms_equal_resident_to_the_bit(variant, precision, deep_
     paged layer multiplies q, k, v and gate, up apart and a resident one its fused matrices:
     the logits are the same to the bit. (At these tiny widths OpenBLAS's bits hardly depend on
     the slices; test_kernels.py's stack test holds the slicing at SmolLM2's shapes.)"""
-    from nerva_cli.backends.ref import SHORT_PREFILL_MOST
+    from nerva_cli.planes.ref import SHORT_PREFILL_MOST
 
     model = pull(str(deep_tiny("qwen2")), variant=variant, out=tmp_path / "m")
     prompt = [int(t) for t in rng.integers(0, 384, size=SHORT_PREFILL_MOST + 37)]
@@ -160,7 +160,7 @@ def test_an_untied_token_table_stays_in_its_file_for_a_layer(variant, deep_tiny,
     greedy tokens are the resident engine's and the pager still reads exactly the paged layers.
     A tied table is the lm_head, read whole every token: it stays, as does an untied one when
     nothing is paged or leaving it out would page as much."""
-    from nerva_cli.layout import layer_file
+    from nerva_cli.model.layout import layer_file
 
     model = pull(str(deep_tiny("llama-untied")), variant=variant, out=tmp_path / "m")
     prompt = [int(t) for t in rng.integers(0, 384, size=12)]
@@ -231,7 +231,7 @@ def test_paged_smollm2_equals_resident_and_reads_exactly_the_paged_bytes(smollm2
 
 
 def test_paged_decode_allocates_nothing_after_warmup(deep_tiny, tmp_path):
-    from nerva_cli.bench import hot_path_allocations
+    from nerva_cli.runtime.bench import hot_path_allocations
 
     model = pull(str(deep_tiny("llama")), variant="q4_0", out=tmp_path / "m")
     full = Engine(model, ctx=64)
@@ -265,7 +265,7 @@ def test_layer_file_changed_after_load_stops_the_run(damage, deep_tiny, tmp_path
 
 
 def test_budget_too_small_is_refused_before_any_work(deep_tiny, tmp_path, cli, monkeypatch):
-    from nerva_cli import cli as cli_module
+    from nerva_cli.cli import app as cli_module
 
     model = pull(str(deep_tiny("llama")), variant="q4_0", out=tmp_path / "m")
     code, out, err = cli("run", model.path, "-p", "hi", "--ram-budget", "64K", "--no-profile")
@@ -281,7 +281,7 @@ def test_budget_too_small_is_refused_before_any_work(deep_tiny, tmp_path, cli, m
 
 
 def test_without_a_budget_a_model_larger_than_the_ram_available_pages(deep_tiny, tmp_path, cli, monkeypatch):
-    from nerva_cli import residency
+    from nerva_cli.residency import planner as residency
 
     model = pull(str(deep_tiny("llama")), variant="q4_0", out=tmp_path / "m")
     need = residency_plan(model, 64, None).used_bytes
@@ -351,10 +351,10 @@ def test_ledger_table_on_a_narrow_terminal_says_its_constant_columns_once(deep_t
 
     from rich.console import Console
 
-    from nerva_cli.generate import generate
-    from nerva_cli.ledger import Ledger
-    from nerva_cli.sampling import Sampler, SamplingOptions
-    from nerva_cli.tokenizer import open_tokenizer
+    from nerva_cli.runtime.generate import generate
+    from nerva_cli.runtime.ledger import Ledger
+    from nerva_cli.runtime.sampling import Sampler, SamplingOptions
+    from nerva_cli.store.tokenizer import open_tokenizer
 
     model = pull(str(deep_tiny("llama")), variant="q4_0", out=tmp_path / "m")
     engine = Engine(model, ctx=64)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from nerva_cli.pull import pull
+from nerva_cli.store.pull import pull
 
 
 def test_the_words_after_the_model_are_the_prompt_as_with_p(tiny_models, cli, tmp_path):
@@ -30,7 +30,7 @@ def test_a_ctx_past_the_models_is_cut_to_it_with_a_note(tiny_models, cli, tmp_pa
 
 def test_piped_text_comes_before_the_words_as_in_ollama_and_p_reads_no_stdin(tiny_models, cli, tmp_path,
                                                                             monkeypatch):
-    from nerva_cli.chat import ChatSession
+    from nerva_cli.runtime.chat import ChatSession
 
     asked = []
     answer = ChatSession.answer
@@ -48,7 +48,7 @@ def test_piped_text_comes_before_the_words_as_in_ollama_and_p_reads_no_stdin(tin
 def test_bytes_that_are_not_utf8_become_replacement_characters(tiny_models, cli, tmp_path):
     """Python keeps undecodable stdin or argv bytes as lone surrogates, which the tokenizer
     refused with a TypeError traceback; they are read as U+FFFD."""
-    from nerva_cli.tokenizer import open_tokenizer
+    from nerva_cli.store.tokenizer import open_tokenizer
 
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
     latin1 = b"caf\xe9 au lait".decode("utf-8", "surrogateescape")
@@ -60,7 +60,7 @@ def test_bytes_that_are_not_utf8_become_replacement_characters(tiny_models, cli,
 
 
 def test_an_answer_stopped_by_ctrl_c_exits_130_after_what_it_wrote(tiny_models, cli, tmp_path, monkeypatch):
-    from nerva_cli.engine import Engine
+    from nerva_cli.planes.cpu.engine import Engine
 
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
     decode, calls = Engine.decode, []
@@ -96,7 +96,7 @@ def test_a_model_without_a_chat_template_takes_the_prompt_as_it_is(tiny_models, 
 def test_an_alias_with_a_variant_is_pulled_at_that_variant(monkeypatch):
     import pytest
 
-    from nerva_cli import cli as cli_module
+    from nerva_cli.cli import app as cli_module
     from nerva_cli.errors import NervaError
 
     pulled = []
@@ -110,7 +110,7 @@ def test_an_alias_with_a_variant_is_pulled_at_that_variant(monkeypatch):
 
 
 def test_pull_takes_an_alias_variant_as_a_tag(monkeypatch, cli):
-    from nerva_cli import cli as cli_module
+    from nerva_cli.cli import app as cli_module
 
     pulled = []
     monkeypatch.setattr(cli_module, "_pull", lambda *args, **kw: pulled.append(args[:2]))
@@ -127,8 +127,8 @@ def test_kernels_compile_ahead_once_for_each_kind_of_model(tiny_models, cli, tmp
 
     import numba
 
-    from nerva_cli.backends import cpu
-    from nerva_cli.engine import Engine
+    from nerva_cli.planes.cpu import kernels as cpu
+    from nerva_cli.planes.cpu.engine import Engine
 
     shutil.rmtree(cpu.warm_marker("x").parent, ignore_errors=True)  # markers of earlier tests
     warmed, warm_up = [], Engine.warm_up
@@ -158,7 +158,7 @@ def test_an_answer_the_context_cuts_short_says_so_and_one_max_tokens_cuts_does_n
 def test_running_a_gguf_path_converts_it_once_and_again_when_it_changes(tiny_models, cli, tmp_path):
     from test_convert import write_q4_gguf
 
-    from nerva_cli.store import list_models
+    from nerva_cli.store.catalog import list_models
 
     path = tmp_path / "tiny-run.Q4_0.gguf"
     write_q4_gguf(path, tiny_models("llama"))

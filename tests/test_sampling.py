@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nerva_cli.backends import ref
+from nerva_cli.planes import ref
 from nerva_cli.errors import NervaError
-from nerva_cli.hotpath import AllocationCounter
-from nerva_cli.sampling import Sampler, SamplingOptions
+from nerva_cli.runtime.hotpath import AllocationCounter
+from nerva_cli.runtime.sampling import Sampler, SamplingOptions
 from test_kernels import randn
 
 # case: vocab, top_k, temperature, logit scale, the kept set's size about (top_p midway between two

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import TEXT_PATH, hf_greedy, smollm2_gguf
-from nerva_cli.engine import Engine
+from nerva_cli.planes.cpu.engine import Engine
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -88,7 +88,7 @@ def test_q4_perplexity_w4a8_within_2_percent_of_w4a16(smollm2_store, tmp_path, c
 
 def test_run_prompt_streams_the_greedy_answer(smollm2_store, cli):
     """`run -p` prints exactly the greedy continuation of the chat-templated prompt."""
-    from nerva_cli.tokenizer import TextTokenizer
+    from nerva_cli.store.tokenizer import TextTokenizer
 
     model = smollm2_store["q4_1"]
     code, out, err = cli("run", model.path, "-p", "What is 2+2?", "--temperature", "0", "--max-tokens", "24",

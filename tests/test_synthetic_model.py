@@ -43,7 +43,7 @@ def test_gguf_blocks_hold_the_planes_weights(kind, synthetic, rng):
 
 
 def test_a_written_gguf_converts_with_its_shape_and_weights(synthetic, tmp_path, monkeypatch):
-    from nerva_cli.pull import pull
+    from nerva_cli.store.pull import pull
 
     from conftest import smollm2_gguf
 
@@ -69,7 +69,7 @@ def test_a_written_gguf_converts_with_its_shape_and_weights(synthetic, tmp_path,
 def test_an_f16_gguf_holds_f16_matrices_and_pulls_exact(synthetic, tmp_path, monkeypatch):
     """--quant f16: every matrix F16 and the norms F32, as llama.cpp's F16 files; pulled as the f16
     variant, nerva's layer file holds the very f16 values gguf-py reads back."""
-    from nerva_cli.pull import pull
+    from nerva_cli.store.pull import pull
 
     from conftest import smollm2_gguf
 

@@ -40,8 +40,8 @@ def write_dir(files: dict[str, str], out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def smol_dir(tmp_path_factory):
-    from nerva_cli.gguf_tokenizer import tokenizer_files_from_gguf
-    from nerva_cli.sources.gguf_header import read_header
+    from nerva_cli.store.gguf_tokenizer import tokenizer_files_from_gguf
+    from nerva_cli.store.sources.gguf_header import read_header
 
     path = bundled_gguf()
     return write_dir(tokenizer_files_from_gguf(read_header(path).fields, str(path)), tmp_path_factory.mktemp("smol"))
@@ -57,7 +57,7 @@ def hf_smol():
 def test_open_tokenizer_builds_once_until_a_file_changes(smol_dir, tmp_path):
     import shutil
 
-    from nerva_cli.tokenizer import open_tokenizer
+    from nerva_cli.store.tokenizer import open_tokenizer
 
     d = shutil.copytree(smol_dir, tmp_path / "m")
     first = open_tokenizer(d)
@@ -74,7 +74,7 @@ def test_open_tokenizer_builds_once_until_a_file_changes(smol_dir, tmp_path):
 
 
 def test_gguf_tokenizer_matches_transformers_gguf_loader(smol_dir, hf_smol):
-    from nerva_cli.tokenizer import TextTokenizer
+    from nerva_cli.store.tokenizer import TextTokenizer
 
     ours = TextTokenizer(smol_dir)
     ids = ours.encode(MIXED, add_special=False)
@@ -90,7 +90,7 @@ def test_gguf_tokenizer_matches_transformers_gguf_loader(smol_dir, hf_smol):
 
 def test_smollm_splits_digits_like_llama_cpp(smol_dir):
     """`pre = smollm`: llama.cpp (and SmolLM's own tokenizer.json) split digits off first."""
-    from nerva_cli.tokenizer import TextTokenizer
+    from nerva_cli.store.tokenizer import TextTokenizer
 
     ours = TextTokenizer(smol_dir)
     for text, want in DIGIT_CASES.items():
@@ -103,7 +103,7 @@ def test_smollm_splits_digits_like_llama_cpp(smol_dir):
 
 
 def test_chat_template_renders_like_transformers(smol_dir, hf_smol):
-    from nerva_cli.tokenizer import TextTokenizer
+    from nerva_cli.store.tokenizer import TextTokenizer
 
     ours = TextTokenizer(smol_dir)
     chats = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there, café?"},
@@ -122,7 +122,7 @@ def test_chat_template_renders_like_transformers(smol_dir, hf_smol):
 
 
 def test_stream_decoder_never_splits_a_character(smol_dir):
-    from nerva_cli.tokenizer import TextTokenizer
+    from nerva_cli.store.tokenizer import TextTokenizer
 
     tok = TextTokenizer(smol_dir)
     ids = tok.encode("Crème brûlée 😀👍🏽 👨‍👩‍👧‍👦 東京<|im_end|> naïve ✓", add_special=False)
@@ -157,8 +157,8 @@ def write_gguf(path: Path, tokenizer_model: str, tokens: list[str], **extra) -> 
 
 
 def test_unsupported_tokenizer_model_is_refused(tmp_path, cli):
-    from nerva_cli.gguf_tokenizer import tokenizer_files_from_gguf
-    from nerva_cli.sources.gguf_header import read_header
+    from nerva_cli.store.gguf_tokenizer import tokenizer_files_from_gguf
+    from nerva_cli.store.sources.gguf_header import read_header
 
     path = write_gguf(tmp_path / "bert.gguf", "bert", ["[PAD]", "a", "b"])
     with pytest.raises(BadInput, match=r"bert\.gguf: tokenizer model 'bert' is not supported \(supported: gpt2, llama\)"):
@@ -194,9 +194,9 @@ SPM_LEGACY = [" leading space", "  two", "x<|user|>y <think>z", " "]
 
 def test_spm_tokenizer_matches_transformers_and_llama_cpp(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from nerva_cli.gguf_tokenizer import tokenizer_files_from_gguf
-    from nerva_cli.sources.gguf_header import read_header
-    from nerva_cli.tokenizer import TextTokenizer
+    from nerva_cli.store.gguf_tokenizer import tokenizer_files_from_gguf
+    from nerva_cli.store.sources.gguf_header import read_header
+    from nerva_cli.store.tokenizer import TextTokenizer
 
     path = spm_gguf(tmp_path / "spm.gguf", add_space_prefix=True)
     files = tokenizer_files_from_gguf(read_header(path).fields, str(path))
@@ -219,9 +219,9 @@ def test_spm_tokenizer_matches_transformers_and_llama_cpp(tmp_path):
 @pytest.mark.parametrize("add_space_prefix", [True, False])
 def test_spm_tokenizer_matches_llama_cpp(tmp_path, add_space_prefix):
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
-    from nerva_cli.gguf_tokenizer import tokenizer_files_from_gguf
-    from nerva_cli.sources.gguf_header import read_header
-    from nerva_cli.tokenizer import TextTokenizer
+    from nerva_cli.store.gguf_tokenizer import tokenizer_files_from_gguf
+    from nerva_cli.store.sources.gguf_header import read_header
+    from nerva_cli.store.tokenizer import TextTokenizer
 
     path = spm_gguf(tmp_path / "spm.gguf", add_space_prefix)
     ours = TextTokenizer(write_dir(tokenizer_files_from_gguf(read_header(path).fields, str(path)), tmp_path))
@@ -234,9 +234,9 @@ def test_byte_level_special_token_outside_the_byte_alphabet_stays_whole(tmp_path
     """DeepSeek-R1-Distill-Qwen's BOS is `<｜begin▁of▁sentence｜>`, written as text, not in the
     byte alphabet: it keeps its id and is matched whole, as llama.cpp does."""
     from conftest import train_tokenizer
-    from nerva_cli.gguf_tokenizer import tokenizer_files_from_gguf
-    from nerva_cli.sources.gguf_header import read_header
-    from nerva_cli.tokenizer import TextTokenizer
+    from nerva_cli.store.gguf_tokenizer import tokenizer_files_from_gguf
+    from nerva_cli.store.sources.gguf_header import read_header
+    from nerva_cli.store.tokenizer import TextTokenizer
 
     train_tokenizer(tmp_path)
     model = json.loads((tmp_path / "tokenizer.json").read_text())["model"]
@@ -267,9 +267,9 @@ def test_a_gguf_ends_generation_where_llama_cpp_does(tmp_path):
     where llama-cpp-python is installed that set is llama.cpp's own (its vocab's is_eog, every id),
     there and for the bundled SmolLM2's GGUF."""
     from conftest import smollm2_gguf
-    from nerva_cli.gguf_tokenizer import end_of_generation_ids, tokenizer_files_from_gguf
-    from nerva_cli.sources.gguf_header import read_header
-    from nerva_cli.tokenizer import TextTokenizer
+    from nerva_cli.store.gguf_tokenizer import end_of_generation_ids, tokenizer_files_from_gguf
+    from nerva_cli.store.sources.gguf_header import read_header
+    from nerva_cli.store.tokenizer import TextTokenizer
 
     tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)] + \
         ["<start_of_turn>", "<end_of_turn>", "<|im_end|>", "<|not_an_end|>", "<|fim_pad|>", "<|file_sep|>",
@@ -308,9 +308,9 @@ def test_byte_level_splits_match_llama_cpp(tmp_path, pre):
     splits differ (with llama3's split for "gpt-4o", or gpt-4o's for "tekken", this test fails)."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
     from conftest import train_tokenizer
-    from nerva_cli.gguf_tokenizer import tokenizer_files_from_gguf
-    from nerva_cli.sources.gguf_header import read_header
-    from nerva_cli.tokenizer import TextTokenizer
+    from nerva_cli.store.gguf_tokenizer import tokenizer_files_from_gguf
+    from nerva_cli.store.sources.gguf_header import read_header
+    from nerva_cli.store.tokenizer import TextTokenizer
 
     train_tokenizer(tmp_path, 640, "\n".join(BYTE_LEVEL_TEXTS * 40))
     model = json.loads((tmp_path / "tokenizer.json").read_text())["model"]

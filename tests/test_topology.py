@@ -9,9 +9,9 @@ import pytest
 
 jsonschema = pytest.importorskip("jsonschema")  # a [test] requirement; not on every GPU machine
 
-from nerva_cli.arena import Arena
-from nerva_cli.engine import Engine, residency_plan
-from nerva_cli.pull import pull
+from nerva_cli.residency.arena import Arena
+from nerva_cli.planes.cpu.engine import Engine, residency_plan
+from nerva_cli.store.pull import pull
 
 AVAIL = {"type": "object", "required": ["available", "reason"],
          "properties": {"available": {"type": "boolean"}, "reason": {"type": ["string", "null"]}}}
@@ -128,7 +128,7 @@ def test_plan_is_what_run_uses(layers, tiny_models, tmp_path, cli):
 
 
 def test_plan_bound_from_the_probe_and_profile_importance(tiny_models, tmp_path, cli, monkeypatch):
-    from nerva_cli import mcap
+    from nerva_cli.runtime import mcap
 
     monkeypatch.setenv("NERVA_PROBE_MB", "16")
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
@@ -159,8 +159,8 @@ def test_bad_budget_is_one_error_line(budget, says, tiny_models, tmp_path, cli):
 
 
 def test_caches_come_from_sysfs_and_a_broken_entry_says_why(tmp_path):
-    from nerva_cli.output import human_bytes
-    from nerva_cli.topology import _caches_line, cpu_caches
+    from nerva_cli.cli.output import human_bytes
+    from nerva_cli.hardware.topology import _caches_line, cpu_caches
 
     for i, (level, kind, size, shared) in enumerate([(1, "Data", "48K", "0"), (2, "Unified", "2048K", "0"),
                                                      (3, "Unified", "96M", "0-7,16-23")]):

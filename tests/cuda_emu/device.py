@@ -17,8 +17,8 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 
 from cuda_emu import EmuModule
-from nerva_cli import kernels
-from nerva_cli.backends.cuda import kernel_names
+from nerva_cli.planes.cuda import nvrtc as kernels
+from nerva_cli.planes.cuda.launch import kernel_names
 
 
 class EmuStream:

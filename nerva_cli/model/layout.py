@@ -1,0 +1,41 @@
+"""Which canonical tensors a model of a given config has, and their shapes (ARCHITECTURE 5)."""
+
+from __future__ import annotations
+
+from nerva_cli.model.config import ModelConfig
+
+MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # Q4_0 or Q4_1 in the q4_0 and q4_1 variants
+TABLES = ("embed", "lm_head")  # Q8_0 in those variants (quant.TABLE_KIND)
+
+
+def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, q, kv, f = cfg.hidden_size, cfg.q_dim, cfg.kv_dim, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"attn_norm": (h,), "q": (q, h), "k": (kv, h), "v": (kv, h)}
+    if cfg.qkv_bias:
+        shapes.update(q_bias=(q,), k_bias=(kv,), v_bias=(kv,))
+    if cfg.qk_norm:
+        shapes.update(q_norm=(cfg.head_dim,), k_norm=(cfg.head_dim,))
+    shapes["o"] = (h, q)
+    if cfg.post_norms:
+        shapes["post_attn_norm"] = (h,)
+    shapes.update(mlp_norm=(h,), gate=(f, h), up=(f, h), down=(h, f))
+    if cfg.post_norms:
+        shapes["post_mlp_norm"] = (h,)
+    return shapes
+
+
+def global_files(cfg: ModelConfig) -> dict[str, dict[str, tuple[int, ...]]]:
+    """File name -> {tensor name: shape} for the non-layer files."""
+    files = {"embed.bin": {"embed": (cfg.vocab_size, cfg.hidden_size)},
+             "final_norm.bin": {"final_norm": (cfg.hidden_size,)}}
+    if not cfg.tie_embeddings:
+        files["lm_head.bin"] = {"lm_head": (cfg.vocab_size, cfg.hidden_size)}
+    return files
+
+
+def layer_file(i: int) -> str:
+    return f"layer_{i:03d}.bin"
+
+
+def quantised(name: str) -> bool:
+    return name in MATRICES or name in TABLES

@@ -1,0 +1,209 @@
+"""Where every block lives (ARCHITECTURE 8): ResidentBlock, its state machine, and the planner
+that fits blocks into tier budgets. Tier-generic: on a machine without a GPU the tiers are
+`host` (RAM, hot) and `disk` (the layer files, cold); the CUDA plane adds `gpu` above them."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+
+from nerva_cli.errors import NervaError
+
+
+class State(str, Enum):
+    UNMAPPED = "Unmapped"
+    ALLOCATED = "Allocated"
+    PREFETCHING = "Prefetching"
+    READY = "Ready"
+    IN_USE = "InUse"
+    EVICTING = "Evicting"
+
+
+# Unmapped -> Allocated -> Prefetching -> Ready -> InUse -> Ready -> Evicting -> Unmapped
+TRANSITIONS = {
+    State.UNMAPPED: {State.ALLOCATED},
+    State.ALLOCATED: {State.PREFETCHING, State.UNMAPPED},
+    State.PREFETCHING: {State.READY},
+    State.READY: {State.IN_USE, State.EVICTING},
+    State.IN_USE: {State.READY},
+    State.EVICTING: {State.UNMAPPED, State.ALLOCATED},
+}
+
+
+class IllegalTransition(NervaError):
+    pass
+
+
+@dataclass
+class ResidentBlock:
+    kind: str  # layer / embed / lm_head / norms / kv_cache / workspace / slot
+    name: str
+    nbytes: int
+    tier: str  # gpu / host / disk
+    state: State = State.UNMAPPED
+    version: int = 0  # bumps each time the block's bytes are (re)loaded
+    importance: float = 0.0
+    next_use: int = -1  # position in the decode cycle, -1 when not scheduled
+
+    def move(self, to: State) -> None:
+        if to not in TRANSITIONS[self.state]:
+            raise IllegalTransition(f"block {self.name}: {self.state.value} -> {to.value} is not allowed")
+        if to is State.READY and self.state is State.PREFETCHING:
+            self.version += 1
+        self.state = to
+
+    def require_ready(self) -> None:
+        """Nothing computes on a block that is not Ready."""
+        if self.state is not State.READY:
+            raise IllegalTransition(f"block {self.name} is {self.state.value}, not Ready: cannot compute on it")
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
+
+
+def parse_budget(text: str | None, what: str) -> int | None:
+    """'512M', '2G', '1.5GiB', '123456' -> bytes; 'auto' -> MemAvailable less 10%; None -> None."""
+    if text is None:
+        return None
+    if text.strip().lower() == "auto":
+        return int(available_ram() * 0.9)
+    m = _SIZE.match(text)
+    if not m:
+        raise NervaError(f"--{what} {text!r}: expected a size like 512M, 4G or auto")
+    unit = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
+    return int(float(m.group(1)) * unit)
+
+
+def available_ram() -> int:
+    from nerva_cli.hardware.machine import proc_kb
+
+    avail = proc_kb("/proc/meminfo", "MemAvailable")
+    if avail is not None:
+        return avail
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+@dataclass
+class Plan:
+    """What goes where: fixed blocks first, then layers by importance, the rest through slots."""
+
+    budget: int | None
+    fixed: list[ResidentBlock]
+    resident_layers: list[int]
+    paged_layers: list[int]  # in decode order
+    slots: int
+    slot_bytes: int
+    layer_bytes: dict[int, int] = field(default_factory=dict)
+    table_aside: bool = False  # the token table is not among `fixed`: plan_table_aside put it elsewhere
+
+    @property
+    def used_bytes(self) -> int:
+        return (sum(b.nbytes for b in self.fixed) + sum(self.layer_bytes[i] for i in self.resident_layers)
+                + self.slots * self.slot_bytes)
+
+    @property
+    def paged_bytes_per_token(self) -> int:
+        return sum(self.layer_bytes[i] for i in self.paged_layers)
+
+    def to_dict(self) -> dict:
+        return {"budget": self.budget, "used_bytes": self.used_bytes,
+                "fixed": {b.name: b.nbytes for b in self.fixed},
+                "resident_layers": self.resident_layers, "paged_layers": self.paged_layers,
+                "slots": self.slots, "slot_bytes": self.slot_bytes,
+                "paged_bytes_per_token": self.paged_bytes_per_token, "token_table_aside": self.table_aside}
+
+
+MIN_SLOTS = 2
+FIXED_NAMES = {"kv_cache": "KV cache", "workspace": "workspaces", "embed": "token table", "lm_head": "lm_head",
+               "norms": "norms"}  # kind -> what the budget errors call it
+
+
+class BudgetTooSmall(NervaError):
+    """The budget cannot hold the fixed blocks and the staging slots (`slots_bytes` of them)."""
+
+    def __init__(self, message: str, slots_bytes: int):
+        super().__init__(message)
+        self.slots_bytes = slots_bytes
+
+
+def fitting_ctx(fixed_bytes_at, budget: int, ctx: int, step: int = 256) -> int | None:
+    """The longest context under `ctx`, a multiple of `step`, whose fixed part (fixed_bytes_at(n):
+    the KV cache and the workspaces grow with the context) fits `budget`; None if not even `step`."""
+    lo, hi = 1, (ctx - 1) // step  # in steps: lo fits, nothing past hi is under ctx
+    if hi < 1 or fixed_bytes_at(step) > budget:
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fixed_bytes_at(mid * step) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * step
+
+
+def plan_table_aside(fixed_at, layer_bytes: dict[int, int], budget: int | None, importance: dict[int, float] | None,
+                     untied: bool, error) -> Plan:
+    """plan() over fixed_at(with_table) (name -> (kind, bytes)), and, where the token table is
+    untied (a token reads one row of it; tied, it is the lm_head, read whole), without it too, when
+    the plan with it pages layers or does not fit: the table can stay where its rows are read in
+    place (the file on a CPU, pinned RAM for a GPU), leaving its bytes to layers that would
+    otherwise be copied every token. The plan that pages fewer bytes, its `table_aside` saying
+    which; error(e, with_table) makes the NervaError for a BudgetTooSmall e."""
+    def attempt(with_table: bool) -> Plan:
+        try:
+            return plan(fixed_at(with_table), layer_bytes, budget, importance)
+        except BudgetTooSmall as e:
+            raise error(e, with_table) from None
+
+    try:
+        with_table = attempt(True)
+    except NervaError:
+        if not untied:
+            raise
+        with_table = None  # the error without the table is the one to report, if it comes
+    if untied and (with_table is None or with_table.paged_layers):
+        without = attempt(False)
+        if with_table is None or without.paged_bytes_per_token < with_table.paged_bytes_per_token:
+            without.table_aside = True
+            return without
+    return with_table
+
+
+def plan(fixed: dict[str, tuple[str, int]], layer_bytes: dict[int, int], budget: int | None,
+         importance: dict[int, float] | None = None, slots: int = MIN_SLOTS) -> Plan:
+    """fixed: name -> (kind, bytes) that must be resident; layer_bytes: layer -> bytes in RAM.
+
+    Layers go resident most important first (layer order while there is no profile); what does
+    not fit streams through `slots` staging slots, each as large as the largest paged layer.
+    """
+    blocks = [ResidentBlock(kind, name, n, "host", State.ALLOCATED) for name, (kind, n) in fixed.items()]
+    fixed_bytes = sum(b.nbytes for b in blocks)
+    if budget is None or fixed_bytes + sum(layer_bytes.values()) <= budget:
+        return Plan(budget, blocks, sorted(layer_bytes), [], 0, 0, dict(layer_bytes))
+    slot = max(layer_bytes.values())
+    minimum = fixed_bytes + slots * slot
+    if budget < minimum:
+        from nerva_cli.cli.output import human_bytes
+
+        by_kind: dict[str, int] = {}
+        for b in blocks:
+            by_kind[b.kind] = by_kind.get(b.kind, 0) + b.nbytes
+        parts = ", ".join(f"{FIXED_NAMES.get(k, k)} {human_bytes(n)}" for k, n in by_kind.items())
+        holds = f"the fixed part ({parts}: {human_bytes(fixed_bytes)}) plus " if blocks else ""
+        raise BudgetTooSmall(f"RAM budget {human_bytes(budget)} cannot hold {holds}{slots} staging slots of "
+                             f"{human_bytes(slot)}; the smallest budget that works is {human_bytes(minimum)} "
+                             f"({minimum} bytes)", slots * slot)
+    order = sorted(layer_bytes, key=lambda i: (-(importance or {}).get(i, 0.0), i))
+    room = budget - minimum
+    resident = []
+    for i in order:
+        if layer_bytes[i] <= room:
+            resident.append(i)
+            room -= layer_bytes[i]
+    paged = [i for i in sorted(layer_bytes) if i not in resident]
+    if not paged:  # everything fitted once the slots' room was counted: no slots needed
+        return Plan(budget, blocks, sorted(layer_bytes), [], 0, 0, dict(layer_bytes))
+    return Plan(budget, blocks, sorted(resident), paged, slots, slot, dict(layer_bytes))

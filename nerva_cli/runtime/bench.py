@@ -1,0 +1,183 @@
+"""`nerva bench`: one JSON line of measured figures (ARCHITECTURE 12)."""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from nerva_cli import __version__
+from nerva_cli.errors import NervaError
+from nerva_cli.runtime.generate import generate
+from nerva_cli.runtime.hotpath import AllocationCounter
+from nerva_cli.hardware.machine import cpu_name
+from nerva_cli.runtime.sampling import Sampler, SamplingOptions
+
+PROMPT_SEED_TEXT = (
+    "The history of computing is a story of memory as much as of arithmetic. Early machines "
+    "stored a few hundred numbers in mercury delay lines; later ones used magnetic cores, then "
+    "transistors, and every step changed what programs could be written. ")
+
+
+@dataclass
+class BenchOptions:
+    prompt_tokens: int = 256
+    gen_tokens: int = 128
+    repeat: int = 3
+    ppl_file: Path | None = None
+    ppl_ctx: int = 512
+
+    def __post_init__(self):
+        self.ppl_text = None if self.ppl_file is None else read_ppl_text(self.ppl_file)  # before any run
+
+
+def read_ppl_text(path: Path) -> str:
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError as e:
+        raise NervaError(f"{path}: {e.strerror}") from None
+    if not text.strip():
+        raise NervaError(f"{path}: no text for a perplexity")
+    return text
+
+
+def synthetic_prompt(tokenizer, n: int) -> list[int]:
+    ids = tokenizer.encode(PROMPT_SEED_TEXT * (n // 40 + 2), add_special=False)
+    if len(ids) < n:
+        raise NervaError(f"could not build a prompt of {n} tokens")
+    return ids[:n]
+
+
+def perplexity(engine, ids: list[int], window: int) -> tuple[float, int]:
+    """exp(mean NLL) over non-overlapping windows; the first token of each window is context only."""
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start:start + window]
+        if len(chunk) < 2:
+            break
+        engine.reset()
+        logits = engine.prefill(chunk, all_logits=True).astype(np.float64)
+        logits -= logits.max(axis=1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        targets = np.asarray(chunk[1:])
+        nll -= logp[np.arange(len(targets)), targets].sum()
+        count += len(targets)
+    engine.reset()
+    return math.exp(nll / count), count
+
+
+def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s: None) -> dict:
+    if opts.prompt_tokens + opts.gen_tokens + 1 > engine.ctx:
+        most = engine.cfg.max_context
+        raise NervaError(f"prompt {opts.prompt_tokens} + gen {opts.gen_tokens} tokens exceed the context "
+                         f"({engine.ctx}); " + ("raise --ctx" if engine.ctx < most else
+                                                f"{engine.model.name} attends over {most} positions at most"))
+    ppl_ids = None
+    if opts.ppl_text is not None:
+        ppl_ids = tokenizer.encode(opts.ppl_text, add_special=False)
+        if len(ppl_ids) < 2:
+            raise NervaError(f"{opts.ppl_file}: too little text for a perplexity ({len(ppl_ids)} token)")
+    prompt = synthetic_prompt(tokenizer, opts.prompt_tokens)
+    greedy = SamplingOptions(temperature=0.0)
+    log("warm-up (compiles kernels on first use)")
+    engine.reset()
+    generate(engine, prompt[:16], Sampler(greedy, engine.cfg.vocab_size), max_tokens=4)
+    runs = []
+    pager0 = _pager_counters(engine)
+    for r in range(opts.repeat):
+        engine.reset()
+        _, stats = generate(engine, prompt, Sampler(greedy, engine.cfg.vocab_size), max_tokens=opts.gen_tokens)
+        if stats.stop_reason == "interrupted":
+            raise KeyboardInterrupt
+        runs.append(stats)
+        log(f"run {r + 1}/{opts.repeat}: prefill {stats.prefill_tok_s:.1f} tok/s, "
+            f"decode {stats.decode_tok_s:.1f} tok/s")
+    token_ms = np.array([t for s in runs for t in s.token_s]) * 1000
+    pager = [b - a for a, b in zip(pager0, _pager_counters(engine))]
+    passes = sum(s.gen_tokens - 1 + math.ceil(s.prompt_tokens / engine.prefill_chunk) for s in runs)  # layer passes
+    allocs = hot_path_allocations(engine, prompt[:8], steps=16)
+    best = max(runs, key=lambda s: s.decode_tok_s)
+    gpu = getattr(engine, "gpu_plan", None)
+    # the disk's rate while the pager read (open to close), and the decode rate it allows if every
+    # paged byte came at it: a shared, bursty disk is judged against itself, in the same run
+    read_rate = pager[0] / pager[5] * 1e9 if pager[5] else None
+    result = {
+        "model": engine.model.name, "variant": engine.model.variant, "backend": engine.backend,
+        "device": engine.dev.name if gpu else cpu_name(), "threads": threads,
+        "mode": "hot-only" if len(engine.active) < engine.cfg.num_layers else "full",
+        "precision": engine.precision,
+        "ram_budget": gpu.ram_budget if gpu else engine.plan.budget,
+        "vram_budget": engine.plan.budget if gpu else None,
+        "policy": engine.policy if engine.plan.paged_layers else "resident",
+        "resident_layers": len(engine.plan.resident_layers), "paged_layers": len(engine.plan.paged_layers),
+        "disk_bytes_per_token": round(pager[0] / passes), "hit_rate": round(pager[1] / (pager[1] + pager[2]), 4)
+        if pager[1] + pager[2] else 1.0, "stall_ms_per_token": round(pager[3] / 1e6 / passes, 3),
+        "disk_read_bytes_per_s": None if read_rate is None else round(read_rate),
+        "disk_bound_tok_s": None if read_rate is None else round(read_rate / (pager[0] / passes), 2),
+        "h2d_bytes_per_token": round(pager[4] / passes),
+        "direct_io": engine.weights.direct_io,
+        "token_table_aside": engine.plan.table_aside,  # in its file (cpu) or pinned RAM (cuda), not the budget's
+        **({"gpudirect_storage": engine.gds} if gpu else {}),
+        **({"dependent_launch": engine.dev.dependent_launch} if gpu else {}),  # cuda_launch.py
+        "prompt_tokens": opts.prompt_tokens, "gen_tokens": opts.gen_tokens, "repeat": opts.repeat,
+        "prefill_tok_s": round(float(np.median([s.prefill_tok_s for s in runs])), 2),
+        # --gen-tokens 1 times prefill alone (its token is the first): no decode step, no figure
+        "decode_tok_s": round(float(np.median([s.decode_tok_s for s in runs])), 2) if token_ms.size else None,
+        "decode_tok_s_best": round(best.decode_tok_s, 2) if token_ms.size else None,
+        "ttft_ms": round(float(np.median([s.ttft_s for s in runs])) * 1000, 2),
+        "token_ms_p50": round(float(np.percentile(token_ms, 50)), 3) if token_ms.size else None,
+        "token_ms_p99": round(float(np.percentile(token_ms, 99)), 3) if token_ms.size else None,
+        "w4a8_layers": engine.precision_counts["w4a8"], "w4a16_layers": engine.precision_counts["w4a16"],
+        "exact_layers": engine.precision_counts["exact"], "active_layers": len(engine.active),
+        "weight_bytes": engine.weight_bytes, "kv_cache_bytes": engine.a.kv_bytes, "kv_cache": engine.kv_cache,
+        "hot_path_allocations": allocs,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "peak_vram_bytes": engine.peak_vram_bytes if gpu else 0,
+        "nerva_version": __version__,
+    }
+    if ppl_ids is not None:
+        log(f"perplexity over {opts.ppl_file}")
+        window = min(opts.ppl_ctx, engine.ctx)
+        t = time.perf_counter()
+        result["perplexity"], result["ppl_tokens"] = perplexity(engine, ppl_ids, window)
+        result["perplexity"] = round(result["perplexity"], 4)
+        result["ppl_window"] = window
+        result["ppl_seconds"] = round(time.perf_counter() - t, 2)
+    return result
+
+
+def _pager_counters(engine) -> list[int]:
+    s = engine.weights.stats
+    return [0] * 6 if s is None else [s.disk_bytes, s.hits, s.faults, s.stall_ns, s.h2d_bytes, s.read_ns]
+
+
+def hot_path_allocations(engine, prompt: list[int], steps: int) -> int:
+    """Decode steps after warm-up, counted by AllocationCounter (greedy sampling included); on
+    the cuda backend the streamed, graph-replayed steps, device allocations counted too."""
+    if getattr(engine, "device_sampling", False):
+        return engine.count_hot_path_allocations(prompt, steps)
+    engine.reset()
+    sampler = Sampler(SamplingOptions(temperature=0.0), engine.cfg.vocab_size)
+    token = sampler(engine.prefill(prompt))
+    for _ in range(2):  # warm-up: first calls may compile or cache
+        token = sampler(engine.decode(token))
+    with AllocationCounter() as counter:
+        for _ in range(steps):
+            with counter.step():
+                token = sampler(engine.decode(token))
+    engine.reset()
+    return counter.count
+
+
+def peak_rss_bytes() -> int:
+    """This process image's peak RSS (VmHWM; ru_maxrss would include a forking parent's)."""
+    from nerva_cli.hardware.machine import proc_kb
+
+    peak = proc_kb("/proc/self/status", "VmHWM")
+    if peak is not None:
+        return peak
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,101 @@
+"""A conversation over one engine: renders the history with the chat template and reuses the
+KV cache for the part of the token sequence that did not change since the last turn."""
+
+from __future__ import annotations
+
+from nerva_cli.errors import NervaError
+from nerva_cli.runtime.generate import GenerationStats, generate
+from nerva_cli.runtime.sampling import Sampler, SamplingOptions
+
+
+class ChatSession:
+    def __init__(self, engine, tokenizer, opts: SamplingOptions, max_tokens: int, raw: bool = False,
+                 system: str | None = None, stops: list[str] = (), ledger=None, note=None):
+        self.engine, self.tok = engine, tokenizer
+        self.max_tokens, self.raw, self.stops = max_tokens, raw, list(stops)
+        self.system = system
+        self.ledger = ledger
+        self.note = note  # told, in one line, when old turns are dropped to fit the context
+        self.set_options(opts)
+        self.clear()
+
+    def set_options(self, opts: SamplingOptions) -> None:
+        self.opts = opts
+        self.sampler = Sampler(opts, self.engine.cfg.vocab_size)
+
+    def set_system(self, text: str | None) -> None:
+        """The system message from the next turn on; the conversation so far stays."""
+        self.system = text
+        if self.messages and self.messages[0]["role"] == "system":
+            self.messages.pop(0)
+        if text:
+            self.messages.insert(0, {"role": "system", "content": text})
+
+    def clear(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.cached: list[int] = []  # the tokens whose K/V the engine holds, in order
+        self.engine.reset()
+
+    def _render(self, messages: list[dict]) -> list[int]:
+        return self.tok.encode(self.tok.render_chat(messages, add_generation_prompt=True), add_special=False)
+
+    def _prompt_ids(self, user_text: str) -> list[int]:
+        """The whole conversation's tokens with `user_text` as the last message. Where it leaves
+        less room for the answer than min(--max-tokens, a quarter of the context), the oldest
+        turns are dropped, as ollama does (the system message stays); the newest message alone
+        may take all but one position. Raises, the conversation unchanged, if it cannot fit."""
+        ctx = self.engine.ctx
+        if self.raw:
+            ids = self.cached + self.tok.encode(user_text, add_special=not self.cached)
+            if len(ids) >= ctx:
+                raise NervaError(f"the conversation ({len(ids)} tokens) no longer fits the context ({ctx}); "
+                                 f"/clear it or raise --ctx" if self.cached else
+                                 f"the prompt takes {len(ids)} tokens and the context holds {ctx}: raise --ctx")
+            return ids
+        messages = self.messages + [{"role": "user", "content": user_text}]
+        room = min(self.max_tokens, max(1, ctx // 4))
+        first = 1 if messages[0]["role"] == "system" else 0
+        dropped = 0
+        ids = self._render(messages)
+        while len(ids) > ctx - room and len(messages) - first > 1:
+            del messages[first]  # a whole turn, so that roles still alternate as templates demand
+            while len(messages) - first > 1 and messages[first]["role"] != "user":
+                del messages[first]
+            dropped += 1
+            ids = self._render(messages)
+        if len(ids) >= ctx:
+            raise NervaError(f"the message takes {len(ids)} tokens with the chat template and the context holds "
+                             f"{ctx}: raise --ctx")
+        if dropped and self.note:
+            self.note(f"dropped the {dropped} oldest turn(s) so the conversation fits the context ({ctx})")
+        self.messages = messages
+        return ids
+
+    def answer(self, user_text: str, write) -> GenerationStats:
+        ids = self._prompt_ids(user_text)
+        common = 0
+        for a, b in zip(self.cached, ids):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(ids) - 1)  # at least one token must be prefilled for logits
+        common = self.engine.truncate(common)  # fewer where a sliding window's cache lost them
+        decoder = self.tok.stream_decoder()
+        room = self.engine.ctx - len(ids)
+        out, stats = generate(self.engine, ids[common:], self.sampler, min(self.max_tokens, room),
+                              eos_ids=self.tok.eos_ids, decoder=decoder, stops=self.stops, on_text=write,
+                              ledger=self.ledger)
+        if stats.stop_reason == "length" and len(out) == room < self.max_tokens:
+            stats.stop_reason = "context"  # not --max-tokens, and the caller says so (context_note)
+        # the engine has run every generated token but, when it stopped on length or a stop
+        # string, the last one sampled
+        self.cached = (ids + out)[: self.engine.n_past]
+        if not self.raw:
+            self.messages.append({"role": "assistant", "content": self.tok.decode(out)})
+        stats.prompt_tokens = len(ids) - common
+        return stats
+
+    def context_note(self) -> str:
+        """The note after an answer the context cut short (stop_reason "context"), which would
+        otherwise look finished or like --max-tokens' cut."""
+        return f"the answer stopped at the end of the context ({self.engine.ctx} tokens); --ctx sets a longer one"
