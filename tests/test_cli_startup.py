@@ -8,7 +8,6 @@ import gc
 
 import pytest
 
-from nerva_cli.cli import app as cli_module
 from nerva_cli.planes.cpu.engine import Engine
 from nerva_cli.errors import NervaError
 from nerva_cli.store.pull import pull
@@ -54,7 +53,10 @@ def test_nervas_process_builds_the_engine_with_the_collector_off_then_freezes(co
 def test_outside_nervas_process_the_collector_is_left_alone(q4_model, collector_seen):
     """A library user or a test that opens an engine: a freeze would keep the host process's
     uncollected cyclic garbage for good."""
-    engine, _, _ = cli_module._open_engine(str(q4_model.path), "cpu", None, 64, 1, use_profile=False)
+    from nerva_cli.runtime.open_engine import open_engine
+    from nerva_cli.runtime.options import EngineOptions
+
+    engine, _ = open_engine(str(q4_model.path), EngineOptions(backend="cpu", ctx=64, threads=1, use_profile=False))
     assert collector_seen == {"enabled_in_engine": [True], "freezes": 0}
     assert gc.isenabled()
     del engine

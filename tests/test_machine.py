@@ -11,8 +11,8 @@ import sys
 PROBE = r"""
 import resource, sys
 if sys.argv[1] == "set-up":
-    from nerva_cli.cli.app import _threads
-    _threads(1)
+    from nerva_cli.hardware.machine import configure_threads
+    configure_threads(1)
 import numpy as np
 faults = []
 for _ in range(3):

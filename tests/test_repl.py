@@ -138,7 +138,7 @@ def _mark_warm(engine):
 def test_the_warm_up_while_typing_leaves_the_first_answer_as_it_was(session):
     """The chat's warm-up runs the engine in a thread of its own before the first message; the
     answer after it must be the one an engine that never warmed up gives, token for token."""
-    from nerva_cli.cli.app import _warm_up_while_typing
+    from nerva_cli.cli.run_command import _warm_up_while_typing
 
     first, _ = session()
     texts = []
@@ -158,7 +158,7 @@ def test_the_warm_up_while_typing_leaves_the_first_answer_as_it_was(session):
 
 
 def test_the_warm_up_while_typing_raises_its_failure_once(session, monkeypatch):
-    from nerva_cli.cli.app import _warm_up_while_typing
+    from nerva_cli.cli.run_command import _warm_up_while_typing
 
     s, _ = session()
 
@@ -175,7 +175,7 @@ def test_the_warm_up_while_typing_raises_its_failure_once(session, monkeypatch):
 
 
 def test_no_warm_up_while_typing_for_a_paged_engine(tiny_models, tmp_path):
-    from nerva_cli.cli.app import _warm_up_while_typing
+    from nerva_cli.cli.run_command import _warm_up_while_typing
 
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
     fixed = sum(b.nbytes for b in Engine(model, ctx=64).plan.fixed)  # plus two staging slots: every layer paged
@@ -190,7 +190,7 @@ def test_no_warm_up_while_typing_for_a_paged_engine(tiny_models, tmp_path):
 def test_no_warm_up_while_typing_where_it_would_compile(session, monkeypatch, tmp_path):
     """Without the warm marker (a `-n 1` chat's first run compiled no decode kernels) the warm-up
     would compile them while the first message waits: there is none."""
-    from nerva_cli.cli.app import _warm_up_while_typing
+    from nerva_cli.cli.run_command import _warm_up_while_typing
 
     s, _ = session()
     monkeypatch.setattr(s.engine.k, "warm_marker", lambda kinds: tmp_path / "never-warmed")

@@ -265,7 +265,7 @@ def test_layer_file_changed_after_load_stops_the_run(damage, deep_tiny, tmp_path
 
 
 def test_budget_too_small_is_refused_before_any_work(deep_tiny, tmp_path, cli, monkeypatch):
-    from nerva_cli.cli import app as cli_module
+    from nerva_cli.runtime import open_engine as runtime
 
     model = pull(str(deep_tiny("llama")), variant="q4_0", out=tmp_path / "m")
     code, out, err = cli("run", model.path, "-p", "hi", "--ram-budget", "64K", "--no-profile")
@@ -274,7 +274,7 @@ def test_budget_too_small_is_refused_before_any_work(deep_tiny, tmp_path, cli, m
     def no_profiling(*args, **kwargs):  # the MCAP profile takes minutes on a large model
         raise AssertionError("profiled before refusing the budget")
 
-    monkeypatch.setattr(cli_module, "_layer_plan", no_profiling)
+    monkeypatch.setattr(runtime, "layer_plan", no_profiling)
     for command in (["run", model.path, "-p", "hi"], ["topology", "--model", model.path]):
         code, out, err = cli(*command, "--ram-budget", "64K")
         assert code == 1 and "smallest budget that works" in err and "profiled" not in err, err

@@ -96,24 +96,24 @@ def test_a_model_without_a_chat_template_takes_the_prompt_as_it_is(tiny_models, 
 def test_an_alias_with_a_variant_is_pulled_at_that_variant(monkeypatch):
     import pytest
 
-    from nerva_cli.cli import app as cli_module
     from nerva_cli.errors import NervaError
+    from nerva_cli.runtime import open_engine as runtime
 
     pulled = []
-    monkeypatch.setattr(cli_module, "_pull", lambda *args, **kw: pulled.append(args[:2]) or "pulled")
-    assert cli_module._find_or_pull("smollm2-135m:F16") == "pulled"  # the store is empty
+    monkeypatch.setattr(runtime, "_pull_reported", lambda *args, **kw: pulled.append(args[:2]) or "pulled")
+    assert runtime.find_or_pull("smollm2-135m:F16") == "pulled"  # the store is empty
     assert pulled == [("smollm2-135m", "f16")]
     with pytest.raises(NervaError, match="unknown variant 'q9'"):
-        cli_module._find_or_pull("smollm2-135m:q9")
+        runtime.find_or_pull("smollm2-135m:q9")
     with pytest.raises(NervaError, match="model 'elsewhere' is not in the store"):
-        cli_module._find_or_pull("elsewhere:q4_0")
+        runtime.find_or_pull("elsewhere:q4_0")
 
 
 def test_pull_takes_an_alias_variant_as_a_tag(monkeypatch, cli):
-    from nerva_cli.cli import app as cli_module
+    from nerva_cli.cli import store_commands
 
     pulled = []
-    monkeypatch.setattr(cli_module, "_pull", lambda *args, **kw: pulled.append(args[:2]))
+    monkeypatch.setattr(store_commands, "_pull", lambda *args, **kw: pulled.append(args[:2]))
     assert cli("pull", "smollm2-135m:F16")[0] == 0 and pulled == [("smollm2-135m", "f16")]
     code, _, err = cli("pull", "smollm2-135m:f16", "--quant", "q4_0")
     assert code == 1 and "name two variants" in err and len(pulled) == 1

@@ -124,3 +124,13 @@ def step_progress(title: str):
                 err.print(f"{title} {done}/{total} {what}")
 
         yield update
+
+
+class CliReporter:
+    """The runtime's Reporter (runtime/report.py) on this terminal: lines and notes on stderr, bars
+    and spinners where it is a terminal."""
+
+    info = staticmethod(info)
+    note = staticmethod(note)
+    progress = staticmethod(step_progress)
+    working = staticmethod(working)

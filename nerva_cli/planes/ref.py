@@ -16,6 +16,14 @@ from nerva_cli.model.quant import dequantize_q8 as dequantize_q8_planes
 
 F32 = np.float32
 
+# the kernels every backend implements and an engine dispatches (each call counts as one kernel
+# run: planes/base.py's Counters); the other functions here are sizes and helpers
+KERNELS = ("rmsnorm", "add_rmsnorm", "add_rows", "rope", "quantize_act_q8", "quantize_act_q16", "fake_quantize_q8",
+           "matvec_q4_w4a16", "matmul_q4_w4a16", "matvec_q4_w4a8", "matmul_q4_w4a8", "matvec_q8_w8a8",
+           "matvec_q8_w8a16", "matvec_exact", "matmul_exact", "widen_exact", "silu_mul", "gelu_mul",
+           "attention_decode", "attention_prefill", "dequantize_q4", "dequantize_q8", "embed_q4", "embed_q8",
+           "embed_exact", "gemm_q4", "gemm_q8", "gemm_exact")
+
 
 def set_threads(n: int) -> None:
     """NumPy decides its own threading; accepted so that backends are interchangeable."""

@@ -23,7 +23,8 @@ class TokenRecord:
     lm_head_us: float | None
     sample_us: float
     stall_us: float
-    kernel_launches: int
+    kernel_launches: int  # kernels run, each counted (a fused call's and a graph's too)
+    dispatches: int  # calls the host made to run them (a fused call or a graph replay: one)
     syncs: dict  # kind -> host waits for the GPU during this token (state, logits, token, staging)
     disk_bytes: int
     disk_read_us: float  # inside disk reads (ring: the reader thread's, which runs ahead of compute)
@@ -39,40 +40,16 @@ class TokenRecord:
     hot_path_allocations: int
 
 
-class CountingBackend:
-    """The backend with every kernel launch or graph replay counted (only while the ledger is on)."""
-
-    def __init__(self, backend):
-        self._b = backend
-        self.calls = 0
-
-    def __getattr__(self, name):
-        fn = getattr(self._b, name)
-        if not callable(fn):
-            return fn
-
-        def counted(*args, **kwargs):
-            self.calls += 1
-            return fn(*args, **kwargs)
-
-        setattr(self, name, counted)  # made once per kernel, then found without __getattr__
-        return counted
-
-
 class Ledger:
     def __init__(self, engine, tokenizer=None, path=None):
         self.engine, self.tok = engine, tokenizer
         self.records: list[TokenRecord] = []
         self.file = open(path, "w") if path else None
-        self.counting = CountingBackend(engine.k)
-        engine.k = self.counting
         self.allocs = AllocationCounter().__enter__()
 
     def _snapshot(self):
         s, phases = self.engine.weights.stats, self.engine.phase_ns
-        syncs = getattr(self.engine, "syncs", None)  # host waits for a GPU, by kind
-        return (None if phases is None else dict(phases), self.counting.calls,
-                {} if syncs is None else dict(syncs),
+        return (None if phases is None else dict(phases), self.engine.counters.snapshot(),
                 None if s is None else (s.disk_bytes, s.hits, s.faults, s.stall_ns, s.prefetched, s.evicted,
                                         s.h2d_bytes, s.d2h_bytes, s.read_ns))
 
@@ -86,17 +63,18 @@ class Ledger:
             t1 = perf_counter_ns()
             nxt = sampler(logits)
         t2 = perf_counter_ns()
-        phases, calls, syncs, pager = self._snapshot()
+        phases, (kernels, dispatches, syncs), pager = self._snapshot()
         d = {k: None if phases is None else (phases[k] - before[0][k]) / 1000
              for k in ("embed", "attention", "mlp", "lm_head")}
-        p = [0] * 9 if pager is None else [a - b for a, b in zip(pager, before[3])]
+        p = [0] * 9 if pager is None else [a - b for a, b in zip(pager, before[2])]
         counts = self.engine.precision_counts
         rec = TokenRecord(
             index=len(self.records), token_id=nxt, piece=self.tok.decode([nxt]) if self.tok else "",
             wall_us=(t2 - t0) / 1000, embed_us=d["embed"], attention_us=d["attention"], mlp_us=d["mlp"],
             lm_head_us=d["lm_head"], sample_us=(t2 - t1) / 1000, stall_us=p[3] / 1000,
-            kernel_launches=calls - before[1],
-            syncs={k: v - before[2][k] for k, v in syncs.items() if v > before[2][k]}, disk_bytes=p[0],
+            kernel_launches=kernels - before[1][0], dispatches=dispatches - before[1][1],
+            syncs={k: v - before[1][2].get(k, 0) for k, v in syncs.items() if v > before[1][2].get(k, 0)},
+            disk_bytes=p[0],
             disk_read_us=p[8] / 1000, h2d_bytes=p[6],
             d2h_bytes=p[7],
             hits=p[1], faults=p[2], prefetched=p[4], evicted=p[5], w4a8_layers=counts["w4a8"],
@@ -108,7 +86,6 @@ class Ledger:
         return nxt
 
     def close(self) -> None:
-        self.engine.k = self.counting._b
         self.allocs.__exit__(None, None, None)
         if self.file:
             self.file.close()
@@ -129,6 +106,7 @@ class Ledger:
             **{f"{k}_us_mean": self._mean(f"{k}_us") for k in ("embed", "attention", "mlp", "lm_head",
                                                                "sample", "stall")},
             "kernel_launches_per_token": col("kernel_launches").mean(),
+            "dispatches_per_token": col("dispatches").mean(),
             "syncs_per_token": float(np.mean([sum(r.syncs.values()) for r in self.records])),
             "syncs_by_kind": {k: sum(r.syncs.get(k, 0) for r in self.records) for k in
                               sorted({k for r in self.records for k in r.syncs})},
@@ -226,8 +204,9 @@ class Ledger:
                 f"[bold]summary[/bold] {s['tokens']} tokens, {s['wall_ms_total']:.1f} ms; wall p50 "
                 f"{s['wall_us_p50']:.0f} µs, p99 {s['wall_us_p99']:.0f} µs; {phases}, sample "
                 f"{s['sample_us_mean']:.0f}, stall {s['stall_us_mean']:.0f} µs/token; "
-                f"{s['kernel_launches_per_token']:.0f} launches or graph replays and {s['syncs_per_token']:.1f} "
-                f"syncs/token{self._sync_kinds(s)}\n"
+                f"{s['kernel_launches_per_token']:.0f} kernels in {s['dispatches_per_token']:.0f} calls (fused "
+                f"calls and graph replays count once) and {s['syncs_per_token']:.1f} syncs/token"
+                f"{self._sync_kinds(s)}\n"
                 f"residency: policy {s['policy']}, {s['resident_layers']} layers resident, {s['paged_layers']} paged "
                 f"through slots; disk {human_bytes(s['disk_bytes_per_token'])}/token ({direct}{rate}), host->GPU "
                 f"{human_bytes(s['h2d_bytes_per_token'])}/token; hit rate "

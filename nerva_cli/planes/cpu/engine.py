@@ -17,14 +17,39 @@ import numpy as np
 
 from nerva_cli.model import rope
 from nerva_cli.residency.arena import Arena, PrefillWorkspace
-from nerva_cli.model.config import ModelConfig
 from nerva_cli.errors import NervaError
 from nerva_cli.model.layout import MATRICES, layer_file
 from nerva_cli.model.quant import QK
+from nerva_cli.planes.base import Counters, EngineBase, context_length
 from nerva_cli.store.catalog import StoredModel
 
 PHASES = ("embed", "attention", "mlp", "lm_head")
 PREFILL_CHUNK = 256
+
+
+class CountedKernels:
+    """A backend module whose kernels (ref.KERNELS) count each call into the engine's counters;
+    everything else in the module is reached as it is."""
+
+    def __init__(self, backend, counters: Counters):
+        from nerva_cli.planes.ref import KERNELS
+
+        self.module = backend
+        for name in KERNELS:
+            if hasattr(backend, name):
+                setattr(self, name, _counted(getattr(backend, name), counters))
+
+    def __getattr__(self, name: str):
+        return getattr(self.module, name)
+
+
+def _counted(kernel, counters: Counters):
+    def counted(*args, **kwargs):
+        counters.kernels += 1
+        counters.dispatches += 1
+        return kernel(*args, **kwargs)
+
+    return counted
 
 
 @dataclass
@@ -158,13 +183,6 @@ class ResidentWeights:
         pass
 
 
-def context_length(cfg: ModelConfig, ctx: int | None) -> int:
-    """--ctx, or min(model max, 4096) when not given; never past the model's max."""
-    if ctx is not None and ctx < 1:
-        raise NervaError(f"--ctx must be >= 1 (tokens), got {ctx}")
-    return min(ctx or min(cfg.max_context, 4096), cfg.max_context)
-
-
 def residency_plan(model: StoredModel, ctx: int | None, ram_budget: int | None,
                    importance: dict[int, float] | None = None, active_layers: list[int] | None = None,
                    kv_cache: str = "f16", prefill_rows: int = PREFILL_CHUNK):
@@ -205,43 +223,6 @@ def ctx_hint(fixed_at, budget: int, slots_bytes: int, ctx: int) -> str:
     return f" at --ctx {ctx}" + ("" if fits is None else f"; --ctx {fits} fits {human_bytes(budget)}")
 
 
-def default_precision(model: StoredModel, precision: str | None) -> str:
-    if model.variant in ("f16", "bf16"):
-        if precision not in (None, "exact"):
-            raise NervaError(f"{model.name}:{model.variant} is an exact variant; --precision {precision} "
-                             "needs a q4_0 or q4_1 variant (nerva pull SOURCE --quant q4_0)")
-        return "exact"
-    if precision in (None, "mixed"):
-        return "w4a16"  # per-layer mixed dispatch needs an MCAP profile; until then W4A16
-    if precision not in ("w4a16", "w4a8"):
-        raise NervaError(f"--precision {precision}: {model.variant} models run at w4a16 or w4a8")
-    return precision
-
-
-class EngineBase:
-    """What every engine (cpu/ref here, cuda in cuda_engine.py) keeps the same way: the positions
-    its KV cache holds, and the precision each active layer runs at."""
-
-    n_past: int
-    layer_precision: dict[int, str]
-
-    def reset(self) -> None:
-        self.n_past = 0
-
-    def truncate(self, n: int) -> int:
-        """Forget positions from n on (the cache rows are simply overwritten later); -> the
-        positions kept (n, or fewer where the engine no longer holds what n of them need)."""
-        self.n_past = min(self.n_past, n)
-        return self.n_past
-
-    @property
-    def precision_counts(self) -> dict[str, int]:
-        counts = {"w4a8": 0, "w4a16": 0, "exact": 0}
-        for p in self.layer_precision.values():
-            counts[p] += 1
-        return counts
-
-
 class Engine(EngineBase):
     def __init__(self, model: StoredModel, backend: str = "cpu", precision: str | None = None,
                  ctx: int | None = None, layer_precisions: list[str] | None = None,
@@ -256,16 +237,17 @@ class Engine(EngineBase):
 
         self.model = model
         self.cfg = cfg = model.config
-        self.k = get_backend(backend)
+        self.counters = Counters()
+        self.k = CountedKernels(get_backend(backend), self.counters)
         self.backend = backend
         self.glu = self.k.gelu_mul if cfg.activation == "gelu_tanh" else self.k.silu_mul  # gate_up -> act
-        self.precision = default_precision(model, precision)
+        self.set_precisions(model, precision, layer_precisions, active_layers)
         self.ctx = context_length(cfg, ctx)
         self.rope = rope.per_layer(cfg, *rope.tables(cfg, self.ctx))  # layer -> (cos, sin)
         self.window = cfg.windows  # layer -> its attention window (0: all positions)
         self.embed_scale = None if cfg.embed_scale is None else np.float32(cfg.embed_scale)
         self.softcap = cfg.attn_softcap or 0.0  # attention's scores capped (Gemma 2), 0: not
-        self.plan = residency_plan(model, self.ctx, ram_budget, importance, active_layers, kv_cache, prefill_rows)
+        self.plan = residency_plan(model, self.ctx, ram_budget, importance, self.active, kv_cache, prefill_rows)
         g = {}
         for fname in ("embed.bin", "final_norm.bin", "lm_head.bin"):
             if fname == "embed.bin" and self.plan.table_aside:
@@ -275,14 +257,7 @@ class Engine(EngineBase):
         self.embed = Linear.from_stored(g, "embed")
         self.final_norm = as_f32(g["final_norm"])
         self.lm_head = Linear.from_stored(g, "lm_head") if any(n.startswith("lm_head") for n in g) else self.embed
-        if layer_precisions is not None:
-            if self.precision == "exact" or len(layer_precisions) != cfg.num_layers or \
-                    not set(layer_precisions) <= {"w4a16", "w4a8"}:
-                raise NervaError("per-layer precisions need a q4_0 or q4_1 model and one of w4a16/w4a8 per layer")
-            self.precision = "mixed"
-        per_layer = layer_precisions or [self.precision] * cfg.num_layers
-        self.active = sorted(set(range(cfg.num_layers) if active_layers is None else active_layers))
-        self.layer_precision = {i: per_layer[i] for i in self.active}
+        per_layer = self._per_layer
         self.kv_cache = kv_cache
         self.a = Arena(cfg, self.ctx, kv_cache, min(prefill_rows, self.ctx))  # refuses an unknown kv_cache in one line
         self.pw = PrefillWorkspace(cfg, min(prefill_rows, self.ctx), self.ctx)
@@ -310,7 +285,16 @@ class Engine(EngineBase):
                 halves = self.k.decode_layer_halves(layer, self.a, cfg, *self.rope[i], self.window[i],
                                                     self.a.kv_base if i in self.ring else None)
                 if halves is not None:
-                    self.compiled_layers[i] = halves
+                    self.compiled_layers[i] = (*halves, sum(self._fused_kernels(layer)))
+
+    def _fused_kernels(self, layer: Layer) -> tuple[int, int]:
+        """The kernels of the contract that a layer's compiled halves run, one for each that
+        _decode_attention and _decode_mlp would dispatch for it (the tests hold the two equal)."""
+        w4a8 = int(layer.precision == "w4a8")
+        attention = (6 + 2 * w4a8 + (layer.qkv_bias is not None) + 2 * (layer.q_norm is not None)
+                     + (layer.post_attn_norm is not None))  # norm, qkv, 2 ropes, attention, o
+        mlp = 4 + 2 * w4a8 + (layer.post_mlp_norm is not None)  # add+norm, gate_up, glu, down
+        return attention, mlp
 
     # -- building blocks ---------------------------------------------------------------------
     def _quantize_input(self, x: np.ndarray) -> None:
@@ -334,8 +318,6 @@ class Engine(EngineBase):
             self.k.matvec_q4_w4a16(lin.qs, lin.d, lin.m, x, out)
 
     def _embed_row(self, token: int, out: np.ndarray) -> None:
-        if not 0 <= token < self.cfg.vocab_size:
-            raise NervaError(f"token id {token} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
         if self.embed.w is not None:
             self.k.embed_exact(self.embed.w, token, out)
         elif self.embed.q8 is not None:
@@ -387,6 +369,92 @@ class Engine(EngineBase):
                     hi = min(count, lo + shift)
                     cache[lo:hi] = cache[shift + lo:shift + hi]
         self.a.kv_base[0] = keep
+
+    # -- what callers show, and what runs before an answer --------------------------------------
+    def residency_lines(self) -> list[str]:
+        p = self.plan
+        if not p.paged_layers:
+            return []
+        from nerva_cli.cli.output import human_bytes
+
+        return [f"residency: {len(p.resident_layers)} layers resident, {len(p.paged_layers)} stream from "
+                f"disk through {p.slots} slots ({human_bytes(p.paged_bytes_per_token)} a token, "
+                f"policy {self.policy})" + ("; the token table stays in its file, a row read a token"
+                                            if p.table_aside else "")]
+
+    def prepare(self, threads: int, decodes: bool, say=None, working=None) -> None:
+        """numba's threads, then a decode step's kernels compiled before an answer starts (warm_up),
+        once for each kind of model on this machine (kernel_kinds), so that the answer does not
+        stall after its first token. `decodes`: whether the caller will decode (not a `-n 1` run)."""
+        self.k.set_threads(threads)
+        if self.backend != "cpu":  # the reference backend compiles nothing
+            return
+        from contextlib import nullcontext
+
+        from nerva_cli.runtime import sampling
+
+        say = say or (lambda text: None)
+        working = working or (lambda title: nullcontext())
+        first = not self.k.compiled_before(decodes)
+        if not decodes:  # a prefill's kernels compile in the prefill itself, before any text
+            if first:
+                say("compiling the CPU kernels for this machine: once, a few seconds on 2 cores; "
+                    "later runs reuse them")
+            return
+        marker = self.k.warm_marker(self.kernel_kinds())
+        if marker.exists():
+            return
+        started = perf_counter_ns()
+        aside = self.compile_aside()  # before the spinner starts its thread: the fork copies this one
+        try:
+            with working("compiling the CPU kernels for this machine, once (about 10 s)" if first else
+                         "compiling the CPU kernels this model needs, once"):
+                self.warm_up(aside, also=lambda: sampling.warm_kernels(self.cfg.vocab_size))
+        finally:
+            if aside is not None:
+                aside.close()
+        took = (perf_counter_ns() - started) / 1e9
+        if first or took > 0.5:
+            say(f"compiled the CPU kernels in {took:.1f} s; later runs reuse them")
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        except OSError:  # a cache directory nerva cannot write: the warm-up runs again next time
+            pass
+
+    def load_kernels_aside(self, threads: int, also=lambda: None):
+        """Loads on a thread what a first answer would load on the way: numba's cached kernels for
+        a short prompt, a decode step and sampling (warm_up), then `also()`. Only where the warm
+        marker says a decode step's kernels are on disk (compiling them would hold a first
+        message for seconds) and every layer is resident (a paged one's reads are its answers').
+        -> None, or ready(quiet=False), which waits for it and, the first time, raises what it
+        raised (quiet: never)."""
+        if self.backend != "cpu" or self.plan.paged_layers or \
+                not self.k.warm_marker(self.kernel_kinds()).exists():
+            return None
+        import threading
+
+        from nerva_cli.runtime import sampling
+
+        failed = []
+
+        def work():
+            try:
+                self.k.set_threads(threads)  # numba's count is per thread
+                self.warm_up(also=lambda: sampling.warm_kernels(self.cfg.vocab_size))
+                also()
+            except BaseException as e:  # noqa: BLE001  (raised in the caller's thread, by ready())
+                failed.append(e)
+
+        thread = threading.Thread(target=work, name="nerva-warm-up", daemon=True)
+        thread.start()
+
+        def ready(quiet: bool = False) -> None:
+            thread.join()
+            if failed and not quiet:
+                raise failed.pop()
+
+        return ready
 
     # -- decode ------------------------------------------------------------------------------
     def kernel_kinds(self) -> str:
@@ -491,16 +559,15 @@ class Engine(EngineBase):
         """(attention(pos), mlp()): a layer's decode step in the two parts _decode_layer times."""
         halves = self.compiled_layers.get(layer.index)
         if halves is not None:
-            attention, mlp = halves
+            attention, mlp, _ = halves
             return (lambda pos: attention(pos + 1)), mlp
         return (lambda pos: self._decode_attention(layer, pos)), (lambda: self._decode_mlp(layer))
 
     def decode(self, token: int) -> np.ndarray:
         """One token through every layer; returns the logits (a view into the arena)."""
         cfg, a, k = self.cfg, self.a, self.k
+        self.check_decode(token)
         pos = self.n_past
-        if pos >= self.ctx:
-            raise NervaError(f"context is full ({self.ctx} tokens); raise --ctx")
         a.pos[0] = pos
         self._make_room(pos + 1)
         t0 = perf_counter_ns()
@@ -516,7 +583,7 @@ class Engine(EngineBase):
         return a.logits
 
     def _lm_head(self, x: np.ndarray, out: np.ndarray) -> None:
-        precision = "w4a8" if self.precision == "w4a8" else "w4a16"
+        precision = self.head_precision
         if precision == "w4a8" and self.lm_head.w is None:
             self._quantize_input(x)
         self._matvec(self.lm_head, x, out, precision)
@@ -533,12 +600,14 @@ class Engine(EngineBase):
 
     def _decode_layer(self, layer: Layer, pos: int) -> None:
         halves = self.compiled_layers.get(layer.index)
-        if halves is not None:  # the same kernels on the same buffers, in four calls
-            attention, mlp = halves
+        if halves is not None:  # the same kernels on the same buffers, in a few calls
+            attention, mlp, kernels = halves
             t0 = perf_counter_ns()
             attention(pos + 1)
             t1 = perf_counter_ns()
             mlp()
+            self.counters.kernels += kernels
+            self.counters.dispatches += 2
             self.phase_ns["attention"] += t1 - t0
             self.phase_ns["mlp"] += perf_counter_ns() - t1
             return
@@ -605,26 +674,9 @@ class Engine(EngineBase):
             k.rmsnorm(a.down, layer.post_mlp_norm, self.cfg.rms_eps, a.down)
         a.x += a.down
 
-    # -- prefill -----------------------------------------------------------------------------
+    # -- prefill (EngineBase.prefill chunks the prompt) ------------------------------------------
     # Every intermediate lives in the PrefillWorkspace (self.pw): a chunk allocates only the
     # logits it returns.
-    def prefill(self, tokens: list[int], all_logits: bool = False) -> np.ndarray:
-        """Runs the prompt in chunks of the workspace's rows; returns the last position's logits
-        (an array of its own), or [T, vocab] for all."""
-        if not tokens:
-            raise NervaError("empty prompt")
-        if self.n_past + len(tokens) > self.ctx:
-            raise NervaError(f"prompt of {len(tokens)} tokens does not fit the context "
-                             f"({self.ctx - self.n_past} left); raise --ctx")
-        outs = []
-        for start in range(0, len(tokens), self.pw.rows):
-            x = self._prefill_chunk(tokens[start:start + self.pw.rows])
-            if all_logits:
-                outs.append(self._logits_rows(x))
-        if all_logits:
-            return outs[0] if len(outs) == 1 else np.concatenate(outs)
-        return self._last_logits(x[-1])
-
     def _dense(self, mats: list[Linear], x: np.ndarray, precision: str, out: np.ndarray,
                part_rows: int | None = None) -> None:
         """out [T, rows] = x [T, cols] times the matrices `mats`, stacked by rows, transposed: the
@@ -768,7 +820,7 @@ class Engine(EngineBase):
         xn = self.pw.take("xn", *x.shape)
         self.k.rmsnorm(np.ascontiguousarray(x), self.final_norm, self.cfg.rms_eps, xn)
         out = np.empty((x.shape[0], self.lm_head.rows), dtype=np.float32)
-        self._dense([self.lm_head], xn, "w4a8" if self.precision == "w4a8" else "w4a16", out)
+        self._dense([self.lm_head], xn, self.head_precision, out)
         self._cap_logits(out)
         return out
 
@@ -776,9 +828,3 @@ class Engine(EngineBase):
     def prefill_chunk(self) -> int:
         """Prompt tokens a prefill pass takes."""
         return self.pw.rows
-
-    @property
-    def weight_bytes(self) -> int:
-        head = 0 if self.lm_head is self.embed else self.lm_head.nbytes
-        files = self.model.meta["files"]
-        return sum(files[layer_file(i)]["size"] for i in self.active) + self.embed.nbytes + head

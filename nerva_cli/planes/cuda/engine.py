@@ -28,7 +28,8 @@ from nerva_cli.model import rope
 from nerva_cli.residency.arena import cache_rows
 from nerva_cli.planes.cuda.launch import (RECENT, Kernels, attention_splits, most_prefill_partials, prefill_splits,
                                      unsupported_shapes)
-from nerva_cli.planes.cpu.engine import EngineBase, context_length, ctx_hint, default_precision
+from nerva_cli.planes.base import Counters, EngineBase, context_length
+from nerva_cli.planes.cpu.engine import ctx_hint
 from nerva_cli.errors import NervaError
 from nerva_cli.model.layout import layer_file
 from nerva_cli.cli.output import human_bytes
@@ -251,14 +252,7 @@ class CudaEngine(EngineBase):
         cfg = self.cfg
         if problem := unsupported_shapes(cfg):
             raise NervaError(f"{model.path}: {problem}")
-        self.precision = default_precision(model, precision)
-        if layer_precisions is not None:
-            if self.precision == "exact" or len(layer_precisions) != cfg.num_layers:
-                raise NervaError("per-layer precisions need a q4_0 or q4_1 model and one of w4a16/w4a8 per layer")
-            self.precision = "mixed"
-        per_layer = layer_precisions or [self.precision] * cfg.num_layers
-        self.active = sorted(set(range(cfg.num_layers) if active_layers is None else active_layers))
-        self.layer_precision = {i: per_layer[i] for i in self.active}
+        self.set_precisions(model, precision, layer_precisions, active_layers)
         self.ctx = context_length(cfg, ctx)
         self.policy = policy
         self.phase_ns = None  # phases run inside graphs: the ledger shows wall time per token
@@ -273,7 +267,8 @@ class CudaEngine(EngineBase):
         self.gpu_plan = gpu_residency_plan(model, self.ctx, vram_budget, ram_budget, importance, self.active,
                                            dev.sms)
         self.plan = self.gpu_plan.vram
-        self.k = Kernels(dev)
+        self.counters = Counters()
+        self.k = Kernels(dev, self.counters)
         try:
             self._load()
         except Exception as e:
@@ -286,10 +281,32 @@ class CudaEngine(EngineBase):
         self.draws = self.sampled = 0  # host mirrors of state[2], state[3]
         # times the host waited for the GPU, by why: writing the state, reading logits, a token,
         # handing a staging buffer back to the disk reader, draining the queue after a stream
-        self.syncs = dict.fromkeys(SYNC_KINDS, 0)
+        self.counters.syncs.update(dict.fromkeys(SYNC_KINDS, 0))
         self._graphs: dict = {}
         self._sample_opts = None
         self.peak_vram_bytes = dev.used_bytes()
+
+    @property
+    def device_name(self) -> str:
+        return self.dev.name
+
+    def runtime_line(self, threads: int) -> str:
+        return f"cuda on {self.dev.name}"
+
+    def residency_lines(self) -> list[str]:
+        gp, lines = self.gpu_plan, []
+        if gp.vram.paged_layers:
+            lines.append(f"residency on {self.dev.name}: {len(gp.vram.resident_layers)} layers in VRAM, "
+                         f"{len(gp.vram.paged_layers)} stream through {gp.vram.slots} VRAM slots "
+                         f"({human_bytes(gp.vram.paged_bytes_per_token)} a token) from pinned RAM "
+                         f"({len(gp.warm)} layers) and disk ({len(gp.cold)})"
+                         + ("; the token table stays in pinned RAM, a row read in place a token"
+                            if gp.host_fixed else ""))
+        if gp.cold:
+            lines.append("GPUDirect Storage: " + ("used for the layers read from disk" if self.gds["used"]
+                                                  else f"not used ({self.gds['reason']}); disk reads are "
+                                                       "staged through pinned RAM"))
+        return lines
 
     def truncate(self, n: int) -> int:
         """EngineBase.truncate; where a sliding-window layer's cache (a ring of rows) no longer
@@ -453,7 +470,7 @@ class CudaEngine(EngineBase):
         """The graph of `_record_<name>`, captured on first use."""
         g = self._graphs.get(name)
         if g is None:
-            g = self._graphs[name] = self.dev.capture(self.dev.compute, getattr(self, f"_record_{name}"))
+            g = self._graphs[name] = self.k.capture(self.dev.compute, getattr(self, f"_record_{name}"))
         return g
 
     def _layer_graph(self, i: int, slot: int):
@@ -463,7 +480,7 @@ class CudaEngine(EngineBase):
         g = graphs[slot]
         if g is None:
             layer = self.layers[i] if slot < 0 else DeviceLayer(i, self.slot_views[slot], self.layer_precision[i])
-            g = graphs[slot] = self.dev.capture(self.dev.compute, lambda: self._record_layer(layer))
+            g = graphs[slot] = self.k.capture(self.dev.compute, lambda: self._record_layer(layer))
         return g
 
     def _forward(self) -> None:
@@ -586,7 +603,7 @@ class CudaEngine(EngineBase):
     # -- the host side -------------------------------------------------------------------------
     def _sync(self, kind: str, waitable) -> None:
         """Waits for a stream or an event; counted by kind (the ledger shows them)."""
-        self.syncs[kind] += 1
+        self.counters.syncs[kind] += 1
         waitable.synchronize()
 
     def _write_state(self, token: int) -> None:
@@ -599,10 +616,7 @@ class CudaEngine(EngineBase):
     def decode(self, token: int) -> np.ndarray:
         """One token through every layer; -> the logits on the host (a pinned buffer, reused).
         The host-sampling path (--ledger, the tests): it syncs once per token."""
-        if not 0 <= token < self.cfg.vocab_size:
-            raise NervaError(f"token id {token} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
-        if self.n_past >= self.ctx:
-            raise NervaError(f"context is full ({self.ctx} tokens); raise --ctx")
+        self.check_decode(token)
         self._write_state(token)
         self._forward()
         self.dev.copy_to_host_async(self.logits_host, self.a.logits, self.dev.compute)
@@ -663,42 +677,32 @@ class CudaEngine(EngineBase):
 
     # -- prefill -------------------------------------------------------------------------------
     def prefill(self, tokens: list[int], all_logits: bool = False) -> np.ndarray:
-        """The prompt in chunks of PREFILL_CHUNK: weights dequantised a slice of rows at a time,
-        cuBLAS GEMMs on f16 operands, f32 sums. -> the last logits, or [T, vocab] for all."""
-        if not tokens:
-            raise NervaError("empty prompt")
-        if self.n_past + len(tokens) > self.ctx:
-            raise NervaError(f"prompt of {len(tokens)} tokens does not fit the context "
-                             f"({self.ctx - self.n_past} left); raise --ctx")
-        if any(not 0 <= t < self.cfg.vocab_size for t in tokens):
-            raise NervaError(f"a token id is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
+        """EngineBase.prefill in chunks of PREFILL_CHUNK on the compute stream: weights dequantised
+        a slice of rows at a time, cuBLAS GEMMs on f16 operands, f32 sums; out of GPU memory said
+        in one line."""
         try:
-            return self._prefill(tokens, all_logits)
+            with self.dev.on(self.dev.compute):
+                out = super().prefill(tokens, all_logits)
+                self._write_state(0)  # state[0]: the next position; the token comes from sampling
+                self._sync("logits", self.dev.compute)
         except Exception as e:
             if not self.dev.is_out_of_memory(e):
                 raise
             raise NervaError(f"out of GPU memory in prefill ({human_bytes(self.dev.free_bytes())} free): "
                              f"another process may hold VRAM; try --vram-budget "
                              f"{human_bytes(int(self.plan.budget * 0.8))}") from None
-
-    def _prefill(self, tokens: list[int], all_logits: bool) -> np.ndarray:
-        outs = []
-        with self.dev.on(self.dev.compute):
-            for start in range(0, len(tokens), PREFILL_CHUNK):
-                chunk = tokens[start:start + PREFILL_CHUNK]
-                x = self._prefill_chunk(chunk)
-                if all_logits:
-                    outs.append(self._logits_rows(x))
-            if not all_logits:
-                self.k.rmsnorm(x[len(chunk) - 1], self.final_norm, self.cfg.rms_eps, self.a.xn)
-                p = "w4a8" if self.precision == "w4a8" and "w" not in self.head_t else "w4a16"
-                self.k.matvec(self.head_t, self.a.xn, self.a.logits, p)
-                self._cap_logits(self.a.logits)
-                self.dev.copy_to_host_async(self.logits_host, self.a.logits, self.dev.compute)
-            self._write_state(0)  # state[0]: the next position; the token comes from sampling
-            self._sync("logits", self.dev.compute)
         self.peak_vram_bytes = max(self.peak_vram_bytes, self.dev.used_bytes())
-        return np.concatenate(outs) if all_logits else self.logits_host
+        return out
+
+    def _last_logits(self, x):
+        """The prompt's last row through the final norm and lm_head, by decode's matvec, copied to
+        the host buffer (ready once prefill has synced)."""
+        self.k.rmsnorm(x, self.final_norm, self.cfg.rms_eps, self.a.xn)
+        p = self.head_precision if "w" not in self.head_t else "w4a16"
+        self.k.matvec(self.head_t, self.a.xn, self.a.logits, p)
+        self._cap_logits(self.a.logits)
+        self.dev.copy_to_host_async(self.logits_host, self.a.logits, self.dev.compute)
+        return self.logits_host
 
     def _prefill_chunk(self, tokens: list[int]):
         a, T = self.a, len(tokens)
@@ -783,7 +787,7 @@ class CudaEngine(EngineBase):
     def _logits_rows(self, x) -> np.ndarray:
         xn = self.dev.empty(x.shape, np.float32)
         self.k.rmsnorm(x, self.final_norm, self.cfg.rms_eps, xn)
-        p = "w4a8" if self.precision == "w4a8" else "w4a16"
+        p = self.head_precision
         out = self.dev.empty((x.shape[0], self.cfg.vocab_size), np.float32)
         self._dense(self.head_t, self._half(xn, self.head_t, p), out)
         self._cap_logits(out)
@@ -808,9 +812,3 @@ class CudaEngine(EngineBase):
             tokens.close()
         self.reset()
         return device[0] + host.count
-
-    @property
-    def weight_bytes(self) -> int:
-        files = self.model.meta["files"]
-        return sum(files[f]["size"] for f in files if f != "final_norm.bin" and f.endswith(".bin")
-                   and (not f.startswith("layer_") or int(f[6:9]) in self.active))

@@ -140,15 +140,30 @@ def is_bf16(a) -> bool:
     return a.dtype == np.uint16
 
 
+class CapturedGraph:
+    """A device graph and the number of kernels captured in it."""
+
+    __slots__ = ("graph", "kernels")
+
+    def __init__(self, graph, kernels: int):
+        self.graph, self.kernels = graph, kernels
+
+
 class Kernels:
     """One method per kernel of the contract; every launch goes through device.launch."""
 
-    def __init__(self, device):
+    def __init__(self, device, counters=None):
+        """counters: the engine's (planes/base.py), into which every launch and replay counts."""
+        from nerva_cli.planes.base import Counters
+
         self.dev = device
         self.fn = device.functions()
         self._no_count = device.zeros(1, np.int32)  # a matvec's norm counter when it has no norm
+        self.counters = Counters() if counters is None else counters
 
     def _go(self, name: str, grid, block, args) -> None:
+        self.counters.kernels += 1
+        self.counters.dispatches += 1
         self.dev.launch(self.fn[name], grid, block, args)
 
     # -- norms, elementwise --------------------------------------------------------------------
@@ -320,9 +335,20 @@ class Kernels:
                   done if splits > 1 else pos0, I32(T), I32(heads), I32(kv_heads), I32(hd), F32(1.0 / np.sqrt(hd)),
                   I32(window), F32(softcap)))
 
-    # -- graphs (the ledger counts replays with the launches) ------------------------------------
-    def replay(self, graph, stream) -> None:
-        self.dev.replay(graph, stream)
+    # -- graphs: a replay counts the kernels captured in it, as one dispatch ----------------------
+    def capture(self, stream, record) -> "CapturedGraph":
+        """record() captured on `stream` as a graph; its launches count when it is replayed."""
+        c = self.counters
+        kernels, dispatches = c.kernels, c.dispatches
+        graph = self.dev.capture(stream, record)
+        captured = CapturedGraph(graph, c.kernels - kernels)
+        c.kernels, c.dispatches = kernels, dispatches
+        return captured
+
+    def replay(self, captured: "CapturedGraph", stream) -> None:
+        self.counters.kernels += captured.kernels
+        self.counters.dispatches += 1
+        self.dev.replay(captured.graph, stream)
 
     # -- sampling ------------------------------------------------------------------------------
     def sample(self, logits, state, recent, opts, advance: bool) -> None:

@@ -1,0 +1,151 @@
+"""`nerva run`: one prompt, or a chat as in `ollama run`."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from nerva_cli.cli.app import app, long_lived_objects
+from nerva_cli.cli.options import (ActiveFraction, Backend, Ctx, KvCache, Mode, NoProfile, Policy, Precision, RamBudget,
+                                   Tau, Threads, VramBudget)
+from nerva_cli.errors import NervaError
+from nerva_cli.hardware.machine import configure_threads
+
+
+@app.command(epilog='Examples: nerva run smollm2-135m -p "Why is the sky blue?" | nerva run smollm2-135m Why is the sky blue? | '
+                     'echo "hi" | nerva run smollm2-135m | cat notes.txt | nerva run smollm2-135m summarise this')
+def run(
+    model: Annotated[str, typer.Argument(help="name[:variant] in the store, a model directory, or a source to pull first (smollm2-135m, a .gguf file, hf.co/USER/REPO[:TAG]).")],
+    words: Annotated[Optional[list[str]], typer.Argument(metavar="[PROMPT]...", show_default=False, help="The prompt as ollama takes it: the words after the model, joined by spaces, after the text piped to stdin if any.")] = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="One prompt, answer, exit; stdin is not read. Without it or words: interactive chat (or the prompt from stdin when piped).")] = None,
+    raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template (a model that has none always does).")] = False,
+    system: Annotated[Optional[str], typer.Option(help="System message for the chat template.")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate per answer.")] = 512,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.8,
+    top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0: all).")] = 40,
+    top_p: Annotated[float, typer.Option(help="Keep the smallest set whose probability reaches p.")] = 0.95,
+    min_p: Annotated[float, typer.Option(help="Keep tokens whose probability is at least p times the likeliest's (0: off; llama.cpp's default is 0.05).")] = 0.0,
+    repeat_penalty: Annotated[float, typer.Option(help="Penalise the last --repeat-last-n tokens (1.0: off).")] = 1.0,
+    repeat_last_n: Annotated[int, typer.Option(help="The tokens --repeat-penalty looks back over (0: none).")] = 64,
+    seed: Annotated[Optional[int], typer.Option(help="Random seed for sampling.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="Stop when this text appears (repeatable).")] = None,
+    ctx: Ctx = None,
+    threads: Threads = None,
+    precision: Precision = None,
+    tau: Tau = 0.7,
+    no_profile: NoProfile = False,
+    mode: Mode = "full",
+    active_fraction: ActiveFraction = 0.75,
+    ram_budget: RamBudget = None,
+    vram_budget: VramBudget = None,
+    policy: Policy = "ring",
+    kv_cache: KvCache = "f16",
+    backend: Backend = "auto",
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print the load time, then timings after each answer.")] = False,
+    ledger: Annotated[bool, typer.Option("--ledger", help="Print the per-token ledger (time per phase, bytes per tier) after each answer.")] = False,
+    ledger_every: Annotated[int, typer.Option("--ledger-every", help="With --ledger: show every Nth token (the summary counts all).")] = 1,
+    ledger_file: Annotated[Optional[Path], typer.Option("--ledger-file", help="Write the ledger as JSON lines to this file.")] = None,
+):
+    """Chat with a model (in the chat, /? lists its commands), or answer one prompt (-p)."""
+    started = time.perf_counter()
+    threads = configure_threads(threads)
+    from nerva_cli.cli import output
+    from nerva_cli.runtime.chat import ChatSession
+    from nerva_cli.runtime.open_engine import open_engine
+    from nerva_cli.runtime.options import EngineOptions
+    from nerva_cli.runtime.sampling import SamplingOptions
+
+    opts = SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                           repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
+    if max_tokens < 1:
+        raise NervaError(f"--max-tokens must be >= 1, got {max_tokens}")
+    if ledger_every < 1:
+        raise NervaError(f"--ledger-every must be >= 1, got {ledger_every}")
+    if raw and system is not None:
+        raise NervaError("--system goes into the chat template, which --raw leaves out")
+    options = EngineOptions(backend=backend, precision=precision, tau=tau, use_profile=not no_profile, mode=mode,
+                            active_fraction=active_fraction, ctx=ctx, threads=threads, ram_budget=ram_budget,
+                            vram_budget=vram_budget, policy=policy, kv_cache=kv_cache, decodes=max_tokens > 1)
+    if words:
+        if prompt is not None:
+            raise NervaError(f"give the prompt once: -p or the words after the model, not both ({' '.join(words)!r})")
+        prompt = " ".join(words)
+        if not sys.stdin.isatty():  # ollama's way: `cat notes.txt | nerva run MODEL summarise this`
+            piped = _read_stdin().rstrip()
+            prompt = f"{piped}\n\n{prompt}" if piped.strip() else prompt
+    elif prompt is None and not sys.stdin.isatty():
+        prompt = _read_stdin()
+        if not prompt.strip():
+            raise NervaError("stdin is not a terminal and held no prompt: pipe text in, or give -p or the words")
+    engine, tokenizer = open_engine(model, options, output.CliReporter(), building=long_lived_objects)
+    if verbose:  # ollama's "load duration": model, profile, tokenizer, arena, any kernels compiled ahead
+        output.info(f"loaded in {time.perf_counter() - started:.2f} s")
+    from nerva_cli.runtime.ledger import Ledger
+
+    if not raw and not tokenizer.template:  # a base model: ollama sends its prompt as is too
+        if system is not None:
+            raise NervaError(f"{engine.model.name} has no chat template, so --system has nowhere to go")
+        output.note(f"{engine.model.name} has no chat template: prompts go to it as they are (--raw)")
+        raw = True
+    book = Ledger(engine, tokenizer, ledger_file) if ledger or ledger_file else None
+    session = ChatSession(engine, tokenizer, opts, max_tokens=max_tokens, raw=raw, system=system,
+                          stops=stop or [], ledger=book, note=output.note)
+    try:
+        if prompt is not None:
+            stats = session.answer(prompt, write=_write_stdout)
+            _write_stdout("\n")
+            if stats.stop_reason == "context":
+                output.note(session.context_note())
+            if verbose:
+                output.info(_stats_line(stats))
+            if ledger:
+                book.print_table(output.err, ledger_every)
+            if stats.stop_reason == "interrupted":  # Ctrl-C: a script must not take half an answer for one
+                raise typer.Exit(130)
+            return
+        from nerva_cli.cli.repl import chat_loop
+
+        chat_loop(session, _write_stdout, engine.runtime_line(threads), verbose, _stats_line,
+                  book if ledger else None, ledger_every, ready=_warm_up_while_typing(engine, tokenizer, threads,
+                                                                                      not raw))
+    finally:
+        if book:
+            book.close()
+        engine.close()
+
+
+def _read_stdin() -> str:
+    """All of stdin; bytes that are not UTF-8 become U+FFFD, whatever the locale (a strict one
+    raised UnicodeDecodeError)."""
+    raw = getattr(sys.stdin, "buffer", None)
+    return raw.read().decode("utf-8", "replace") if raw is not None else sys.stdin.read()
+
+
+def _write_stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _stats_line(stats) -> str:
+    return (f"prompt {stats.prompt_tokens} tok, {stats.prefill_tok_s:.1f} tok/s | "
+            f"answer {stats.gen_tokens} tok, {stats.decode_tok_s:.1f} tok/s | "
+            f"ttft {stats.ttft_s * 1000:.0f} ms | stop: {stats.stop_reason}")
+
+
+def _warm_up_while_typing(engine, tokenizer, threads: int, template: bool):
+    """What the chat's first answer would load on the way, loaded while the chat waits for its
+    first message (EngineBase.load_kernels_aside), the chat template's jinja2 too. -> None, or
+    ready(quiet=False), which the chat calls before acting on a message and on leaving."""
+
+    def render() -> None:
+        if template:
+            try:
+                tokenizer.render_chat([{"role": "user", "content": "Hi"}])
+            except NervaError:  # a template refusing this message may take the user's: theirs will tell
+                pass
+
+    return engine.load_kernels_aside(threads, also=render)

@@ -1,0 +1,144 @@
+"""The store's commands: pull, convert, list, show, rm."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from nerva_cli.cli.app import app
+from nerva_cli.cli.options import Force, Json, Quant
+from nerva_cli.errors import NervaError
+
+
+def _pull(spec: str, quant: str, name: Optional[str], out: Optional[Path], force: bool,
+          revision: Optional[str] = None, keep_existing: bool = False):
+    from nerva_cli.cli import output
+    from nerva_cli.runtime.open_engine import model_line, pull_model
+
+    model = pull_model(spec, quant, name, out, force, revision, output.CliReporter(), keep_existing)
+    output.out.print(model_line(model))
+    return model
+
+
+@app.command(short_help="Fetch a model (HF Hub, local directory or GGUF) and convert it into the store.",
+             epilog="Examples: nerva pull smollm2-135m | nerva pull smollm2-135m:f16 | "
+                    "nerva pull hf.co/bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M | "
+                    "nerva pull Qwen/Qwen3-0.6B --quant f16")
+def pull(
+    source: Annotated[str, typer.Argument(help="HF repo id (safetensors, or a GGUF repo with its file's quantisation as a tag: hf.co/USER/REPO:Q4_K_M), local HF directory, .gguf file, or alias (smollm2-135m).")],
+    name: Annotated[Optional[str], typer.Option(help="Store name (default: from the source).")] = None,
+    quant: Quant = "auto",
+    revision: Annotated[Optional[str], typer.Option(help="HF branch, tag or commit.")] = None,
+    force: Force = False,
+):
+    """Fetch a model (HF Hub, local directory or GGUF) and convert it into the store; one already
+    there is kept (--force converts it again). An alias takes its variant as ollama's tags:
+    smollm2-135m:f16."""
+    from nerva_cli.store.sources.resolve import ALIASES
+    from nerva_cli.store.catalog import VARIANTS
+
+    alias, _, tag = source.partition(":")
+    if alias in ALIASES and tag.lower() in VARIANTS:
+        if quant not in ("auto", tag.lower()):
+            raise NervaError(f"{source} and --quant {quant} name two variants: give one")
+        source, quant = alias, tag.lower()
+    _pull(source, quant, name, None, force, revision, keep_existing=True)
+
+
+@app.command(epilog="Example: nerva convert ./SmolLM2-135M-Instruct --quant f16 --out /tmp/smol-f16")
+def convert(
+    source: Annotated[str, typer.Argument(help="Local HF safetensors directory or .gguf file.")],
+    quant: Quant = "auto",
+    out: Annotated[Optional[Path], typer.Option(help="Write the model directory here instead of the store.")] = None,
+    name: Annotated[Optional[str], typer.Option(help="Store name (default: from the source).")] = None,
+    force: Force = False,
+):
+    """Convert local weights into 4 KB-aligned per-layer files plus metadata.json."""
+    if not Path(source).expanduser().exists():
+        raise NervaError(f"{source}: no such file or directory (use `nerva pull` for a repo id or alias)")
+    _pull(source, quant, name, out, force)
+
+
+@app.command("list")
+def list_(json_: Json = False):
+    """List the models in the store."""
+    from nerva_cli.cli import output
+    from nerva_cli.store import catalog as store
+
+    models = store.list_models()
+    rows = [{"name": m.name, "variant": m.variant, "size": m.size, "family": m.config.family,
+             "modified": store.modified(m), "path": str(m.path)} for m in models]
+    if json_:
+        output.print_json(rows)
+        return
+    if not rows:
+        output.err.print(f"no models in {store.models_root()} (try: nerva pull smollm2-135m)")
+        return
+    output.columns(("NAME", "SIZE", "FAMILY", "MODIFIED"),
+                   [(f"{r['name']}:{r['variant']}", output.human_bytes(r["size"]), r["family"], r["modified"])
+                    for r in rows])
+
+
+@app.command()
+def show(
+    model: Annotated[str, typer.Argument(help="name[:variant] in the store, or a model directory.")],
+    json_: Json = False,
+    verify: Annotated[bool, typer.Option("--verify", help="Re-hash every file against metadata.json.")] = False,
+):
+    """Show a model's config, files and tensors."""
+    from nerva_cli.cli import output
+    from nerva_cli.store import catalog as store
+
+    m = store.find_model(model)
+    bad = m.verify() if verify else None
+    if json_:
+        output.print_json({"path": str(m.path), **m.meta, **({"verify_failed": bad} if verify else {})})
+    else:
+        _print_show(m)
+        if verify and not bad:
+            output.out.print(f"verified: {len(m.meta['files'])} files match metadata.json")
+    if bad:
+        raise NervaError(f"{m.path}: {len(bad)} file(s) differ from metadata.json: {', '.join(bad)}")
+
+
+def _print_show(m) -> None:
+    from collections import Counter
+
+    from nerva_cli.cli import output
+
+    cfg = m.config
+    output.out.print(f"[bold]{m.name}:{m.variant}[/bold]  {m.path}")
+    output.facts([*((k, _config_fact(v)) for k, v in cfg.to_dict().items()), ("arch_hash", m.meta["arch_hash"]),
+                  ("source", f"{m.meta['source'].get('kind')}: {m.meta['source'].get('id')}"),
+                  ("size", f"{output.human_bytes(m.size)} in {len(m.meta['files'])} files")])
+    dtypes = Counter(t["dtype"] for f in m.meta["files"].values() for t in f["tensors"].values())
+    largest = max(m.meta["files"].items(), key=lambda kv: kv[1]["size"])
+    output.out.print(f"tensors: {sum(dtypes.values())} ({', '.join(f'{n} {d}' for d, n in sorted(dtypes.items()))}); "
+                     f"largest file {largest[0]} {output.human_bytes(largest[1]['size'])}")
+
+
+def _config_fact(value) -> str:
+    """A config value for `show`: RoPE's per-frequency factors summarised (64 numbers for a 128-wide
+    head; LongRoPE's two lists), anything else as it is (--json gives every value)."""
+    if isinstance(value, dict) and value.get("type") == "freq_factors":
+        f = value["factors"]
+        return f"freq_factors: {len(f)} per-frequency divisors, {min(f):g} to {max(f):g}"
+    if isinstance(value, dict) and value.get("type") == "longrope":
+        short, long = value["short_factor"], value["long_factor"]
+        return (f"longrope: {len(short)} short factors {min(short):g} to {max(short):g}, long {min(long):g} to "
+                f"{max(long):g} (past {value['original_max_position_embeddings']} tokens), attention "
+                f"factor {value['attention_factor']:g}")
+    return str(value)
+
+
+@app.command()
+def rm(models: Annotated[list[str], typer.Argument(help="name or name:variant; a bare name removes every variant.")]):
+    """Remove models from the store."""
+    from nerva_cli.cli import output
+    from nerva_cli.store import catalog as store
+
+    for ref in models:
+        for removed in store.remove(ref):
+            output.out.print(f"deleted {removed}")
