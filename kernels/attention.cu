@@ -7,7 +7,7 @@
 
 #define ATT_WARPS 4
 #define ATT_UNROLL 4
-#define ATT_LONG_CHUNK 16  // backends/cuda.py's: positions a decode block takes before more blocks do
+#define ATT_LONG_CHUNK 16  // planes/cuda/launch.py's: positions a decode block takes before more blocks do
 
 // A lane holds NI consecutive elements of a head, lane * NI .. lane * NI + NI - 1 (NI = ceil(hd /
 // 32), a template argument: the kernels switch on it, so a 128-wide head does 4 elements a lane,
@@ -240,7 +240,7 @@ __device__ __forceinline__ void combine_splits(const float* p, float* out, int s
 // where softcap > 0, Gemma 2's; pos is read
 // on the device, so a replayed graph needs no new arguments) go to `least`
 // blocks a head, or more when each would take more than ATT_LONG_CHUNK, up to the grid's
-// `most` (attention_splits in backends/cuda.py); the blocks beyond return at once. The last
+// `most` (attention_splits in planes/cuda/launch.py); the blocks beyond return at once. The last
 // position is the new token's: q, k_new and v_new are its q/k/v products before RoPE. Each
 // block rotates its q head itself, and the block whose split holds the new position makes that
 // position's K row (rotated) and V row in f16 for itself; the first q head of each kv group's
@@ -498,7 +498,7 @@ __device__ __forceinline__ void prefill_rows(const float* q, int q_stride, const
 
 // Prefill, causal: grid (ceil(T * group / rows), kv_heads, splits), ATT_WARPS warps a block,
 // where rows is ATT_WARPS * 8 up to 128-wide heads and ATT_WARPS * 2 above (their accumulators
-// would need 64 registers a lane at 8 rows a warp; backends/cuda.py's prefill_block_rows). Query
+// would need 64 registers a lane at 8 rows a warp; planes/cuda/launch.py's prefill_block_rows). Query
 // t (rows q_stride floats apart) at position pos0[0] + t sees cache positions 0 .. pos0[0] + t, or
 // with window > 0 the last `window` of them. out [T, heads, hd]. splits (1 to 32) divide each
 // block's positions between that many blocks, so that a short prompt after a long context still

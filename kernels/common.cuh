@@ -79,7 +79,7 @@ __device__ __forceinline__ float rope_at(const float* r, int j, int half, const 
 }
 
 // Programmatic dependent launch (sm_90 on; the host launches every kernel with it where the GPU
-// and driver take it: backends/cuda_launch.py). A kernel so launched may start while the kernel
+// and driver take it: planes/cuda/dependent_launch.py). A kernel so launched may start while the kernel
 // before it in the stream still runs, so each kernel calls wait_prior_kernels before it touches
 // global memory a kernel writes (any store, any read but of weights): griddepcontrol.wait returns
 // once the kernels before have finished and their stores are visible. It then lets the next

@@ -14,7 +14,7 @@
 #define MV_ROWS 8
 #endif
 #ifndef MV_MAX_THREADS
-#define MV_MAX_THREADS 128  // backends/cuda.py's MV_THREADS (gpu_matvec_sweep.py sets both)
+#define MV_MAX_THREADS 128  // planes/cuda/launch.py's MV_THREADS (gpu_matvec_sweep.py sets both)
 #endif
 // At least 640 threads of a Q4_0 matvec resident per SM, which holds it to 96 registers a thread
 // at 128 a block: W4A16's GLU kernel took 100 and W4A8 (quantising x in the loop) 127, which the

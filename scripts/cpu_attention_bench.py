@@ -3,7 +3,7 @@
 threads, layers, the median of --repeat passes), in microseconds a layer. A pass calls it once
 for each of --layers caches, as a decode step does, so with 30 layers of SmolLM2's shape at 1800
 positions (41 MB of f16 K and V) the rows come from DRAM; --layers 1 times a cache the caches
-hold. The figures in backends/cpu.py's attention comments come from this.
+hold. The figures in planes/cpu/kernels's attention comments come from this.
 
     python3 scripts/cpu_attention_bench.py [--shape 9:3:64] [--ctx 300 1800] [--threads 1 2]
         [--layers 30] [--cache f16|f32] [--lowering host|avx2]

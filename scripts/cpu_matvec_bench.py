@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The cpu backend's decode matvecs alone, in GB/s of weights read: one JSON line a measurement
 (kernel, shape, threads, whether the matrix came from cache or DRAM, the median of --repeat calls).
-The figures in backends/cpu.py's comments come from this.
+The figures in planes/cpu/kernels's comments come from this.
 
     python3 scripts/cpu_matvec_bench.py [--kind q4_1 q4_0 q8_0] [--precision w4a8 w4a16]
         [--shape 3072x576 1024x1536 131072x576] [--threads 1 2] [--dram] [--lowering host|avx512|avx2]

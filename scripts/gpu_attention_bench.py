@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Prefill attention on a CUDA device: nerva's attention_prefill kernel (kernels/attention.cu,
-launched by backends/cuda.py as the engine launches it) against PyTorch's
+launched by planes/cuda/launch.py as the engine launches it) against PyTorch's
 scaled_dot_product_attention on the same shapes, measured in the same run, as ms a launch and
 their ratio. The peer gets f16 q, K and V (nerva reads q in f32, K and V from its f16 cache),
 causal with the queries at the end of the context (torch's causal_lower_right), GQA native.

@@ -8,7 +8,7 @@
 - paged decode under --vram-budget (2G by default) against the PCIe limit: pinned H2D bandwidth /
   the bytes copied to the GPU a token (bench's h2d_bytes_per_token);
 - resident decode (W4A16) again with NERVA_CUDA_PDL=0, every kernel launched without programmatic
-  dependent launch (backends/cuda_launch.py): that change's A/B in the same lease.
+  dependent launch (planes/cuda/dependent_launch.py): that change's A/B in the same lease.
 
 Both runs go through `nerva bench --backend cuda`, the one place nerva measures speed. With
 --peer-json (llama-bench's JSON from shared/gpu-peers, run on the same model file in the same

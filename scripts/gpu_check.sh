@@ -80,7 +80,7 @@ if has tests; then
   status=${PIPESTATUS[0]}
   mark "$status" tests
   if [ "$status" = 1 ]; then
-    # were they the programmatic dependent launches (backends/cuda_launch.py)? the failed ones again without
+    # were they the programmatic dependent launches (planes/cuda/dependent_launch.py)? the failed ones again without
     NERVA_CUDA_PDL=0 bounded python3 -m pytest -q -m gpu --lf tests/ 2>&1 | tail -3 | sed 's/^/NERVA_CUDA_PDL=0: /' \
       | tee -a "$out/gpu_tests.log"
   fi

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Tunes the decode matvecs (kernels/matvec.cu) on a CUDA device: rows a block (MV_ROWS) by most
-threads a block (MV_THREADS in backends/cuda.py; both compiled in, as MV_ROWS and
+threads a block (MV_THREADS in planes/cuda/launch.py; both compiled in, as MV_ROWS and
 MV_MAX_THREADS), over the matrix shapes of a Llama-3-8B and a SmolLM2-135M decode step, in GB/s of weights read. Each shape runs over enough
 copies of random weights (at least 512 MB) that no launch finds its matrix in L2, as in a real
 step, and the launches are replayed from a graph, as in a real step.
@@ -41,7 +41,7 @@ def sweep(dev, fns: dict, shapes: dict, precision: str, kind: str = "q4_0") -> d
     """{(shape label, rows a block, most threads): (ms a launch, GB/s)}. fns: (rows a block, most
     threads) -> the matvec kernel compiled with that MV_ROWS and MV_MAX_THREADS (its launch
     bounds depend on it). Launches go through Kernels.matvec, the engine's own launch code, with
-    backends/cuda.py's MV_ROWS and MV_THREADS set to each pair."""
+    planes/cuda/launch.py's MV_ROWS and MV_THREADS set to each pair."""
     from nerva_cli.planes.cuda import launch as cuda
 
     k, rng, results = cuda.Kernels(dev), np.random.default_rng(), {}

@@ -1,4 +1,4 @@
-"""A stand-in for the part of CuPy that backends/cuda.CupyDevice uses, with the signatures CuPy
+"""A stand-in for the part of CuPy that planes/cuda/launch.CupyDevice uses, with the signatures CuPy
 14.2's source has (memcpyAsync(dst, src, size, kind, stream), Event.done a property, RawModule
 loading at get_function, ...). Arrays are NumPy arrays, kernels run on the CPU emulation of
 kernels/*.cu, copies complete when issued, a capture records launches. It lets CI run the real

@@ -1,4 +1,4 @@
-"""A first run's kernels compiled by two processes (backends/compile_aside.py, Engine.warm_up)."""
+"""A first run's kernels compiled by two processes (planes/cpu/compile_aside.py, Engine.warm_up)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Every kernel of kernels/*.cu against `ref` on fresh random inputs, launched by the cuda
-backend's own launch code (backends/cuda.Kernels): on the CPU emulation of the CUDA sources
+backend's own launch code (planes/cuda/launch.Kernels): on the CPU emulation of the CUDA sources
 always, on a GPU too where one answers (the `gpu` parameter). Each test prints its seed.
 
 Tolerances as in test_kernels.py: float32 sums taken in another order differ by about

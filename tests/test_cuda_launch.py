@@ -1,4 +1,4 @@
-"""The cuda backend's programmatic dependent launches (nerva_cli/backends/cuda_launch.py) without
+"""The cuda backend's programmatic dependent launches (nerva_cli/planes/cuda/dependent_launch.py) without
 a GPU: the ctypes structures against cuda.h's layout, the kernel parameters as bytes, what the
 launcher hands cuLaunchKernelEx (through a stand-in for the driver library), and when it is
 used. On a GPU, the GPU tests run every launch through it (sm_90 and later)."""

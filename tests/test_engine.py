@@ -383,27 +383,23 @@ def test_warm_up_leaves_no_trace_in_the_next_answer(tiny_models, tmp_path, rng, 
 
 
 def test_decode_allocates_nothing_after_warmup(tiny_models, tmp_path):
-    from nerva_cli.runtime.bench import hot_path_allocations
-
     models = {v: pull(str(tiny_models("qwen3")), variant=v, out=tmp_path / v) for v in ("q4_0", "q4_1", "f16")}
     for variant, precision in (("q4_0", "w4a8"), ("q4_0", "w4a16"), ("q4_1", "w4a8"), ("q4_1", "w4a16"),
                                ("f16", None)):
         engine = Engine(models[variant], precision=precision, ctx=64)
-        assert hot_path_allocations(engine, [3, 4, 5], steps=12) == 0, variant
+        assert engine.count_hot_path_allocations([3, 4, 5], steps=12) == 0, variant
     gemma = pull(str(tiny_models("gemma3")), variant="q4_0", out=tmp_path / "gemma3")  # its windows' cache views
-    assert hot_path_allocations(Engine(gemma, ctx=64), [3, 4, 5], steps=12) == 0
+    assert Engine(gemma, ctx=64).count_hot_path_allocations([3, 4, 5], steps=12) == 0
 
 
 def test_allocation_counter_sees_an_allocation_in_decode(tiny_models, tmp_path, monkeypatch):
     """The negative control: a decode that makes one intermediate-sized buffer of a real model
     (1536 floats: 6 KiB, SmolLM2's MLP width) is counted."""
-    from nerva_cli.runtime.bench import hot_path_allocations
-
     model = pull(str(tiny_models("qwen3")), variant="q4_0", out=tmp_path / "m")
     engine = Engine(model, ctx=64)
     real = Engine.decode
     monkeypatch.setattr(Engine, "decode", lambda self, t: real(self, t) + np.zeros(1536, np.float32)[:1])
-    assert hot_path_allocations(engine, [3, 4, 5], steps=12) == 12
+    assert engine.count_hot_path_allocations([3, 4, 5], steps=12) == 12
 
 
 @pytest.mark.parametrize("variant", ["q4_0", "q4_1"])

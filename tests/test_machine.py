@@ -1,4 +1,4 @@
-"""Process set-up that run, bench and profile share (nerva_cli/machine.py)."""
+"""Process set-up that run, bench and profile share (nerva_cli/hardware/machine.py)."""
 
 from __future__ import annotations
 

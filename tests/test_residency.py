@@ -231,14 +231,13 @@ def test_paged_smollm2_equals_resident_and_reads_exactly_the_paged_bytes(smollm2
 
 
 def test_paged_decode_allocates_nothing_after_warmup(deep_tiny, tmp_path):
-    from nerva_cli.runtime.bench import hot_path_allocations
 
     model = pull(str(deep_tiny("llama")), variant="q4_0", out=tmp_path / "m")
     full = Engine(model, ctx=64)
     for policy in ("ring", "lru"):
         paged = Engine(model, ctx=64, ram_budget=budget_at(full, 0.3), policy=policy)
         try:
-            assert hot_path_allocations(paged, [3, 4, 5], steps=16) == 0, policy
+            assert paged.count_hot_path_allocations([3, 4, 5], steps=16) == 0, policy
         finally:
             paged.weights.close()
 

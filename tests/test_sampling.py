@@ -1,4 +1,4 @@
-"""The host sampler (sampling.Sampler, its numba work in backends/cpu.py) against
+"""The host sampler (sampling.Sampler, its numba work in planes/cpu/kernels) against
 ref.sampling_candidates and NumPy, on fresh random logits."""
 
 from __future__ import annotations

@@ -65,6 +65,7 @@ class EngineBase:
 
     backend: str
     device_sampling = False  # whether `stream` samples on the device (cuda)
+    peak_vram_bytes = 0
     n_past: int
     layer_precision: dict[int, str]
     counters: Counters
@@ -155,6 +156,33 @@ class EngineBase:
     def runtime_line(self, threads: int) -> str:
         """Where it runs, in a few words (the chat's banner)."""
         return f"{self.backend}, {threads} threads"
+
+    @property
+    def budgets(self) -> dict:
+        """The budgets the plan was made for (bytes; None: none)."""
+        return {"ram_budget": self.plan.budget, "vram_budget": None}
+
+    def plane_facts(self) -> dict:
+        """What bench reports of this plane beyond the shared fields."""
+        return {}
+
+    def count_hot_path_allocations(self, prompt: list[int], steps: int) -> int:
+        """Decode steps after warm-up, counted by AllocationCounter (greedy sampling included);
+        anything > 0 is a bug. The engine is reset before and after."""
+        from nerva_cli.runtime.hotpath import AllocationCounter
+        from nerva_cli.runtime.sampling import Sampler, SamplingOptions
+
+        self.reset()
+        sampler = Sampler(SamplingOptions(temperature=0.0), self.cfg.vocab_size)
+        token = sampler(self.prefill(prompt))
+        for _ in range(2):  # warm-up: first calls may compile or cache
+            token = sampler(self.decode(token))
+        with AllocationCounter() as counter:
+            for _ in range(steps):
+                with counter.step():
+                    token = sampler(self.decode(token))
+        self.reset()
+        return counter.count
 
     def residency_lines(self) -> list[str]:
         """What a run says about where the weights live, where that is not simply "all of them

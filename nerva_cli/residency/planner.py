@@ -144,6 +144,44 @@ def fitting_ctx(fixed_bytes_at, budget: int, ctx: int, step: int = 256) -> int |
     return lo * step
 
 
+def plan_model(model, ctx: int, budget: int | None, importance: dict[int, float] | None,
+               active_layers: list[int] | None, workspace_at, budget_name: str = "RAM budget") -> Plan:
+    """The residency plan of a stored model, from sizes alone, for either plane: workspace_at(n)
+    gives the plane's KV cache and workspaces at a context of n positions (name -> (kind,
+    bytes)); the token table, final norm and an untied lm_head are fixed beside them, and the
+    active layers go resident most important first (plan_table_aside). A budget too small is
+    refused naming `budget_name`, the context and the longest one that fits."""
+    from nerva_cli.model.layout import layer_file
+
+    cfg, files = model.config, model.meta["files"]
+    untied = "lm_head.bin" in files  # else the token table is the lm_head, read whole every token
+
+    def fixed_at(n: int, with_table: bool = True) -> dict:
+        fixed = {**workspace_at(n), **({"embed": ("embed", files["embed.bin"]["size"])} if with_table else {}),
+                 "norms": ("norms", files["final_norm.bin"]["size"])}
+        if untied:
+            fixed["lm_head"] = ("lm_head", files["lm_head.bin"]["size"])
+        return fixed
+
+    def error(e: BudgetTooSmall, with_table: bool) -> NervaError:
+        return NervaError(str(e).replace("RAM budget", budget_name)
+                          + ctx_hint(lambda n: fixed_at(n, with_table), budget, e.slots_bytes, ctx))
+
+    active = range(cfg.num_layers) if active_layers is None else sorted(set(active_layers))
+    layer_bytes = {i: files[layer_file(i)]["size"] for i in active}
+    return plan_table_aside(lambda with_table: fixed_at(ctx, with_table), layer_bytes, budget, importance, untied,
+                            error)
+
+
+def ctx_hint(fixed_at, budget: int, slots_bytes: int, ctx: int) -> str:
+    """What a budget error adds: the context it was for and, where a shorter one's fixed part
+    (fixed_at(n): name -> (kind, bytes)) and the staging slots fit the budget, the longest such."""
+    from nerva_cli.cli.output import human_bytes
+
+    fits = fitting_ctx(lambda n: sum(b for _, b in fixed_at(n).values()), budget - slots_bytes, ctx)
+    return f" at --ctx {ctx}" + ("" if fits is None else f"; --ctx {fits} fits {human_bytes(budget)}")
+
+
 def plan_table_aside(fixed_at, layer_bytes: dict[int, int], budget: int | None, importance: dict[int, float] | None,
                      untied: bool, error) -> Plan:
     """plan() over fixed_at(with_table) (name -> (kind, bytes)), and, where the token table is

@@ -13,8 +13,6 @@ import numpy as np
 from nerva_cli import __version__
 from nerva_cli.errors import NervaError
 from nerva_cli.runtime.generate import generate
-from nerva_cli.runtime.hotpath import AllocationCounter
-from nerva_cli.hardware.machine import cpu_name
 from nerva_cli.runtime.sampling import Sampler, SamplingOptions
 
 PROMPT_SEED_TEXT = (
@@ -99,19 +97,17 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
     token_ms = np.array([t for s in runs for t in s.token_s]) * 1000
     pager = [b - a for a, b in zip(pager0, _pager_counters(engine))]
     passes = sum(s.gen_tokens - 1 + math.ceil(s.prompt_tokens / engine.prefill_chunk) for s in runs)  # layer passes
-    allocs = hot_path_allocations(engine, prompt[:8], steps=16)
+    allocs = engine.count_hot_path_allocations(prompt[:8], steps=16)
     best = max(runs, key=lambda s: s.decode_tok_s)
-    gpu = getattr(engine, "gpu_plan", None)
     # the disk's rate while the pager read (open to close), and the decode rate it allows if every
     # paged byte came at it: a shared, bursty disk is judged against itself, in the same run
     read_rate = pager[0] / pager[5] * 1e9 if pager[5] else None
     result = {
         "model": engine.model.name, "variant": engine.model.variant, "backend": engine.backend,
-        "device": engine.dev.name if gpu else cpu_name(), "threads": threads,
+        "device": engine.device_name, "threads": threads,
         "mode": "hot-only" if len(engine.active) < engine.cfg.num_layers else "full",
         "precision": engine.precision,
-        "ram_budget": gpu.ram_budget if gpu else engine.plan.budget,
-        "vram_budget": engine.plan.budget if gpu else None,
+        **engine.budgets,
         "policy": engine.policy if engine.plan.paged_layers else "resident",
         "resident_layers": len(engine.plan.resident_layers), "paged_layers": len(engine.plan.paged_layers),
         "disk_bytes_per_token": round(pager[0] / passes), "hit_rate": round(pager[1] / (pager[1] + pager[2]), 4)
@@ -121,8 +117,7 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
         "h2d_bytes_per_token": round(pager[4] / passes),
         "direct_io": engine.weights.direct_io,
         "token_table_aside": engine.plan.table_aside,  # in its file (cpu) or pinned RAM (cuda), not the budget's
-        **({"gpudirect_storage": engine.gds} if gpu else {}),
-        **({"dependent_launch": engine.dev.dependent_launch} if gpu else {}),  # cuda_launch.py
+        **engine.plane_facts(),
         "prompt_tokens": opts.prompt_tokens, "gen_tokens": opts.gen_tokens, "repeat": opts.repeat,
         "prefill_tok_s": round(float(np.median([s.prefill_tok_s for s in runs])), 2),
         # --gen-tokens 1 times prefill alone (its token is the first): no decode step, no figure
@@ -136,7 +131,7 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
         "weight_bytes": engine.weight_bytes, "kv_cache_bytes": engine.a.kv_bytes, "kv_cache": engine.kv_cache,
         "hot_path_allocations": allocs,
         "peak_rss_bytes": peak_rss_bytes(),
-        "peak_vram_bytes": engine.peak_vram_bytes if gpu else 0,
+        "peak_vram_bytes": engine.peak_vram_bytes,
         "nerva_version": __version__,
     }
     if ppl_ids is not None:
@@ -153,24 +148,6 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
 def _pager_counters(engine) -> list[int]:
     s = engine.weights.stats
     return [0] * 6 if s is None else [s.disk_bytes, s.hits, s.faults, s.stall_ns, s.h2d_bytes, s.read_ns]
-
-
-def hot_path_allocations(engine, prompt: list[int], steps: int) -> int:
-    """Decode steps after warm-up, counted by AllocationCounter (greedy sampling included); on
-    the cuda backend the streamed, graph-replayed steps, device allocations counted too."""
-    if getattr(engine, "device_sampling", False):
-        return engine.count_hot_path_allocations(prompt, steps)
-    engine.reset()
-    sampler = Sampler(SamplingOptions(temperature=0.0), engine.cfg.vocab_size)
-    token = sampler(engine.prefill(prompt))
-    for _ in range(2):  # warm-up: first calls may compile or cache
-        token = sampler(engine.decode(token))
-    with AllocationCounter() as counter:
-        for _ in range(steps):
-            with counter.step():
-                token = sampler(engine.decode(token))
-    engine.reset()
-    return counter.count
 
 
 def peak_rss_bytes() -> int:

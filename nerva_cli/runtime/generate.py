@@ -87,7 +87,7 @@ def generate(engine, prompt_ids: list[int], sampler: Sampler, max_tokens: int,
     matcher = StopMatcher(list(stops))
     out: list[int] = []
     emit = on_text or (lambda s: None)
-    on_device = getattr(engine, "device_sampling", False) and ledger is None
+    on_device = engine.device_sampling and ledger is None
     tokens = (engine.stream(prompt_ids, sampler.o, max_tokens) if on_device
               else _host_tokens(engine, prompt_ids, sampler, stats, ledger))
     t0 = time.perf_counter()

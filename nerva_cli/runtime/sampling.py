@@ -1,7 +1,7 @@
 """Sampling on the host that holds the logits: greedy, temperature, top-k, top-p, min-p,
 repetition penalty, seeded. A step allocates nothing: the candidates, their weights and the
 recent tokens live in buffers made with the Sampler, and the work is done by numba
-(backends/cpu.py) by the rule ref.sampling_candidates defines, the one the cuda sampler draws by
+(planes/cpu/kernels) by the rule ref.sampling_candidates defines, the one the cuda sampler draws by
 too."""
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ class Param:
         """Writes the argument's bytes to its slot (one element) of the kernel's argument block,
         after the checks CuPy does not make; -> the bytes of an array argument (0 for a scalar).
         Whatever it allocates is gone when it returns: the decode hot-path test
-        (nerva_cli/hotpath.py) counts what a launch holds at its peak."""
+        (nerva_cli/runtime/hotpath.py) counts what a launch holds at its peak."""
         if self.pointer:
             if not isinstance(arg, np.ndarray):
                 if not hasattr(arg, "__array_interface__"):

@@ -1,4 +1,4 @@
-"""A stand-in for backends.cuda.CupyDevice that runs kernels/*.cu on the CPU (EmuModule), so
+"""A stand-in for planes.cuda.launch.CupyDevice that runs kernels/*.cu on the CPU (EmuModule), so
 CudaEngine's host code (plans, slots, graphs, the token ring) runs in CI without a GPU.
 
 Arrays are NumPy arrays. Streams and events do nothing: every copy and launch completes when

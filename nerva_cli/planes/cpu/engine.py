@@ -1,8 +1,8 @@
 """The forward pass: batched prefill and one-token decode over a preallocated KV cache.
 
 The model is defined by ModelConfig (family flags: qkv bias, q/k norm, tied lm_head); how each
-op runs is the backend's business (backends/ref.py is the definition); where the weights live
-is the residency plan's (all in RAM, or paged through staging slots by pager.py). Decode
+op runs is the backend's business (planes/ref.py is the definition); where the weights live
+is the residency plan's (all in RAM, or paged through staging slots by residency/pager.py). Decode
 allocates nothing: every buffer it writes is made in `Arena` before the first token; prefill's
 come from a `PrefillWorkspace` made with them (arena.py).
 """
@@ -17,7 +17,6 @@ import numpy as np
 
 from nerva_cli.model import rope
 from nerva_cli.residency.arena import Arena, PrefillWorkspace
-from nerva_cli.errors import NervaError
 from nerva_cli.model.layout import MATRICES, layer_file
 from nerva_cli.model.quant import QK
 from nerva_cli.planes.base import Counters, EngineBase, context_length
@@ -186,41 +185,19 @@ class ResidentWeights:
 def residency_plan(model: StoredModel, ctx: int | None, ram_budget: int | None,
                    importance: dict[int, float] | None = None, active_layers: list[int] | None = None,
                    kv_cache: str = "f16", prefill_rows: int = PREFILL_CHUNK):
-    """The residency plan (ARCHITECTURE 8) that Engine uses, computed from sizes alone: nothing is
-    allocated or read, so `nerva topology --model` shows exactly what `run` will do."""
-    from nerva_cli.residency.planner import plan_table_aside
+    """The residency plan that Engine uses, computed from sizes alone: nothing is allocated or
+    read, so `nerva topology --model` shows exactly what `run` will do. An untied token table
+    left out of RAM is mapped from its file: a token's row is read in place."""
+    from nerva_cli.residency.planner import plan_model
 
-    cfg, files = model.config, model.meta["files"]
-    ctx = context_length(cfg, ctx)
-    untied = "lm_head.bin" in files
+    cfg = model.config
 
-    def fixed_at(n: int, with_table: bool = True) -> dict:
+    def workspace_at(n: int) -> dict:
         kv, arena = Arena.sizes(cfg, n, kv_cache, min(prefill_rows, n))
         prefill = PrefillWorkspace.size(cfg, min(prefill_rows, n), n)
-        fixed = {"kv_cache": ("kv_cache", kv),
-                 "workspace": ("workspace", arena - kv + prefill),
-                 **({"embed": ("embed", files["embed.bin"]["size"])} if with_table else {}),
-                 "norms": ("norms", files["final_norm.bin"]["size"])}
-        if untied:
-            fixed["lm_head"] = ("lm_head", files["lm_head.bin"]["size"])
-        return fixed
+        return {"kv_cache": ("kv_cache", kv), "workspace": ("workspace", arena - kv + prefill)}
 
-    active = range(cfg.num_layers) if active_layers is None else sorted(set(active_layers))
-    layer_bytes = {i: files[layer_file(i)]["size"] for i in active}
-    # an untied token table left out of RAM is mapped from its file: a token's row is read in place
-    return plan_table_aside(
-        lambda with_table: fixed_at(ctx, with_table), layer_bytes, ram_budget, importance, untied,
-        lambda e, with_table: NervaError(f"{e}{ctx_hint(lambda n: fixed_at(n, with_table), ram_budget, e.slots_bytes, ctx)}"))
-
-
-def ctx_hint(fixed_at, budget: int, slots_bytes: int, ctx: int) -> str:
-    """What a budget error adds: the context it was for and, where a shorter one's fixed part
-    (fixed_at(n): name -> (kind, bytes)) and the staging slots fit the budget, the longest such."""
-    from nerva_cli.cli.output import human_bytes
-    from nerva_cli.residency.planner import fitting_ctx
-
-    fits = fitting_ctx(lambda n: sum(b for _, b in fixed_at(n).values()), budget - slots_bytes, ctx)
-    return f" at --ctx {ctx}" + ("" if fits is None else f"; --ctx {fits} fits {human_bytes(budget)}")
+    return plan_model(model, context_length(cfg, ctx), ram_budget, importance, active_layers, workspace_at)
 
 
 class Engine(EngineBase):

@@ -1,4 +1,4 @@
-"""The CUDA plane's engine: prefill and decode on the GPU over the kernels of backends/cuda.py.
+"""The CUDA plane's engine: prefill and decode on the GPU over the kernels of planes/cuda/launch.py.
 
 Where weights live (ARCHITECTURE 8): the planner puts the fixed part (KV cache, workspaces,
 embeddings, norms) and then layers by MCAP importance into VRAM (--vram-budget), except that an
@@ -29,12 +29,11 @@ from nerva_cli.residency.arena import cache_rows
 from nerva_cli.planes.cuda.launch import (RECENT, Kernels, attention_splits, most_prefill_partials, prefill_splits,
                                      unsupported_shapes)
 from nerva_cli.planes.base import Counters, EngineBase, context_length
-from nerva_cli.planes.cpu.engine import ctx_hint
 from nerva_cli.errors import NervaError
 from nerva_cli.model.layout import layer_file
 from nerva_cli.cli.output import human_bytes
 from nerva_cli.residency.pager import LayerFileReader, PagedWeights, PagerStats
-from nerva_cli.residency.planner import BudgetTooSmall, Plan, ResidentBlock, plan, plan_table_aside
+from nerva_cli.residency.planner import Plan, ResidentBlock, plan, plan_model
 from nerva_cli.store.catalog import StoredModel, tensors_in
 
 SCRATCH_BYTES = 64 << 20  # prefill's dequantised weight rows (f16), a slice of a matrix at a time
@@ -85,32 +84,21 @@ def gpu_residency_plan(model: StoredModel, ctx: int | None, vram_budget: int | N
     # from CuPy's pool as prefill runs: room is kept for them
     temporaries = 4 * PREFILL_CHUNK * (cfg.vocab_size + max(cfg.hidden_size, cfg.q_dim))
 
-    untied = "lm_head.bin" in files  # else the token table is the lm_head, read whole every token
     embed = ("embed", files["embed.bin"]["size"])
 
-    def fixed_at(n: int, with_table: bool = True) -> dict:
+    def workspace_at(n: int) -> dict:
         kv, arena = arena_sizes(cfg, n, attention_splits(cfg.num_heads, n, sms)[1], sms)
-        fixed = {"kv_cache": ("kv_cache", kv), "workspace": ("workspace", arena - kv),
-                 "prefill_temporaries": ("workspace", temporaries),
-                 **({"embed": embed} if with_table else {}), "norms": ("norms", files["final_norm.bin"]["size"])}
-        if untied:
-            fixed["lm_head"] = ("lm_head", files["lm_head.bin"]["size"])
-        return fixed
+        return {"kv_cache": ("kv_cache", kv), "workspace": ("workspace", arena - kv),
+                "prefill_temporaries": ("workspace", temporaries)}
 
-    def budget_error(e: BudgetTooSmall, with_table: bool) -> NervaError:
-        return NervaError(str(e).replace("RAM budget", "VRAM budget (--vram-budget)")
-                          + ctx_hint(lambda n: fixed_at(n, with_table), vram_budget, e.slots_bytes, ctx))
-
-    active = range(cfg.num_layers) if active_layers is None else sorted(set(active_layers))
-    layer_bytes = {i: files[layer_file(i)]["size"] for i in active}
     # an untied token table that stays out of VRAM stays in pinned RAM, which kernels read in
     # place (unified addressing): the embedding kernel reads its row there
-    vram = plan_table_aside(lambda with_table: fixed_at(ctx, with_table), layer_bytes, vram_budget, importance,
-                            untied, budget_error)
+    vram = plan_model(model, ctx, vram_budget, importance, active_layers, workspace_at,
+                      "VRAM budget (--vram-budget)")
     for b in vram.fixed:
         b.tier = "gpu"
     host_fixed = {"embed": embed} if vram.table_aside else {}
-    paged = {i: layer_bytes[i] for i in vram.paged_layers}
+    paged = {i: vram.layer_bytes[i] for i in vram.paged_layers}
     if not paged or ram_budget is None:
         return GpuPlan(vram, list(vram.paged_layers), [], ram_budget, plan(host_fixed, {}, None).fixed)
     try:
@@ -289,6 +277,13 @@ class CudaEngine(EngineBase):
     @property
     def device_name(self) -> str:
         return self.dev.name
+
+    @property
+    def budgets(self) -> dict:
+        return {"ram_budget": self.gpu_plan.ram_budget, "vram_budget": self.plan.budget}
+
+    def plane_facts(self) -> dict:
+        return {"gpudirect_storage": self.gds, "dependent_launch": self.dev.dependent_launch}
 
     def runtime_line(self, threads: int) -> str:
         return f"cuda on {self.dev.name}"

@@ -1,4 +1,4 @@
-"""The cuda backend: the kernel contract of backends/ref.py over device arrays, launched from
+"""The cuda backend: the kernel contract of planes/ref.py over device arrays, launched from
 kernels/*.cu, and the one place that talks to CuPy.
 
 `Kernels` computes every launch's grid, block and typed arguments; `CupyDevice` is what it runs
