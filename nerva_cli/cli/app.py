@@ -41,12 +41,12 @@ _owns_collector = False  # set by main(): nerva's own process, not a test or a l
 @contextmanager
 def long_lived_objects():
     """Building an engine imports numba and makes some 300k objects that live as long as the
-    process. The cyclic collector, left alone, scans them about 250 times while they are made:
-    85-127 ms of a 0.85-1.25 s `run -p Hi -n 1` on a 2-core EPYC. So nerva's own process makes them with
-    the collector off, then freezes them out of its later scans. Nothing compiles in here (numba
-    compiles at a kernel's first call, with the collector on: compiling without it held 0.1 GB
-    more). Elsewhere the collector is left as it is: a freeze would keep whatever cyclic garbage
-    the host process has not collected yet."""
+    process. The cyclic collector, left alone, scans them hundreds of times while they are made
+    (docs/perf/code_figures.md). So nerva's own process makes them with the collector off, then
+    freezes them out of its later scans. Nothing compiles in here (numba compiles at a kernel's
+    first call, with the collector on: compiling without it held more memory). Elsewhere the
+    collector is left as it is: a freeze would keep whatever cyclic garbage the host process has
+    not collected yet."""
     if not _owns_collector or not gc.isenabled():
         yield
         return

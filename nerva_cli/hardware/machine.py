@@ -61,10 +61,9 @@ def limit_blas_threads(threads: int) -> None:
     wheels ship, the cpu backend calls its sgemm from numba's threads and sets its own pool to
     one thread; these settings serve another BLAS, whose GEMMs prefill calls through NumPy.
 
-    OpenBLAS's idle workers spin for 2^OPENBLAS_THREAD_TIMEOUT cycles after each GEMM, 2^28
-    (~90 ms) by default: on 2 cores they took the decode threads' core after every prefill (the
-    first decode step measured 87 to 116 ms instead of 7, the next few 15). 2^22 (~1.4 ms)
-    still covers the gaps between one prefill's GEMMs (prefill tok/s unchanged, measured)."""
+    OpenBLAS's idle workers spin for 2^OPENBLAS_THREAD_TIMEOUT cycles after each GEMM, 2^28 by
+    default: on 2 cores they took the decode threads' core after every prefill. 2^22 still covers
+    the gaps between one prefill's GEMMs (docs/perf/code_figures.md)."""
     os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "22")
@@ -74,24 +73,17 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (mallo
 
 
 def reuse_freed_memory() -> None:
-    """Keeps prefill's temporaries (GEMM outputs, attention scores: 18 MB alive at most on SmolLM2
-    with 256-token chunks at 1800 positions) in the heap between chunks.
+    """Keeps prefill's temporaries in the heap between chunks.
 
     By default glibc mmaps each block from 128 KiB up until one is freed, then serves blocks up
     to that size from the heap and gives the heap's free top back to the OS past twice that size.
     Prefill's temporaries together outgrow twice the largest of them, so every chunk faulted all
     of them in again (tests/test_machine.py counts the faults), a share that depended on which
-    blocks were freed first. Measured on SmolLM2 q4_1 at 1800 prompt tokens on 2 threads: 380-420
-    tok/s prefill at W4A8 and 460-500 at W4A16 in a fresh process, 490-600 for both with this; at
-    the 256-token default 540 -> 730-745. These are the ceilings glibc's own adjustment stops at
-    (blocks over 32 MiB still mmapped; the free top given back past 64 MiB), so the peak is where
-    it was; what the temporaries took stays with the process after a prefill (18.7 MB here).
-    Off glibc (no mallopt) nothing changes.
-
-    Since prefill writes into its PrefillWorkspace (arena.py), those temporaries are gone and
-    this measured no difference: 1800 tokens at W4A8 on 2 threads, 638 and 628 tok/s without,
-    636 and 642 with. It stays for what still comes and goes between chunks (the logits rows
-    prefill returns)."""
+    blocks were freed first. These are the ceilings glibc's own adjustment stops at (blocks over
+    32 MiB still mmapped; the free top given back past 64 MiB), so the peak is where it was. Off
+    glibc (no mallopt) nothing changes. Since prefill writes into its PrefillWorkspace
+    (residency/arena.py) it stays for what still comes and goes between chunks (the logits rows
+    prefill returns). Figures: docs/perf/code_figures.md."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):

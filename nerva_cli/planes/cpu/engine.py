@@ -85,8 +85,7 @@ class Linear:
         one kernel call sharing the activation reads), so the file buffer can be dropped. Exact
         matrices that lie back to back in the file's buffer are one view of it instead, and the
         layer keeps the buffer: the converter writes q, k, v and gate, up in that order, each
-        4 KB aligned, and most shapes leave no padding between (SmolLM2 f16's load: 120 ms of
-        copies less)."""
+        4 KB aligned, and most shapes leave no padding between (docs/perf/code_figures.md)."""
         if f"{names[0]}.qs" in t:
             qs = np.concatenate([t[f"{n}.qs"] for n in names])
             m = np.concatenate([t[f"{n}.m"] for n in names]) if f"{names[0]}.m" in t else None
@@ -444,9 +443,8 @@ class Engine(EngineBase):
 
     def warm_up(self, aside=None, also=lambda: None) -> None:
         """Two tokens prefilled and one decoded, then forgotten, so that the decode kernels a run
-        needs compile before its answer starts (the CLI does it once for each kernel_kinds): an
-        answer stalled after its first token while they compiled (SmolLM2's first run on the
-        2-core Zen 4 EPYC: the first token at 5.5 s, the second at 13.3). `aside`, from
+        needs compile before its answer starts (prepare does it once for each kernel_kinds): an
+        answer stalled after its first token while they compiled. `aside`, from
         compile_aside (made before any thread of the caller's starts), compiles the attention
         halves meanwhile; this process compiles the MLP halves after its prefill, then the
         kernels of a longer prompt (_longer_prompt_dense), calls `also` (the caller's own
@@ -485,8 +483,7 @@ class Engine(EngineBase):
         whose kernels the warm-up's two tokens do not reach: past the backend's short bound, the
         GEMM (dequantise + sgemm, or widen for exact); where W4A8 has no bound (AVX-512BW), 16
         tokens for its lane kernel (matmul_q4_w4a8 from a dozen). Left to the first prompt they
-        compiled after the answer began: on the 2-core Zen 4 EPYC the lane kernel 1.5 s, the
-        GEMM of SmolLM2's three W4A16 layers about 1 s of the Quickstart prompt's 36 tokens.
+        compiled after the answer began.
         q/k/v as prefill_layer multiplies them: a resident layer's fused, a paged layer's apart,
         into column slices of its output, which numba types apart from a whole array. Under
         compile_only nothing runs: a resident layer's matrices, and a staging slot's (whatever
@@ -509,9 +506,7 @@ class Engine(EngineBase):
         a decode step's kernels, or None where that cannot help (the backend compiles nothing, a
         single CPU). A paged layer's come from a slot's Layer, whatever it holds: the child
         takes no lock of the pager's, whose thread the fork does not copy. The fork is made
-        here, so call it before starting a thread. SmolLM2's first run on the 2-core Zen 4 EPYC,
-        fresh numba cache, four runs each, alternating: compiling 12.4-13.1 -> 6.9-7.5 s, the
-        run 13.4-14.2 -> 7.8-8.4 s (the parent's part about 6 s, then 0.6 s waiting for the child)."""
+        here, so call it before starting a thread."""
         if self.ctx < 2 or not hasattr(self.k, "compile_aside"):
             return None
         paged = getattr(self.weights, "paged", [])
@@ -685,11 +680,7 @@ class Engine(EngineBase):
         """_dense for a short chunk (the backend's short_prefill_rows) through Q4 or exact
         matrices: the matvecs' batch forms (the Q4 ones' rows equal decode's matvecs bit for bit,
         fused or not); W4A8's input quantised as decode quantises it. The GEMM's way dequantised
-        every weight for a few tokens. SmolLM2 q4_1 prefill on the 2-core Zen 4 EPYC, the best of
-        alternating runs, GEMM -> batch kernel: W4A8, 1, 8 and 31 tokens 18.9 -> 8.5, 54.1 ->
-        19.8 and 90.8 -> 73.1 ms on one thread, 31.7 -> 5.6, 60.0 -> 12.5 and 96.0 -> 42.2 on
-        two; W4A16, 1 and 8 tokens 31.1 -> 10.4 and 67.2 -> 35.1 on one, 32.4 -> 7.2 and 67.1 ->
-        20.5 on two."""
+        every weight for a few tokens."""
         x = np.ascontiguousarray(x)
         if precision == "w4a8" and mats[0].w is None:
             T, cols = x.shape
@@ -785,8 +776,7 @@ class Engine(EngineBase):
 
     def _last_logits(self, x: np.ndarray) -> np.ndarray:
         """Final norm + lm_head for the prompt's last row, by decode's matvec, into a new array:
-        a GEMM's way dequantised the whole table for one row (SmolLM2's Q8_0 49152 x 576: 12 ms
-        on the 2-core Zen 4 EPYC, against 1 for the matvec)."""
+        a GEMM's way dequantised the whole table for one row."""
         a = self.a
         self.k.rmsnorm(x, self.final_norm, self.cfg.rms_eps, a.xn)
         self._lm_head(a.xn, a.logits)
