@@ -144,7 +144,7 @@ def profile_decode(engine, model, args, rng) -> dict:
             row["launches"] += 1
             row["ms"] += ms
             row["bytes"] += nbytes
-    step_ms = timed(dev, engine._graph("step"))
+    step_ms = timed(dev, engine._graph("step").graph)
     sample_ms = per["sample"]["ms"]
     total = sum(r["ms"] for r in per.values())
     rows = sorted(per.items(), key=lambda kv: -kv[1]["ms"])
