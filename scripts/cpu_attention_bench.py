@@ -55,9 +55,10 @@ def main() -> None:
         os.environ["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="nerva-numba-")
     from nerva_cli.planes import ref
     from nerva_cli.planes.cpu import kernels as cpu
+    from nerva_cli.planes.cpu.kernels import decode_attention as cpu_decode_attention  # where the geometry is read
     if args.lowering == "avx2":
         for name, value in cpu.attention_geometry(avx512=False).items():
-            setattr(cpu, name, value)
+            setattr(cpu_decode_attention, name, value)
 
     heads, kv_heads, dim = args.shape
     rng = np.random.default_rng()

@@ -24,10 +24,11 @@ def main() -> None:
     args = ap.parse_args()
     from nerva_cli.residency.arena import DEQUANT_SLICE_BYTES
     from nerva_cli.planes.cpu import kernels as cpu
+    from nerva_cli.planes.cpu.kernels import gemm as cpu_gemm  # where the slice bounds are read
 
     cpu.set_threads(args.threads)
     rng = np.random.default_rng()
-    bytes_now = cpu.GEMM_SLICE_BYTES
+    bytes_now = cpu_gemm.GEMM_SLICE_BYTES
     for rows, cols in SHAPES:
         qs = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
         d = (rng.uniform(0.5, 1.5, (rows, cols // 32)) * 0.01).astype(np.float16)
@@ -37,18 +38,18 @@ def main() -> None:
         cells = []
         for h in ["now", *args.heights]:
             # a fixed height: the byte bound at exactly h rows, and no row floor under it
-            cpu.GEMM_SLICE_BYTES, floor = (bytes_now, cpu.GEMM_MIN_ROWS) if h == "now" else (h * 4 * cols, 1)
-            saved, cpu.GEMM_MIN_ROWS = cpu.GEMM_MIN_ROWS, floor
-            height = cpu._gemm_slices(cols, scratch, rows).shape[1]
+            cpu_gemm.GEMM_SLICE_BYTES, floor = (bytes_now, cpu_gemm.GEMM_MIN_ROWS) if h == "now" else (h * 4 * cols, 1)
+            saved, cpu_gemm.GEMM_MIN_ROWS = cpu_gemm.GEMM_MIN_ROWS, floor
+            height = cpu_gemm._gemm_slices(cols, scratch, rows).shape[1]
             cpu.gemm_q4(qs, d, None, x, out, 0, scratch, rows)  # compiles, warms
             best = float("inf")
             for _ in range(3):
                 t = time.perf_counter()
                 cpu.gemm_q4(qs, d, None, x, out, 0, scratch, rows)
                 best = min(best, time.perf_counter() - t)
-            cpu.GEMM_MIN_ROWS = saved
+            cpu_gemm.GEMM_MIN_ROWS = saved
             cells.append(f"{h} -> {height} rows {best * 1e3:.0f} ms")
-        cpu.GEMM_SLICE_BYTES = bytes_now
+        cpu_gemm.GEMM_SLICE_BYTES = bytes_now
         print(f"{args.tokens} tokens, {args.threads} threads, {rows}x{cols}: " + ", ".join(cells), flush=True)
 
 

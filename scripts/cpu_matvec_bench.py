@@ -51,15 +51,21 @@ def main() -> None:
     if args.lowering != "host":  # cached machine code keys on the source, not on these flags
         os.environ["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="nerva-numba-")
     from nerva_cli.planes.cpu import kernels as cpu
+    from nerva_cli.planes.cpu.kernels import (  # the flags and kernel choices are set where they are read
+        gemm as cpu_gemm, integer_dots as cpu_integer_dots, q4 as cpu_q4, q4_float as cpu_q4_float,
+        q4_w4a8 as cpu_q4_w4a8, target as cpu_target)
     if args.lowering == "avx512":
-        if not cpu._AVX512F:  # the row tables' lookups are AVX-512 instructions
+        if not cpu_target._AVX512F:  # the row tables' lookups are AVX-512 instructions
             sys.exit("--lowering avx512 needs a host with AVX-512F; this one has none")
-        cpu._AVX512BF16 = False
-        cpu._w4a16_kernel = cpu._w4a16_by_row  # the row tables, chosen at import as well
+        cpu_q4._AVX512BF16 = False
+        cpu_q4._w4a16_kernel = cpu_q4_float._w4a16_by_row  # the row tables, chosen at import as well
     if args.lowering == "avx2":
-        cpu._AVX512F = cpu._AVX512BW = cpu._AVX512VNNI = cpu._AVX512BF16 = False
-        cpu._LANES = 8  # the float kernels' width, set at import from the host
-        cpu._w4a16_kernel = cpu._w4a16  # the four-row W4A16 kernel, chosen at import as well
+        for module in (cpu_target, cpu_integer_dots, cpu_q4_w4a8, cpu_q4, cpu_gemm):
+            for name in ("_AVX512F", "_AVX512BW", "_AVX512VNNI", "_AVX512BF16"):
+                if hasattr(module, name):
+                    setattr(module, name, False)
+        cpu_q4_float._LANES = 8  # the float kernels' width, set at import from the host
+        cpu_q4._w4a16_kernel = cpu_q4_float._w4a16  # the four-row W4A16 kernel, chosen at import as well
 
     rng = np.random.default_rng()
     evict = np.ones(64 << 20, np.uint8)

@@ -9,8 +9,9 @@ import pytest
 
 from conftest import hf_greedy
 from test_kernels import SPLIT_ERROR
-from nerva_cli.planes.cpu import kernels as cpu
 from nerva_cli.planes.cpu.engine import Engine
+from nerva_cli.planes.cpu.kernels import (  # the kernels' modules: settings the contract does not expose
+    prefill_attention as cpu_prefill_attention, gemm as cpu_gemm, target as cpu_target)
 from nerva_cli.store.pull import pull
 from nerva_cli.model.quant import dequantize_q4
 
@@ -33,7 +34,7 @@ LOGIT_RTOL = 1e-4
 # logits (ref's decode against the cpu's prefill, test_q4_decode_matches_prefill_and_ref's
 # sequences, 8 seeds): 4.5e-5 to 1.3e-4; against transformers (the q4_1 test below) 2.5e-4. So
 # 1e-3 there: a wiring fault still moves logits by their own size.
-W4A16_RTOL = 1e-3 if cpu._AVX512BF16 else LOGIT_RTOL
+W4A16_RTOL = 1e-3 if cpu_target._AVX512BF16 else LOGIT_RTOL
 
 
 def hf_model(src):
@@ -227,12 +228,11 @@ def test_prefill_without_numpys_openblas(variant, precision, tiny_models, tmp_pa
     threads), prefill's GEMMs take NumPy's matmul slice by slice and its attention ref's: the
     logits are those of the threaded path, to f32 noise (the GEMMs' blocking and attention's
     order of sums differ)."""
-    from nerva_cli.planes.cpu import kernels as cpu
-
     model = pull(str(tiny_models("qwen3")), variant=variant, out=tmp_path / "m")
     ids = [int(t) for t in rng.integers(0, 384, size=90)]  # past the short-prompt kernels
     want = Engine(model, precision=precision, ctx=128, kv_cache="f32").prefill(ids, all_logits=True)
-    monkeypatch.setattr(cpu, "_SGEMM", 0)
+    monkeypatch.setattr(cpu_gemm, "_SGEMM", 0)  # the GEMMs'
+    monkeypatch.setattr(cpu_prefill_attention, "_SGEMM", 0)  # and the attention's
     got = Engine(model, precision=precision, ctx=128, kv_cache="f32").prefill(ids, all_logits=True)
     assert rel_err(got, want) < 1e-5
 
@@ -361,7 +361,7 @@ def test_compiled_before_reads_the_disk_cache_index(tiny_models, tmp_path, monke
     if decodes:
         e.decode(6)
     assert cpu.compiled_before(decodes)
-    kernel = cpu.add_rmsnorm if decodes else cpu._attention_prefill
+    kernel = cpu.add_rmsnorm if decodes else cpu_prefill_attention._attention_prefill
     monkeypatch.setattr(kernel._cache._cache_file, "_source_stamp", ("another source", 0))
     assert not cpu.compiled_before(decodes)
 
@@ -445,13 +445,13 @@ def test_short_prompts_take_the_batch_kernels(precision, variant, tiny_models, t
     model = pull(str(tiny_models("llama-untied")), variant=variant, out=tmp_path / "m")
     engine = Engine(model, precision=precision, ctx=80, kv_cache="f32")
     most = min(cpu.short_prefill_rows(precision), engine.pw.rows)  # W4A8 on AVX-512BW: any chunk
-    assert most > 0 if precision == "w4a8" or cpu._AVX512F else most == 0
+    assert most > 0 if precision == "w4a8" or cpu_target._AVX512F else most == 0
     T = int(rng.integers(2, max(most, 16) + 1))
     layer = next(iter(engine.weights.layers()))
     mats = [[layer.mats["qkv"]], [layer.mats["o"]], [layer.mats["gate_up"]], [layer.mats["down"]],
             [layer.mats["gate_up"], layer.mats["qkv"]]]  # stacked, as a paged layer's q, k, v are
     xs = [rng.standard_normal((T, m[0].cols)).astype(np.float32) for m in mats]
-    if precision == "w4a8" or cpu._AVX512F:
+    if precision == "w4a8" or cpu_target._AVX512F:
         def no_gemm(*args):
             raise AssertionError("a short prompt's weights were dequantised for a GEMM")
         monkeypatch.setattr(engine.k, "dequantize_q4", no_gemm)
@@ -461,7 +461,7 @@ def test_short_prompts_take_the_batch_kernels(precision, variant, tiny_models, t
     engine.prefill([int(t) for t in rng.integers(0, 384, size=T)])  # every layer, the lm_head too
     monkeypatch.undo()
     monkeypatch.setattr(engine.k, "short_prefill_rows", lambda precision: 0)
-    split = precision == "w4a16" and cpu._AVX512BF16
+    split = precision == "w4a16" and cpu_target._AVX512BF16
     for m, x, got in zip(mats, xs, short):
         want = np.empty_like(got)
         engine._dense(m, x, precision, want)

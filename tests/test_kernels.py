@@ -14,12 +14,18 @@ from __future__ import annotations
 import os
 import re
 
+import numba
 import numpy as np
 import pytest
 
 from nerva_cli.planes import get_backend, ref  # cpu at import: its numba cache dir is fixed then
 
 from nerva_cli.planes.cpu import kernels as cpu
+from nerva_cli.planes.cpu.kernels import (  # the kernels' modules: the names and settings the contract does not expose
+    decode_attention as cpu_decode_attention, prefill_attention as cpu_prefill_attention, exact as cpu_exact,
+    gemm as cpu_gemm, glu as cpu_glu, integer_dots as cpu_integer_dots, ir_helpers as cpu_ir_helpers,
+    numba_setup as cpu_numba_setup, q4 as cpu_q4, q4_bf16 as cpu_q4_bf16, q4_float as cpu_q4_float,
+    q4_w4a8 as cpu_q4_w4a8, q8 as cpu_q8, target as cpu_target)
 
 EPS = float(np.finfo(np.float32).eps)
 ROWS = (1, 3, 5, 37, 1536)
@@ -183,7 +189,7 @@ def test_half_decoder_all_bit_patterns():
     @njit
     def decode_all(bits, out):
         for i in range(bits.shape[0]):
-            out[i] = cpu._half_to_f32(bits[i])
+            out[i] = cpu_ir_helpers._half_to_f32(bits[i])
 
     bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
     got = np.empty(65536, np.float32)
@@ -345,7 +351,7 @@ def test_matvec_q4_w4a16(rng, rows, cols, kind):
     x = randn(rng, cols)
     got = np.empty(rows, np.float32)
     cpu.matvec_q4_w4a16(qs, d, m, x, got)
-    assert_w4a16_close(got, qs, d, m, x, split=cpu._AVX512BF16)
+    assert_w4a16_close(got, qs, d, m, x, split=cpu_target._AVX512BF16)
 
 
 # The bf16 lowering's activations: hi = bf16(x) and lo = bf16(x - hi). Rounding to bf16's 8
@@ -378,21 +384,21 @@ def _serial_w4a16(lowering):
         blocks = x.shape[0] // 32
         words = np.empty((blocks + 1) // 2 * 128, np.uint16)
         sums = np.empty(blocks, np.float32)
-        cpu._bf16_split(x, words, sums)
+        cpu_q4_bf16._bf16_split(x, words, sums)
         for r in range(d.shape[0]):
-            out[r] = cpu._w4a16_bf16_row(qs, d, m, words, sums, r)
+            out[r] = cpu_q4_bf16._w4a16_bf16_row(qs, d, m, words, sums, r)
 
     @njit
     def row_table(qs, d, m, x, out):
         for r in range(d.shape[0]):
-            out[r] = cpu._w4a16_row(qs, d, m, x, r)
+            out[r] = cpu_q4_float._w4a16_row(qs, d, m, x, r)
 
     @njit
     def four_rows(qs, d, m, x, out):
         rows = d.shape[0]
         for g in range((rows + 3) // 4):
-            r0, r1, r2, r3 = cpu._row_group(g, rows)
-            out[r0], out[r1], out[r2], out[r3] = cpu._w4a16_rows(qs, d, m, x, r0, r1, r2, r3)
+            r0, r1, r2, r3 = cpu_q4_float._row_group(g, rows)
+            out[r0], out[r1], out[r2], out[r3] = cpu_q4_float._w4a16_rows(qs, d, m, x, r0, r1, r2, r3)
     return {"bf16-dots": bf16_dots, "row-table": row_table, "four-row": four_rows}[lowering]
 
 
@@ -400,7 +406,7 @@ W4A16_LOWERINGS = {"bf16-dots": "avx512bf16", "row-table": "avx512f", "four-row"
 
 
 def host_w4a16_lowering() -> str:
-    return "bf16-dots" if cpu._AVX512BF16 else "row-table" if cpu._AVX512F else "four-row"
+    return "bf16-dots" if cpu_target._AVX512BF16 else "row-table" if cpu_target._AVX512F else "four-row"
 
 
 @pytest.mark.parametrize("lowering", W4A16_LOWERINGS)
@@ -410,7 +416,7 @@ def test_matvec_q4_w4a16_kernels(rng, kind, lowering):
     # they round differently, so each is held to ref's bound, not to the others' bits, and the
     # host's matvec must be its own lowering's bits.
     needs = W4A16_LOWERINGS[lowering]
-    if needs is not None and not cpu._host_has(needs):
+    if needs is not None and not cpu_target._host_has(needs):
         pytest.skip(f"this host lacks {needs}")
     rows, cols = 37, 352 + 576  # 29 blocks: a span of 16 and 13 left over (6 pairs and one)
     qs, d, m = random_q4(rng, rows, cols, kind)
@@ -504,9 +510,9 @@ def test_matmul_q4_w4a16_is_the_matvec_of_each_activation(rng, acts, cols, kind)
     rows = 37
     qs, d, m = random_q4(rng, rows, cols, kind)
     x = randn(rng, acts, cols)
-    if not cpu._AVX512F:
+    if not cpu_target._AVX512F:
         assert cpu.short_prefill_rows("w4a16") == 0  # prefill never calls it there
-    for backend in (cpu, ref) if cpu._AVX512F else (ref,):
+    for backend in (cpu, ref) if cpu_target._AVX512F else (ref,):
         wide = np.full((acts, rows + 7), np.nan, np.float32)
         backend.matmul_q4_w4a16(qs, d, m, x, wide[:, 3:3 + rows])
         for t in range(acts):
@@ -516,11 +522,11 @@ def test_matmul_q4_w4a16_is_the_matvec_of_each_activation(rng, acts, cols, kind)
         assert np.isnan(wide[:, :3]).all() and np.isnan(wide[:, 3 + rows:]).all()
 
 
-@pytest.mark.skipif(not cpu._AVX512BF16, reason="this host lacks avx512bf16")
+@pytest.mark.skipif(not cpu_target._AVX512BF16, reason="this host lacks avx512bf16")
 def test_w4a16_wider_than_the_bf16_stack_scratch(rng):
     # The bf16 matvec splits its activation on its stack, which holds _BF16_MOST_COLS; a wider
     # one takes a heap buffer, with the same arithmetic (so the batch form still equals it).
-    rows, cols = 5, cpu._BF16_MOST_COLS + 32 * 3  # an odd block count: the last block alone
+    rows, cols = 5, cpu_q4_bf16._BF16_MOST_COLS + 32 * 3  # an odd block count: the last block alone
     qs, d, m = random_q4(rng, rows, cols, "q4_1")
     x = randn(rng, 2, cols)
     got = np.empty(rows, np.float32)
@@ -573,7 +579,7 @@ def test_float_kernels_at_either_width(rng, monkeypatch, kind, lanes):
     (16-lane IR lowers to two AVX2 registers); the same bounds as the host's kernels."""
     from numba import njit
 
-    monkeypatch.setattr(cpu, "_LANES", lanes)
+    monkeypatch.setattr(cpu_q4_float, "_LANES", lanes)
     rows, cols = 13, 352  # 11 blocks; 13 rows: a last group of four that repeats a row
     x = randn(rng, cols)
     got = np.empty(rows, np.float32)
@@ -581,7 +587,7 @@ def test_float_kernels_at_either_width(rng, monkeypatch, kind, lanes):
     @njit
     def dequantize(qs, d, m, out):
         for r in range(d.shape[0]):
-            cpu._dequantize_q4_row(qs, d, m, out, r)
+            cpu_q4_float._dequantize_q4_row(qs, d, m, out, r)
     qs, d, m = random_q4(rng, rows, cols, kind)
     bits = (d.view(np.uint16), None if m is None else m.view(np.uint16))
     kernel = _serial_w4a16("four-row")
@@ -644,7 +650,7 @@ def test_matvec_q8_portable_lowering(rng, monkeypatch, bits, marker):
     # vpmaddubsw with AVX2) and W8A16's (vpmovsxbw and vpmaddwd); widening IR without AVX2.
     from numba import njit
 
-    row, public = (cpu._w8a8_row, cpu.matvec_q8_w8a8) if bits == 8 else (cpu._w8a16_row, cpu.matvec_q8_w8a16)
+    row, public = (cpu_q8._w8a8_row, cpu.matvec_q8_w8a8) if bits == 8 else (cpu_q8._w8a16_row, cpu.matvec_q8_w8a16)
 
     def serial():
         @njit
@@ -661,11 +667,11 @@ def test_matvec_q8_portable_lowering(rng, monkeypatch, bits, marker):
     public(q8, d, xq, xd, host)
     native = serial()
     native(q8, d.view(np.uint16), xq, xd, want)
-    monkeypatch.setattr(cpu, "_AVX2", False)
+    monkeypatch.setattr(cpu_integer_dots, "_AVX2", False)
     portable = serial()
     portable(q8, d.view(np.uint16), xq, xd, got)
     assert marker not in next(iter(portable.inspect_asm().values()))
-    if cpu._host_has("avx2"):
+    if cpu_target._host_has("avx2"):
         assert marker in next(iter(native.inspect_asm().values()))
     assert np.array_equal(got, want) and np.array_equal(want, host)
 
@@ -691,7 +697,7 @@ def _serial_w4a8():
     @njit
     def matvec(qs, d, m, xq, x_pairs, xd, xs, out):
         for r in range(d.shape[0]):
-            out[r] = cpu._w4a8_row(qs, d, m, xq, x_pairs, xd, xs, r)
+            out[r] = cpu_q4_w4a8._w4a8_row(qs, d, m, xq, x_pairs, xd, xs, r)
     return matvec
 
 
@@ -702,7 +708,7 @@ def _serial_w4a8_row_batch():
     @njit
     def matmul(qs, d, m, xq, x_pairs, xd, xs, out):
         for r in range(d.shape[0]):
-            v = cpu._w4a8_row_batch(qs, d, m, xq, x_pairs, xd, xs, r, 0, 4)
+            v = cpu_q4_w4a8._w4a8_row_batch(qs, d, m, xq, x_pairs, xd, xs, r, 0, 4)
             for t in range(4):
                 out[t, r] = v[t]
     return matmul
@@ -715,10 +721,10 @@ def _serial_w4a8_lanes():
 
     @njit
     def matmul(qs32, d, m, xq, xd, xs, out, codes, scales, offsets):
-        for r0 in range(0, d.shape[0], cpu._LANE_ROWS):
-            cpu._pack_lane_rows(qs32, d, m, r0, codes, scales, offsets)
-            for t0 in range(0, xq.shape[0], cpu._LANE_ACTS):
-                cpu._w4a8_lane_tile(codes, scales, offsets, xq, xd, xs, out, r0, t0)
+        for r0 in range(0, d.shape[0], cpu_q4_w4a8._LANE_ROWS):
+            cpu_q4_w4a8._pack_lane_rows(qs32, d, m, r0, codes, scales, offsets)
+            for t0 in range(0, xq.shape[0], cpu_q4_w4a8._LANE_ACTS):
+                cpu_q4_w4a8._w4a8_lane_tile(codes, scales, offsets, xq, xd, xs, out, r0, t0)
     return matmul
 
 
@@ -737,7 +743,7 @@ def test_w4a8_row_batch_loads_a_rows_codes_once():
     # The batch intrinsic generates each activation's dot in full and leaves it to LLVM to merge
     # the identical code loads and unpacking: four activations must make four times the
     # vpdpbusd of one, from the same broadcast loads of the codes.
-    if not (cpu._AVX512VNNI and cpu._host_has("avx512vnni")):
+    if not (cpu_target._AVX512VNNI and cpu_target._host_has("avx512vnni")):
         pytest.skip("this host lacks avx512vnni")
     from numba import njit
 
@@ -745,7 +751,7 @@ def test_w4a8_row_batch_loads_a_rows_codes_once():
         @njit
         def matmul(qs, d, m, xq, x_pairs, xd, xs, out):
             for r in range(d.shape[0]):
-                v = cpu._w4a8_row_batch(qs, d, m, xq, x_pairs, xd, xs, r, 0, acts)
+                v = cpu_q4_w4a8._w4a8_row_batch(qs, d, m, xq, x_pairs, xd, xs, r, 0, acts)
                 for t in range(acts):
                     out[t, r] = v[t]
         return matmul
@@ -768,18 +774,20 @@ def test_w4a8_row_batch_loads_a_rows_codes_once():
 @pytest.mark.parametrize("kind", KINDS)
 def test_matvec_q4_w4a8_lowerings(rng, monkeypatch, kind, lowering):
     flags, pattern, features = W4A8_LOWERINGS[lowering]
-    if not all(cpu._host_has(f) for f in features):
+    if not all(cpu_target._host_has(f) for f in features):
         pytest.skip(f"this host lacks {', '.join(features)}")
     rows, cols = 37, 352 + 576  # 29 blocks: groups of 8, a pair and a single
     qs, d, m = random_q4(rng, rows, cols, kind)
     xq, xd, xs = act_q8(ref, randn(rng, cols))
     x_pairs = np.empty_like(xq)
-    cpu._pair_order(xq, x_pairs)
+    cpu_q4_w4a8._pair_order(xq, x_pairs)
     args = (qs, d.view(np.uint16), None if m is None else m.view(np.uint16), xq, x_pairs, xd, xs)
     host, got = np.empty(rows, np.float32), np.empty(rows, np.float32)
     cpu.matvec_q4_w4a8(qs, d, m, xq, xd, xs, host)
     for name, flag in zip(("_AVX512VNNI", "_AVX512BW", "_AVX2"), flags):
-        monkeypatch.setattr(cpu, name, flag)
+        monkeypatch.setattr(cpu_integer_dots, name, flag)  # the row dots'
+        if hasattr(cpu_q4_w4a8, name):  # the prompt GEMM's lane tile's
+            monkeypatch.setattr(cpu_q4_w4a8, name, flag)
     kernel = _serial_w4a8()
     kernel(*args, got)
     asm = next(iter(kernel.inspect_asm().values()))
@@ -793,7 +801,7 @@ def test_matvec_q4_w4a8_lowerings(rng, monkeypatch, kind, lowering):
     xq4, xd4, xs4 = (np.stack([a[i] for a in stack]) for i in range(3))
     pairs4 = np.empty_like(xq4)
     for t in range(4):
-        cpu._pair_order(xq4[t], pairs4[t])
+        cpu_q4_w4a8._pair_order(xq4[t], pairs4[t])
     got4 = np.empty((4, rows), np.float32)
     _serial_w4a8_row_batch()(*args[:3], xq4, pairs4, xd4, xs4, got4)
     for t in range(4):
@@ -802,8 +810,8 @@ def test_matvec_q4_w4a8_lowerings(rng, monkeypatch, kind, lowering):
     if not flags[1]:  # the prompt GEMM's lane tile needs AVX-512BW
         return
     blocks = cols // 32
-    codes = np.empty((blocks, 4, cpu._LANE_ROWS), np.uint32)
-    scales, offsets = (np.empty((blocks, cpu._LANE_ROWS), np.uint16) for _ in range(2))
+    codes = np.empty((blocks, 4, cpu_q4_w4a8._LANE_ROWS), np.uint32)
+    scales, offsets = (np.empty((blocks, cpu_q4_w4a8._LANE_ROWS), np.uint16) for _ in range(2))
     lanes = _serial_w4a8_lanes()
     lanes(qs.view(np.uint32), *args[1:3], xq4, xd4, xs4, got4, codes, scales, None if m is None else offsets)
     assert re.search(pattern, next(iter(lanes.inspect_asm().values())))
@@ -949,14 +957,14 @@ def test_gemm_against_f64(rng, kind, T, rows, cols, scratch_rows):
     name, planes, w64 = gemm_planes(rng, kind, rows, cols)
     x = randn(rng, T, cols)
     want, magnitude = x.astype(np.float64) @ w64.T, np.abs(x.astype(np.float64)) @ np.abs(w64).T
-    for backend, sgemm in ((ref, None), (cpu, cpu._SGEMM), (cpu, 0)):
+    for backend, sgemm in ((ref, None), (cpu, cpu_gemm._SGEMM), (cpu, 0)):
         out = np.full((T, rows + 9), np.nan, np.float32)
         scratch = randn(rng, scratch_rows * cols)  # noise: nothing may read it unwritten
-        old, cpu._SGEMM = cpu._SGEMM, cpu._SGEMM if sgemm is None else sgemm
+        old, cpu_gemm._SGEMM = cpu_gemm._SGEMM, cpu_gemm._SGEMM if sgemm is None else sgemm
         try:
             getattr(backend, name)(*planes, x, out, 4, scratch, rows)
         finally:
-            cpu._SGEMM = old
+            cpu_gemm._SGEMM = old
         assert np.isnan(out[:, :4]).all() and np.isnan(out[:, 4 + rows:]).all()
         for t in range(T):
             assert_dots_close(out[t, 4:4 + rows], want[t], magnitude[t], cols)
@@ -970,10 +978,10 @@ def test_gemm_slices_of_wide_rows_take_at_least_min_rows(threads):
     from nerva_cli.residency.arena import DEQUANT_SLICE_BYTES
 
     scratch = np.empty(DEQUANT_SLICE_BYTES // 4, np.float32)
-    old = cpu._threads[0]
-    cpu.set_threads(min(threads, cpu.numba.config.NUMBA_NUM_THREADS))
+    old = cpu_numba_setup._threads[0]
+    cpu.set_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     try:
-        heights = {cols: cpu._gemm_slices(cols, scratch, 2048).shape[1] for cols in (1536, 3072, 8192, 16384)}
+        heights = {cols: cpu_gemm._gemm_slices(cols, scratch, 2048).shape[1] for cols in (1536, 3072, 8192, 16384)}
     finally:
         cpu.set_threads(old)
     assert cpu.GEMM_MIN_ROWS == 64 and heights == {1536: 128, 3072: 64, 8192: 64, 16384: 64}
@@ -1008,8 +1016,8 @@ def test_gemm_of_a_stack_equals_its_parts_to_the_bit(rng, kind, T, threads):
     parts = [tuple(None if p is None else p[a:b] for p in stacked) for a, b in ((0, 576), (576, 768), (768, 960))]
     x, scratch = randn(rng, T, 576), np.empty(40 * 576, np.float32)
     fused, apart = np.empty((T, 960), np.float32), np.empty((T, 960), np.float32)
-    old = cpu._threads[0]
-    cpu.set_threads(min(threads, cpu.numba.config.NUMBA_NUM_THREADS))
+    old = cpu_numba_setup._threads[0]
+    cpu.set_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     try:
         getattr(cpu, name)(*stacked, x, fused, 0, scratch, gcd(576, 192))
         for (a, b), planes in zip(((0, 576), (576, 768), (768, 960)), parts):
@@ -1075,8 +1083,8 @@ def test_attention_decode_caps_scores(rng, n, splits, cache):
     want, got, plain = np.empty_like(q), np.empty_like(q), np.empty_like(q)
     ref.attention_decode(q, k, v, n, want, softcap=cap)
     part = np.full((splits, heads, dim + 2), np.nan, np.float32)
-    cpu.attention_kernel(heads, kv_heads)(q, cpu._cache_operand(k), cpu._cache_operand(v), n, got, part, 16,
-                                          np.float32(cap))
+    cpu.attention_kernel(heads, kv_heads)(q, cpu_decode_attention._cache_operand(k),
+                                          cpu_decode_attention._cache_operand(v), n, got, part, 16, np.float32(cap))
     assert rel(got, want) < ATT_TOL
     s = np.einsum("hd,nhd->hn", q.astype(np.float64), np.repeat(k.astype(np.float64), heads // kv_heads, 1)) / 8
     p = np.exp(cap * np.tanh(s / cap))
@@ -1123,8 +1131,8 @@ def test_attention_decode_in_splits_of_the_positions(rng, splits, n, cache):
     want, got = np.empty_like(q), np.empty_like(q)
     ref.attention_decode(q, k, v, n, want)
     part = np.full((splits, heads, dim + 2), np.nan, np.float32)  # the kernel writes all it reads
-    cpu.attention_kernel(heads, kv_heads)(q, cpu._cache_operand(k), cpu._cache_operand(v), n, got, part, 16,
-                                          np.float32(0))
+    cpu.attention_kernel(heads, kv_heads)(q, cpu_decode_attention._cache_operand(k),
+                                          cpu_decode_attention._cache_operand(v), n, got, part, 16, np.float32(0))
     assert rel(got, want) < ATT_TOL
 
 
@@ -1133,8 +1141,8 @@ def _serial_attention(heads, kv_heads):
     module's settings stand when it is first called."""
     from numba import njit
 
-    kernel = cpu._attention_decode_for(*cpu.pack_sizes(heads, kv_heads))
-    return njit(nogil=True, fastmath=cpu._FAST)(kernel.py_func)
+    kernel = cpu_decode_attention._attention_decode_for(*cpu.pack_sizes(heads, kv_heads))
+    return njit(nogil=True, fastmath=cpu_numba_setup._FAST)(kernel.py_func)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (14, 2, 40), (5, 5, 18)])
@@ -1150,10 +1158,11 @@ def test_attention_decode_avx2_geometry(rng, monkeypatch, heads, kv_heads, head_
     want, got = np.empty_like(q), np.empty_like(q)
     ref.attention_decode(q, k, v, n, want)
     for name, value in cpu.attention_geometry(avx512=False).items():
-        monkeypatch.setattr(cpu, name, value)
+        monkeypatch.setattr(cpu_decode_attention, name, value)
     kernel = _serial_attention(heads, kv_heads)
     part = np.full((3, heads, head_dim + 2), np.nan, np.float32)
-    kernel(q, cpu._cache_operand(k), cpu._cache_operand(v), n, got, part, 2, np.float32(0))
+    kernel(q, cpu_decode_attention._cache_operand(k), cpu_decode_attention._cache_operand(v), n, got, part, 2,
+           np.float32(0))
     llvm = next(iter(kernel.inspect_llvm().values()))
     assert "<8 x half>" in llvm and "<16 x half>" not in llvm  # the K and V rows widened 8 at a time
     assert rel(got, want) < ATT_TOL
@@ -1176,7 +1185,7 @@ def test_exp_nonpositive_within_an_ulp(rng):
     @njit
     def exp_all(x, out):
         for i in range(x.shape[0]):
-            out[i] = cpu._exp_nonpositive(x[i])
+            out[i] = cpu_glu._exp_nonpositive(x[i])
 
     x = np.clip(-20 * np.abs(randn(rng, 200_000)), -87, 0)
     x = np.concatenate([x, np.linspace(-87, 0, 100_001, dtype=np.float32),
@@ -1203,13 +1212,13 @@ def test_attention_prefill(rng, heads, kv_heads, head_dim, T, start, cache):
     work = randn(rng, ref.attention_prefill_work(T, n + 50, heads, kv_heads, head_dim))
     cpu.attention_prefill(q, k, v, start, got, work)
     assert rel(got, want) < ATT_TOL
-    old, cpu._SGEMM = cpu._SGEMM, 0  # NumPy with another BLAS: ref's attention
+    old, cpu_prefill_attention._SGEMM = cpu_prefill_attention._SGEMM, 0  # NumPy with another BLAS: ref's attention
     try:
         other = np.empty_like(q)
         cpu.attention_prefill(q, k, v, start, other, work)
         assert rel(other, want) < ATT_TOL
     finally:
-        cpu._SGEMM = old
+        cpu_prefill_attention._SGEMM = old
     with pytest.raises(ValueError, match="work holds"):
         cpu.attention_prefill(q, k, v, start, got, work[: ref.attention_prefill_work(T, n, heads, kv_heads, head_dim)
                                                          - 1])
@@ -1284,35 +1293,36 @@ def test_decode_kernels_do_not_allocate(rng):
         (cpu.add_rmsnorm, (x, res, w, 1e-5, out)),
         (cpu.rope, (q, pos, cos, sin)),
         (cpu.quantize_act_q8, (x, xq, xd, xs)),
-        (cpu._w4a16, (qs, d16, None, x, mv)),
-        (cpu._w4a8, (qs, d16, None, xq, np.empty_like(xq), xd, xs, mv)),
-        (cpu._w4a16, (qs, d16, m16, x, mv)),
-        (cpu._w4a8, (qs, d16, m16, xq, np.empty_like(xq), xd, xs, mv)),
-        (cpu._w4a8_batch, (qs, d16, m16, np.stack([xq] * 5), np.empty((5, n), np.int8), np.stack([xd] * 5),
+        (cpu_q4_float._w4a16, (qs, d16, None, x, mv)),
+        (cpu_q4_w4a8._w4a8, (qs, d16, None, xq, np.empty_like(xq), xd, xs, mv)),
+        (cpu_q4_float._w4a16, (qs, d16, m16, x, mv)),
+        (cpu_q4_w4a8._w4a8, (qs, d16, m16, xq, np.empty_like(xq), xd, xs, mv)),
+        (cpu_q4_w4a8._w4a8_batch, (qs, d16, m16, np.stack([xq] * 5), np.empty((5, n), np.int8), np.stack([xd] * 5),
                            np.stack([xs] * 5), np.empty((5, 40), np.float32)[:, 2:39])),
-        *([(cpu._w4a16_batch, (qs, d16, m16, np.stack([x] * 5), np.empty((5, 40), np.float32)[:, 2:39]))]
-          if cpu._AVX512F else []),
-        *([(cpu._w4a16_bf16, (qs, d16, None, x, mv)), (cpu._w4a16_bf16, (qs, d16, m16, x, mv)),
-           (cpu._w4a16_bf16_batch, (qs, d16, m16, np.stack([x] * 5), np.empty((5, (n // 32 + 1) // 2 * 128), np.uint16),
-                                    np.empty((5, n // 32), np.float32), np.empty((5, 40), np.float32)[:, 2:39]))]
-          if cpu._AVX512BF16 else []),
+        *([(cpu_q4_float._w4a16_batch, (qs, d16, m16, np.stack([x] * 5), np.empty((5, 40), np.float32)[:, 2:39]))]
+          if cpu_target._AVX512F else []),
+        *([(cpu_q4_bf16._w4a16_bf16, (qs, d16, None, x, mv)), (cpu_q4_bf16._w4a16_bf16, (qs, d16, m16, x, mv)),
+           (cpu_q4_bf16._w4a16_bf16_batch, (qs, d16, m16, np.stack([x] * 5),
+                                            np.empty((5, (n // 32 + 1) // 2 * 128), np.uint16),
+                                            np.empty((5, n // 32), np.float32), np.empty((5, 40), np.float32)[:, 2:39]))]
+          if cpu_target._AVX512BF16 else []),
         (cpu.silu_mul, (np.concatenate([x, w]), out)),
         (cpu.gelu_mul, (np.concatenate([x, w]), out)),
         (cpu.attention_kernel(heads, kv), (q[0], kc, vc, 9, att, part, 2, np.float32(0))),
         (cpu.attention_kernel(heads, kv), (q[0], kc.astype(np.float16).view(np.uint16),
                                            vc.astype(np.float16).view(np.uint16), 9, att, part, 2,
                                            np.float32(5))),  # Gemma 2's capped scores too
-        (cpu._embed_q4, (qs, d16, None, 5, out)),
-        (cpu._embed_q4, (qs, d16, m16, 5, out)),
-        (cpu._w8a16, (q8, d8, *act_q16(cpu, x), mv)),
+        (cpu_q4._embed_q4, (qs, d16, None, 5, out)),
+        (cpu_q4._embed_q4, (qs, d16, m16, 5, out)),
+        (cpu_q8._w8a16, (q8, d8, *act_q16(cpu, x), mv)),
         (cpu.quantize_act_q16, (x, *act_q16(cpu, x))),
-        (cpu._w8a8, (q8, d8, xq, xd, mv)),
-        (cpu._embed_q8, (q8, d8, 5, out)),
-        (cpu._matvec_exact, (h16, x, mv)),
-        (cpu._matvec_exact, (b16, x, mv)),
-        (cpu._matmul_exact, (b16, np.stack([x] * 5), np.empty((5, 40), np.float32)[:, 2:39])),
-        (cpu._widen_exact, (h16, np.empty((37, n), np.float32))),
-        (cpu._widen_exact, (b16, np.empty((37, n), np.float32))),
+        (cpu_q8._w8a8, (q8, d8, xq, xd, mv)),
+        (cpu_q8._embed_q8, (q8, d8, 5, out)),
+        (cpu_exact._matvec_exact, (h16, x, mv)),
+        (cpu_exact._matvec_exact, (b16, x, mv)),
+        (cpu_exact._matmul_exact, (b16, np.stack([x] * 5), np.empty((5, 40), np.float32)[:, 2:39])),
+        (cpu_exact._widen_exact, (h16, np.empty((37, n), np.float32))),
+        (cpu_exact._widen_exact, (b16, np.empty((37, n), np.float32))),
     ]
     was_on = _nrt_python.memsys_stats_enabled()
     _nrt_python.memsys_enable_stats()

@@ -1,0 +1,223 @@
+"""Prefill's GEMMs (weights dequantised or widened in slices, multiplied by NumPy's OpenBLAS on
+numba's threads), and how long a prompt chunk takes the batch kernels instead."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from nerva_cli.planes.cpu.kernels.exact import _exact_bits, _widen_exact
+from nerva_cli.planes.cpu.kernels.ir_helpers import _F32, _I32, _I64
+from nerva_cli.planes.cpu.kernels.numba_setup import F32, _threads
+from nerva_cli.planes.cpu.kernels.q4 import _bits
+from nerva_cli.planes.cpu.kernels.q4_float import _dequantize_q4
+from nerva_cli.planes.cpu.kernels.q8 import _dequantize_q8
+from nerva_cli.planes.cpu.kernels.target import _AVX512BW, _AVX512F
+from nerva_cli.planes.ref import SHORT_PREFILL_MOST
+
+
+# Prefill's GEMMs: OpenBLAS's sgemm called from numba's threads, each thread dequantising (or
+# widening) a slice of weight rows into its own scratch and multiplying it while it is in cache.
+# OpenBLAS's own thread pool stays at one thread, so numba's pool is the only one on the cores:
+# OpenBLAS's workers spin-waited after each GEMM on the cores numba's threads wanted, which kept
+# prefill's other kernels serial (a parallel one between GEMMs took 8 ms where it took 0.06 alone).
+
+def _numpy_sgemm() -> int:
+    """The address of cblas_sgemm (64-bit integers) in the OpenBLAS that NumPy's wheels ship, its
+    own threads set to one; 0 where NumPy has another BLAS (prefill then takes NumPy's matmul)."""
+    import ctypes
+    import glob
+
+    base = os.path.dirname(np.__file__)
+    for path in sorted(glob.glob(base + ".libs/*openblas*") + glob.glob(os.path.join(base, ".dylibs", "*openblas*"))):
+        try:
+            lib = ctypes.CDLL(path)  # NumPy's import loaded it: this is the same library
+        except OSError:
+            continue
+        for prefix in ("scipy_", ""):
+            sgemm = getattr(lib, f"{prefix}cblas_sgemm64_", None)
+            set_threads = getattr(lib, f"{prefix}openblas_set_num_threads64_", None)
+            if sgemm is not None and set_threads is not None:
+                set_threads.argtypes = [ctypes.c_int64]
+                set_threads(1)
+                return ctypes.cast(sgemm, ctypes.c_void_p).value or 0
+    return 0
+
+
+_SGEMM = _numpy_sgemm()
+_CBLAS_ROW_MAJOR, _CBLAS_NO_TRANS, _CBLAS_TRANS = 101, 111, 112
+
+
+@intrinsic
+def _sgemm(typingctx, sgemm, trans_b, m, n, k, a, a_at, lda, b, b_at, ldb, c, c_at, ldc):
+    """C = A B^T (trans_b) or A B, by the cblas_sgemm (64-bit integers) at address sgemm, on the
+    calling thread, row-major: A [m, k] from element a_at of array a with rows lda elements
+    apart, B [n, k] (or [k, n]) from b's element b_at, C [m, n] from c's element c_at. Offsets
+    and strides, not views: the kernels that call it compile without numba's reshape and slice
+    machinery (SmolLM2's first run spent 4.8 s compiling attention_prefill with views). The
+    address is an argument, not a constant, so numba caches the code."""
+    ints = (sgemm, m, n, k, a_at, lda, b_at, ldb, c_at, ldc)
+    if not (all(isinstance(t, types.Integer) for t in ints) and isinstance(trans_b, types.Boolean)
+            and all(isinstance(t, types.Array) and t.dtype == types.float32 for t in (a, b, c))):
+        return None
+
+    def codegen(context, builder, sig, args):
+        f32p = _F32.as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(),
+                               [_I32] * 3 + [_I64] * 3 + [_F32, f32p, _I64, f32p, _I64, _F32, f32p, _I64])
+        fn = builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.int64), fnty.as_pointer())
+
+        def i64(i):
+            return context.cast(builder, args[i], sig.args[i], types.int64)
+
+        def at(array, offset):
+            data = context.make_array(sig.args[array])(context, builder, args[array]).data
+            return builder.gep(builder.bitcast(data, f32p), [i64(offset)])
+
+        trans = builder.select(args[1], ir.Constant(_I32, _CBLAS_TRANS), ir.Constant(_I32, _CBLAS_NO_TRANS))
+        builder.call(fn, [ir.Constant(_I32, _CBLAS_ROW_MAJOR), ir.Constant(_I32, _CBLAS_NO_TRANS), trans,
+                          i64(2), i64(3), i64(4), ir.Constant(_F32, 1.0), at(5, 6), i64(7),
+                          at(8, 9), i64(10), ir.Constant(_F32, 0.0), at(11, 12), i64(13)])
+        return context.get_dummy_value()
+
+    return types.none(sgemm, trans_b, m, n, k, a, a_at, lda, b, b_at, ldb, c, c_at, ldc), codegen
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _gemm_q4(sgemm, qs, d, m, x, out, col, scratch):
+    rows, workers, each = d.shape[0], scratch.shape[0], scratch.shape[1]
+    for t in prange(workers):
+        for r0 in range(t * each, rows, workers * each):
+            r1 = min(rows, r0 + each)
+            w = scratch[t, :r1 - r0]
+            if m is None:
+                _dequantize_q4(qs[r0:r1], d[r0:r1], None, w)
+            else:
+                _dequantize_q4(qs[r0:r1], d[r0:r1], m[r0:r1], w)
+            _sgemm(sgemm, True, x.shape[0], r1 - r0, x.shape[1], x, 0, x.shape[1], w, 0, w.shape[1],
+                   out, col + r0, out.shape[1])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _gemm_q8(sgemm, q8, d, x, out, col, scratch):
+    rows, workers, each = d.shape[0], scratch.shape[0], scratch.shape[1]
+    for t in prange(workers):
+        for r0 in range(t * each, rows, workers * each):
+            r1 = min(rows, r0 + each)
+            w = scratch[t, :r1 - r0]
+            _dequantize_q8(q8[r0:r1], d[r0:r1], w)
+            _sgemm(sgemm, True, x.shape[0], r1 - r0, x.shape[1], x, 0, x.shape[1], w, 0, w.shape[1],
+                   out, col + r0, out.shape[1])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _gemm_exact(sgemm, e, x, out, col, scratch):
+    rows, workers, each = e.shape[0], scratch.shape[0], scratch.shape[1]
+    for t in prange(workers):
+        for r0 in range(t * each, rows, workers * each):
+            r1 = min(rows, r0 + each)
+            w = scratch[t, :r1 - r0]
+            _widen_exact(e[r0:r1], w)
+            _sgemm(sgemm, True, x.shape[0], r1 - r0, x.shape[1], x, 0, x.shape[1], w, 0, w.shape[1],
+                   out, col + r0, out.shape[1])
+
+
+GEMM_SLICE_BYTES = 768 << 10  # a thread's slice of f32 weight rows at most, but for GEMM_MIN_ROWS
+# Fewest rows a slice takes where the scratch holds them: each slice's GEMM packs all of x again,
+# so a wide matrix cut into 768 KB slices (8 to 18 rows at 9216 to 16384 columns) spent its time
+# re-reading x. Q4_0, 250 tokens, two threads, a 2-core Zen 3 (scripts/cpu_gemm_slices.py, best
+# of three): 2048x16384 533 -> 153 ms, 2304x9216 189 -> 99, 2048x8192 128 -> 80; at 48 tokens
+# 69 -> 33, 30 -> 22, 24 -> 16 (one thread 80 -> 64, 42 -> 32, 39 -> 33, where 128 rows were
+# slower again: 79, 43, 33). Matrices up to 3072 columns keep their 768 KB slices.
+GEMM_MIN_ROWS = 64
+
+
+def _gemm_slices(cols, scratch, align):
+    """scratch as [workers, rows, cols]: a slice of weight rows for each thread that runs (as many
+    as it holds a row for), at most GEMM_SLICE_BYTES (or GEMM_MIN_ROWS rows) or the scratch's
+    share. The slices' height
+    divides `align`, and where it can, `align` rows make a whole number of slices for each thread
+    (SmolLM2's o, 576 rows of 576: 4 slices of 144, where 3 of 192 left a thread idle a third of
+    the time). OpenBLAS's bits depend on a GEMM's shape (a column's sums differ between 7 and 64
+    rows of weights), so a stack of matrices whose heights `align` divides (q, k and v; gate and
+    up) makes the same GEMMs multiplied apart as fused: paging changes no bit."""
+    workers = max(1, min(_threads[0], scratch.size // cols))
+    most = max(1, min(max(GEMM_SLICE_BYTES // (4 * cols), GEMM_MIN_ROWS), scratch.size // (workers * cols), align))
+    heights = [h for h in range(most, 0, -1) if align % h == 0]
+    each = next((h for h in heights if align // h % workers == 0), heights[0])
+    return scratch[: workers * each * cols].reshape(workers, each, cols)
+
+
+def _gemm(kernel, widen, planes, cols, x, out, col, scratch, align):
+    rows = planes[0].shape[0]
+    if x.shape[1] != cols or not (out.flags.c_contiguous and out.dtype == F32 and out.shape[0] == x.shape[0]
+                                  and col + rows <= out.shape[1]):
+        raise ValueError(f"gemm: x must be [T, {cols}] and out a C-contiguous f32 [T, >= {col + rows}] (a "
+                         f"column range of it is written), got x {x.shape}, out {out.dtype} {out.shape}")
+    x = np.ascontiguousarray(x, dtype=F32)
+    slices = _gemm_slices(x.shape[1], scratch, align)
+    if _SGEMM:
+        kernel(_SGEMM, *planes, x, out, col, slices)
+        return
+    w = slices[0]  # NumPy has another BLAS: its GEMM, slice by slice, threaded as it threads
+    for r0 in range(0, rows, w.shape[0]):
+        r1 = min(rows, r0 + w.shape[0])
+        widen(*[None if p is None else p[r0:r1] for p in planes], w[:r1 - r0])
+        np.matmul(x, w[:r1 - r0].T, out=out[:, col + r0:col + r1])
+
+
+def gemm_q4(qs, d, m, x, out, col, scratch, align):
+    """out[:, col:col + rows] = x [T, cols] times the Q4 matrix's transpose (out [T, >= col +
+    rows]), dequantised into scratch (f32, at least a row of it) in slices of rows that divide
+    `align`, each multiplied by a GEMM of its own."""
+    _gemm(_gemm_q4, _dequantize_q4, (qs, d.view(np.uint16), _bits(m)), 2 * qs.shape[1], x, out, col, scratch, align)
+
+
+def gemm_q8(q8, d, x, out, col, scratch, align):
+    """gemm_q4 for a Q8_0 matrix."""
+    _gemm(_gemm_q8, _dequantize_q8, (q8, d.view(np.uint16)), q8.shape[1], x, out, col, scratch, align)
+
+
+def gemm_exact(w, x, out, col, scratch, align):
+    """gemm_q4 for an exact variant's matrix as stored."""
+    _gemm(_gemm_exact, _widen_exact, (_exact_bits(w),), w.shape[1], x, out, col, scratch, align)
+
+
+def short_prefill_rows(precision: str) -> int:
+    """The longest prompt chunk at `precision` that prefill sends through the batch kernels
+    (matmul_q4_w4a8, matmul_q4_w4a16, matmul_exact) rather than dequantise + BLAS GEMM, at the
+    threads set: the GEMM pays some 50 ms of dequantising whatever the chunk, then less a token
+    than the batch kernels, and two threads hardly speed a short GEMM where they halve a batch
+    kernel's time.
+    SmolLM2 q4_1 prefill on the 2-core Zen 4 EPYC (best of alternating runs), GEMM against batch
+    kernel, one thread then two:
+    - W4A8 (512-bit dots): 32 tokens 87 / 78 and 94 / 47 ms, 48 tokens 106 / 123 and 119 / 72,
+      64 tokens 129 / 168 and 137 / 99: about 2.4 ms a token and thread;
+    - W4A8 compiled for Zen 3 (NUMBA_CPU_NAME=znver3, AVX2 features, OPENBLAS_CORETYPE=Zen), on
+      the same machine: 16 tokens 56 / 50 and 68 / 32, 24 tokens 62 / 68 and 80 / 42, 32 tokens
+      75 / 104 and 89 / 59, 48 tokens 91 / 147 and 109 / 111: about 3.1 ms a token and thread;
+    - W4A16 (AVX-512F tables; none without): 8 tokens 67 / 35 and 67 / 21, 16 tokens 81 / 75 and
+      78 / 45, 31 tokens 97 / 154 and 98 / 90: its multiply-adds take 16 weights where vpdpbusd
+      takes 64, about 4.8 ms a token. Its bf16 dots (AVX512-BF16) take 32, but four a pair of
+      blocks and activation, where the tables' four activations shared a table: a batch measured
+      a little slower than the tables (see q4_bf16.py), so the same threshold.
+    - exact (matmul_exact, f16 weights widened in registers; the GEMM widens them into prefill's
+      scratch): 4 tokens 56 / 28 and 61 / 16, 8 tokens 61 / 48 and 65 / 26, 16 tokens 68 / 88 and
+      75 / 46, 24 tokens 76 / 125 and 82-160 / 65-71, 32 tokens 85 / 161 and 93-176 / 86-90 ms
+      (SmolLM2 f16, Engine.prefill alone, best of nine; the two-thread GEMM swings from run to
+      run, OpenBLAS's worker meeting numba's spinning one): about 5 ms a token and thread.
+    So per thread 32, 16, 16 and 12 tokens, up to SHORT_PREFILL_MOST.
+    Measured again once the GEMMs ran on numba's threads (0088c53; batch / GEMM, two threads, a
+    slow spell of the machine): W4A8 32 tokens 61 / 118, 64 tokens 112 / 167; W4A16 16 tokens
+    54 / 66, 32 tokens 112 / 110; exact 16 tokens 60 / 83, 32 tokens 103 / 100: the same.
+    W4A8 on AVX-512BW has no bound: matmul_q4_w4a8's rows-in-lanes kernel is faster than the
+    GEMM at every length (see _LANE_ROWS), so every W4A8 chunk takes it."""
+    if precision == "w4a8" and _AVX512BW:
+        return sys.maxsize
+    per_thread = {"w4a8": 16, "w4a16": 16 if _AVX512F else 0, "exact": 12}.get(precision, 0)
+    return min(per_thread * _threads[0], SHORT_PREFILL_MOST)

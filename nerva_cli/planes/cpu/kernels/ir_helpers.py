@@ -1,0 +1,188 @@
+"""LLVM IR helpers the intrinsics build their loops from (vectors, loads, reductions, prefetches,
+the operands of numba arrays), and small intrinsics of plain IR."""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+
+_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_F32 = ir.FloatType()
+
+
+def _vec(elt, n):
+    return ir.VectorType(elt, n)
+
+
+def _splat(elt, n, value):
+    return ir.Constant(_vec(elt, n), [ir.Constant(elt, value)] * n)
+
+
+def _lanes(indices):
+    return ir.Constant(_vec(_I32, len(indices)), [ir.Constant(_I32, i) for i in indices])
+
+
+def _load(builder, base, offset, ty):
+    """A ty at byte offset of base (i8*), no alignment assumed."""
+    return builder.load(builder.bitcast(builder.gep(base, [offset]), ty.as_pointer()), align=1)
+
+
+def _broadcast(builder, scalar, n=8):
+    v = builder.insert_element(ir.Constant(_vec(scalar.type, n), ir.Undefined), scalar, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, v, _lanes([0] * n))
+
+
+def _maxnum(builder, a, b):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(a.type, [a.type] * 2),
+                                        f"llvm.maxnum.v{a.type.count}f32")
+    return builder.call(fn, [a, b])
+
+
+def _fmuladd(builder, a, b, c):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(a.type, [a.type] * 3),
+                                        f"llvm.fmuladd.v{a.type.count}f32")
+    return builder.call(fn, [a, b, c])
+
+
+def _hsum(builder, v):
+    """The lanes' sum in a fixed order (halves, then quarters, and so on)."""
+    while v.type.count > 1:
+        half = v.type.count // 2
+        v = builder.fadd(builder.shuffle_vector(v, v, _lanes(range(half))),
+                         builder.shuffle_vector(v, v, _lanes(range(half, 2 * half))))
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _half_at(builder, row, b):
+    return builder.fpext(_load(builder, row, builder.mul(b, ir.Constant(_I64, 2)), ir.HalfType()), _F32)
+
+
+def _f32_at(builder, base, b, lanes=1, first=0):
+    ty = _F32 if lanes == 1 else _vec(_F32, lanes)
+    index = builder.add(b, ir.Constant(_I64, first))
+    return _load(builder, base, builder.mul(index, ir.Constant(_I64, 4)), ty)
+
+
+def _c_arrays(*arrays):
+    return all(isinstance(a, types.NoneType) or (isinstance(a, types.Array) and a.layout == "C")
+               for a in arrays)
+
+
+def _planes_at(builder, base, b, n, elt, size):
+    """n consecutive elements of a scale plane from block b, as a vector (floats widened from f16)."""
+    v = _load(builder, base, builder.mul(b, ir.Constant(_I64, size)), _vec(elt, n))
+    return builder.fpext(v, _vec(_F32, n)) if isinstance(elt, ir.HalfType) else v
+
+
+def _intp(context, builder, sig, args, i):
+    return context.cast(builder, args[i], sig.args[i], types.intp)
+
+
+class _Operands:
+    """Pointers into the numba arrays an intrinsic received (rows of a 2-D array by its row stride;
+    the kernels' typing admits C-contiguous arrays only, so a row's elements are adjacent). The
+    arguments that are not arrays (None, scalars) are None here."""
+
+    def __init__(self, context, builder, types_, values):
+        self.builder = builder
+        self.arrays = [context.make_array(t)(context, builder, v) if isinstance(t, types.Array) else None
+                       for t, v in zip(types_, values)]
+
+    def data(self, i):
+        return self.builder.bitcast(self.arrays[i].data, _I8.as_pointer())
+
+    def row(self, i, r):
+        stride = self.builder.extract_value(self.arrays[i].strides, 0)
+        return self.builder.gep(self.data(i), [self.builder.mul(r, stride)])
+
+    def cols(self, i):
+        return self.builder.extract_value(self.arrays[i].shape, 1)
+
+    def weight_rows(self, rows):
+        """The given rows of operands 0, 1, 2 (qs, d, m): three lists, the last None for Q4_0."""
+        return [None if self.arrays[i] is None else [self.row(i, r) for r in rows] for i in range(3)]
+
+    def prefetch_codes_ahead(self, q_rows, b):
+        """Asks the cache for block b (16 bytes of Q4 codes) of the code rows PREFETCH_BYTES
+        further on, at least PREFETCH_ROWS (the rows a thread takes next: its row groups are
+        consecutive)."""
+        builder = self.builder
+        stride = builder.extract_value(self.arrays[0].strides, 0)
+        rows = builder.udiv(ir.Constant(_I64, PREFETCH_BYTES), stride)
+        rows = builder.select(builder.icmp_unsigned("<", rows, ir.Constant(_I64, PREFETCH_ROWS)),
+                              ir.Constant(_I64, PREFETCH_ROWS), rows)
+        at = builder.add(builder.mul(stride, rows), builder.mul(b, ir.Constant(_I64, 16)))
+        for row in q_rows:
+            _prefetch(builder, row, at)
+
+
+def _prefetch(builder, base, offset, locality=3):
+    """A read prefetch of data; locality 3 (prefetcht0) keeps it in every cache level, 1
+    (prefetcht2) from L2 outward. Past the matrix's end it asks for nothing harmful: a prefetch
+    never faults."""
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8")
+    builder.call(fn, [builder.gep(base, [offset]), ir.Constant(_I32, 0), ir.Constant(_I32, locality),
+                      ir.Constant(_I32, 1)])
+
+
+# How far ahead the matvecs ask the cache for codes. The hardware prefetcher does not ramp up over
+# the short streams a thread walks (rows of a few hundred bytes, SmolLM2's 288 and 768; the float
+# kernels take four at a time).
+#
+# The float kernels prefetch block b of the rows PREFETCH_ROWS further on, or more where rows are
+# short: as many as PREFETCH_BYTES spans. On a 2-core Intel Xeon with a 480 MB L3, SmolLM2 q4_1's
+# decode matrices (55 MB), without -> 8 rows ahead, the same run: W4A8 (then a four-row kernel too)
+# 6.2-12.5 -> 15.3 GB/s on one thread, 21.4-24.6 -> 27.8 on two; W4A16 5.6 -> 9.4 and 15.5 ->
+# 18.2; 12 to 24 rows no better than 8. On the Zen 5 EPYC, a 28 MB Q8_0 lm_head (576-byte rows)
+# read from DRAM, W8A16: 8 rows 33.5-34.2 GB/s on one thread, 16: 39.0-41.3, 24: 40.7-40.8, 32:
+# 37.1-37.7 (the four-row float W8A16 of then; it is an integer kernel now); the four-row W4A16 is
+# bound by its conversions there (18 GB/s whatever the distance).
+#
+# The integer kernels (a row at a time) prefetch PREFETCH_BYTES ahead in the row's codes, which
+# runs on into the thread's next rows. On the Zen 5, a 126 MB q4_1 matrix of 1536 columns from
+# DRAM, W4A8: no prefetch 22.7 GB/s on one thread, 512 bytes 25.1, 2048 28.4, 4096 31.4, 8192
+# 31.9, 16384 31.5; on two 46.1, 48.1, 52.8, 58.4, 59.3, 58.2. Prefetching the scale planes as
+# well measured 1-7% slower.
+PREFETCH_ROWS = 8
+PREFETCH_BYTES = 8192
+
+
+@intrinsic
+def _half_to_f32(typingctx, bits):
+    """IEEE half bits (uint16) -> float32 by LLVM's fpext: one vcvtph2ps with F16C, exact for
+    every input (subnormals, inf, NaN). Measured 25% faster on the Q4 matvecs than decoding the
+    bits in numba code, whose branches sit in the per-block path; tests check all 65536 inputs."""
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _stack_f32(typingctx, n):
+    """A float32[n] on the calling function's stack (n a literal), for numba.carray: scratch that
+    is not a heap allocation, so decode stays allocation-free."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = cgutils.alloca_once(builder, _F32, size=n.literal_value)
+        ptr.align = 64  # a cache line: vector loads and stores never straddle two
+        return ptr
+    return types.CPointer(types.float32)(n), codegen
+
+
+@intrinsic
+def _stack_u16(typingctx, n):
+    """A uint16[n] on the calling function's stack (n a literal), as _stack_f32."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = cgutils.alloca_once(builder, _I16, size=n.literal_value)
+        ptr.align = 64
+        return ptr
+    return types.CPointer(types.uint16)(n), codegen

@@ -1,0 +1,129 @@
+"""The Q4_0 / Q4_1 kernels of the contract: W4A16 and W4A8 matvecs and short prompts' batch
+kernels, each picking its lowering for the target, and the dequantisation and token lookup."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from nerva_cli.planes.cpu.kernels.numba_setup import _threads
+from nerva_cli.planes.cpu.kernels.q4_bf16 import _BF16_WORDS_A_PAIR, _w4a16_bf16, _w4a16_bf16_batch
+from nerva_cli.planes.cpu.kernels.q4_float import _dequantize_q4, _w4a16, _w4a16_batch, _w4a16_by_row
+from nerva_cli.planes.cpu.kernels.q4_w4a8 import _LANE_ROWS, _LANES_FROM, _w4a8, _w4a8_batch, _w4a8_lanes
+from nerva_cli.planes.cpu.kernels.target import _AVX512BF16, _AVX512BW, _AVX512F
+
+
+# -- Q4_0 / Q4_1 matvecs --------------------------------------------------------------------
+#
+# The inner loops are LLVM vector IR (numba intrinsics): numba types integer arithmetic as int64
+# and keeps no SIMD register across loop iterations. W4A16 takes four rows a call through every
+# block and keeps a <16 x float> accumulator per row, its lanes summed once, at the end, or with
+# AVX-512F a row a call that looks its weights up (_w4a16_row), or with AVX512-BF16 a row a call
+# in bf16 dot products (_w4a16_bf16_row); W4A8 takes a row a call (see integer_dots.py). Against
+# the numba kernels before them (the first IR kernels, four rows a call), all of SmolLM2-135M's
+# q4_0 matvecs on one thread of the 2-core EPYC: W4A8 2.1x (4.3 -> 9.2 GB/s), W4A16 1.8x (3.8 ->
+# 6.9).
+#
+# m is None for Q4_0 (w = d (q - 8)) and the Q4_1 offsets (w = d q + m) otherwise; the IR is
+# built for one case or the other, so Q4_0 pays nothing for Q4_1.
+#
+# GB/s figures of the kernels as they stand: scripts/cpu_matvec_bench.py (--dram for a matrix
+# read from DRAM, --lowering avx2 for the kernels a host without AVX-512 runs); the figures of
+# kernels since replaced were taken with their commits.
+
+
+def _bits(a):
+    """An f16 plane as the uint16 view the kernels decode (numba has no float16); None stays."""
+    return None if a is None else a.view(np.uint16)
+
+
+# a global, so compiled callers type one of the three
+_w4a16_kernel = _w4a16_bf16 if _AVX512BF16 else (_w4a16_by_row if _AVX512F else _w4a16)
+
+
+def matvec_q4_w4a16(qs, d, m, x, out):
+    _w4a16_kernel(qs, d.view(np.uint16), _bits(m), x, out)
+
+
+_bf16_scratch = [np.empty(0, np.uint16), np.empty(0, np.float32)]  # the batch's split activations
+
+
+def matmul_q4_w4a16(qs, d, m, x, out):
+    """out[t] = matvec_q4_w4a16 of activation t, the rows of x [T, cols], bit for bit; out [T, rows]
+    may be a column slice of a wider array. It compiles only where AVX-512F runs _w4a16_row's
+    tables (or AVX512-BF16 its dots): elsewhere short_prefill_rows keeps prefill off it."""
+    if not _AVX512BF16:  # as the matvec picks its kernel
+        _w4a16_batch(qs, d.view(np.uint16), _bits(m), x, out)
+        return
+    acts, cols = x.shape
+    blocks = cols // 32
+    width = (blocks + 1) // 2 * _BF16_WORDS_A_PAIR
+    if _bf16_scratch[0].shape[0] < acts * width or _bf16_scratch[1].shape[0] < acts * blocks:
+        _bf16_scratch[0] = np.empty(max(acts * width, _bf16_scratch[0].shape[0]), np.uint16)
+        _bf16_scratch[1] = np.empty(max(acts * blocks, _bf16_scratch[1].shape[0]), np.float32)
+    words = _bf16_scratch[0][:acts * width].reshape(acts, width)
+    sums = _bf16_scratch[1][:acts * blocks].reshape(acts, blocks)
+    _w4a16_bf16_batch(qs, d.view(np.uint16), _bits(m), x, words, sums, out)
+
+
+_x_pairs = [np.empty(0, np.int8)]  # the pair-ordered activation of the wrapper's calls
+
+
+def _pair_scratch(cols):
+    """A buffer for cols activation codes in _pair_order, made again only when a wider one is
+    needed: a decode step allocates nothing."""
+    if _x_pairs[0].shape[0] < cols:
+        _x_pairs[0] = np.empty(cols, np.int8)
+    return _x_pairs[0]
+
+
+def matvec_q4_w4a8(qs, d, m, xq, xd, xs, out):
+    _w4a8(qs, d.view(np.uint16), _bits(m), xq, _pair_scratch(xq.shape[0]), xd, xs, out)
+
+
+_lane_buffers = [np.empty(0, np.uint32), np.empty(0, np.uint16)]  # _w4a8_lanes's packed rows, a worker each
+
+
+def _lane_scratch(workers, blocks):
+    """(codes [workers, blocks, 4, 16] uint32, scales and offsets [workers, blocks, 16] uint16),
+    over buffers made again only when a wider matrix needs more."""
+    words, halves = workers * blocks * 4 * _LANE_ROWS, 2 * workers * blocks * _LANE_ROWS
+    if _lane_buffers[0].size < words:
+        _lane_buffers[0] = np.empty(words, np.uint32)
+    if _lane_buffers[1].size < halves:
+        _lane_buffers[1] = np.empty(halves, np.uint16)
+    planes = _lane_buffers[1][:halves].reshape(2, workers, blocks, _LANE_ROWS)
+    return _lane_buffers[0][:words].reshape(workers, blocks, 4, _LANE_ROWS), planes[0], planes[1]
+
+
+def matmul_q4_w4a8(qs, d, m, xq, xd, xs, out):
+    """out[t] = matvec_q4_w4a8 of activation t, the rows of xq [T, cols] and xd, xs [T, cols / 32],
+    bit for bit; out [T, rows] may be a column slice of a wider array. With AVX-512BW and at
+    least _LANES_FROM activations, rows in lanes (_LANE_ROWS); else each row
+    against eight activations at a time (and four, and one)."""
+    if _AVX512BW and xq.shape[0] >= _LANES_FROM:
+        rows, blocks = d.shape
+        workers = max(1, min(_threads[0], (rows + _LANE_ROWS - 1) // _LANE_ROWS))
+        codes, scales, offsets = _lane_scratch(workers, blocks)
+        _w4a8_lanes(qs.view(np.uint32), d.view(np.uint16), _bits(m), xq, xd, xs, out, codes, scales, offsets)
+        return
+    acts, cols = xq.shape
+    x_pairs = _pair_scratch(acts * cols)[:acts * cols].reshape(acts, cols)
+    _w4a8_batch(qs, d.view(np.uint16), _bits(m), xq, x_pairs, xd, xs, out)
+
+
+def dequantize_q4(qs, d, m, out):
+    _dequantize_q4(qs, d.view(np.uint16), _bits(m), out)
+
+
+@njit(cache=True, nogil=True)
+def _embed_q4(qs, d, m, token, out):
+    row = out.reshape(1, -1)
+    if m is None:
+        _dequantize_q4(qs[token:token + 1], d[token:token + 1], None, row)
+    else:
+        _dequantize_q4(qs[token:token + 1], d[token:token + 1], m[token:token + 1], row)
+
+
+def embed_q4(qs, d, m, token, out):
+    _embed_q4(qs, d.view(np.uint16), _bits(m), token, out)

@@ -1,0 +1,290 @@
+"""W4A8: Q4 rows against Q8 activations in integer dots (integer_dots), a row at a time for
+decode and short prompts, and with AVX-512BW rows in lanes for a prompt's GEMM."""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from nerva_cli.planes.cpu.kernels.integer_dots import _codes, _dot_u4_s8, _dot_u4_s8_pair, _integer_row
+from nerva_cli.planes.cpu.kernels.ir_helpers import (
+    _F32, _I8, _I16, _I32, _I64, _Operands, _broadcast, _c_arrays, _fmuladd, _intp, _load, _planes_at, _splat, _vec)
+from nerva_cli.planes.cpu.kernels.q4_float import _dot_operands
+from nerva_cli.planes.cpu.kernels.target import _AVX512BW, _AVX512VNNI
+
+
+def _w4a8_codegen(acts):
+    """Rows . activations for Q4 rows and Q8 activations x = xd xq (block code sums xs; x_pairs,
+    the codes in _pair_order, for the 512-bit pair dots): one activation (1-D operands) or `acts`
+    rows t0.. of 2-D ones. Per block, as ref: the integer dot of the codes with xq (exact in
+    int32), minus 8 xs for Q4_0, times d_w d_x, plus m_w d_x xs for Q4_1."""
+    def codegen(context, builder, sig, args):
+        a, q_row, d_row, m_row, (xq, x_pairs, xd, xs) = _dot_operands(context, builder, sig, args, 7, acts)
+        q4_1 = m_row is not None
+
+        def block_dot(b, t):
+            x = _load(builder, xq[t], builder.mul(b, ir.Constant(_I64, 32)), _vec(_I8, 32))
+            return _dot_u4_s8(builder, _codes(builder, q_row, b), x)
+
+        def block_terms(b, n, dots, acc, t):
+            sums = _planes_at(builder, xs[t], b, n, _I32, 4)
+            if not q4_1:
+                dots = builder.sub(dots, builder.shl(sums, _splat(_I32, n, 3)))
+            dx = _planes_at(builder, xd[t], b, n, _F32, 4)
+            scale = builder.fmul(_planes_at(builder, d_row, b, n, ir.HalfType(), 2), dx)
+            acc = _fmuladd(builder, scale, builder.sitofp(dots, _vec(_F32, n)), acc)
+            if q4_1:
+                offset_x = builder.fmul(dx, builder.sitofp(sums, _vec(_F32, n)))
+                acc = _fmuladd(builder, _planes_at(builder, m_row, b, n, ir.HalfType(), 2), offset_x, acc)
+            return acc
+
+        dots = _integer_row(builder, a.cols(1), q_row, 16, block_dot, block_terms,
+                            lambda b, t: _dot_u4_s8_pair(builder, q_row, x_pairs[t], b), acts)
+        if sig.args[3].ndim == 1:
+            return dots[0]
+        return context.make_tuple(builder, sig.return_type, dots)
+
+    return codegen
+
+
+@intrinsic
+def _w4a8_row(typingctx, qs, d, m, xq, x_pairs, xd, xs, r):
+    """Row r . x for Q4 rows and the Q8 activation x (_w4a8_codegen)."""
+    if not _c_arrays(qs, d, m, xq, x_pairs, xd, xs):
+        return None
+    return types.float32(qs, d, m, xq, x_pairs, xd, xs, r), _w4a8_codegen(1)
+
+
+@intrinsic
+def _w4a8_row_batch(typingctx, qs, d, m, xq, x_pairs, xd, xs, r, t0, acts):
+    """(row r . x_t0, ..., row r . x_{t0 + acts - 1}) for Q4 rows and the Q8 activations x_t, the
+    rows of 2-D xq, x_pairs, xd, xs (_w4a8_codegen): the codes loaded once for `acts` (a literal)
+    dots, each equal to _w4a8_row's."""
+    if not (isinstance(acts, types.IntegerLiteral) and _c_arrays(qs, d, m, xq, x_pairs, xd, xs)):
+        return None
+    n = acts.literal_value
+    return types.UniTuple(types.float32, n)(qs, d, m, xq, x_pairs, xd, xs, r, t0, acts), _w4a8_codegen(n)
+
+
+@njit(cache=True, nogil=True)
+def _pair_order(xq, x_pairs):
+    """xq's codes for the pair dots: in each 64 bytes (blocks 2p and 2p+1) the middle 16-byte
+    quarters swapped, so the two blocks' first halves come first, then their second halves; a
+    last odd block (no pair: it takes the one-block dot) is left out."""
+    for p in range(xq.shape[0] // 64):
+        for j in range(16):
+            at = 64 * p + j
+            x_pairs[at] = xq[at]
+            x_pairs[at + 16] = xq[at + 32]
+            x_pairs[at + 32] = xq[at + 16]
+            x_pairs[at + 48] = xq[at + 48]
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _w4a8(qs, d, m, xq, x_pairs, xd, xs, out):
+    if _AVX512BW:  # only the pair dots read it
+        _pair_order(xq, x_pairs)
+    for r in prange(d.shape[0]):
+        out[r] = _w4a8_row(qs, d, m, xq, x_pairs, xd, xs, r)
+
+
+# A short prompt's W4A8 GEMM: each thread's rows against every activation, eight of them a row at
+# once (then four, then one), so a row's codes are read from memory and unpacked once a tile.
+@njit(cache=True, nogil=True, parallel=True)
+def _w4a8_batch(qs, d, m, xq, x_pairs, xd, xs, out):
+    acts = xq.shape[0]
+    if _AVX512BW:
+        for t in range(acts):
+            _pair_order(xq[t], x_pairs[t])
+    eights = acts - acts % 8
+    fours = acts - acts % 4
+    for r in prange(d.shape[0]):
+        for t in range(0, eights, 8):
+            v = _w4a8_row_batch(qs, d, m, xq, x_pairs, xd, xs, r, t, 8)
+            for j in range(8):
+                out[t + j, r] = v[j]
+        for t in range(eights, fours, 4):
+            w = _w4a8_row_batch(qs, d, m, xq, x_pairs, xd, xs, r, t, 4)
+            for j in range(4):
+                out[t + j, r] = w[j]
+        for t in range(fours, acts):
+            out[t, r] = _w4a8_row_batch(qs, d, m, xq, x_pairs, xd, xs, r, t, 1)[0]
+
+
+# W4A8 prompt GEMM with a row in each int32 lane (AVX-512BW): a thread copies 16 rows' codes into
+# _LANE_ROWS-wide quads (quad j of block b: bytes 4j..4j+3 of each row's block, row after row, so
+# one 64-byte load holds 16 rows' four code bytes, low nibbles the weights 4j.. and high ones
+# 16 + 4j..), then for _LANE_ACTS activations at a time one vpdpbusd (vpmaddubsw + vpmaddwd
+# without VNNI) multiplies those 16 rows by four broadcast activation codes: no horizontal sums,
+# and the rows' codes are unpacked once for eight activations. Each row's arithmetic is the
+# decode kernel's (_integer_row) step for step: the same integer dots, the same scale products
+# and fused multiply-adds, into the same eight, two and one partial sums (blocks j, j + 8, ...;
+# then the pairs; then the last), added in _hsum's order, so every output equals
+# matvec_q4_w4a8's bit for bit, for any prompt length. Against dequantise + OpenBLAS sgemm
+# (gemm_q4) on the 2-core Zen 4 EPYC, q4_1, 256 activations, two threads, best of seven:
+# 3072 x 576 1.74 ms against 5.15, 576 x 1536 0.83 against 2.47, 4096 x 4096 16.3 against 53.4
+# (the row kernel 4.59, 2.10, 48.8). Below _LANES_FROM activations the row kernel
+# (_w4a8_batch) is faster: a tile's packing and its eight activations cost the same for fewer,
+# and the row kernel takes one activation at a time. Best of nine, q4_1, lanes / row kernel in
+# us, two threads: 3072 x 576 at 1, 8, 12 and 16 activations 241 / 29, 145 / 134, 205 / 216,
+# 200 / 251; 576 x 1536 62 / 15, 71 / 60, 101 / 92, 103 / 113 (one thread: 3072 x 576 at 12
+# 353 / 394, 576 x 1536 159 / 161, at 16 355 / 488 and 160 / 210).
+_LANE_ROWS = 16
+_LANE_ACTS = 8
+_LANES_FROM = 12
+
+
+@njit(cache=True, nogil=True)
+def _pack_lane_rows(qs32, d, m, r0, codes, scales, offsets):
+    """Rows r0 .. r0 + 15 of Q4 planes (qs as uint32 words; rows past the end repeat the last)
+    into codes [blocks, 4, 16] (word j of block b, row after row) and scales, offsets [blocks, 16]
+    (f16 bits; offsets only for Q4_1, m not None)."""
+    rows, blocks = d.shape
+    for i in range(_LANE_ROWS):
+        r = min(r0 + i, rows - 1)
+        for b in range(blocks):
+            for j in range(4):
+                codes[b, j, i] = qs32[r, 4 * b + j]
+            scales[b, i] = d[r, b]
+            if m is not None:
+                offsets[b, i] = m[r, b]
+
+
+@intrinsic
+def _w4a8_lane_tile(typingctx, codes, scales, offsets, xq, xd, xs, out, r0, t0):
+    """out[t, r0 + i] for the _LANE_ROWS rows packed by _pack_lane_rows (those below out's row
+    count) and the activations t0 .. t0 + _LANE_ACTS - 1 (those below xq's count; the rest read
+    the last one's and are not stored): see _LANE_ROWS."""
+    if not (_c_arrays(codes, scales, offsets, xq, xd, xs) and isinstance(out, types.Array)):
+        return None
+    q4_1 = not isinstance(offsets, types.NoneType)
+    lanes, acts_n = _LANE_ROWS, _LANE_ACTS
+    v_i32, v_f32 = _vec(_I32, lanes), _vec(_F32, lanes)
+
+    def codegen(context, builder, sig, args):
+        a = _Operands(context, builder, sig.args[:7], args[:7])
+        r0_, t0_ = _intp(context, builder, sig, args, 7), _intp(context, builder, sig, args, 8)
+        one = ir.Constant(_I64, 1)
+        acts = builder.extract_value(a.arrays[3].shape, 0)
+        rows = builder.extract_value(a.arrays[6].shape, 1)
+        blocks = builder.extract_value(a.arrays[1].shape, 0)
+        last = builder.sub(acts, one)
+        ts = [builder.add(t0_, ir.Constant(_I64, t)) for t in range(acts_n)]
+        at = [builder.select(builder.icmp_signed("<", t, acts), t, last) for t in ts]
+        x_rows, xd_rows, xs_rows = ([a.row(i, t) for t in at] for i in (3, 4, 5))
+        codes_p, scales_p = a.data(0), a.data(1)
+        offsets_p = a.data(2) if q4_1 else None
+        module = builder.module
+        if _AVX512VNNI:
+            dpbusd = cgutils.get_or_insert_function(module, ir.FunctionType(v_i32, [v_i32] * 3),
+                                                    "llvm.x86.avx512.vpdpbusd.512")
+
+            def dot(acc, w, x):
+                return builder.call(dpbusd, [acc, w, x])
+        else:
+            pmaddubsw = cgutils.get_or_insert_function(
+                module, ir.FunctionType(_vec(_I16, 32), [_vec(_I8, 64)] * 2), "llvm.x86.avx512.pmaddubs.w.512")
+            pmaddwd = cgutils.get_or_insert_function(
+                module, ir.FunctionType(v_i32, [_vec(_I16, 32)] * 2), "llvm.x86.avx512.pmaddw.d.512")
+
+            def dot(acc, w, x):
+                pairs = builder.call(pmaddubsw, [builder.bitcast(w, _vec(_I8, 64)), builder.bitcast(x, _vec(_I8, 64))])
+                return builder.add(acc, builder.call(pmaddwd, [pairs, _splat(_I16, 32, 1)]))
+
+        def block(b, sums):
+            """Block b's terms added to the activations' partial sums (allocas of <16 x float>)."""
+            x_at = builder.mul(b, ir.Constant(_I64, 32))
+            four = ir.Constant(_I64, 4)
+            xs_b = [_load(builder, xs_rows[t], builder.mul(b, four), _I32) for t in range(acts_n)]
+            if q4_1:
+                acc = [_splat(_I32, lanes, 0)] * acts_n
+            else:  # Q4_0's -8 sum q_x, which the decode kernel subtracts from the dot: the same integer
+                acc = [_broadcast(builder, builder.mul(s, ir.Constant(_I32, -8)), lanes) for s in xs_b]
+            for j in range(4):
+                w = _load(builder, codes_p, builder.add(builder.mul(b, ir.Constant(_I64, 256)),
+                                                        ir.Constant(_I64, 64 * j)), _vec(_I8, 64))
+                low = builder.bitcast(builder.and_(w, _splat(_I8, 64, 15)), v_i32)
+                high = builder.lshr(builder.bitcast(w, _vec(_I16, 32)), _splat(_I16, 32, 4))
+                high = builder.bitcast(builder.and_(high, _splat(_I16, 32, 0x0F0F)), v_i32)
+                for t in range(acts_n):
+                    x_lo = _broadcast(builder, _load(builder, x_rows[t], builder.add(x_at, ir.Constant(_I64, 4 * j)),
+                                                     _I32), lanes)
+                    x_hi = _broadcast(builder, _load(builder, x_rows[t],
+                                                     builder.add(x_at, ir.Constant(_I64, 16 + 4 * j)), _I32), lanes)
+                    acc[t] = dot(dot(acc[t], low, x_lo), high, x_hi)
+            # a block's 16 scales (and offsets) are 32 bytes, as its activation codes are
+            d = builder.fpext(_load(builder, scales_p, x_at, _vec(ir.HalfType(), lanes)), v_f32)
+            m = builder.fpext(_load(builder, offsets_p, x_at, _vec(ir.HalfType(), lanes)), v_f32) if q4_1 else None
+            for t in range(acts_n):
+                dx = _load(builder, xd_rows[t], builder.mul(b, four), _F32)
+                scale = builder.fmul(d, _broadcast(builder, dx, lanes))
+                v = _fmuladd(builder, scale, builder.sitofp(acc[t], v_f32), builder.load(sums[t]))
+                if q4_1:
+                    offset_x = builder.fmul(dx, builder.sitofp(xs_b[t], _F32))
+                    v = _fmuladd(builder, m, _broadcast(builder, offset_x, lanes), v)
+                builder.store(v, sums[t])
+
+        # _integer_row's spans, as 11 classes of blocks each summed apart: j < 8, the groups of
+        # eight's lane j (blocks j, j + 8, ...); 8 and 9, the pairs' lanes; 10, the last block.
+        # One loop over the classes, so the block's code is generated once: as 11 copies it kept
+        # SmolLM2's first prompt waiting 4.5 s for numba on the 2-core Zen 4 EPYC, as one 1.4-1.9.
+        c8, c2 = ir.Constant(_I64, 8), ir.Constant(_I64, 2)
+        groups = builder.lshr(blocks, ir.Constant(_I64, 3))
+        tail = builder.sub(blocks, builder.shl(groups, ir.Constant(_I64, 3)))
+        pair0, pairs, odd = builder.shl(groups, ir.Constant(_I64, 3)), builder.lshr(tail, one), builder.and_(tail, one)
+        parts = cgutils.alloca_once(builder, v_f32, size=11 * acts_n)
+        with cgutils.for_range(builder, ir.Constant(_I64, 11)) as classes:
+            c = classes.index
+            in_groups, in_pairs = builder.icmp_signed("<", c, c8), builder.icmp_signed("<", c, ir.Constant(_I64, 10))
+            first = builder.select(in_groups, c, builder.select(in_pairs, builder.add(pair0, builder.sub(c, c8)),
+                                                                builder.sub(blocks, odd)))
+            step = builder.select(in_groups, c8, c2)
+            count = builder.select(in_groups, groups, builder.select(in_pairs, pairs, odd))
+            sums = [cgutils.alloca_once_value(builder, _splat(_F32, lanes, 0.0)) for _ in range(acts_n)]  # zeroed here
+            with cgutils.for_range(builder, count) as loop:
+                block(builder.add(first, builder.mul(loop.index, step)), sums)
+            for t in range(acts_n):
+                at = builder.add(builder.mul(c, ir.Constant(_I64, acts_n)), ir.Constant(_I64, t))
+                builder.store(builder.load(sums[t]), builder.gep(parts, [at]))
+
+        def part(c, t):
+            return builder.load(builder.gep(parts, [ir.Constant(_I64, c * acts_n + t)]))
+
+        valid = builder.sub(rows, r0_)
+        mask = builder.icmp_signed("<", ir.Constant(_vec(_I64, lanes), [ir.Constant(_I64, i) for i in range(lanes)]),
+                                   _broadcast(builder, valid, lanes))
+        store = cgutils.get_or_insert_function(
+            module, ir.FunctionType(ir.VoidType(), [v_f32, v_f32.as_pointer(), _I32, mask.type]),
+            f"llvm.masked.store.v{lanes}f32.p0v{lanes}f32")
+        for t in range(acts_n):
+            e = [part(c, t) for c in range(8)]
+            hsum8 = builder.fadd(builder.fadd(builder.fadd(e[0], e[4]), builder.fadd(e[2], e[6])),
+                                 builder.fadd(builder.fadd(e[1], e[5]), builder.fadd(e[3], e[7])))
+            total = builder.fadd(_splat(_F32, lanes, 0.0), hsum8)
+            total = builder.fadd(total, builder.fadd(part(8, t), part(9, t)))
+            total = builder.fadd(total, part(10, t))
+            with builder.if_then(builder.icmp_signed("<", ts[t], acts)):
+                ptr = builder.gep(a.row(6, ts[t]), [builder.mul(r0_, ir.Constant(_I64, 4))])
+                builder.call(store, [total, builder.bitcast(ptr, v_f32.as_pointer()), ir.Constant(_I32, 4), mask])
+        return context.get_dummy_value()
+
+    return types.void(codes, scales, offsets, xq, xd, xs, out, r0, t0), codegen
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _w4a8_lanes(qs32, d, m, xq, xd, xs, out, codes, scales, offsets):
+    rows, acts, workers = d.shape[0], xq.shape[0], codes.shape[0]
+    groups = (rows + _LANE_ROWS - 1) // _LANE_ROWS
+    for w in prange(workers):
+        for g in range(w, groups, workers):
+            r0 = g * _LANE_ROWS
+            if m is None:
+                _pack_lane_rows(qs32, d, None, r0, codes[w], scales[w], None)
+                for t0 in range(0, acts, _LANE_ACTS):
+                    _w4a8_lane_tile(codes[w], scales[w], None, xq, xd, xs, out, r0, t0)
+            else:
+                _pack_lane_rows(qs32, d, m, r0, codes[w], scales[w], offsets[w])
+                for t0 in range(0, acts, _LANE_ACTS):
+                    _w4a8_lane_tile(codes[w], scales[w], offsets[w], xq, xd, xs, out, r0, t0)

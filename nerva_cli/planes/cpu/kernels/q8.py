@@ -1,0 +1,113 @@
+"""Q8_0 matrices (the Q4 variants' token table as lm_head): W8A8 and W8A16 matvecs, the
+dequantisation and token lookup."""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from nerva_cli.planes.cpu.kernels.integer_dots import _dot_s8_s8, _dot_s8_s16, _integer_row
+from nerva_cli.planes.cpu.kernels.ir_helpers import (
+    _F32, _I8, _I64, _Operands, _c_arrays, _fmuladd, _half_to_f32, _load, _planes_at, _vec)
+from nerva_cli.planes.cpu.kernels.numba_setup import F32
+
+
+# -- Q8_0 matvecs (the Q4 variants' token table as lm_head) -----------------------------------
+#
+# Both integer kernels, a row a call, as W4A8: W8A8 against the Q8 activation, W8A16 against a Q16
+# one (int16 codes per 32-group, quantize_act_q16), whose rounding (2^-16 of a group's largest
+# value) moved SmolLM2's perplexity over 999 decoded tokens from 19.10500 to 19.10502. W8A16 was a
+# four-row float kernel before, bound by converting every code to float.
+
+
+def _q8_row_codegen(dot, code_bytes):
+    """A Q8_0 row's dot with an integer activation x = xd xq (codes of code_bytes each): per
+    block, dot(weight codes, activation codes) as 8 int32 partials, reduced exactly, times
+    d_w d_x."""
+    def codegen(context, builder, sig, args):
+        a = _Operands(context, builder, sig.args[:4], args[:4])
+        q_row, d_row = a.row(0, args[4]), a.row(1, args[4])
+        xq, xd = a.data(2), a.data(3)
+        x_type = _vec(ir.IntType(8 * code_bytes), 32)
+
+        def block_dot(b, _t):
+            at = builder.mul(b, ir.Constant(_I64, 32))
+            x = _load(builder, xq, builder.mul(at, ir.Constant(_I64, code_bytes)), x_type)
+            return dot(builder, _load(builder, q_row, at, _vec(_I8, 32)), x)
+
+        def block_terms(b, n, dots, acc, _t):
+            dw = _planes_at(builder, d_row, b, n, ir.HalfType(), 2)
+            scale = builder.fmul(dw, _planes_at(builder, xd, b, n, _F32, 4))
+            return _fmuladd(builder, scale, builder.sitofp(dots, _vec(_F32, n)), acc)
+
+        return _integer_row(builder, a.cols(1), q_row, 32, block_dot, block_terms)[0]
+
+    return codegen
+
+
+@intrinsic
+def _w8a16_row(typingctx, q8, d, xq, xd, r):
+    """Row r . x for Q8_0 rows and the Q16 activation x = xd xq: per block, the integer dot
+    (exact in int32: 32 products of at most 128 * 32767) times d_w d_x, as ref. The four-row
+    float kernel it replaced was bound by its conversions (a vpmovsxbd and a vcvtdq2ps every 8
+    weights): SmolLM2's 49152 x 576 token table from DRAM (scripts/cpu_matvec_bench.py --dram,
+    Zen 3, alternating) took 2.92-3.09 ms on one thread and 1.57-1.71 on two, this 1.77-1.96 and
+    0.98-1.02, as W8A8."""
+    if not _c_arrays(q8, d, xq, xd):
+        return None
+    return types.float32(q8, d, xq, xd, r), _q8_row_codegen(_dot_s8_s16, 2)
+
+
+@intrinsic
+def _w8a8_row(typingctx, q8, d, xq, xd, r):
+    """Row r . x for Q8_0 rows and the Q8 activation x = xd xq: per block, the integer dot (exact
+    in int32) times d_w d_x, as ref."""
+    if not _c_arrays(q8, d, xq, xd):
+        return None
+    return types.float32(q8, d, xq, xd, r), _q8_row_codegen(_dot_s8_s8, 1)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _w8a16(q8, d, xq, xd, out):
+    for r in prange(d.shape[0]):
+        out[r] = _w8a16_row(q8, d, xq, xd, r)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _w8a8(q8, d, xq, xd, out):
+    for r in prange(d.shape[0]):
+        out[r] = _w8a8_row(q8, d, xq, xd, r)
+
+
+def matvec_q8_w8a16(q8, d, xq, xd, out):
+    _w8a16(q8, d.view(np.uint16), xq, xd, out)
+
+
+def matvec_q8_w8a8(q8, d, xq, xd, out):
+    _w8a8(q8, d.view(np.uint16), xq, xd, out)
+
+
+@njit(cache=True, nogil=True)
+def _dequantize_q8(q8, d, out):
+    # Serial, as _dequantize_q4 and for its reason.
+    rows, nb = d.shape
+    for r in range(rows):
+        for b in range(nb):
+            s = _half_to_f32(d[r, b])
+            for j in range(32):
+                out[r, 32 * b + j] = s * F32(q8[r, 32 * b + j])
+
+
+def dequantize_q8(q8, d, out):
+    _dequantize_q8(q8, d.view(np.uint16), out)
+
+
+@njit(cache=True, nogil=True)
+def _embed_q8(q8, d, token, out):
+    _dequantize_q8(q8[token:token + 1], d[token:token + 1], out.reshape(1, -1))
+
+
+def embed_q8(q8, d, token, out):
+    _embed_q8(q8, d.view(np.uint16), token, out)
