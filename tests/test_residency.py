@@ -89,6 +89,39 @@ def greedy(engine, prompt, n):
     return toks
 
 
+@pytest.mark.parametrize("variant, precision", [("q4_0", "w4a8"), ("q4_1", "w4a16"), ("bf16", None)])
+def test_paged_layers_run_the_compiled_decode_layer_to_the_bit(variant, precision, deep_tiny, tmp_path, rng):
+    """A staging slot's layer runs the cpu plane's one decode layer (decode_layer_halves, bound for
+    each layer the slot may hold), its q, k, v and gate, up apart as its file keeps them: the
+    logits equal the resident engine's to the bit, every step, and equal the paged engine's own
+    kernel-by-kernel layer (the ref path) to the bit too."""
+    model = pull(str(deep_tiny("qwen3")), variant=variant, out=tmp_path / "m")
+    prompt = [int(t) for t in rng.integers(0, 384, size=9)]
+    steps = [int(t) for t in rng.integers(0, 384, size=12)]
+    full = Engine(model, precision=precision, ctx=64)
+    budget = budget_at(full, 0.4)
+    runs = []
+    for engine in (full, Engine(model, precision=precision, ctx=64, ram_budget=budget),
+                   Engine(model, precision=precision, ctx=64, ram_budget=budget)):
+        runs.append(engine)
+    paged, apart = runs[1], runs[2]
+    assert paged.plan.paged_layers
+    for view in paged.weights.views():
+        assert set(view.slot_halves) == set(paged.plan.paged_layers)
+    for view in apart.weights.views():
+        view.slot_halves = {}  # the kernel-by-kernel layer, as the ref backend runs it
+    logits = []
+    try:
+        for engine in runs:
+            engine.prefill(prompt)
+            logits.append(np.array([engine.decode(t).copy() for t in steps]))
+    finally:
+        for engine in runs[1:]:
+            engine.weights.close()
+    np.testing.assert_array_equal(logits[1], logits[0])
+    np.testing.assert_array_equal(logits[2], logits[0])
+
+
 @pytest.mark.parametrize("variant", ["q4_0", "f16"])
 @pytest.mark.parametrize("policy", ["ring", "lru"])
 def test_paged_decode_equals_resident_at_30_percent(variant, policy, deep_tiny, tmp_path, rng):

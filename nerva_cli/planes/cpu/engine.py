@@ -134,6 +134,7 @@ class Layer:
     precision: str  # exact / w4a16 / w4a8
     post_attn_norm: np.ndarray | None = None  # Gemma 3: on attention's and the MLP's outputs
     post_mlp_norm: np.ndarray | None = None
+    slot_halves: dict | None = None  # a staging slot's: layer index -> its compiled decode halves
 
     @classmethod
     def from_stored(cls, index: int, t: dict, precision: str) -> "Layer":
@@ -253,23 +254,39 @@ class Engine(EngineBase):
                                         lambda t: Layer.viewing(t, self.precision))
         else:
             self.weights = ResidentWeights([resident[i] for i in self.active])
-        # layer index -> its decode step's two halves in a few compiled calls, where the backend
-        # has them (cpu: resident Q4 and exact layers)
+        # the cpu backend's decode layer: each layer's step in a few compiled calls bound once
+        # (decode_layer_halves), a resident layer's by its index, a staging slot's for every
+        # layer the slot may hold; the ref backend runs the layer kernel by kernel
         self.compiled_layers = {}
         if hasattr(self.k, "decode_layer_halves"):
             for i, layer in resident.items():
-                halves = self.k.decode_layer_halves(layer, self.a, cfg, *self.rope[i], self.window[i],
-                                                    self.a.kv_base if i in self.ring else None)
-                if halves is not None:
-                    self.compiled_layers[i] = (*halves, sum(self._fused_kernels(layer)))
+                self._compile_layer(layer, i, self.compiled_layers)
+            for view in self.weights.views() if self.plan.paged_layers else ():
+                view.slot_halves = {}
+                for i in self.plan.paged_layers:
+                    view.index, view.precision = i, self.layer_precision[i]
+                    self._compile_layer(view, i, view.slot_halves)
+
+    def _compile_layer(self, layer: Layer, i: int, into: dict) -> None:
+        halves = self.k.decode_layer_halves(layer, self.a, self.cfg, *self.rope[i], self.window[i],
+                                            self.a.kv_base if i in self.ring else None)
+        if halves is not None:
+            into[i] = (*halves, sum(self._fused_kernels(layer)))
+
+    def _halves(self, layer: Layer):
+        """The compiled decode halves (attention, mlp, kernels) of the layer `layer` holds now, or
+        None (the ref backend's layers run kernel by kernel)."""
+        return (self.compiled_layers if layer.slot_halves is None else layer.slot_halves).get(layer.index)
 
     def _fused_kernels(self, layer: Layer) -> tuple[int, int]:
         """The kernels of the contract that a layer's compiled halves run, one for each that
-        _decode_attention and _decode_mlp would dispatch for it (the tests hold the two equal)."""
-        w4a8 = int(layer.precision == "w4a8")
-        attention = (6 + 2 * w4a8 + (layer.qkv_bias is not None) + 2 * (layer.q_norm is not None)
+        _decode_attention and _decode_mlp would dispatch for it (the tests hold the two equal):
+        a staging slot's q, k, v and gate, up are three and two matrices where a resident
+        layer's are one each."""
+        w4a8, apart = int(layer.precision == "w4a8"), int("qkv" not in layer.mats)
+        attention = (6 + 2 * w4a8 + 2 * apart + (layer.qkv_bias is not None) + 2 * (layer.q_norm is not None)
                      + (layer.post_attn_norm is not None))  # norm, qkv, 2 ropes, attention, o
-        mlp = 4 + 2 * w4a8 + (layer.post_mlp_norm is not None)  # add+norm, gate_up, glu, down
+        mlp = 4 + 2 * w4a8 + apart + (layer.post_mlp_norm is not None)  # add+norm, gate_up, glu, down
         return attention, mlp
 
     # -- building blocks ---------------------------------------------------------------------
@@ -520,16 +537,17 @@ class Engine(EngineBase):
                                      ws.bufs["attention"])
             for layer in self._resident_layers():
                 self._decode_halves(layer)[0](0)
+            view = self.weights.views()[0] if paged else None
             for precision in sorted({self.layer_precision[i] for i in paged}):
-                view = self.weights.views()[0]
-                view.index, view.precision = paged[0], precision
-                self._decode_attention(view, 0)
+                view.index = next(i for i in paged if self.layer_precision[i] == precision)
+                view.precision = precision
+                self._decode_halves(view)[0](0)
 
         return self.k.compile_aside(attention_halves, threads=[getattr(self.weights, "thread", None)])
 
     def _decode_halves(self, layer: Layer):
         """(attention(pos), mlp()): a layer's decode step in the two parts _decode_layer times."""
-        halves = self.compiled_layers.get(layer.index)
+        halves = self._halves(layer)
         if halves is not None:
             attention, mlp, _ = halves
             return (lambda pos: attention(pos + 1)), mlp
@@ -571,7 +589,7 @@ class Engine(EngineBase):
             logits *= np.float32(cap)
 
     def _decode_layer(self, layer: Layer, pos: int) -> None:
-        halves = self.compiled_layers.get(layer.index)
+        halves = self._halves(layer)
         if halves is not None:  # the same kernels on the same buffers, in a few calls
             attention, mlp, kernels = halves
             t0 = perf_counter_ns()
