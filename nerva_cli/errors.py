@@ -13,6 +13,16 @@ class NotInStore(NervaError):
     """A model reference the store has no entry for (as opposed to one whose entry is broken)."""
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP, raised where nerva's process is, as Ctrl-C raises KeyboardInterrupt, so
+    every `finally` runs (a conversion's temporary directory goes); cli.app.main then dies of the
+    signal. A BaseException: no `except Exception` takes it for an error to report."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 def read_json(path) -> dict:
     """A JSON file, or BadInput naming it: the one way the package reads config-like files."""
     import json
