@@ -84,6 +84,11 @@ def main() -> None:
         signal.signal(e.signum, signal.SIG_DFL)
         os.kill(os.getpid(), e.signum)
         sys.exit(128 + e.signum)  # the shell's status for it, where the kill did not end the process
+    except OSError as e:  # the last net: a filesystem error on a path the user gave is one line naming it
+        from nerva_cli.cli import output
+
+        output.error(f"{e.filename}: {e.strerror}" if e.filename else str(e))
+        sys.exit(1)
     finally:
         _owns_collector = False
         for s, handler in caught.items():

@@ -101,7 +101,7 @@ def _print_profile(result, info: dict) -> None:
     prof, rich = result.profile, output.out.is_terminal
     width = 40
     hot = mcap.layer_precisions(prof, mcap.DEFAULT_TAU)
-    output.out.print(f"{'[bold]' if rich else ''}{info['model']}{'[/bold]' if rich else ''}  MCAP profile, "
+    output.out.print(f"{'[bold]' if rich else ''}{output.escape(info['model'])}{'[/bold]' if rich else ''}  MCAP profile, "
                      f"{len(prof['scores'])} layers ({prof['variant']}, {prof['precision']})")
     output.out.print(f"{'layer':>5}  {'score':>10}  {'norm':>6}", markup=False)
     for i, (raw, norm) in enumerate(zip(prof["scores"], prof["normalized"])):

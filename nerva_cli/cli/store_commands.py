@@ -18,7 +18,7 @@ def _pull(spec: str, quant: str, name: Optional[str], out: Optional[Path], force
     from nerva_cli.runtime.open_engine import model_line, pull_model
 
     model = pull_model(spec, quant, name, out, force, revision, output.CliReporter(), keep_existing)
-    output.out.print(model_line(model))
+    output.out.print(model_line(model), markup=False)
     return model
 
 
@@ -124,7 +124,7 @@ def _print_show(m) -> None:
     from nerva_cli.cli import output
 
     cfg = m.config
-    output.out.print(f"[bold]{m.name}:{m.variant}[/bold]  {m.path}")
+    output.out.print(f"[bold]{output.escape(f'{m.name}:{m.variant}')}[/bold]  {output.escape(str(m.path))}")
     output.facts([*((k, _config_fact(v)) for k, v in cfg.to_dict().items()), ("arch_hash", m.meta["arch_hash"]),
                   ("source", f"{m.meta['source'].get('kind')}: {m.meta['source'].get('id')}"),
                   ("size", f"{output.human_bytes(m.size)} in {len(m.meta['files'])} files")])
@@ -156,4 +156,4 @@ def rm(models: Annotated[list[str], typer.Argument(help="name or name:variant; a
 
     for ref in models:
         for removed in store.remove(ref, say=output.info):
-            output.out.print(f"deleted {removed}")
+            output.out.print(f"deleted {removed}", markup=False)

@@ -222,10 +222,11 @@ def convert(source: Source, variant: str, target: Path, force: bool = False,
         else:
             os.rename(tmp, target)
         return target
-    except OSError as e:
+    except OSError as e:  # where the target cannot be written: one line naming the place
         if e.errno == errno.ENOSPC:
             raise BadInput(f"{target}: no space left on the device") from None
-        raise
+        where = f" ({e.filename})" if e.filename and str(e.filename) != str(target) else ""
+        raise BadInput(f"{target}: cannot write the model there: {e.strerror}{where}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         try:
