@@ -293,3 +293,60 @@ def test_a_config_the_model_checks_refuse_names_its_file(tmp_path, tiny_models, 
     (d / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 3}))
     code, _, err = cli("convert", d)
     assert code == 1 and f"{d / 'config.json'}: num_heads 4 is not a multiple of num_kv_heads 3" in err, err
+
+
+# -- filesystem errors on a path the user gave: one line naming it (issue 49.5) --------------------
+@pytest.mark.parametrize("where", ["directory", "missing directory"])
+def test_a_ledger_file_that_cannot_be_written(tiny_models, cli, tmp_path, where):
+    from nerva_cli.store.pull import pull
+
+    model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+    path = tmp_path if where == "directory" else tmp_path / "no-such-dir" / "ledger.jsonl"
+    why = "is a directory" if where == "directory" else f"no directory {tmp_path / 'no-such-dir'}"
+    assert_refused(cli, ["run", model.path, "-p", "hi", "-n", "2", "--no-profile", "--backend", "ref",
+                         "--ledger-file", path], f"--ledger-file {path}: {why}")
+    assert not (tmp_path / "no-such-dir").exists()
+
+
+@pytest.mark.parametrize("where", ["under a file", "in /proc"])
+def test_convert_out_to_a_place_that_cannot_be_made(tiny_models, cli, tmp_path, where):
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "model" if where == "under a file" else "/proc/nerva-test/model"
+    assert_refused(cli, ["convert", tiny_models("llama"), "--out", out], f"{out}: cannot write the model there")
+    assert (tmp_path / "a-file").read_text() == ""
+
+
+@pytest.mark.parametrize("command", ["pull", "list", "rm", "run"])
+def test_nerva_home_that_is_a_file(tiny_models, cli, tmp_path, monkeypatch, command):
+    home = tmp_path / "home-file"
+    home.write_text("not a directory")
+    monkeypatch.setenv("NERVA_HOME", str(home))
+    args = {"pull": ["pull", tiny_models("llama"), "--name", "tiny"], "list": ["list"], "rm": ["rm", "tiny"],
+            "run": ["run", "tiny", "-p", "hi", "--no-profile"]}[command]
+    assert_refused(cli, args, str(home), "NERVA_HOME")
+    assert home.read_text() == "not a directory"
+
+
+def test_nerva_home_where_nothing_can_be_made(tiny_models, cli, monkeypatch):
+    monkeypatch.setenv("NERVA_HOME", "/proc/nerva-home")  # not even root makes a directory there
+    assert_refused(cli, ["pull", tiny_models("llama"), "--name", "tiny"], "/proc/nerva-home", "NERVA_HOME")
+
+
+# -- the user's text printed as written (issue 49.6) ------------------------------------------------
+def test_emoji_codes_in_names_and_paths_stay_text(cli):
+    code, _, err = cli("run", "smollm2-135m:banana", "-p", "hi")
+    assert code == 1 and "smollm2-135m:banana" in err and "\N{BANANA}" not in err, err
+    code, _, err = cli("convert", "a:fire:b.gguf")
+    assert code == 1 and "a:fire:b.gguf" in err and "\N{FIRE}" not in err, err
+
+
+def test_markup_in_a_name_is_printed_as_written(tiny_models, cli):
+    src, name = tiny_models("llama"), "[red]x"
+    code, out, _ = cli("pull", src, "--name", name, "--quant", "q4_0")
+    assert code == 0 and out.startswith(f"{name}:q4_0  llama"), out
+    code, _, err = cli("pull", src, "--name", name, "--quant", "q4_0")
+    assert code == 0 and f"{models_root() / name / 'q4_0'} is already in the store: kept" in err, err
+    code, out, _ = cli("show", name)
+    assert code == 0 and out.startswith(f"{name}:q4_0  {models_root() / name / 'q4_0'}"), out
+    code, out, _ = cli("rm", name)
+    assert code == 0 and out == f"deleted {name}:q4_0\n", out

@@ -5,13 +5,15 @@
 from __future__ import annotations
 
 import gc
+import os
+import signal
 import sys
 from contextlib import contextmanager
 from typing import Annotated
 
 import typer
 
-from nerva_cli.errors import NervaError
+from nerva_cli.errors import NervaError, Terminated
 
 app = typer.Typer(
     name="nerva", add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -58,9 +60,17 @@ def long_lived_objects():
         gc.enable()
 
 
+def _terminate(signum, frame) -> None:
+    # once: a second signal must not cut the clean-up the first one started
+    signal.signal(signum, signal.SIG_IGN)
+    raise Terminated(signum)
+
+
 def main() -> None:
     global _owns_collector
     _owns_collector = True
+    # SIGTERM (timeout, systemd, docker) and SIGHUP (a closed terminal) clean up as Ctrl-C does
+    caught = {s: signal.signal(s, _terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         app()
     except NervaError as e:
@@ -70,8 +80,19 @@ def main() -> None:
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
+    except Terminated as e:  # cleaned up: now end by the signal, as whoever sent it expects
+        signal.signal(e.signum, signal.SIG_DFL)
+        os.kill(os.getpid(), e.signum)
+        sys.exit(128 + e.signum)  # the shell's status for it, where the kill did not end the process
+    except OSError as e:  # the last net: a filesystem error on a path the user gave is one line naming it
+        from nerva_cli.cli import output
+
+        output.error(f"{e.filename}: {e.strerror}" if e.filename else str(e))
+        sys.exit(1)
     finally:
         _owns_collector = False
+        for s, handler in caught.items():
+            signal.signal(s, handler)
 
 
 # the command modules register their commands on `app`, in the order `nerva --help` lists them

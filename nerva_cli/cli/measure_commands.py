@@ -76,11 +76,12 @@ def profile(
     from nerva_cli.runtime import mcap
     from nerva_cli.runtime.open_engine import find_or_pull, profiling_backend
     from nerva_cli.runtime.options import BACKENDS
+    from nerva_cli.store import locks
 
     if backend not in BACKENDS:
         raise NervaError(f"--backend {backend}: choose one of {', '.join(BACKENDS)}")
     texts = mcap.read_prompts(prompts) if prompts is not None else None
-    m = find_or_pull(model, output.CliReporter())
+    m = locks.hold(find_or_pull(model, output.CliReporter()))  # as a run's: rm refuses it while profiling
     with output.step_progress("profiling") as progress:
         result = mcap.get_profile(m, texts, backend=profiling_backend(backend), progress=progress)
     measured = result.measurement
@@ -100,7 +101,7 @@ def _print_profile(result, info: dict) -> None:
     prof, rich = result.profile, output.out.is_terminal
     width = 40
     hot = mcap.layer_precisions(prof, mcap.DEFAULT_TAU)
-    output.out.print(f"{'[bold]' if rich else ''}{info['model']}{'[/bold]' if rich else ''}  MCAP profile, "
+    output.out.print(f"{'[bold]' if rich else ''}{output.escape(info['model'])}{'[/bold]' if rich else ''}  MCAP profile, "
                      f"{len(prof['scores'])} layers ({prof['variant']}, {prof['precision']})")
     output.out.print(f"{'layer':>5}  {'score':>10}  {'norm':>6}", markup=False)
     for i, (raw, norm) in enumerate(zip(prof["scores"], prof["normalized"])):

@@ -7,9 +7,12 @@ import sys
 from contextlib import contextmanager
 
 from rich.console import Console
+from rich.markup import escape
 
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+# Text that holds the user's words (model names, paths, prompts) is printed as written: emoji codes
+# off (`tiny:banana:` became a banana), markup escaped (`escape`) or off where a line has none.
+out = Console(highlight=False, soft_wrap=True, emoji=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
 
 
 def human_bytes(n: float) -> str:
@@ -65,11 +68,11 @@ def facts(rows) -> None:
 
 
 def note(msg: str) -> None:
-    err.print(f"[yellow]note:[/yellow] {msg}" if err.is_terminal else f"note: {msg}")
+    err.print(f"[yellow]note:[/yellow] {escape(msg)}" if err.is_terminal else f"note: {msg}", markup=err.is_terminal)
 
 
 def info(msg: str) -> None:
-    err.print(msg)
+    err.print(msg, markup=False)
 
 
 def error(msg: str) -> None:
@@ -82,7 +85,7 @@ def working(title: str):
     """A spinner with the time elapsed while the block runs, on a terminal; the title once, when
     piped."""
     if not err.is_terminal:
-        err.print(title)
+        err.print(title, markup=False)
         yield
         return
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -121,7 +124,7 @@ def step_progress(title: str):
             quarter = 4 * done // max(total, 1)
             if quarter != last[0]:
                 last[0] = quarter
-                err.print(f"{title} {done}/{total} {what}")
+                err.print(f"{title} {done}/{total} {what}", markup=False)
 
         yield update
 

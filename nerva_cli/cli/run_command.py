@@ -12,7 +12,7 @@ import typer
 from nerva_cli.cli.app import app, long_lived_objects
 from nerva_cli.cli.options import (ActiveFraction, Backend, Ctx, KvCache, Mode, NoProfile, Policy, Precision, RamBudget,
                                    Tau, Threads, VramBudget)
-from nerva_cli.errors import NervaError
+from nerva_cli.errors import NervaError, writable_file
 from nerva_cli.hardware.machine import configure_threads
 
 
@@ -67,6 +67,8 @@ def run(
         raise NervaError(f"--ledger-every must be >= 1, got {ledger_every}")
     if raw and system is not None:
         raise NervaError("--system goes into the chat template, which --raw leaves out")
+    if ledger_file is not None:
+        ledger_file = writable_file(ledger_file, "--ledger-file")
     options = EngineOptions(backend=backend, precision=precision, tau=tau, use_profile=not no_profile, mode=mode,
                             active_fraction=active_fraction, ctx=ctx, threads=threads, ram_budget=ram_budget,
                             vram_budget=vram_budget, policy=policy, kv_cache=kv_cache, decodes=max_tokens > 1)

@@ -18,7 +18,7 @@ def _pull(spec: str, quant: str, name: Optional[str], out: Optional[Path], force
     from nerva_cli.runtime.open_engine import model_line, pull_model
 
     model = pull_model(spec, quant, name, out, force, revision, output.CliReporter(), keep_existing)
-    output.out.print(model_line(model))
+    output.out.print(model_line(model), markup=False)
     return model
 
 
@@ -36,14 +36,14 @@ def pull(
     """Fetch a model (HF Hub, local directory or GGUF) and convert it into the store; one already
     there is kept (--force converts it again). An alias takes its variant as ollama's tags:
     smollm2-135m:f16."""
-    from nerva_cli.store.sources.resolve import ALIASES
-    from nerva_cli.store.catalog import VARIANTS
+    from nerva_cli.store.sources.resolve import alias_ref
 
-    alias, _, tag = source.partition(":")
-    if alias in ALIASES and tag.lower() in VARIANTS:
-        if quant not in ("auto", tag.lower()):
+    aliased = alias_ref(source)
+    if aliased is not None:
+        alias, tagged = aliased
+        if tagged != "auto" and quant not in ("auto", tagged):
             raise NervaError(f"{source} and --quant {quant} name two variants: give one")
-        source, quant = alias, tag.lower()
+        source, quant = alias, quant if tagged == "auto" else tagged
     _pull(source, quant, name, None, force, revision, keep_existing=True)
 
 
@@ -63,22 +63,36 @@ def convert(
 
 @app.command("list")
 def list_(json_: Json = False):
-    """List the models in the store."""
+    """List the models in the store, with broken entries and conversions under way."""
     from nerva_cli.cli import output
     from nerva_cli.store import catalog as store
+    from nerva_cli.store.locks import sweep
 
-    models = store.list_models()
+    models, broken = store.inventory()
+    # every row has a status: ok; broken (metadata.json unreadable, files missing or of the wrong
+    # size: `error` says which); writing (a pull under way: its pid) or stale (a killed writer's
+    # leftovers that could not be removed yet)
     rows = [{"name": m.name, "variant": m.variant, "size": m.size, "family": m.config.family,
-             "modified": store.modified(m), "path": str(m.path)} for m in models]
+             "modified": store.modified(m), "path": str(m.path), "status": "ok"} for m in models]
+    rows += [{"name": b.name, "variant": b.variant, "size": None, "family": None,
+              "modified": store.modified_at(b.path), "path": str(b.path), "status": "broken", "error": b.error}
+             for b in broken]
+    rows += [{**t, "family": None, "modified": store.modified_at(Path(t["path"]))} for t in sweep()]
+    rows.sort(key=lambda r: (r["name"], r["variant"]))
     if json_:
         output.print_json(rows)
         return
     if not rows:
-        output.err.print(f"no models in {store.models_root()} (try: nerva pull smollm2-135m)")
+        output.info(f"no models in {store.models_root()} (try: nerva pull smollm2-135m)")
         return
     output.columns(("NAME", "SIZE", "FAMILY", "MODIFIED"),
-                   [(f"{r['name']}:{r['variant']}", output.human_bytes(r["size"]), r["family"], r["modified"])
-                    for r in rows])
+                   [(f"{r['name']}:{r['variant']}", "-" if r["size"] is None else output.human_bytes(r["size"]),
+                     r["family"] if r["status"] == "ok" else r["status"] + (f" (pid {r['pid']})" if "pid" in r else ""),
+                     r["modified"]) for r in rows])
+    for r in rows:
+        if r["status"] == "broken":
+            output.note(f"{r['name']}:{r['variant']} is broken: {r['error']}; `nerva rm {r['name']}:{r['variant']}` "
+                        "removes it, a pull with --force converts it again")
 
 
 @app.command()
@@ -100,7 +114,8 @@ def show(
         if verify and not bad:
             output.out.print(f"verified: {len(m.meta['files'])} files match metadata.json")
     if bad:
-        raise NervaError(f"{m.path}: {len(bad)} file(s) differ from metadata.json: {', '.join(bad)}")
+        raise NervaError(f"{m.path}: {len(bad)} file(s) differ from metadata.json: {', '.join(bad)}; "
+                         f"`{m.repair_command()}` converts the model again")
 
 
 def _print_show(m) -> None:
@@ -109,7 +124,7 @@ def _print_show(m) -> None:
     from nerva_cli.cli import output
 
     cfg = m.config
-    output.out.print(f"[bold]{m.name}:{m.variant}[/bold]  {m.path}")
+    output.out.print(f"[bold]{output.escape(f'{m.name}:{m.variant}')}[/bold]  {output.escape(str(m.path))}")
     output.facts([*((k, _config_fact(v)) for k, v in cfg.to_dict().items()), ("arch_hash", m.meta["arch_hash"]),
                   ("source", f"{m.meta['source'].get('kind')}: {m.meta['source'].get('id')}"),
                   ("size", f"{output.human_bytes(m.size)} in {len(m.meta['files'])} files")])
@@ -134,11 +149,11 @@ def _config_fact(value) -> str:
 
 
 @app.command()
-def rm(models: Annotated[list[str], typer.Argument(help="name or name:variant; a bare name removes every variant.")]):
+def rm(models: Annotated[list[str], typer.Argument(help="name or name:variant; a bare name removes every variant, name:latest the one a bare name runs.")]):
     """Remove models from the store."""
     from nerva_cli.cli import output
     from nerva_cli.store import catalog as store
 
     for ref in models:
-        for removed in store.remove(ref):
-            output.out.print(f"deleted {removed}")
+        for removed in store.remove(ref, say=output.info):
+            output.out.print(f"deleted {removed}", markup=False)

@@ -27,8 +27,7 @@ def no(reason: str, **extra) -> dict:
 
 
 def collect(probe: bool) -> dict:
-    home = store.home()
-    home.mkdir(parents=True, exist_ok=True)
+    home = store.store_dir()
     return {"cpu": cpu(), "memory": memory(), "numa_nodes": numa_nodes(), "storage": storage(home),
             "gpus": gpus(), "gpudirect_storage": gpudirect_storage(), "peer_memory": peer_memory(),
             "probe": run_probe(home) if probe else cached_probe(home)}

@@ -201,4 +201,7 @@ class EngineBase:
         return None
 
     def close(self) -> None:
+        from nerva_cli.store.locks import release
+
         self.weights.close()
+        release(self.model)  # open_engine's hold: rm may remove the model now

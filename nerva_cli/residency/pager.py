@@ -65,12 +65,15 @@ class LayerFileReader:
         after load is caught within that many reads of it."""
         info = self.model.meta["files"][fname]
         path = self._paths.get(fname) or self._paths.setdefault(fname, str(self.model.path / fname))
-        fd = self._open(path)
+        try:
+            fd = self._open(path)
+        except FileNotFoundError:  # `nerva rm` refuses a model a run holds: this was deleted otherwise
+            raise self.model.damaged(path, "deleted while this run read it") from None
         try:
             size = os.lseek(fd, 0, os.SEEK_END)
             if size != info["size"]:
-                raise BadInput(f"{path}: size {size} disagrees with metadata.json ({info['size']}): "
-                               "changed on disk")
+                raise self.model.damaged(path, f"size {size} disagrees with metadata.json ({info['size']}): "
+                                         "changed on disk")
             n = self._reads[fname] = self._reads.get(fname, -1) + 1
             identity = None
             if n % IDENTITY_EVERY == 0:
@@ -78,12 +81,12 @@ class LayerFileReader:
                 identity = (st.st_size, st.st_mtime_ns, st.st_ino)
             got = os.preadv(fd, iov, 0)
             if got < info["size"]:  # O_DIRECT reads of a 4 KB-padded file come whole; a short one is damage
-                raise BadInput(f"{path}: short read ({got} of {info['size']} bytes)")
+                raise self.model.damaged(path, f"short read ({got} of {info['size']} bytes)")
         finally:
             os.close(fd)
         if identity is not None and self._known.get(fname) != identity:
             if hashlib.sha256(iov[0][: info["size"]]).hexdigest() != info["sha256"]:
-                raise BadInput(f"{path}: sha256 disagrees with metadata.json: changed on disk")
+                raise self.model.damaged(path, "sha256 disagrees with metadata.json: changed on disk")
             self._known[fname] = identity
         return info["size"]
 

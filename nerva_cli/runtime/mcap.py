@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from nerva_cli.errors import BadInput
-from nerva_cli.store.catalog import StoredModel, home
+from nerva_cli.store.catalog import StoredModel, home, store_dir
 
 FORMAT = "nerva-profile/1"
 DEFAULT_TAU = 0.7
@@ -253,10 +253,10 @@ def get_profile(model: StoredModel, prompts: list[str] | None = None, backend: s
     if found is not None:
         return found
     prompts = prompts or PROMPTS
+    store_dir("profiles")  # a store nerva cannot write is said before the minutes of measuring
     m = measure(model, prompts, backend=backend, progress=progress)
     profile = build_profile(model, prompts, m)
     path = cache_path(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(dumps(profile))
     os.replace(tmp, path)  # atomic: a reader never sees half a profile

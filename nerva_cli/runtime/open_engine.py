@@ -27,7 +27,7 @@ def pull_model(spec: str, quant: str = "auto", name: str | None = None, out: Pat
     notes: list[str] = []
     with report.progress("converting") as progress:
         model = pull(spec, variant=quant, name=name, out=out, force=force, revision=revision,
-                     progress=progress, notes=notes, keep_existing=keep_existing)
+                     progress=progress, notes=notes, keep_existing=keep_existing, say=report.info)
     for n in notes:
         report.note(n)
     return model
@@ -51,15 +51,15 @@ def find_or_pull(model_ref: str, report: Reporter = SILENT):
     """The stored model `model_ref` names, pulled first if it is an alias (with or without a
     variant) or a path not in the store yet, and converted again where its local file changed."""
     from nerva_cli.store import catalog
-    from nerva_cli.store.sources.resolve import ALIASES, is_source_spec, source_id
+    from nerva_cli.store.sources.resolve import alias_ref, is_source_spec, source_id
 
     try:
         model = catalog.find_model(model_ref)
     except catalog.NotInStore:  # a broken entry is reported as it is, not pulled over
-        alias, _, variant = model_ref.partition(":")
-        if alias in ALIASES and variant.lower() in catalog.VARIANTS:  # smollm2-135m:f16: the bundled GGUF as f16
+        aliased = alias_ref(model_ref)
+        if aliased is not None:  # smollm2-135m:f16: the bundled GGUF as f16
             report.info(f"{model_ref} is not in the store yet: pulling it")
-            return _pull_reported(alias, variant.lower(), report)
+            return _pull_reported(*aliased, report)
         if not is_source_spec(model_ref):
             raise
         # `run ./model.gguf` (or hf.co/USER/REPO) a second time: what the first one converted,
@@ -78,19 +78,8 @@ def find_or_pull(model_ref: str, report: Reporter = SILENT):
     if model.q4_token_table:
         report.note(f"{model.name}:{model.variant} keeps its token table at {model.variant.upper()}, as "
                     f"conversions before Q8_0 tables did (SmolLM2's q4_1: perplexity 26.28 against 24.97 "
-                    f"now); `{repull_command(model)}` converts it anew")
+                    f"now); `{model.repair_command()}` converts it anew")
     return model
-
-
-def repull_command(model) -> str:
-    from shlex import quote
-
-    from nerva_cli.store.sources.resolve import ALIASES
-
-    source = model.meta["source"]
-    spec = model.name if model.name in ALIASES else f"{quote(str(source.get('id')))} --name {quote(model.name)}"
-    revision = f" --revision {quote(source['revision'])}" if source.get("revision") else ""
-    return f"nerva pull {spec}{revision} --quant {model.variant} --force"
 
 
 def profiling_backend(backend: str) -> str:
@@ -144,10 +133,21 @@ def open_engine(model_ref: str, options: EngineOptions, report: Reporter = SILEN
     `building()`: a context manager the engine is made in (nerva's own process keeps the
     collector out of its long-lived objects)."""
     from nerva_cli.planes import resolve
-    from nerva_cli.store.tokenizer import open_tokenizer
+    from nerva_cli.store import locks
 
     backend = resolve(options.backend)
-    model = find_or_pull(model_ref, report)
+    # held until engine.close(): `nerva rm` and `pull --force` refuse this model meanwhile
+    model = locks.hold(find_or_pull(model_ref, report))
+    try:
+        return _open(model, backend, options, report, building)
+    except BaseException:
+        locks.release(model)
+        raise
+
+
+def _open(model, backend: str, options: EngineOptions, report: Reporter, building):
+    from nerva_cli.store.tokenizer import open_tokenizer
+
     ctx = options.ctx
     if options.ctx_given and ctx is not None and ctx > model.config.max_context:
         report.note(f"--ctx {ctx} is past the {model.config.max_context} tokens {model.name} attends over "

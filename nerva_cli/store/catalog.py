@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ VARIANTS = ("q4_0", "q4_1", "f16", "bf16")
 # A bare name picks the first variant the store has in this order: q4_1 exists only where it was
 # asked for or where the source was Q4_1, and then it is the one closer to the source.
 PICK_ORDER = ("q4_1", "q4_0", "f16", "bf16")
+# ollama's tag for "the default": name:latest is the variant a bare name picks
+LATEST = "latest"
 DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16, "u8": np.uint8, "i8": np.int8}
 
 
@@ -32,11 +35,42 @@ def models_root() -> Path:
     return home() / "models"
 
 
+def store_dir(*parts: str) -> Path:
+    """$NERVA_HOME/<parts>, made where missing; a NERVA_HOME that is a file or cannot be written
+    is one line naming it, not a traceback from the first mkdir."""
+    path = home().joinpath(*parts)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BadInput(f"{e.filename or path}: {e.strerror} (the store, NERVA_HOME={home()}, must be a "
+                       "directory nerva can write)") from None
+    return path
+
+
+def check_home() -> None:
+    """What reads the store without writing (list, rm) says so when NERVA_HOME is not a directory,
+    instead of reporting an empty store."""
+    for path in (home(), models_root()):
+        if path.exists() and not path.is_dir():
+            raise BadInput(f"{path}: not a directory (the store, NERVA_HOME={home()}, must be a directory)")
+
+
+def temp_dir(target: Path) -> Path:
+    """Where a conversion writes before it renames into `target`: a dot name with the writer's
+    pid, which tells a later store operation whether its writer is gone (store/locks.sweep)."""
+    return target.parent / f".{target.name}.tmp-{os.getpid()}"
+
+
+TEMP_NAME = re.compile(r"^\.(?P<variant>.+)\.tmp-(?P<pid>\d+)$")
+
+
 def parse_ref(ref: str) -> tuple[str, str | None]:
     """'name:variant' -> (name, variant or None); the variant in any case (llama.cpp's file names
-    say Q4_1)."""
+    say Q4_1); 'name:latest' is a bare name, as in ollama."""
     name, _, variant = ref.partition(":")
     variant = variant.lower()
+    if variant == LATEST:
+        variant = ""
     if variant and variant not in VARIANTS:
         raise BadInput(f"{ref}: unknown variant '{variant}' (variants: {', '.join(VARIANTS)})")
     if not name or "/" in name or name.startswith("."):
@@ -133,7 +167,7 @@ class StoredModel:
         path, info, st = self._stat(fname)
         if self._verified_identities().get(fname) != _identity(st):
             if _sha256(path) != info["sha256"]:
-                raise BadInput(f"{path}: sha256 disagrees with metadata.json (file changed or corrupt)")
+                raise self.damaged(path, "sha256 disagrees with metadata.json (file changed or corrupt)")
             self._remember_verified(fname, st)
         with open(path, "rb") as f:  # copy-on-write: writable arrays, the types compiled kernels take
             pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
@@ -148,10 +182,45 @@ class StoredModel:
         try:
             st = path.stat()
         except FileNotFoundError:
-            raise BadInput(f"{path}: missing") from None
+            raise self.damaged(path, "missing") from None
         if st.st_size != info["size"]:
-            raise BadInput(f"{path}: size {st.st_size} disagrees with metadata.json ({info['size']})")
+            raise self.damaged(path, f"size {st.st_size} disagrees with metadata.json ({info['size']})")
         return path, info, st
+
+    def damaged(self, path, what: str) -> BadInput:
+        """The error for a file of this model that is not what metadata.json says: the file, what
+        is wrong, and the command that converts the model again (the only repair)."""
+        return BadInput(f"{path}: {what}; `{self.repair_command()}` converts the model again")
+
+    def size_damage(self) -> list[str]:
+        """Files missing or of another size than metadata.json says, each as 'file: what': the
+        check a stat per file affords (pull over a model in the store, list); sha256 is for
+        `show --verify` and a file's first load."""
+        bad = []
+        for fname, info in self.meta["files"].items():
+            try:
+                size = (self.path / fname).stat().st_size
+            except FileNotFoundError:
+                bad.append(f"{fname}: missing")
+                continue
+            if size != info["size"]:
+                bad.append(f"{fname}: {size} bytes, metadata.json says {info['size']}")
+        return bad
+
+    def repair_command(self) -> str:
+        """The command that converts this model again from the source metadata.json names: a pull
+        for a model in the store, a convert for a model directory elsewhere."""
+        from shlex import quote
+
+        from nerva_cli.store.sources.resolve import ALIASES
+
+        source = self.meta.get("source", {})
+        revision = f" --revision {quote(source['revision'])}" if source.get("revision") else ""
+        if self.path.resolve().parent.parent != models_root().resolve():
+            return (f"nerva convert {quote(str(source.get('id')))} --quant {self.variant} "
+                    f"--out {quote(str(self.path))} --force")
+        spec = self.name if self.name in ALIASES else f"{quote(str(source.get('id')))} --name {quote(self.name)}"
+        return f"nerva pull {spec}{revision} --quant {self.variant} --force"
 
     def read_bytes(self, fname: str, verify: bool = True, out: np.ndarray | None = None) -> np.ndarray:
         """One file's bytes (into `out`, uint8 of the file's size, when given), after checking
@@ -163,10 +232,10 @@ class StoredModel:
         with open(path, "rb") as f:
             got = f.readinto(memoryview(buf))
         if got != info["size"]:
-            raise BadInput(f"{path}: short read ({got} of {info['size']} bytes)")
+            raise self.damaged(path, f"short read ({got} of {info['size']} bytes)")
         if verify and self._verified_identities().get(fname) != _identity(st):
             if hashlib.sha256(buf).hexdigest() != info["sha256"]:
-                raise BadInput(f"{path}: sha256 disagrees with metadata.json (file changed or corrupt)")
+                raise self.damaged(path, "sha256 disagrees with metadata.json (file changed or corrupt)")
             self._remember_verified(fname, st)
         return buf
 
@@ -236,6 +305,11 @@ def variants_of(name: str) -> list[str]:
     return [v for v in VARIANTS if (root / v / "metadata.json").exists()]
 
 
+def default_variant(have: list[str]) -> str:
+    """The variant a bare name (or name:latest) picks among those the store has."""
+    return next((v for v in PICK_ORDER if v in have), have[0])
+
+
 def find_model(ref: str) -> StoredModel:
     """A store reference ('name' or 'name:variant') or a path to a model directory."""
     as_path = Path(ref).expanduser()
@@ -247,9 +321,10 @@ def find_model(ref: str) -> StoredModel:
         raise NotInStore(str(e)) from None
     have = variants_of(name)
     if not have:
+        check_home()  # a NERVA_HOME that is a file is the news, not an empty store
         raise NotInStore(f"model '{name}' is not in the store ({models_root()}); `nerva pull` it first "
                          "(`nerva list` shows the store)")
-    variant = variant or next((v for v in PICK_ORDER if v in have), have[0])
+    variant = variant or default_variant(have)
     model_dir = models_root() / name / variant
     if not (model_dir / "metadata.json").exists():
         raise NotInStore(f"model '{name}:{variant}' is not in the store ({models_root()}); it has {', '.join(have)}")
@@ -267,35 +342,102 @@ def find_pulled_from(source_id: str) -> StoredModel | None:
                default=None)
 
 
+def _variant_dirs() -> list[Path]:
+    """models/<name>/<variant> directories: a variant's name or one holding metadata.json (not the
+    dot-named directories conversions write in)."""
+    root = models_root()
+    if not root.is_dir():
+        return []
+    return [d for d in sorted(root.glob("*/*")) if not d.name.startswith(".") and not d.parent.name.startswith(".")
+            and d.is_dir() and (d.name in VARIANTS or (d / "metadata.json").exists())]
+
+
 def list_models() -> list[StoredModel]:
     found = []
-    root = models_root()
-    if not root.exists():
-        return found
-    for meta in sorted(root.glob("*/*/metadata.json")):
+    for d in _variant_dirs():
         try:
-            found.append(load_metadata(meta.parent))
+            found.append(load_metadata(d))
         except BadInput:
-            continue  # a broken entry is reported by `show`, not by `list`
+            continue  # a broken entry: inventory() and `nerva list` report it
     return found
 
 
+@dataclass
+class BrokenEntry:
+    """A variant directory of the store that does not load, or whose files are not the sizes
+    metadata.json gives; `error` says which."""
+
+    path: Path
+    error: str
+
+    @property
+    def name(self) -> str:
+        return self.path.parent.name
+
+    @property
+    def variant(self) -> str:
+        return self.path.name
+
+
+def inventory() -> tuple[list[StoredModel], list[BrokenEntry]]:
+    """Every variant directory of the store: the models that load and whose files have the sizes
+    metadata.json gives (a stat per file), and the broken entries, each with why (`nerva list`
+    shows both: a broken one left out of the list looked like one that was never there)."""
+    check_home()
+    good, broken = [], []
+    for d in _variant_dirs():
+        try:
+            model = load_metadata(d)
+        except BadInput as e:
+            broken.append(BrokenEntry(d, str(e)))
+            continue
+        damage = model.size_damage()
+        if damage:
+            broken.append(BrokenEntry(d, f"{d}: {'; '.join(damage)}"))
+        else:
+            good.append(model)
+    return good, broken
+
+
 def modified(model: StoredModel) -> str:
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime((model.path / "metadata.json").stat().st_mtime))
+    return modified_at(model.path)
 
 
-def remove(ref: str) -> list[str]:
-    """Removes one variant, or every variant of a name. Returns what was removed."""
+def modified_at(path: Path) -> str:
+    try:
+        return time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime))
+    except OSError:
+        return "-"
+
+
+def remove(ref: str, say=None) -> list[str]:
+    """Removes one variant, or every variant of a name (name:latest: the one a bare name runs).
+    Returns what was removed. It holds the name's write lock (a pull of the name finishes first)
+    and refuses a variant a run holds (store/locks.exclusive)."""
+    from contextlib import ExitStack
+
+    from nerva_cli.store import locks
+
+    check_home()
     name, variant = parse_ref(ref)
     root = models_root() / name
-    targets = [variant] if variant else variants_of(name)
-    removed = []
-    for v in targets:
-        if (root / v).exists():
-            shutil.rmtree(root / v)
-            removed.append(f"{name}:{v}")
-    if not removed:
+    locks.sweep()
+    present = []
+    if root.is_dir():
+        with locks.writing(name, say):
+            if variant is None and ref.partition(":")[2]:  # name:latest: the variant `run name:latest` runs
+                have = variants_of(name)
+                targets = [default_variant(have)] if have else []
+            else:  # a bare name: every variant directory, broken ones too
+                targets = [variant] if variant else list(VARIANTS)
+            present = [v for v in targets if (root / v).is_dir()]
+            with ExitStack() as held:  # every variant checked before any is removed
+                for v in present:
+                    held.enter_context(locks.exclusive(root / v, f"{name}:{v}"))
+                for v in present:
+                    shutil.rmtree(root / v)
+            if not any(root.iterdir()):
+                root.rmdir()
+    if not present:
         raise NervaError(f"model '{ref}' is not in the store ({models_root()})")
-    if root.exists() and not any(root.iterdir()):
-        root.rmdir()
-    return removed
+    return [f"{name}:{v}" for v in present]

@@ -17,7 +17,8 @@ from nerva_cli.errors import BadInput
 from nerva_cli.model.layout import TABLES, global_files, layer_file, layer_shapes, quantised
 from nerva_cli.model.quant import Q4_KINDS, TABLE_KIND, quantize_blocks
 from nerva_cli.store.sources import Source, SourceTensor, row_order, scaled
-from nerva_cli.store.catalog import ALIGN, FORMAT, VARIANTS, LayerFileWriter
+from nerva_cli.store.catalog import ALIGN, FORMAT, VARIANTS, LayerFileWriter, temp_dir
+from nerva_cli.store.locks import exclusive
 
 ROWS_PER_CHUNK_ELEMS = 1 << 20  # quantise in slices of about 1M weights: bounded temporaries
 EXACT_SOURCE_TYPES = ("f32", "f16", "bf16")
@@ -185,11 +186,11 @@ def convert(source: Source, variant: str, target: Path, force: bool = False,
             if tuple(t.shape) != tuple(want):
                 raise BadInput(f"{t.where or source.origin['id']}: tensor '{canon}' has shape "
                                f"{list(t.shape)}, the config says {list(want)}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = temp_dir(target)
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
         files = {}
         for step, (fname, tensors) in enumerate(plan):
             if progress:
@@ -213,13 +214,19 @@ def convert(source: Source, variant: str, target: Path, force: bool = False,
         if target.exists() or target.is_symlink():
             if not force:  # another process converted it meanwhile: keep its copy, which a run may be reading
                 return target
-            shutil.rmtree(target)
-        os.rename(tmp, target)
+            if not target.is_dir() or target.is_symlink():
+                raise BadInput(f"{target}: not a model directory; nerva replaces only a model directory it wrote")
+            with exclusive(target):  # refused while a run reads it
+                shutil.rmtree(target)
+                os.rename(tmp, target)
+        else:
+            os.rename(tmp, target)
         return target
-    except OSError as e:
+    except OSError as e:  # where the target cannot be written: one line naming the place
         if e.errno == errno.ENOSPC:
             raise BadInput(f"{target}: no space left on the device") from None
-        raise
+        where = f" ({e.filename})" if e.filename and str(e.filename) != str(target) else ""
+        raise BadInput(f"{target}: cannot write the model there: {e.strerror}{where}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         try:

@@ -34,6 +34,19 @@ def bundled_gguf(alias: str) -> Path:
     return found[0]
 
 
+def alias_ref(spec: str) -> tuple[str, str] | None:
+    """(alias, --quant) of an alias with a variant as its tag, as ollama's tags: smollm2-135m:f16
+    -> (smollm2-135m, f16); smollm2-135m:latest -> (smollm2-135m, auto), as the bare alias; None
+    for anything else."""
+    from nerva_cli.store.catalog import LATEST, VARIANTS
+
+    alias, _, tag = spec.partition(":")
+    tag = tag.lower()
+    if alias not in ALIASES or tag not in (*VARIANTS, LATEST):
+        return None
+    return alias, "auto" if tag == LATEST else tag
+
+
 def is_source_spec(spec: str) -> bool:
     """Whether `run MODEL` may treat MODEL as something to pull first: an alias, a path, or a
     Hugging Face repo written as ollama writes one (hf.co/USER/REPO, a tag after ':')."""
@@ -43,10 +56,12 @@ def is_source_spec(spec: str) -> bool:
 def hub_spec(spec: str) -> tuple[str, str | None] | None:
     """(repo id, tag or None) of USER/REPO[:TAG] or hf.co/USER/REPO[:TAG]; None for anything else.
     The tag picks a GGUF file of the repo by its quantisation (Q4_K_M, as ollama takes it)."""
+    from nerva_cli.store.catalog import LATEST
+
     repo, _, tag = _HUB_PREFIX.sub("", spec).partition(":")
     if spec.startswith((".", "/")) or not _REPO_ID.match(repo):
         return None
-    return repo, tag or None
+    return repo, None if tag.lower() == LATEST else tag or None  # :latest is ollama's "no tag"
 
 
 def source_id(spec: str) -> str | None:
