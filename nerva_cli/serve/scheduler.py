@@ -110,7 +110,7 @@ class ModelWorker(threading.Thread):
                     continue
             for slot in busy:  # round robin: one step of each running request
                 self._step(slot)
-        log.info("%s: unloaded (idle for its keep_alive)", self.key)
+        log.info("%s: unloaded", self.key)
         self._close(None)
 
     def _load(self) -> None:
