@@ -1,0 +1,63 @@
+"""`nerva serve`: ollama's and OpenAI's HTTP APIs over the store's models (nerva_cli/serve/)."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Optional
+
+import typer
+
+from nerva_cli.cli.app import app
+from nerva_cli.cli.options import Backend, Ctx, KvCache, Precision, RamBudget, Threads, VramBudget
+from nerva_cli.hardware.machine import configure_threads
+
+
+@app.command(epilog="Examples: nerva serve | nerva serve smollm2-135m --parallel 2 | "
+                    "NERVA_HOST=0.0.0.0:8080 NERVA_API_KEY=secret nerva serve | "
+                    "curl localhost:11435/api/generate -d '{\"model\": \"smollm2-135m\", \"prompt\": \"Hi\"}'")
+def serve(
+    models: Annotated[Optional[list[str]], typer.Argument(metavar="[MODEL]...", show_default=False, help="Models of the store to load at start (/health answers 503 until they are loaded); any other loads on its first request.")] = None,
+    host: Annotated[Optional[str], typer.Option("--host", help="Address to listen on (default: NERVA_HOST's, else 127.0.0.1). Anything but loopback wants --api-key.")] = None,
+    port: Annotated[Optional[int], typer.Option("--port", help="Port (default: NERVA_HOST's, else 11435, beside ollama's 11434; 0: any free one).")] = None,
+    parallel: Annotated[int, typer.Option("--parallel", help="Requests per model that run at once, each on its own engine (its own weights and KV cache).")] = 1,
+    max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait for a slot, over all models; past them a request gets 503 with Retry-After.")] = 512,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", help="Key every request but /health must carry (Authorization: Bearer KEY or X-Api-Key: KEY); default NERVA_API_KEY's.")] = None,
+    keep_alive: Annotated[str, typer.Option("--keep-alive", help="How long an idle model stays loaded, as ollama writes it (5m, 1h, 30s; 0: unload at once; -1: never). A request's keep_alive overrides it.")] = "5m",
+    cors: Annotated[Optional[list[str]], typer.Option("--cors", help="A web origin (https://chat.example.com) allowed besides localhost's (repeatable).")] = None,
+    ctx: Ctx = None,
+    threads: Threads = None,
+    precision: Precision = None,
+    ram_budget: RamBudget = None,
+    vram_budget: VramBudget = None,
+    kv_cache: KvCache = "f16",
+    backend: Backend = "auto",
+):
+    """Serve the store's models over ollama's API (/api) and OpenAI's (/v1)."""
+    threads = configure_threads(threads)
+    from nerva_cli.cli import output
+    from nerva_cli.runtime.options import EngineOptions
+    from nerva_cli.serve.options import DEFAULT_HOST, DEFAULT_PORT, ServeOptions, is_loopback, parse_duration, parse_host
+
+    env_host, env_port = parse_host(os.environ["NERVA_HOST"]) if os.environ.get("NERVA_HOST") else (None, None)
+    engine = EngineOptions(backend=backend, precision=precision, ctx=ctx, threads=threads, ram_budget=ram_budget,
+                           vram_budget=vram_budget, kv_cache=kv_cache)
+    options = ServeOptions(host=host or env_host or DEFAULT_HOST,
+                           port=next(p for p in (port, env_port, DEFAULT_PORT) if p is not None),
+                           parallel=parallel, max_queue=max_queue, api_key=api_key or os.environ.get("NERVA_API_KEY"),
+                           keep_alive=parse_duration(keep_alive, "--keep-alive"), cors=cors or [],
+                           preload=models or [], engine=engine)
+    from nerva_cli.serve.app import serve as run_server
+
+    def say(where: str) -> None:
+        output.info(f"nerva serve: {where}")
+        if options.api_key is not None:
+            output.info("an API key protects it (all but /health): Authorization: Bearer KEY or X-Api-Key: KEY")
+        else:
+            output.info("no API key: whoever reaches the address may use it (--api-key or NERVA_API_KEY sets one)")
+            if not is_loopback(options.host):
+                output.note(f"listening on {options.host}, not loopback, without an API key: anyone on the network "
+                            "can run the models; set --api-key or NERVA_API_KEY")
+
+    code = run_server(options, say=say)
+    if code:
+        raise typer.Exit(code)

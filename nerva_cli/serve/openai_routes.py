@@ -1,0 +1,158 @@
+"""OpenAI's API: /v1/chat/completions and /v1/completions (server-sent events ending in
+`data: [DONE]` when streamed), /v1/models. What nerva does not do yet (tools, logprobs, n > 1,
+penalties other than repeat_penalty) is refused by name rather than ignored."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from nerva_cli.serve import models
+from nerva_cli.serve.errors import ApiError, bad
+from nerva_cli.serve.fields import Fields, json_type
+from nerva_cli.serve.pipeline import (GenRequest, message_list, read_json, sampling, streamed_answer, submit,
+                                      whole_answer)
+
+
+def _request(state, body: Fields, **prompt) -> tuple[GenRequest, bool, bool]:
+    """The fields both endpoints share -> (request, stream, include_usage). Sampling defaults
+    are OpenAI's (temperature 1, top_p 1: the whole distribution); top_k, min_p and
+    repeat_penalty are taken as llama.cpp's server takes them."""
+    body.refuse("n", "one answer per request", allowed=(None, 1))
+    body.refuse("best_of", "one answer per request", allowed=(None, 1))
+    for name in ("frequency_penalty", "presence_penalty"):
+        body.refuse(name, "it does not map onto nerva's penalty; repeat_penalty (llama.cpp's) does it the "
+                          "way nerva samples", allowed=(None, 0, 0.0))
+    body.refuse("tools", "tool calls are not supported yet", allowed=(None, []))
+    body.refuse("functions", "tool calls are not supported yet", allowed=(None, []))
+    body.refuse("tool_choice", "tool calls are not supported yet", allowed=(None, "none"))
+    body.refuse("response_format", "structured (JSON) output", allowed=(None, {"type": "text"}))
+    model = body.string("model")
+    if model is None:
+        raise bad("'model' is required", param="model")
+    limit = body.integer("max_completion_tokens", low=1)
+    limit = body.integer("max_tokens", low=1) if limit is None else limit
+    opts = sampling(temperature=body.number("temperature", 1.0, low=0, high=2),
+                    top_p=body.number("top_p", 1.0, low=0, high=1, low_open=True),
+                    top_k=body.integer("top_k", 0, low=0), min_p=body.number("min_p", 0.0, low=0, high=1),
+                    repeat_penalty=body.number("repeat_penalty", 1.0, low=0, low_open=True),
+                    seed=body.integer("seed", low=0))
+    stream = body.boolean("stream", False)
+    stream_options = body.object("stream_options") or Fields({}, "stream_options")
+    req = GenRequest(model=model, sampling=opts, keep_alive=state.options.keep_alive, max_tokens=limit,
+                     stops=body.stops("stop"), **prompt)
+    return req, stream, stream_options.boolean("include_usage", False)
+
+
+def _usage(result) -> dict:
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.gen_tokens,
+            "total_tokens": result.prompt_tokens + result.gen_tokens,
+            "prompt_tokens_details": {"cached_tokens": 0}}  # no prefix is reused across requests yet
+
+
+def _finish(result) -> str:
+    return "length" if result.reason == "length" else "stop"
+
+
+async def _answer(request: Request, state, req: GenRequest, stream: bool, include_usage: bool, kind: str):
+    """kind: "chat" or "text" (completions)."""
+    job = await submit(state, req)
+    head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": req.model}
+    if not stream:
+        text, result = await whole_answer(state, job, request)
+        choice = {"message": {"role": "assistant", "content": text}} if kind == "chat" else {"text": text}
+        return JSONResponse({**head, "choices": [{"index": 0, **choice, "logprobs": None,
+                                                  "finish_reason": _finish(result)}], "usage": _usage(result)})
+    events = await streamed_answer(state, job, request)
+    if kind == "chat":
+        head["object"] = "chat.completion.chunk"
+
+    def chunk(delta: str | None, finish: str | None, first: bool = False) -> str:
+        if kind == "chat":
+            body = {"delta": ({"role": "assistant", "content": delta} if first else
+                              {} if delta is None else {"content": delta})}
+        else:
+            body = {"text": delta or ""}
+        usage = {"usage": None} if include_usage else {}
+        return _sse({**head, "choices": [{"index": 0, **body, "logprobs": None, "finish_reason": finish}], **usage})
+
+    async def frames():
+        try:
+            if kind == "chat":
+                yield chunk("", None, first=True)
+            async for what, payload in events:
+                if what == "text":
+                    yield chunk(payload, None)
+                    continue
+                yield chunk(None, _finish(payload))
+                if include_usage:
+                    yield _sse({**head, "choices": [], "usage": _usage(payload)})
+            yield "data: [DONE]\n\n"
+        except ApiError as e:  # failed mid-answer: one error event ends the stream
+            yield _sse(e.body(openai=True))
+
+    return StreamingResponse(frames(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _content(value, where: str) -> str:
+    """A message's content: a string, or an array of text parts."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) for p in value):
+        if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in value):
+            raise bad(f"'{where}': only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported", param=where)
+        return "".join(p["text"] for p in value)
+    raise bad(f"'{where}' must be a string or an array of text parts, got {json_type(value)}", param=where)
+
+
+async def chat_completions(request: Request):
+    state = request.app.state.nerva
+    body = Fields(await read_json(request, state.options.max_body))
+    body.refuse("logprobs", "log probabilities are not supported yet", allowed=(None, False))
+    req, stream, usage = _request(state, body, messages=message_list(body.data.get("messages"), _content))
+    return await _answer(request, state, req, stream, usage, "chat")
+
+
+async def completions(request: Request):
+    state = request.app.state.nerva
+    body = Fields(await read_json(request, state.options.max_body))
+    body.refuse("logprobs", "log probabilities are not supported yet")
+    body.refuse("echo", "echoing the prompt", allowed=(None, False))
+    body.refuse("suffix", "fill-in-the-middle", allowed=(None, ""))
+    prompt = body.data.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # a batch of one
+    if not isinstance(prompt, str):
+        raise bad("'prompt' must be a string (or an array of one string)", param="prompt")
+    req, stream, usage = _request(state, body, prompt=prompt)
+    return await _answer(request, state, req, stream, usage, "text")
+
+
+async def list_models(request: Request):
+    found = await asyncio.to_thread(lambda: [models.openai_entry(m) for m in models.stored_models()])
+    return JSONResponse({"object": "list", "data": found})
+
+
+async def get_model(request: Request):
+    _, model = await asyncio.to_thread(models.resolve, request.path_params["model"])
+    return JSONResponse(models.openai_entry(model))
+
+
+ROUTES = [
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+]

@@ -1,0 +1,279 @@
+"""The loaded models and the requests on them.
+
+Engines are not thread-safe, so each loaded model has a worker thread that owns its engines:
+it opens them (open_engine, the budgets `run` uses), takes the model's waiting requests onto
+free engines, and steps its running requests in turn, one engine step each (steps.py), until
+the model has been idle for its keep_alive.
+
+--parallel N gives a model N engines, each with its own KV cache, rather than N slots over one
+engine: the cpu plane binds its compiled decode steps to the arena that holds its KV cache, so
+slots sharing one set of weights need the batching issue's work in the planes. The price is N
+copies of the weights in memory; the gain is that N requests make progress together, none
+waiting for another's whole answer. Steps of different requests (and models) never overlap:
+one compute lock, as one engine step at a time is all the planes offer until batching lands
+(and numba's OpenMP pool and the cores are shared anyway).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from time import perf_counter_ns
+
+from nerva_cli.errors import NervaError
+from nerva_cli.runtime.report import Reporter
+from nerva_cli.serve.errors import ApiError, overloaded
+from nerva_cli.serve.steps import answer_steps
+
+log = logging.getLogger("nerva.serve")
+COMPUTE = threading.Lock()
+
+
+class LogReporter(Reporter):
+    """What open_engine says while a model loads, in the server's log."""
+
+    def __init__(self, key: str):
+        self.key = key
+
+    def info(self, text: str) -> None:
+        log.info("%s: %s", self.key, text)
+
+    def note(self, text: str) -> None:
+        log.warning("%s: %s", self.key, text)
+
+
+class Slot:
+    """One engine and the request on it."""
+
+    def __init__(self, engine):
+        self.engine, self.job, self.steps = engine, None, None
+
+
+class ModelWorker(threading.Thread):
+    def __init__(self, registry: "Registry", key: str, model):
+        super().__init__(name=f"nerva-model-{key}", daemon=True)
+        self.registry, self.key, self.model = registry, key, model
+        self.cond = threading.Condition(registry.lock)  # every worker's state is guarded by the registry's lock
+        self.pending: deque = deque()
+        self.slots: list[Slot] = []
+        self.ready = False
+        self.loaded = threading.Event()  # set when the load ends, well or not (self.error says)
+        self.error: ApiError | None = None
+        self.load_started_ns = perf_counter_ns()
+        self.load_ns = 0
+        self.keep_alive = registry.keep_alive
+        self.expires_at: float | None = None  # monotonic; None: never (or busy)
+
+    @property
+    def running(self) -> int:
+        return sum(s.job is not None for s in self.slots)
+
+    def facts(self) -> dict | None:
+        """What /api/ps shows of a loaded model; None once it is unloading. `expires_at`: a
+        time.monotonic() reading, None for never."""
+        with self.cond:
+            if not self.ready or not self.slots:
+                return None
+            engine = self.slots[0].engine
+            size = sum(s.engine.plan.used_bytes for s in self.slots)
+            expires = self.expires_at
+            if expires is None and self.keep_alive is not None:  # busy: its keep_alive counts from the end
+                expires = time.monotonic() + self.keep_alive
+            return {"ctx": engine.ctx, "size": size, "size_vram": size if engine.backend == "cuda" else 0,
+                    "expires_at": expires}
+
+    # -- the thread ---------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self._load()
+        except Exception as e:  # noqa: BLE001  (every waiting request is told; the server lives on)
+            if isinstance(e, NervaError):
+                log.error("loading %s failed: %s", self.key, e)
+                self.error = ApiError(500, f"loading {self.key} failed: {e}")
+            else:
+                log.exception("loading %s failed", self.key)
+                self.error = ApiError(500, f"loading {self.key} failed (the server's log has the details)")
+            self._close(self.error)
+            self.loaded.set()
+            return
+        while True:
+            with self.cond:
+                self._take_waiting()
+                busy = [s for s in self.slots if s.job is not None]
+                if not busy:
+                    if self._expired():
+                        break
+                    timeout = None if self.expires_at is None else max(0.0, self.expires_at - time.monotonic())
+                    self.cond.wait(timeout)
+                    continue
+            for slot in busy:  # round robin: one step of each running request
+                self._step(slot)
+        log.info("%s: unloaded", self.key)
+        self._close(None)
+
+    def _load(self) -> None:
+        from nerva_cli.runtime.open_engine import SILENT, open_engine
+
+        opts = self.registry.engine_options
+        started = time.perf_counter()
+        # not in cli.app's long_lived_objects: its gc.freeze would keep, for the server's life, the
+        # cyclic garbage of the requests in flight
+        for i in range(self.registry.parallel):
+            engine, _ = open_engine(str(self.model.path), opts, LogReporter(self.key) if i == 0 else SILENT)
+            self.slots.append(Slot(engine))
+        ready = self.slots[0].engine.load_kernels_aside(opts.threads)
+        if ready is not None:  # numba's cached kernels and the sampler's, before the first request
+            ready()
+        with self.cond:
+            self.ready = True
+            self.load_ns = perf_counter_ns() - self.load_started_ns
+            self._set_expiry()
+        self.loaded.set()
+        log.info("%s: loaded in %.2f s (%d engine%s, context %d)", self.key, time.perf_counter() - started,
+                 len(self.slots), "s" * (len(self.slots) > 1), self.slots[0].engine.ctx)
+
+    def _take_waiting(self) -> None:
+        for slot in self.slots:
+            if slot.job is None and self.pending:
+                job = self.pending.popleft()
+                job.started(max(0, self.load_started_ns + self.load_ns - job.arrived_ns))  # 0 where it was loaded
+                slot.job, slot.steps = job, answer_steps(slot.engine, job)
+                self.expires_at = None
+
+    def _step(self, slot: Slot) -> None:
+        job = slot.job
+        try:
+            if job.cancelled:
+                slot.steps.close()
+                log.info("%s: a request was cancelled (its client went away) after %d tokens", self.key, job.made)
+            else:
+                with COMPUTE:
+                    next(slot.steps)
+                return
+        except StopIteration:
+            pass
+        except NervaError as e:  # a request the engine refused (its checks): that request fails alone
+            job.fail(ApiError(400, str(e)))
+        except Exception:  # noqa: BLE001  (a bug: logged with its traceback, the other requests go on)
+            log.exception("%s: a request failed", self.key)
+            job.fail(ApiError(500, "internal server error (the server's log has the details)"))
+        with self.cond:
+            slot.job = slot.steps = None
+            self.keep_alive = job.keep_alive
+            self._set_expiry()
+
+    def _set_expiry(self) -> None:
+        """ollama's rule: the last request's keep_alive counts from the end of its answer."""
+        self.expires_at = None if self.keep_alive is None else time.monotonic() + self.keep_alive
+
+    def _expired(self) -> bool:
+        """Idle past its keep_alive, with nothing waiting: out of the registry at once (under
+        its lock), so that no request is queued here while the engines close."""
+        if self.pending or self.expires_at is None or time.monotonic() < self.expires_at:
+            return False
+        self.registry.workers.pop(self.key, None)
+        return True
+
+    def _close(self, err: ApiError | None) -> None:
+        with self.cond:
+            if self.registry.workers.get(self.key) is self:
+                del self.registry.workers[self.key]
+            waiting, self.pending = list(self.pending), deque()
+            slots, self.slots = self.slots, []
+        for job in waiting:
+            job.fail(err or ApiError(500, f"{self.key} was unloaded"))
+        for slot in slots:
+            slot.engine.close()
+
+    def unload_when_idle(self, keep_alive: float | None) -> None:
+        with self.cond:
+            self.keep_alive = keep_alive
+            if self.ready and self.running == 0:
+                self._set_expiry()
+            self.cond.notify()
+
+
+class Registry:
+    """The models loaded (or loading) and the admission of requests to them."""
+
+    def __init__(self, engine_options, parallel: int, max_queue: int, keep_alive: float | None):
+        self.engine_options, self.parallel, self.max_queue = engine_options, parallel, max_queue
+        self.keep_alive = keep_alive
+        self.lock = threading.Lock()
+        self.workers: dict[str, ModelWorker] = {}
+        self.metrics = None  # set by the app (metrics read this registry's counts)
+
+    def running(self) -> int:
+        with self.lock:
+            return sum(w.running for w in self.workers.values())
+
+    def waiting(self) -> int:
+        with self.lock:
+            return sum(len(w.pending) for w in self.workers.values())
+
+    def _over_slots(self) -> int:
+        """Requests admitted beyond their model's free slots: those the --max-queue bounds."""
+        return sum(max(0, w.running + len(w.pending) - self.parallel) for w in self.workers.values())
+
+    def worker(self, key: str, model) -> ModelWorker:
+        """The model's worker, started (its load begun) where there is none. Under the lock."""
+        w = self.workers.get(key)
+        if w is None:
+            w = self.workers[key] = ModelWorker(self, key, model)
+            log.info("%s: loading", key)
+            w.start()
+        return w
+
+    def submit(self, job, model) -> None:
+        """Queues `job` on its model (loading it first where it is not loaded), or refuses it at
+        once with 503 when no slot is free for it and --max-queue requests already wait."""
+        with self.lock:
+            w = self.workers.get(job.key)
+            if w is not None and w.running + len(w.pending) >= self.parallel and self._over_slots() >= self.max_queue:
+                self.metrics.rejected.inc()
+                raise overloaded()
+            w = self.worker(job.key, model)
+            w.pending.append(job)
+            w.cond.notify()
+
+    def cancel(self, job) -> None:
+        """The client went away: a waiting job leaves the queue now, a running one before its
+        next step."""
+        with self.lock:
+            w = self.workers.get(job.key)
+            if w is not None and job in w.pending:
+                w.pending.remove(job)
+                log.info("%s: a waiting request was cancelled (its client went away)", job.key)
+                return
+            job.cancelled = True
+            if w is not None:
+                w.cond.notify()
+
+    def load(self, key: str, model, keep_alive: float | None) -> ModelWorker:
+        """ollama's load request (a prompt-less generate): the model loaded, its keep_alive set."""
+        with self.lock:
+            w = self.worker(key, model)
+        w.unload_when_idle(keep_alive)
+        return w
+
+    def unload(self, key: str) -> None:
+        """ollama's unload request (keep_alive 0 without a prompt): the model goes once idle."""
+        with self.lock:
+            w = self.workers.get(key)
+        if w is not None:
+            w.unload_when_idle(0)
+
+    def loading(self) -> list[str]:
+        with self.lock:
+            return [k for k, w in self.workers.items() if not w.ready]
+
+    def loaded(self) -> list[ModelWorker]:
+        with self.lock:
+            return [w for w in self.workers.values() if w.ready]
+
+    def close(self) -> None:
+        """At shutdown: every model unloads once idle (the threads are daemons: the process may end first)."""
+        for w in self.loaded():
+            w.unload_when_idle(0)
