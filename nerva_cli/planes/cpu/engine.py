@@ -15,8 +15,8 @@ from time import perf_counter_ns
 
 import numpy as np
 
-from nerva_cli.model import rope
 from nerva_cli.residency.arena import Arena, PrefillWorkspace
+from nerva_cli.model.layer_spec import layer_specs
 from nerva_cli.model.layout import MATRICES, layer_file
 from nerva_cli.model.quant import QK
 from nerva_cli.planes.base import Counters, EngineBase, context_length
@@ -217,13 +217,10 @@ class Engine(EngineBase):
         self.counters = Counters()
         self.k = CountedKernels(get_backend(backend), self.counters)
         self.backend = backend
-        self.glu = self.k.gelu_mul if cfg.activation == "gelu_tanh" else self.k.silu_mul  # gate_up -> act
         self.set_precisions(model, precision, layer_precisions, active_layers)
         self.ctx = context_length(cfg, ctx)
-        self.rope = rope.per_layer(cfg, *rope.tables(cfg, self.ctx))  # layer -> (cos, sin)
-        self.window = cfg.windows  # layer -> its attention window (0: all positions)
+        self.specs = layer_specs(cfg, self.ctx)  # each layer's RoPE tables, window, score cap and GLU
         self.embed_scale = None if cfg.embed_scale is None else np.float32(cfg.embed_scale)
-        self.softcap = cfg.attn_softcap or 0.0  # attention's scores capped (Gemma 2), 0: not
         self.plan = residency_plan(model, self.ctx, ram_budget, importance, self.active, kv_cache, prefill_rows)
         g = {}
         for fname in ("embed.bin", "final_norm.bin", "lm_head.bin"):
@@ -268,7 +265,7 @@ class Engine(EngineBase):
                     self._compile_layer(view, i, view.slot_halves)
 
     def _compile_layer(self, layer: Layer, i: int, into: dict) -> None:
-        halves = self.k.decode_layer_halves(layer, self.a, self.cfg, *self.rope[i], self.window[i],
+        halves = self.k.decode_layer_halves(layer, self.specs[i], self.a, self.cfg,
                                             self.a.kv_base if i in self.ring else None)
         if halves is not None:
             into[i] = (*halves, sum(self._fused_kernels(layer)))
@@ -626,17 +623,17 @@ class Engine(EngineBase):
         if layer.q_norm is not None:
             k.rmsnorm(a.q, layer.q_norm, cfg.rms_eps, a.q)
             k.rmsnorm(a.k, layer.k_norm, cfg.rms_eps, a.k)
-        cos, sin = self.rope[layer.index]
-        k.rope(a.q_rows, a.pos, cos, sin)
-        k.rope(a.k_rows, a.pos, cos, sin)
+        spec = self.specs[layer.index]
+        k.rope(a.q_rows, a.pos, spec.cos, spec.sin)
+        k.rope(a.k_rows, a.pos, spec.cos, spec.sin)
         row = pos - (self.kv_base if layer.index in self.ring else 0)  # the cache row of position pos
         a.k_cache[layer.index][row] = a.k
         a.v_cache[layer.index][row] = a.v
-        kc, vc, window = a.k_cache[layer.index], a.v_cache[layer.index], self.window[layer.index]
+        kc, vc, window = a.k_cache[layer.index], a.v_cache[layer.index], spec.window
         first = max(0, row + 1 - window) if window else 0
         if first:  # a view per call only where a window has moved on
             kc, vc = kc[first:], vc[first:]
-        k.attention_decode(a.q, kc, vc, row + 1 - first, a.attn, a.att_part, self.softcap)
+        k.attention_decode(a.q, kc, vc, row + 1 - first, a.attn, a.att_part, spec.softcap)
         if w4a8:
             self._quantize_input(a.attn_flat)
         self._matvec(m["o"], a.attn_flat, a.o, layer.precision)
@@ -656,7 +653,7 @@ class Engine(EngineBase):
         else:
             self._matvec(m["gate"], a.xn, a.gate, layer.precision)
             self._matvec(m["up"], a.xn, a.up, layer.precision)
-        self.glu(a.gate_up, a.act)
+        (k.gelu_mul if self.specs[layer.index].gelu else k.silu_mul)(a.gate_up, a.act)
         if w4a8:
             self._quantize_input(a.act)
         self._matvec(m["down"], a.act, a.down, layer.precision)
@@ -763,19 +760,19 @@ class Engine(EngineBase):
         if layer.q_norm is not None:
             k.rmsnorm(q, layer.q_norm, cfg.rms_eps, q)
             k.rmsnorm(kk, layer.k_norm, cfg.rms_eps, kk)
-        cos, sin = self.rope[layer.index]
-        k.rope(q, pos, cos, sin)
-        k.rope(kk, pos, cos, sin)
+        spec = self.specs[layer.index]
+        k.rope(q, pos, spec.cos, spec.sin)
+        k.rope(kk, pos, spec.cos, spec.sin)
         slot = layer.index if slot is None else slot
         kc, vc = self.a.k_cache[slot], self.a.v_cache[slot]
         row = start - (self.kv_base if slot in self.ring else 0)  # the cache row of position start
         kc[row:row + T] = kk
         vc[row:row + T] = qkv[:, qd + kvd:].reshape(kk.shape)
         attn = ws.take("attn", T, cfg.num_heads, cfg.head_dim)
-        window = self.window[layer.index]
+        window = spec.window
         first = max(0, row + 1 - window) if window else 0  # the row of the first position any query sees
         k.attention_prefill(q, kc[first: row + T], vc[first: row + T], row - first, attn, ws.bufs["attention"],
-                            window, self.softcap)
+                            window, spec.softcap)
         proj = ws.take("proj", T, h)
         self._dense([m["o"]], attn.reshape(T, -1), p, proj)
         if layer.post_attn_norm is not None:
@@ -784,7 +781,7 @@ class Engine(EngineBase):
         k.rmsnorm(x, layer.mlp_norm, cfg.rms_eps, xn)
         gate_up, act = ws.take("gate_up", T, 2 * f), ws.take("act", T, f)
         self._dense([m["gate_up"]] if "gate_up" in m else [m["gate"], m["up"]], xn, p, gate_up, f)
-        self.glu(gate_up, act)
+        (k.gelu_mul if spec.gelu else k.silu_mul)(gate_up, act)
         self._dense([m["down"]], act, p, proj)
         if taps is not None:
             taps["mlp"] = proj.copy()

@@ -24,7 +24,7 @@ from time import perf_counter_ns
 
 import numpy as np
 
-from nerva_cli.model import rope
+from nerva_cli.model.layer_spec import layer_specs
 from nerva_cli.residency.arena import cache_rows
 from nerva_cli.planes.cuda.launch import (RECENT, Kernels, attention_splits, most_prefill_partials, prefill_splits,
                                      unsupported_shapes)
@@ -336,9 +336,7 @@ class CudaEngine(EngineBase):
         self.embed_t = matrix(g, "embed")
         self.final_norm = g["final_norm"]
         self.head_t = matrix(g, "lm_head") if any(n.startswith("lm_head") for n in g) else self.embed_t
-        self.rope = rope.per_layer(cfg, *rope.tables(cfg, self.ctx), put=dev.upload)  # layer -> (cos, sin)
-        self.window = cfg.windows  # layer -> its attention window (0: all positions)
-        self.softcap = cfg.attn_softcap or 0.0  # attention's scores capped (Gemma 2), 0: not
+        self.specs = layer_specs(cfg, self.ctx, put=dev.upload)  # RoPE tables, window, score cap, GLU
         self.a = DeviceArena(dev, cfg, self.ctx, self.splits[1])
         self.layers: dict[int, DeviceLayer] = {}
         for i in gp.vram.resident_layers:
@@ -415,9 +413,9 @@ class CudaEngine(EngineBase):
         if "q_norm" in t:
             k.rmsnorm(a.q, t["q_norm"], eps, a.q)
             k.rmsnorm(a.k, t["k_norm"], eps, a.k)
-        kc, vc = a.kv[L.index]
-        k.attention_decode(a.q, a.k, a.v, *self.rope[L.index], kc, vc, a.pos, a.part, a.done, a.attn,
-                           cfg.num_heads, self.splits, self.window[L.index], self.softcap)
+        kc, vc, spec = *a.kv[L.index], self.specs[L.index]
+        k.attention_decode(a.q, a.k, a.v, spec.cos, spec.sin, kc, vc, a.pos, a.part, a.done, a.attn,
+                           cfg.num_heads, self.splits, spec.window, spec.softcap)
         if "post_attn_norm" in t:  # o's and down's products normed before their adds, through xn (free then)
             k.matvec(L.mat("o"), a.attn, a.xn, p)
             k.rmsnorm(a.xn, t["post_attn_norm"], eps, a.xn)
@@ -425,7 +423,7 @@ class CudaEngine(EngineBase):
             k.rmsnorm(a.x, t["mlp_norm"], eps, a.xn)
         else:
             k.matvec(L.mat("o"), a.attn, a.x, p, add=True, norm=(t["mlp_norm"], a.xn, eps, a.norm_done))
-        k.glu(L.mat("gate"), L.mat("up"), a.xn, a.act, p, gelu=cfg.activation == "gelu_tanh")
+        k.glu(L.mat("gate"), L.mat("up"), a.xn, a.act, p, gelu=spec.gelu)
         if "post_mlp_norm" in t:
             k.matvec(L.mat("down"), a.act, a.xn, p)
             k.rmsnorm(a.xn, t["post_mlp_norm"], eps, a.xn)
@@ -750,15 +748,15 @@ class CudaEngine(EngineBase):
                 part = qkv[:, lo:hi].copy()
                 k.rmsnorm(part, w, eps, part)
                 qkv[:, lo:hi] = part
-        kc, vc = a.kv[L.index]
-        k.rope_kv_store(flat, flat[qd:], flat[qd + kvd:], stride, a.pos, *self.rope[L.index], T,
+        kc, vc, spec = *a.kv[L.index], self.specs[L.index]
+        k.rope_kv_store(flat, flat[qd:], flat[qd + kvd:], stride, a.pos, spec.cos, spec.sin, T,
                         cfg.num_heads, kc, vc)
         attn = a.pattn[:T]
-        window = self.window[L.index]
+        window = spec.window
         seen = self.n_past + T if not window else min(self.n_past, window) + T  # positions a query block reads, at most
         splits = prefill_splits(T, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, seen, self.dev.sms)
         k.attention_prefill(flat, stride, kc, vc, a.pos, attn, T, cfg.num_heads, splits, a.ppart, a.pdone,
-                            window, self.softcap)
+                            window, spec.softcap)
         self._residual(L.mat("o"), self._half(attn, L.mat("o"), p), x, xn, t.get("post_attn_norm"))
         k.rmsnorm(x, t["mlp_norm"], eps, xn)
         gu = a.pgate_up[:T]
@@ -766,7 +764,7 @@ class CudaEngine(EngineBase):
         self._dense(L.mat("gate"), xh, gu[:, :f])
         self._dense(L.mat("up"), xh, gu[:, f:])
         act = a.pact[:T]
-        (k.gelu_mul if cfg.activation == "gelu_tanh" else k.silu_mul)(gu, act, f, T)
+        (k.gelu_mul if spec.gelu else k.silu_mul)(gu, act, f, T)
         self._residual(L.mat("down"), self._half(act, L.mat("down"), p), x, xn, t.get("post_mlp_norm"))
 
     def _residual(self, m: dict, xh, x, tmp, post_norm) -> None:

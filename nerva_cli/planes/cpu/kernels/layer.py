@@ -129,12 +129,12 @@ def _mlp(o, x, norm, eps, xn, xq, x_pairs, xd, xs, w4a8, gate_w, gate_qs, gate_d
         x[i] += down[i]
 
 
-def decode_layer_halves(layer, a, cfg, cos, sin, window=0, base=None):
+def decode_layer_halves(layer, spec, a, cfg, base=None):
     """For a Q4 layer (W4A8 or W4A16) or exact one over the arena `a`, resident (fused qkv and
     gate/up) or a staging slot's (q, k, v and gate, up apart, as layer.index says now):
     (attention(n_ctx), mlp()), the two halves of its decode step, n_ctx counting this token's
-    position, attention over the last `window` positions where that is not 0, the cache's first
-    row holding position base[0] (None: 0); None for any other layer. The arguments are made
+    position, with the layer's RoPE tables, window, score cap and GLU (its LayerSpec), the cache's
+    first row holding position base[0] (None: 0); None for any other layer. The arguments are made
     here, once: a slot's halves for each layer it may hold."""
     m = layer.mats  # resident: qkv, o, gate_up, down; a slot's: q, k, v, o, gate, up, down
     if layer.precision == "exact" and all(m[n].w is not None for n in m):
@@ -152,12 +152,12 @@ def decode_layer_halves(layer, a, cfg, cos, sin, window=0, base=None):
     gate_up = (*planes(m["gate_up"]), *nothing) if "gate_up" in m else (*planes(m["gate"]), *planes(m["up"]))
     inputs = (a.x, layer.attn_norm, cfg.rms_eps, a.xn, a.xq, x_pairs, a.xd, a.xs, w4a8, *qkv,
               layer.qkv_bias, layer.q_norm, layer.k_norm, a.qkv, cfg.num_heads, cfg.num_kv_heads, a.pos,
-              cos, sin, k_cache, v_cache, _NO_BASE if base is None else base)
+              spec.cos, spec.sin, k_cache, v_cache, _NO_BASE if base is None else base)
     attend = attention_kernel(cfg.num_heads, cfg.num_kv_heads)
     o = (*planes(m["o"]), a.attn_flat, a.xq, x_pairs, a.xd, a.xs, w4a8, True, a.o)
     mlp = (a.o, a.x, layer.mlp_norm, cfg.rms_eps, a.xn, a.xq, x_pairs, a.xd, a.xs, w4a8, *gate_up,
-           a.gate_up, a.act, *planes(m["down"]), a.down, cfg.activation == "gelu_tanh", layer.post_mlp_norm)
-    post_norm, softcap = layer.post_attn_norm, F32(cfg.attn_softcap or 0)
+           a.gate_up, a.act, *planes(m["down"]), a.down, spec.gelu, layer.post_mlp_norm)
+    post_norm, softcap, window = layer.post_attn_norm, F32(spec.softcap), spec.window
 
     def attention(n_ctx):
         _attention_inputs(*inputs)
