@@ -81,8 +81,8 @@ __device__ __forceinline__ void absorb(Partial<NI>& r, const float (&s)[U], cons
 
 // Rows p0, p0 + step, ... < p1 of one head's cache into a warp's partial, ATT_UNROLL rows a
 // round: their K and V rows are loaded before any is used, so a warp has that many rows in
-// flight (one position at a time, decode attention was a chain of dependent loads: about 18 us
-// a layer at 512 cached tokens on an H100, for 2 MB of cache). CAP: scores capped by softcap.
+// flight (one position at a time, decode attention was a chain of dependent loads, far below the
+// memory's bandwidth: docs/perf/code_figures.md). CAP: scores capped by softcap.
 template <int NI, bool CAP>
 __device__ __forceinline__ void attend_rows(const float (&qr)[NI], const u16* kc, const u16* vc, int row, int hd,
                                             float softcap, int p0, int p1, int step, Partial<NI>& r) {
@@ -245,10 +245,10 @@ __device__ __forceinline__ void combine_splits(const float* p, float* out, int s
 // block rotates its q head itself, and the block whose split holds the new position makes that
 // position's K row (rotated) and V row in f16 for itself; the first q head of each kv group's
 // block also stores them in the cache for later launches. (A separate rope_kv_store launch did
-// this before: 60 us of an 8B step in gpu_profile.py on an H100, plus its launch gap.) Each
+// this before, at a cost beyond its launch gap: docs/perf/code_figures.md.) Each
 // block writes its (head, split) partial [m, l, acc[head_dim]] to part and counts itself in
 // done[head]; the head's last block merges them into out and resets the count for the next
-// launch (a separate combine kernel took 3.3 us a layer in gpu_profile.py, mostly its launch).
+// launch (a separate combine kernel's time was mostly its launch).
 // The launch bounds hold both attention kernels to 96 registers, 5 blocks an SM, as before the
 // head-dim template. GEMMA: attend's (attention_decode_gemma for Gemma's layers).
 // (The kernels spell their parameters out: tests/cuda_emu reads them from the source.)

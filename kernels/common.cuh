@@ -85,8 +85,9 @@ __device__ __forceinline__ float rope_at(const float* r, int j, int half, const 
 // once the kernels before have finished and their stores are visible. It then lets the next
 // kernel launch (griddepcontrol.launch_dependents; the next one's own wait still holds it back
 // from this one's results): the next launch's start-up and its blocks' first weight loads
-// overlap this one's work and tail, where a graph otherwise leaves the GPU idle about 2 us a
-// launch (gpu_h100.md). Launched without the attribute, or before sm_90, both do nothing.
+// overlap this one's work and tail, where a graph otherwise leaves the GPU idle between launches
+// (gpu_h100.md; docs/perf/code_figures.md). Launched without the attribute, or before sm_90, both
+// do nothing.
 // The CPU emulation (tests/cuda_emu) checks the rule: a store, or a read not through weights(),
 // before the wait ends the launch with an error.
 __device__ __forceinline__ void wait_prior_kernels() {

@@ -2,8 +2,8 @@
 // MV_MAX_THREADS; the host sizes it to the row's blocks) computes MV_ROWS rows; thread t takes the
 // 32-weight blocks t, t + blockDim.x, ... of every one of its rows. A thread issues all MV_ROWS
 // 16-byte weight loads (and their scales) before it uses any of them: decode reads each weight
-// once, so what bounds it is the bytes in flight per SM (on an H100, with one load in flight at a
-// time this kernel read 507 GB/s of an 8B model's matrices, of about 3000). Rows past the end are
+// once, so what bounds it is the bytes in flight per SM (with one load in flight at a time this
+// kernel read a small part of the bandwidth: docs/perf/code_figures.md). Rows past the end are
 // read as the last row and not stored, so the loads need no predicates. Q4_0 in nerva's two
 // planes: qs [rows, cols/2] (byte j of a block holds element j in its low nibble and j + 16 in
 // its high one), d f16 [rows, cols/32]; Q4_1 adds a third, its offsets m f16 [rows, cols/32]
@@ -23,11 +23,9 @@
 // NVRTC 13.5, sm_75 to sm_90: its 8 rows and row pointers, stored before the loop and reloaded
 // every round, 14 LDL of 611 instructions). Those two take MV_W4A8_MIN_BLOCKS instead: 512
 // threads an SM, 128 registers, no spill for Q4_0 (596 instructions); Q4_1's spilled 112 bytes at
-// 96, 32 at 128, and since q4_rounds none on sm_90 and 8 on sm_75. On an H100 (2026-11-27, scripts/gpu_matvec_sweep.py --precision w4a8 --rows 8 --threads
-// 128) matvec_q4_w4a8 read an 8B step's matrices in 2.29 ms at 4 blocks an SM against 2.56 at 5
-// (q/o 1480 GB/s against 1235, down 2107 against 1881); Q4_1's read them in 2.26 ms (826a8de's
-// lease). At 4 blocks W4A16 would take 121 registers (no spill either way): it read them in 2.32 ms
-// against 2.23 at 5 (same lease, -D MV_MIN_BLOCKS=4), so W4A16 stays at 5.
+// 96, 32 at 128, and since q4_rounds none on sm_90 and 8 on sm_75. matvec_q4_w4a8 read an 8B
+// step's matrices faster at 4 blocks an SM than at 5; at 4 blocks W4A16 would take 121 registers
+// (no spill either way) and read them slower, so W4A16 stays at 5 (docs/perf/code_figures.md).
 // (The exact kernels need fewer registers: a bound would let ptxas spend up to 96 on them.)
 // Bounded at 96, glu_q4_1_w4a8 spills 24 bytes (20 before q4_rounds on sm_75 to sm_89), and Q4_1's
 // W4A16 kernels, which did not spill but for matvec_q4_1_w4a16's 24 on sm_90, spill 8 (matvec)
@@ -43,8 +41,8 @@
 
 // W4A16 turns a code n into the float n - 8 without an int conversion. (float)((int)n - 8) made
 // the loop 1399 instructions per 8 rows of a block, 973 of them integer (I2FP, shift, mask,
-// subtract; scripts/sass_mix.py, sm_90), and the integer pipe issues at half the FP32 rate: at
-// most 2.2 TB/s of weights on an H100 at 1.75 GHz (its best shape, lm_head, measured 1.9).
+// subtract; scripts/sass_mix.py, sm_90), and the integer pipe issues at half the FP32 rate, a
+// bound below the memory's bandwidth (docs/perf/code_figures.md).
 // Instead a nibble n at bits 4s..4s+3 (s < 4), ORed into the bits of 2^23, reads as the float
 // 2^23 + n 16^s, exactly, and subtracting 2^23 + 8 16^s leaves (n - 8) 16^s, exactly: one LOP3
 // and one FADD a weight and a shift per 8, 906 instructions, 327 of them integer (938 with
@@ -179,8 +177,8 @@ __device__ __forceinline__ void tail_loads(const float* out, int i0, int stride,
 
 // The norm that follows a residual add, by the launch's last block once every block has added its
 // rows (a count in *done, reset for the next launch): norm_out[0..n) = out * inv_rms * w, as
-// norm.cu's rmsnorm computes it, without that launch (2.5 to 3 us each, twice a layer, in
-// gpu_profile.py on an H100). n must be a multiple of 4, as rmsnorm's. Each pass over out keeps
+// norm.cu's rmsnorm computes it, without that launch (twice a layer; docs/perf/code_figures.md).
+// n must be a multiple of 4, as rmsnorm's. Each pass over out keeps
 // TAIL_LOADS float4 loads in flight a thread. Its presence costs the W4A16 loop 32 instructions
 // a round (938, not 906, by sass_mix.py: ptxas then recomputes the slots' clamped rows each
 // round), a cost taken because that loop's issue bound stays above memory speed. Every thread of
@@ -464,8 +462,7 @@ extern "C" __global__ void glu_exact(
 // signed codes with no bias to correct, d_w d_x times the exact integer dot. x is quantised before
 // the codes are loaded: with the loads first, ptxas kept x's 32 floats live beside the 64 code
 // registers and, bounded, spilled 224 bytes (sm_90); now 8 on sm_75 and sm_90, none elsewhere
-// (NVRTC 13.5). On an H100 (826a8de's lease) they read an 8B step's matrices in 3.91 (W8A16) and
-// 3.63 ms (W8A8), the 128256-row lm_head at 2911 and 2993 GB/s.
+// (NVRTC 13.5). Their speeds: docs/perf/code_figures.md.
 template <bool A8>
 __device__ __forceinline__ void q8_0(MATRICES, const float* __restrict__ x, int cols, int mode) {
     Slots s = block_slots<false>(ALL_MATRICES, nullptr, nullptr, nullptr);

@@ -2,7 +2,7 @@
 // second norm is fused into the o matvec's store (matvec.cu).
 // A thread holds its NORM_VEC float4s of the row in registers between the sum of squares and the
 // scaling, and issues them all at once: a decode row is one vector, so the kernel is as fast as
-// one round of loads (on an H100 a strided loop of scalar loads took 6.5 us for 4096 floats).
+// one round of loads (a strided loop of scalar loads was slower: docs/perf/code_figures.md).
 // n must be a multiple of 4 and at most 4 * NORM_VEC * blockDim.x.
 #include "common.cuh"
 

@@ -20,7 +20,7 @@ __device__ __forceinline__ float uniform01(unsigned seed, unsigned counter) {
 
 // Passes over the logits keep SCAN_LOADS float4 loads in flight a thread: one block reads them
 // all, so a pass is as fast as its rounds of loads (one float at a time, greedy sampling's
-// argmax took 24 us for 128256 logits on an H100, in gpu_profile.py). x must be 16-byte aligned.
+// argmax was slower: docs/perf/code_figures.md). x must be 16-byte aligned.
 #define SCAN_LOADS 4
 
 // f(v, i) for x[i], i in [c0, c1) in increasing order, the float4s c0 / 4 + k stride (k = 0, 1, ...)

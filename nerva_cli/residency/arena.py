@@ -107,8 +107,7 @@ class Arena:
 # cpu backend's GEMM_SLICE_BYTES each, or its GEMM_MIN_ROWS rows of a wide matrix: 4 MB at
 # 16384 columns), each slice's GEMM following while it is still in cache
 # (a whole 8B-class gate/up matrix is 470 MB). When one GEMM took a whole slice on OpenBLAS's
-# threads: a 512-token prefill of a 4-layer model of Llama-3.2-1B's widths (q4_0, 2 threads,
-# AMD EPYC, 32 MB L3), slices of 1 / 2 / 8 / 32 / 256 MB: 394 / 411 / 432 / 425 / 423 tok/s.
+# threads, 8 MB slices were the fastest of those tried (docs/perf/code_figures.md).
 DEQUANT_SLICE_BYTES = 8 << 20
 
 

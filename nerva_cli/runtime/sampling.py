@@ -81,8 +81,8 @@ class Sampler:
 
 def warm_kernels(vocab: int) -> None:
     """One draw with a repetition penalty, on random logits, so that the sampling kernels compile
-    before an answer (the CLI's warm-up): on a machine's first run their compile (0.7 s on the
-    2-core Zen 4 EPYC) came between the prompt and the answer's first token."""
+    before an answer (the CLI's warm-up): on a machine's first run their compile came between
+    the prompt and the answer's first token (docs/perf/code_figures.md)."""
     sampler = Sampler(SamplingOptions(repeat_penalty=1.1, seed=0), vocab)
     sampler.remember(0)
     sampler(np.random.default_rng(0).standard_normal(vocab, dtype=np.float32))

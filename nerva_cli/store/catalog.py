@@ -114,8 +114,8 @@ class LayerFileWriter:
 # A file's sha256 is checked on its first load, not on every run: the identity (size, mtime,
 # ctime, inode) of each file whose hash matched is kept in this file beside metadata.json, and a
 # file whose identity differs from it is hashed again (a write changes mtime and ctime; utime can
-# set mtime back, not ctime). Hashing SmolLM2 q4_1's 93 MB took 52 ms of every run on the 2-core
-# Zen 4 EPYC (SHA-NI, 1.8 GB/s); an 8B model's 4.7 GB would take 2.6 s. `nerva show --verify`
+# set mtime back, not ctime). Hashing on every run cost every run time, an 8B model's seconds
+# (docs/perf/code_figures.md). `nerva show --verify`
 # always hashes: it is what finds a file that rots in place, which no write marks. (The pager's
 # reader keeps its own identities, per process, for the layers it streams.)
 VERIFIED = ".verified.json"

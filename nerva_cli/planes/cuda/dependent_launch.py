@@ -3,8 +3,8 @@ the driver's cuLaunchKernelEx with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIA
 kernel may start while the one before it in the stream (or in a graph captured from the stream)
 still runs: its blocks are placed and issue their first weight loads meanwhile, and
 kernels/common.cuh's wait_prior_kernels holds back the rest until the kernel before has finished.
-A decode step is 164 launches of about 20 us on Llama-3-8B's shapes, and an H100 left about 2.2
-us between them (docs/perf/gpu_h100.md). CuPy's RawKernel launches through cuLaunchKernel,
+A decode step is many short launches, and the GPU sat idle between them (docs/perf/gpu_h100.md,
+docs/perf/code_figures.md). CuPy's RawKernel launches through cuLaunchKernel,
 which takes no attributes, hence ctypes here.
 
 NERVA_CUDA_PDL=0 launches every kernel CuPy's way instead (the A/B of scripts/gpu_bench.py)."""

@@ -366,10 +366,8 @@ def attention_splits(heads: int, ctx: int, sms: int) -> tuple[int, int]:
     a round). A launch holds `most` (its grid is fixed, as a CUDA graph's is), and the kernel
     uses least until its blocks would take more than ATT_LONG_CHUNK positions each (one round
     of the block's loads), then more of them, up to one wave of ATT_BLOCKS_PER_SM blocks an SM:
-    the rounds spread over more warps instead of lengthening. On an H100 at 8B shapes, 20 blocks
-    a head instead of 9 took attention from 314 to 280 us a step at 512 cached positions (the
-    step graph from 3.06 to 2.95 ms), and the step from 6.14 to 4.35 ms at 7680
-    (docs/perf/gpu_nvidia_h100_80gb_hbm3_826a8de.json)."""
+    the rounds spread over more warps instead of lengthening, which shortened decode steps most
+    at long contexts (docs/perf/code_figures.md)."""
     least = max(1, min(32, _cdiv(2 * sms, heads), ctx // 64))
     return least, max(least, min(32, ATT_BLOCKS_PER_SM * sms // heads, ctx // ATT_LONG_CHUNK))
 

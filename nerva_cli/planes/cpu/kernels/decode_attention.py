@@ -33,8 +33,8 @@ _ATT_SPLIT_BYTES = 256 << 10  # K and V bytes a split of positions covers, at mo
 # widened once for the pack, the pack x block accumulators (24 in AVX-512's 32 registers, 12 in
 # AVX2's 16) stay in registers, and a block's sums are reduced together (_lane_sums; a sum at a
 # time took 8 shuffles and adds a position). A value step takes _ATT_VALUE_CHUNKS vectors of a V
-# row while a row has them (then one), each weight broadcast once for them all (one vector a step:
-# SmolLM2's shape, 900 positions in L2, 24.0 against 21.3 us a layer), and as many positions, up
+# row while a row has them (then one), each weight broadcast once for them all (faster than one
+# vector a step: docs/perf/code_figures.md), and as many positions, up
 # to _ATT_UNROLL, as make 8 accumulators, so the multiply-adds into one sum do not wait on each
 # other.
 _ATT_UNROLL = 4
@@ -45,9 +45,8 @@ def attention_geometry(avx512: bool) -> dict:
     """The decode attention's register geometry for a target with or without AVX-512 (module
     globals, read when the kernel compiles; tests and scripts/cpu_attention_bench.py set the
     other one to build it on this host). Without AVX-512, packs of 3 against 2 (SmolLM2's
-    3-head groups widened K once, not twice) on the 2-core Zen 3, 30 layers' caches, one and two
-    threads: 64 positions 9.3 / 9.6 -> 7.5 / 7.8 us a layer, 260 25.3 / 17.1 -> 18.6 / 13.7, 900
-    78 / 44 -> 56 / 33, 1800 164 / 88 -> 141 / 66."""
+    3-head groups widened K once, not twice) were faster at every context length tried
+    (docs/perf/code_figures.md)."""
     lanes, block, pack = (16, 8, 3) if avx512 else (8, 4, 3)
     return {"_ATT_LANES": lanes, "_ATT_BLOCK": block, "_ATT_PACK": pack,
             "_ATT_SCORES": pack * _ATT_CHUNK}  # a pack's scores for one chunk: the stack buffer's floats
@@ -57,19 +56,13 @@ _geometry = attention_geometry(_AVX512F)
 _ATT_LANES, _ATT_BLOCK, _ATT_PACK = _geometry["_ATT_LANES"], _geometry["_ATT_BLOCK"], _geometry["_ATT_PACK"]
 _ATT_SCORES = _geometry["_ATT_SCORES"]
 # The scores ask the cache for the K rows _ATT_AHEAD_BYTES of rows further on, and for the V rows
-# they score (the values read them next). SmolLM2's shape, 30 layers' caches at 1800 positions (41
-# MB, more than L3), one thread: K 16 rows (6 KB) ahead 66.9 us a layer, 32 rows 62.5, 48 54.7,
-# 64 54.6, 96 56.6, 128 59.7; by bytes, 12, 16, 20 and 24 KB: 60.2, 56.5, 56.1, 58.1. Before a
-# split interleaved its kv heads: no prefetch 98, and 88 without the V rows where 65 with them.
+# they score (the values read them next). The distance is about the best of those tried with
+# caches larger than L3, and the V rows' prefetch paid too (docs/perf/code_figures.md).
 _ATT_AHEAD_BYTES = 16 << 10
 # Both into L2 (prefetcht2), not L1 as the matvecs' (t0): a pass reads a kv head's 128 bytes of
 # each 384-byte row, a stride the hardware prefetchers do not follow, and prefetches into L1 held
-# the misses to L1's few fill buffers. 30 layers' caches at 1800 positions on the 2-core Zen 4
-# EPYC, one and two threads, us a layer (scripts/cpu_attention_bench.py, alternating, two rounds):
-# K and V into L1 200-212 and 96-118, K into L2 130-149 and 67-103, V into L2 154-165 and 81-83,
-# both 114-130 and 61-71; at 4000 positions 437 and 247 -> 251 and 174; 300 positions (in cache)
-# 16.9 and 10.2 -> 14.3 and 12.3. The matvecs' row streams, by contrast, lose with t2: W4A8 from
-# DRAM 131072 x 576 16.1-18.3 -> 12.0 GB/s on one thread.
+# the misses to L1's few fill buffers. The matvecs' row streams, by contrast, lose with t2
+# (docs/perf/code_figures.md).
 _ATT_PREFETCH_LOCALITY = 1
 
 
@@ -314,8 +307,8 @@ def decode_splits(n_ctx, row_bytes, threads):
     """How many splits of the positions attention_decode runs: a multiple of the threads (so
     they share the work evenly), each covering at most _ATT_SPLIT_BYTES of K and V rows
     (row_bytes a position); never more than one a 64-position chunk. Since a split reads all
-    the kv heads of a chunk together, one split a thread measured the same (SmolLM2's shape,
-    1800 positions: 53.8 against 55.6 us a layer on one thread, 32.1 against 31.9 on two)."""
+    the kv heads of a chunk together, one split a thread measured the same
+    (docs/perf/code_figures.md)."""
     by_bytes = (n_ctx * row_bytes + _ATT_SPLIT_BYTES - 1) // _ATT_SPLIT_BYTES
     most = (by_bytes + threads - 1) // threads * threads
     return max(1, min(most, (n_ctx + _ATT_CHUNK - 1) // _ATT_CHUNK))
@@ -324,8 +317,8 @@ def decode_splits(n_ctx, row_bytes, threads):
 def _attention_decode_for(big: int, small: int):
     """The decode attention kernel for query-head packs of `big` and `small` heads
     (pack_sizes), their score and value steps compiled for those sizes alone: compiling every
-    size up to _ATT_PACK took 5.1 s of a machine's first run where SmolLM2's one size takes 3.0-3.2
-    (the 2-core Zen 4 EPYC; its first `nerva run` 16.3-16.5 -> 13.7-14.9 s). numba caches each
+    size up to _ATT_PACK added seconds to a machine's first run (docs/perf/code_figures.md).
+    numba caches each
     pair's kernel apart (the closure's values are part of its cache key)."""
 
     @njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
@@ -340,15 +333,8 @@ def _attention_decode_for(big: int, small: int):
         # rescales to the largest m. The cache is f16 (uint16 bits) or f32, one compiled version each.
         #
         # Against the kernel before (a query head at a time, its K and V rows widened for each head,
-        # sums reduced a position at a time), on the 2-core AMD EPYC, scripts/cpu_attention_bench.py,
-        # the two alternating over two rounds (SmolLM2's shape: 9 heads, 3 kv heads, 64 dims, f16; 30
-        # layers' caches): 1800 positions 111-113 -> 53-58 us a layer on one thread and 60-61 -> 30-34
-        # on two, 300 positions 15.5-16.7 -> 8.5-8.6 and 12.1-12.4 -> 6.7-7.3; one cache of 900
-        # positions (in L2) 38.5-40.0 -> 19.8-20.3. Compiled for AVX2 alone (NUMBA_CPU_NAME=haswell,
-        # before the value steps took 4 vectors) 147 -> 99 and 77 -> 51 at 1800, 17.4 -> 15.8 and
-        # 12.2 -> 11.8 at 300. Taking a split's kv heads one after another instead, each reading its
-        # 128 bytes of every 384-byte row, measured 64-67 us at 1800 on one thread where interleaving
-        # them measured 55, the same session.
+        # sums reduced a position at a time) this about halved a layer's attention, and interleaving
+        # a split's kv heads beat taking them one after another (docs/perf/code_figures.md).
         heads, dim = q.shape
         kv_heads = k_cache.shape[1]
         group = heads // kv_heads

@@ -15,8 +15,8 @@ def warm_marker(kinds: str):
     """A file in numba's cache directory that stands for "a decode step with kernels of these
     kinds (Engine.kernel_kinds) has run since these sources last changed, so their code is on disk".
     compiled_before looks at one kernel; another variant, precision mix or a paged layer calls
-    others, which compiled in the middle of a first answer (a paged SmolLM2's first run here:
-    2.7 s to its first token, 5 tok/s after, against 0.15 s and 26 the next time)."""
+    others, which compiled in the middle of a first answer and slowed it several times over
+    (docs/perf/code_figures.md)."""
     import hashlib
     from pathlib import Path
 
@@ -30,8 +30,7 @@ def compiled_before(decodes: bool = True) -> bool:
     numba's index for `add_rmsnorm`, which only a decode compiles (of any layer: compiled halves
     or kernel by kernel), standing for all of them, or for `_attention_prefill` when the run only
     prefills (`-n 1`). False on a machine's first run, when compiling them takes a while
-    (SmolLM2 on the 2-core Zen 4 EPYC, the run's wall time: 5.5 s for a prefill's, 8 s more for a
-    decode's)."""
+    (docs/perf/code_figures.md)."""
     kernel = add_rmsnorm if decodes else _attention_prefill
     try:
         return bool(kernel._cache._cache_file._load_index())

@@ -15,8 +15,8 @@ from nerva_cli.planes.cpu.kernels.numba_setup import F32, _FAST
 # -- exact variants' matrices, as stored ----------------------------------------------------
 # f16 (IEEE half) or bf16 (the store keeps its bits as uint16), widened to f32 in registers as
 # they are read: half the bytes a decode step streams of a matrix held in f32, and half the RAM.
-# SmolLM2 f16 on the 2-core Zen 4 EPYC (`nerva bench smollm2-135m:f16 --gen-tokens 32`,
-# alternating with the f32 matrices before): decode 55 -> 95 tok/s, peak RSS 785 -> 477 MB.
+# Decode ran markedly faster, in less memory, than with the f32 matrices before
+# (docs/perf/code_figures.md).
 
 @intrinsic
 def _exact_to_f32(typingctx, bits):
@@ -42,10 +42,8 @@ def _exact_bits(w):
 def _matvec_exact(w, x, out):
     # numba's threads, not BLAS's: decode calls this between other kernels' parallel regions, and
     # OpenBLAS's sgemv waiting on its worker while numba's OpenMP worker spins on the other core
-    # held SmolLM2 f16's decode to 7.4 tok/s on the 2-core Zen 4 EPYC (a NumPy dot of 1536x576:
-    # 31 us alone, 8.3 ms right after a numba parallel loop). A kernel of its own, not
-    # _matmul_exact's one-activation case: all of SmolLM2 f16's matrices from DRAM took 8-19%
-    # longer that way on one thread, 7-13% on two.
+    # slowed SmolLM2 f16's decode several times over (docs/perf/code_figures.md). A kernel of its
+    # own, not _matmul_exact's one-activation case: that way took longer on every matrix.
     for r in prange(w.shape[0]):
         row = w[r]
         acc = F32(0)

@@ -25,7 +25,8 @@ from nerva_cli.planes.ref import SHORT_PREFILL_MOST
 # widening) a slice of weight rows into its own scratch and multiplying it while it is in cache.
 # OpenBLAS's own thread pool stays at one thread, so numba's pool is the only one on the cores:
 # OpenBLAS's workers spin-waited after each GEMM on the cores numba's threads wanted, which kept
-# prefill's other kernels serial (a parallel one between GEMMs took 8 ms where it took 0.06 alone).
+# prefill's other kernels serial (a parallel one between GEMMs ran many times slower:
+# docs/perf/code_figures.md).
 
 def _numpy_sgemm() -> int:
     """The address of cblas_sgemm (64-bit integers) in the OpenBLAS that NumPy's wheels ship, its
@@ -130,10 +131,8 @@ def _gemm_exact(sgemm, e, x, out, col, scratch):
 GEMM_SLICE_BYTES = 768 << 10  # a thread's slice of f32 weight rows at most, but for GEMM_MIN_ROWS
 # Fewest rows a slice takes where the scratch holds them: each slice's GEMM packs all of x again,
 # so a wide matrix cut into 768 KB slices (8 to 18 rows at 9216 to 16384 columns) spent its time
-# re-reading x. Q4_0, 250 tokens, two threads, a 2-core Zen 3 (scripts/cpu_gemm_slices.py, best
-# of three): 2048x16384 533 -> 153 ms, 2304x9216 189 -> 99, 2048x8192 128 -> 80; at 48 tokens
-# 69 -> 33, 30 -> 22, 24 -> 16 (one thread 80 -> 64, 42 -> 32, 39 -> 33, where 128 rows were
-# slower again: 79, 43, 33). Matrices up to 3072 columns keep their 768 KB slices.
+# re-reading x; 64 rows were faster on every wide matrix tried, 128 no faster again
+# (docs/perf/code_figures.md). Matrices up to 3072 columns keep their 768 KB slices.
 GEMM_MIN_ROWS = 64
 
 
@@ -191,30 +190,11 @@ def gemm_exact(w, x, out, col, scratch, align):
 def short_prefill_rows(precision: str) -> int:
     """The longest prompt chunk at `precision` that prefill sends through the batch kernels
     (matmul_q4_w4a8, matmul_q4_w4a16, matmul_exact) rather than dequantise + BLAS GEMM, at the
-    threads set: the GEMM pays some 50 ms of dequantising whatever the chunk, then less a token
+    threads set: the GEMM pays a fixed cost of dequantising whatever the chunk, then less a token
     than the batch kernels, and two threads hardly speed a short GEMM where they halve a batch
-    kernel's time.
-    SmolLM2 q4_1 prefill on the 2-core Zen 4 EPYC (best of alternating runs), GEMM against batch
-    kernel, one thread then two:
-    - W4A8 (512-bit dots): 32 tokens 87 / 78 and 94 / 47 ms, 48 tokens 106 / 123 and 119 / 72,
-      64 tokens 129 / 168 and 137 / 99: about 2.4 ms a token and thread;
-    - W4A8 compiled for Zen 3 (NUMBA_CPU_NAME=znver3, AVX2 features, OPENBLAS_CORETYPE=Zen), on
-      the same machine: 16 tokens 56 / 50 and 68 / 32, 24 tokens 62 / 68 and 80 / 42, 32 tokens
-      75 / 104 and 89 / 59, 48 tokens 91 / 147 and 109 / 111: about 3.1 ms a token and thread;
-    - W4A16 (AVX-512F tables; none without): 8 tokens 67 / 35 and 67 / 21, 16 tokens 81 / 75 and
-      78 / 45, 31 tokens 97 / 154 and 98 / 90: its multiply-adds take 16 weights where vpdpbusd
-      takes 64, about 4.8 ms a token. Its bf16 dots (AVX512-BF16) take 32, but four a pair of
-      blocks and activation, where the tables' four activations shared a table: a batch measured
-      a little slower than the tables (see q4_bf16.py), so the same threshold.
-    - exact (matmul_exact, f16 weights widened in registers; the GEMM widens them into prefill's
-      scratch): 4 tokens 56 / 28 and 61 / 16, 8 tokens 61 / 48 and 65 / 26, 16 tokens 68 / 88 and
-      75 / 46, 24 tokens 76 / 125 and 82-160 / 65-71, 32 tokens 85 / 161 and 93-176 / 86-90 ms
-      (SmolLM2 f16, Engine.prefill alone, best of nine; the two-thread GEMM swings from run to
-      run, OpenBLAS's worker meeting numba's spinning one): about 5 ms a token and thread.
-    So per thread 32, 16, 16 and 12 tokens, up to SHORT_PREFILL_MOST.
-    Measured again once the GEMMs ran on numba's threads (0088c53; batch / GEMM, two threads, a
-    slow spell of the machine): W4A8 32 tokens 61 / 118, 64 tokens 112 / 167; W4A16 16 tokens
-    54 / 66, 32 tokens 112 / 110; exact 16 tokens 60 / 83, 32 tokens 103 / 100: the same.
+    kernel's time. The crossing points per thread, measured on SmolLM2 (docs/perf/code_figures.md):
+    W4A8 32 tokens (16 compiled for AVX2), W4A16 16, exact 12, up to SHORT_PREFILL_MOST; W4A16's
+    bf16 dots (AVX512-BF16) are no faster in a batch than its tables, so the same threshold.
     W4A8 on AVX-512BW has no bound: matmul_q4_w4a8's rows-in-lanes kernel is faster than the
     GEMM at every length (see _LANE_ROWS), so every W4A8 chunk takes it."""
     if precision == "w4a8" and _AVX512BW:

@@ -42,10 +42,10 @@ def silu_mul(gate_up, out):
     # silu(g) = g sigmoid(g), the sigmoid from e = exp(-|g|) <= 1: 1 / (1 + e) for g >= 0 and
     # e / (1 + e) below, so the one exp takes a non-positive argument and the loop vectorises
     # (_exp_nonpositive; libm's exp kept it scalar, and so did numba's zero-divisor check, which
-    # error_model="numpy" drops: 1 + e >= 1). 1536 elements: 7.1 -> 1.3 us. Rows of the fused
-    # gate/up output are read in place: prefill copied the halves out first. On one thread in
-    # prefill too: a parallel version saved 3 of a 256-token prompt's 390 ms on two (SmolLM2,
-    # the 2-core Zen 4 EPYC) and cost a first run 1 s more of compiling.
+    # error_model="numpy" drops: 1 + e >= 1), several times faster (docs/perf/code_figures.md).
+    # Rows of the fused gate/up output are read in place: prefill copied the halves out first. On
+    # one thread in prefill too: a parallel version saved little and cost a first run more
+    # compiling.
     _glu(gate_up, out, F32(1), F32(0))
 
 

@@ -19,26 +19,17 @@ from nerva_cli.planes.cpu.kernels.target import _AVX2, _AVX512BW, _AVX512VNNI
 # <8 x i32>, lane j block j's dot; the block scales then come as vectors straight from the planes
 # (<8 x half> of d and m, <8 x float> of the activation's scales), and each row keeps an
 # <8 x float> accumulator. The rows' last blocks, fewer than eight, go two and then one at a time.
-# Against the four-row groups before (scales gathered a half at a time), on the 2-core AMD EPYC
-# (Zen 5), SmolLM2's q4_1 matrices 3072 x 576 and 3072 x 1536, without prefetching: W4A8 22.4 ->
-# 26.4 and 23.3 -> 32.4 GB/s on one thread, 43.4 -> 50.4 and 45.0 -> 62.1 on two. With the
-# prefetch (PREFETCH_BYTES), `nerva bench smollm2-135m` decode: 188-190 -> 220-228 tok/s on one
-# thread, 288-299 -> 321-328 on two.
+# This beat the four-row groups before (scales gathered a half at a time), and the prefetch
+# (PREFETCH_BYTES) added to it (docs/perf/code_figures.md).
 #
 # Where the target has AVX-512BW, W4A8 makes its dots two blocks at a time in 512-bit registers
-# (_dot_u4_s8_pair), with VNNI's vpdpbusd where there is one. Against the 256-bit dots, on the
-# Zen 5, q4_1 3072 x 576 and 1024 x 1536: 26.8 -> 34.8 and 30.8 -> 43.3 GB/s on one thread, 41.9 ->
-# 61.3 and 53.4 -> 72.2 on two (1.21-1.34x without vpdpbusd); decode 188-192 -> 249-257 tok/s on
-# one thread and 283-288 -> 360-366 on two, against the four-row kernel.
+# (_dot_u4_s8_pair), with VNNI's vpdpbusd where there is one, faster than the 256-bit dots, and
+# still without vpdpbusd (docs/perf/code_figures.md).
 #
 # The pair dot then interleaved the two blocks' nibbles with a vpermt2q, a cross-lane shuffle, per
 # row and pair; now the activation comes in that order instead, made once a call (_pair_order),
-# and the codes take a broadcast load, a shift and a mask. On the 2-core Zen 4 EPYC (AVX-512 and
-# VNNI at half width), one thread, in cache, alternating with the shuffle: q4_1 3072 x 576
-# 17.6-18.3 -> 21.0-21.1 GB/s, 576 x 1536 20.6-20.9 -> 22.9-23.0, 960 x 576 17.4-17.9 -> 19.6;
-# 131072 x 576 (47 MB, from DRAM) 13.0-13.6 -> 17.6-17.7; q4_0 likewise (12.8-18.5 -> 14.7-20.4).
-# `nerva bench` decode moved less than this shared machine's drift between runs: w4a8 on one
-# thread, best token rates 115-144 -> 135-151 tok/s, medians 112-137 -> 123-134.
+# and the codes take a broadcast load, a shift and a mask: faster in the matvecs, less than run
+# to run noise in decode (docs/perf/code_figures.md).
 _GROUP = 8
 
 
@@ -134,11 +125,9 @@ def _codes(builder, row, b):
     """Block b's 32 codes (0..15) as <32 x i8>: the 16 low nibbles, then the 16 high ones. The
     16 bytes load into both halves (vbroadcasti128, a load), the upper half's int32 lanes shift
     by 4 (vpsrlvd) and one mask takes both halves' nibbles: two vector operations, where taking
-    the nibbles apart and joining them took four (vpand, vpsrlw, vpand, vinserti128). On the
-    2-core Zen 3 (AVX2), one thread, alternating runs, Q4_0 and Q4_1 W4A8 in cache: 256 x 576
-    9.1-9.4 -> 10.0-10.5 GB/s, 1536 x 576 11.8-12.3 -> 13.5-13.7, 576 x 1536 13.2-13.9 ->
-    15.0-15.9; `nerva bench` q4_1 mixed decode 94-97 -> 98-102 tok/s, 161-167 -> 169-173 on two
-    threads. Hosts with AVX-512BW take this path only for a row's last odd block
+    the nibbles apart and joining them took four (vpand, vpsrlw, vpand, vinserti128), faster on
+    AVX2 (docs/perf/code_figures.md). Hosts with AVX-512BW take this path only for a row's last
+    odd block
     (_dot_u4_s8_pair makes the rest)."""
     v = _load(builder, row, builder.mul(b, ir.Constant(_I64, 16)), _vec(_I8, 16))
     both = builder.bitcast(builder.shuffle_vector(v, v, _lanes(list(range(16)) * 2)), _vec(_I32, 8))

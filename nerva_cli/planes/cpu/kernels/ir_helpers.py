@@ -134,19 +134,12 @@ def _prefetch(builder, base, offset, locality=3):
 # kernels take four at a time).
 #
 # The float kernels prefetch block b of the rows PREFETCH_ROWS further on, or more where rows are
-# short: as many as PREFETCH_BYTES spans. On a 2-core Intel Xeon with a 480 MB L3, SmolLM2 q4_1's
-# decode matrices (55 MB), without -> 8 rows ahead, the same run: W4A8 (then a four-row kernel too)
-# 6.2-12.5 -> 15.3 GB/s on one thread, 21.4-24.6 -> 27.8 on two; W4A16 5.6 -> 9.4 and 15.5 ->
-# 18.2; 12 to 24 rows no better than 8. On the Zen 5 EPYC, a 28 MB Q8_0 lm_head (576-byte rows)
-# read from DRAM, W8A16: 8 rows 33.5-34.2 GB/s on one thread, 16: 39.0-41.3, 24: 40.7-40.8, 32:
-# 37.1-37.7 (the four-row float W8A16 of then; it is an integer kernel now); the four-row W4A16 is
-# bound by its conversions there (18 GB/s whatever the distance).
+# short: as many as PREFETCH_BYTES spans. On SmolLM2's matrices 8 rows ahead were as fast as 12
+# to 24, and much faster than none (docs/perf/code_figures.md).
 #
 # The integer kernels (a row at a time) prefetch PREFETCH_BYTES ahead in the row's codes, which
-# runs on into the thread's next rows. On the Zen 5, a 126 MB q4_1 matrix of 1536 columns from
-# DRAM, W4A8: no prefetch 22.7 GB/s on one thread, 512 bytes 25.1, 2048 28.4, 4096 31.4, 8192
-# 31.9, 16384 31.5; on two 46.1, 48.1, 52.8, 58.4, 59.3, 58.2. Prefetching the scale planes as
-# well measured 1-7% slower.
+# runs on into the thread's next rows. 8192 bytes were about the fastest distance tried;
+# prefetching the scale planes as well was slower (docs/perf/code_figures.md).
 PREFETCH_ROWS = 8
 PREFETCH_BYTES = 8192
 

@@ -25,9 +25,9 @@ import numpy as np  # noqa: E402
 def _refresh_without_optional_imports(target_context) -> None:
     """Loads numba's typing and lowering registries, in numba's order, with two of their imports
     failing fast: they serve nothing here. Its NumPy support probes for scipy's BLAS by importing
-    scipy.linalg: 0.13 s where scipy is installed (as on this project's 2-core EPYC machines).
-    Its cffi support makes a cffi.FFI(), which imports pycparser: 0.03 s where cffi is installed
-    (it was on a Zen 4 EPYC of that kind). No kernel here uses either: their GEMMs call NumPy's
+    scipy.linalg, which is slow where scipy is installed (as on this project's machines). Its
+    cffi support makes a cffi.FFI(), which imports pycparser where cffi is installed
+    (docs/perf/code_figures.md). No kernel here uses either: their GEMMs call NumPy's
     OpenBLAS through an address of their own (_sgemm), and nothing compiled calls a cffi
     function. numba's own np.dot still imports scipy.linalg when one compiles; numba's cffi
     support stays off in this process (it looks for cffi once), while cffi itself imports as
@@ -48,9 +48,8 @@ def _load_numba_registries_only_to_compile() -> None:
     load initialises the runtime alone, and the registries load at the first miss, which numba
     compiles next; a function without a disk cache compiles as before (numba's compiler loads
     them itself, optional imports included). A warm run leaves 62 of numba's modules unimported
-    (cached code's environments still import a dozen, numba.np.arrayobj's among them): `nerva
-    run smollm2-135m -p "Say hi" -n 8` on the 2-core Zen 4 EPYC, eight runs each, alternating,
-    medians 0.96 -> 0.90 s (q4_1), 1.07 -> 0.99 s (f16)."""
+    (cached code's environments still import a dozen, numba.np.arrayobj's among them), which
+    shortens a warm run (docs/perf/code_figures.md)."""
     try:
         from numba.core.caching import Cache
         from numba.core.cpu import CPUContext
@@ -188,4 +187,5 @@ def set_threads(n: int) -> None:
     _threads[0] = n
 
 
-_threads = [numba.get_num_threads()]  # set_threads's, kept here: numba's getter takes 0.7 us a call
+_threads = [numba.get_num_threads()]  # set_threads's, kept here: numba's getter is slow a call
+# (docs/perf/code_figures.md)

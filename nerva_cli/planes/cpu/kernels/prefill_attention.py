@@ -39,8 +39,8 @@ def attention_prefill(q, k, v, start, out, work, window=0, softcap=0.0):
     if k.dtype != F32:
         wide = work[group * T * (n + 2 * dim + 1):]
         k_f32, v_f32 = wide[: n * kv_heads * dim].reshape(k.shape), wide[n * kv_heads * dim: 2 * n * kv_heads * dim]
-        # vcvtph2ps in a vectorised loop: 1792 positions of SmolLM2's K and V (0.7M values) in
-        # 0.05 ms through widen_exact, where NumPy's astype took 1.1
+        # vcvtph2ps in a vectorised loop through widen_exact, many times faster than NumPy's astype
+        # (docs/perf/code_figures.md)
         widen_exact(k.reshape(n, -1), k_f32.reshape(n, -1))
         widen_exact(v.reshape(n, -1), v_f32.reshape(n, -1))
         k, v = k_f32, v_f32.reshape(v.shape)
@@ -98,9 +98,9 @@ def _attention_prefill(sgemm, q, k, v, start, out, work, rows, workers, scale, w
 def _causal_weights(row, seen, scale):
     # The first `seen` scores of a query's row become exp(scale (s - max)), the rest (the future)
     # 0; -> their sum. The max is taken in 8 running maxima (one was a chain of dependent
-    # vmaxss; SmolLM2's last chunk of an 1800-token prompt, [3, 256, 1792], 0.90 -> 0.48 ms with
-    # the scaling moved into the exp). A sliding window's row starts at its first position (the
-    # caller zeroes those before): a start argument here cost SmolLM2's 250-token chunk 2.5x.
+    # vmaxss) with the scaling moved into the exp, about twice as fast (docs/perf/code_figures.md).
+    # A sliding window's row starts at its first position (the caller zeroes those before): a start
+    # argument here was much slower.
     m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = F32(-np.inf)
     j = 0
     while j + 8 <= seen:

@@ -20,9 +20,8 @@ from nerva_cli.planes.cpu.kernels.target import _AVX512BF16, _AVX512BW, _AVX512F
 # block and keeps a <16 x float> accumulator per row, its lanes summed once, at the end, or with
 # AVX-512F a row a call that looks its weights up (_w4a16_row), or with AVX512-BF16 a row a call
 # in bf16 dot products (_w4a16_bf16_row); W4A8 takes a row a call (see integer_dots.py). Against
-# the numba kernels before them (the first IR kernels, four rows a call), all of SmolLM2-135M's
-# q4_0 matvecs on one thread of the 2-core EPYC: W4A8 2.1x (4.3 -> 9.2 GB/s), W4A16 1.8x (3.8 ->
-# 6.9).
+# the numba kernels before them (the first IR kernels, four rows a call), about twice as fast
+# (docs/perf/code_figures.md).
 #
 # m is None for Q4_0 (w = d (q - 8)) and the Q4_1 offsets (w = d q + m) otherwise; the IR is
 # built for one case or the other, so Q4_0 pays nothing for Q4_1.

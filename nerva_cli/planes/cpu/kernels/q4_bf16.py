@@ -29,17 +29,9 @@ from nerva_cli.planes.cpu.kernels.q4_float import _dot_operands, _row_results, _
 # as zero. Per pair of blocks: a load of their 32 code bytes widened to words, a
 # shift, two vpermw, four vdpbf16ps (hi and lo of each half) and one multiply-add by the blocks'
 # scales, where the float tables take two lookups, two multiply-adds and a table a block. Against
-# the float tables (`scripts/cpu_matvec_bench.py --lowering avx512` against the host's, the two
-# alternating) on the 2-core Zen 4 EPYC, one thread then two, GB/s: Q4_1 from the caches 1536 x
-# 576 9.7 -> 13.9 and 18.4 -> 25.5, 576 x 1536 10.0 -> 15.9 and 19.1 -> 28.3, 2048 x 2048 10.4 ->
-# 17.1 and 20.5 -> 33.0, 8192 x 2048 10.4 -> 17.4 and 20.8 -> 33.4, 2048 x 8192 (its 32 KB of
-# split activation fills L1) 10.6 -> 13.2 and 21.3 -> 26.9; Q4_0 1.2-1.5x; from DRAM (--dram)
-# Q4_1 8192 x 2048 9.2-10.0 -> 13.0-14.7 and 20.1 -> 28.5-29.8, 1536 x 576 6.9 -> 8.3 and
-# 9.2-10.1 -> 10.0-11.4. `nerva bench smollm2-135m` decode, W4A16 on every layer: 110-112 ->
-# 142-145 tok/s on one thread, 174-187 -> 243-255 on two; mixed (3 of 30 layers W4A16) 167-170
-# -> 170-176 and 228-253 -> 278-293. A short prompt's batch tiles gain nothing (their table was
-# shared by four activations already): 16 prompt tokens at SmolLM2-1.7B's shapes, one thread,
-# 15.3-15.6 -> 14.5 tok/s.
+# the float tables its matvecs are faster, from the caches and from DRAM, and so is decode; a
+# short prompt's batch tiles gain nothing (their table was shared by four activations already)
+# (docs/perf/code_figures.md).
 #
 # The split activation, `words`: for each pair of blocks (2p, 2p + 1), 128 uint16: hi of elements
 # 0-15 of both blocks (the low nibbles' weights, as the codes widen), then hi of elements 16-31

@@ -17,21 +17,12 @@ from nerva_cli.planes.cpu.kernels.target import _AVX512F
 
 # The float kernels (W4A16, the Q4 dequantisation; W8A16 too, until it took int16 activations)
 # work in <_LANES x float>: one AVX-512 register where the target has them, one AVX2 register
-# where it has not. On the 2-core AMD EPYC (Zen 5), against the <8 x float> IR before, Q4_0
-# W4A16 matvecs of 3072 and 200000 rows x 576:
-# 13.1 -> 22.3 and 13.0 -> 19.4 GB/s on one thread, 25.7 -> 43.3 and 26.0 -> 38.5 on two; Q4_1
-# 11.0 -> 16.9 / 16.3. Compiled for AVX2 alone (NUMBA_CPU_NAME=haswell and NUMBA_CPU_FEATURES
-# without avx512) the 16 lanes split in two were where 8 were, 12.7-12.9 GB/s against 13.0-13.3.
-# On a 2-core AMD EPYC without AVX-512 (Zen 3), <8 x float> and a block's sum as one chain of
-# multiply-adds (so one scale multiply-add a row and block, not one a register) against the split
-# <16 x float> of two chains each, one thread, alternating runs: Q4_1 W4A16 1536 x 576 and 576 x
-# 1536 in cache 6.3-6.5 -> 7.3-7.5 GB/s, Q4_0 6.9-7.1 -> 7.7-8.0; from DRAM (--dram) Q4_1 1536 x
-# 576 5.0-5.1 -> 5.8, 131072 x 576 6.5 -> 7.3-7.4; Q8_0 W8A16 131072 x 576 from DRAM 11.6-11.9 ->
-# 12.0-12.6, 1536 x 576 in cache 15.6-16.3 -> 15.2-15.6. `nerva bench` q4_1 decode, W4A16 on every
-# layer: 62-65 -> 66-68 tok/s on one thread, 109-114 -> 117-120 on two (mixed: within its noise).
-# Not kept, on the Zen 3: scales of eight blocks loaded at once and broadcast from that vector
-# (as _w4a16_row does), as fast from the caches, 0.75x from DRAM for W8A16; vpshufb in place of
-# vpmovzxbd (which llvm-mca -mcpu=znver3 models as three times a shuffle's issue), 3% slower.
+# where it has not: 16 lanes beat the <8 x float> IR before where AVX-512 is. Without it, <8 x
+# float> and a block's sum as one chain of multiply-adds (so one scale multiply-add a row and
+# block, not one a register) beat the split <16 x float> of two chains each in W4A16. Not kept
+# without AVX-512: scales of eight blocks loaded at once and broadcast from that vector (as
+# _w4a16_row does), slower from DRAM for W8A16; vpshufb in place of vpmovzxbd (which llvm-mca
+# -mcpu=znver3 models as three times a shuffle's issue), slower too (docs/perf/code_figures.md).
 _LANES = 16 if _AVX512F else 8
 
 
@@ -199,9 +190,8 @@ def _w4a16_row(typingctx, qs, d, m, x, r):
     int-to-float conversion; acc += w x, over four accumulators (a block's two halves, even and
     odd blocks) so that no multiply-add waits on the one before. A row's scales load 16 blocks at
     a time and are broadcast from that vector; codes are prefetched PREFETCH_BYTES ahead in the
-    row stream, as the integer kernels do. Against the four-row _w4a16_rows on the Zen 5, q4_1
-    matrices 3072 x 576 in L3 and 131072 x 576 from DRAM: 22.1 -> 22.6 and 19.3 -> 21.7 GB/s on
-    one thread, 42.3 -> 41.6 and 37.9 -> 42.3 on two; Q4_0 from DRAM 18.8 -> 23.2 and 38.0 -> 46.4."""
+    row stream, as the integer kernels do. As fast as the four-row _w4a16_rows from L3, faster
+    from DRAM (docs/perf/code_figures.md)."""
     if not _c_arrays(qs, d, m, x):
         return None
     return types.float32(qs, d, m, x, r), _w4a16_codegen(1)
@@ -263,8 +253,7 @@ def _dequantize_q4_row(typingctx, qs, d, m, out, r):
     """Row r of Q4 planes into out's row r in f32, as ref computes it: d (q - 8), or d q + m (a
     multiply, then an add: no FMA, so the same bits). In IR, a block's 32 values a vector of
     _LANES at a time: numba's loop stayed scalar (its stores might alias the codes it reads),
-    32 vmulss a block. 1536 x 576, the output in cache, AMD EPYC (Zen 5): Q4_0 0.224 -> 0.033
-    ms, Q4_1 0.232 -> 0.041."""
+    32 vmulss a block; the IR is several times faster (docs/perf/code_figures.md)."""
     if not _c_arrays(qs, d, m, out):
         return None
     q4_1 = not isinstance(m, types.NoneType)

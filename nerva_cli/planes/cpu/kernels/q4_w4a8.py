@@ -122,15 +122,10 @@ def _w4a8_batch(qs, d, m, xq, x_pairs, xd, xs, out):
 # decode kernel's (_integer_row) step for step: the same integer dots, the same scale products
 # and fused multiply-adds, into the same eight, two and one partial sums (blocks j, j + 8, ...;
 # then the pairs; then the last), added in _hsum's order, so every output equals
-# matvec_q4_w4a8's bit for bit, for any prompt length. Against dequantise + OpenBLAS sgemm
-# (gemm_q4) on the 2-core Zen 4 EPYC, q4_1, 256 activations, two threads, best of seven:
-# 3072 x 576 1.74 ms against 5.15, 576 x 1536 0.83 against 2.47, 4096 x 4096 16.3 against 53.4
-# (the row kernel 4.59, 2.10, 48.8). Below _LANES_FROM activations the row kernel
-# (_w4a8_batch) is faster: a tile's packing and its eight activations cost the same for fewer,
-# and the row kernel takes one activation at a time. Best of nine, q4_1, lanes / row kernel in
-# us, two threads: 3072 x 576 at 1, 8, 12 and 16 activations 241 / 29, 145 / 134, 205 / 216,
-# 200 / 251; 576 x 1536 62 / 15, 71 / 60, 101 / 92, 103 / 113 (one thread: 3072 x 576 at 12
-# 353 / 394, 576 x 1536 159 / 161, at 16 355 / 488 and 160 / 210).
+# matvec_q4_w4a8's bit for bit, for any prompt length. It is about three times as fast as
+# dequantise + OpenBLAS sgemm (gemm_q4) at 256 activations. Below _LANES_FROM activations the row
+# kernel (_w4a8_batch) is faster: a tile's packing and its eight activations cost the same for
+# fewer, and the row kernel takes one activation at a time (docs/perf/code_figures.md).
 _LANE_ROWS = 16
 _LANE_ACTS = 8
 _LANES_FROM = 12
@@ -229,7 +224,7 @@ def _w4a8_lane_tile(typingctx, codes, scales, offsets, xq, xd, xs, out, r0, t0):
         # _integer_row's spans, as 11 classes of blocks each summed apart: j < 8, the groups of
         # eight's lane j (blocks j, j + 8, ...); 8 and 9, the pairs' lanes; 10, the last block.
         # One loop over the classes, so the block's code is generated once: as 11 copies it kept
-        # SmolLM2's first prompt waiting 4.5 s for numba on the 2-core Zen 4 EPYC, as one 1.4-1.9.
+        # SmolLM2's first prompt waiting on numba a few times longer (docs/perf/code_figures.md).
         c8, c2 = ir.Constant(_I64, 8), ir.Constant(_I64, 2)
         groups = builder.lshr(blocks, ir.Constant(_I64, 3))
         tail = builder.sub(blocks, builder.shl(groups, ir.Constant(_I64, 3)))

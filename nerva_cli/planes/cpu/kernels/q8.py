@@ -52,9 +52,7 @@ def _w8a16_row(typingctx, q8, d, xq, xd, r):
     """Row r . x for Q8_0 rows and the Q16 activation x = xd xq: per block, the integer dot
     (exact in int32: 32 products of at most 128 * 32767) times d_w d_x, as ref. The four-row
     float kernel it replaced was bound by its conversions (a vpmovsxbd and a vcvtdq2ps every 8
-    weights): SmolLM2's 49152 x 576 token table from DRAM (scripts/cpu_matvec_bench.py --dram,
-    Zen 3, alternating) took 2.92-3.09 ms on one thread and 1.57-1.71 on two, this 1.77-1.96 and
-    0.98-1.02, as W8A8."""
+    weights); this integer dot is faster, as fast as W8A8 (docs/perf/code_figures.md)."""
     if not _c_arrays(q8, d, xq, xd):
         return None
     return types.float32(q8, d, xq, xd, r), _q8_row_codegen(_dot_s8_s16, 2)

@@ -11,8 +11,8 @@ from nerva_cli.planes.cpu.kernels.numba_setup import F32
 
 # The activation quantiser's arithmetic, shared by decode (codes) and prefill (codes times scale).
 # No fast-math but no-NaN/no-inf: every step stays a correctly rounded IEEE op, so the codes equal
-# ref's, and the flags let LLVM vectorise the max and the branch-free rounding (1.3 -> 0.9 us a
-# 576-wide call, 2.9 -> 1.7 at 1536, numba's dispatch included).
+# ref's, and the flags let LLVM vectorise the max and the branch-free rounding
+# (docs/perf/code_figures.md).
 _Q8_MATH = {"nnan", "ninf"}
 
 
@@ -67,8 +67,7 @@ def quantize_act_q16(x, xq, xd):
 def fake_quantize_q8(x, out):
     # Prefill's W4A8: rows quantised per 32-group as quantize_act_q8 does, then scaled back, so
     # a GEMM over them gives decode's integer products. On one thread: a parallel version saved
-    # 6 of a 256-token prompt's 390 ms on two (SmolLM2 q4_1, the 2-core Zen 4 EPYC) and cost the
-    # first long prompt 0.6 s more of compiling.
+    # little and cost the first long prompt more compiling (docs/perf/code_figures.md).
     for r in range(x.shape[0]):
         for b in range(x.shape[1] // 32):
             g = x[r, 32 * b: 32 * b + 32]
