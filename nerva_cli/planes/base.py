@@ -84,7 +84,6 @@ class EngineBase:
         per_layer = layer_precisions or [self.precision] * cfg.num_layers
         self.active = sorted(set(range(cfg.num_layers) if active_layers is None else active_layers))
         self.layer_precision = {i: per_layer[i] for i in self.active}
-        self._per_layer = per_layer
 
     @property
     def head_precision(self) -> str:

@@ -34,9 +34,8 @@ class CountedKernels:
         from nerva_cli.planes.ref import KERNELS
 
         self.module = backend
-        for name in KERNELS:
-            if hasattr(backend, name):
-                setattr(self, name, _counted(getattr(backend, name), counters))
+        for name in KERNELS:  # every backend has them all: a missing one fails here, not uncounted
+            setattr(self, name, _counted(getattr(backend, name), counters))
 
     def __getattr__(self, name: str):
         return getattr(self.module, name)
@@ -231,7 +230,6 @@ class Engine(EngineBase):
         self.embed = Linear.from_stored(g, "embed")
         self.final_norm = as_f32(g["final_norm"])
         self.lm_head = Linear.from_stored(g, "lm_head") if any(n.startswith("lm_head") for n in g) else self.embed
-        per_layer = self._per_layer
         self.kv_cache = kv_cache
         self.a = Arena(cfg, self.ctx, kv_cache, min(prefill_rows, self.ctx))  # refuses an unknown kv_cache in one line
         self.pw = PrefillWorkspace(cfg, min(prefill_rows, self.ctx), self.ctx)
@@ -241,7 +239,7 @@ class Engine(EngineBase):
         self.n_past = 0
         self.phase_ns = dict.fromkeys(PHASES, 0)
         self.policy = policy
-        resident = {i: Layer.from_stored(i, model.read_file(layer_file(i)), per_layer[i])
+        resident = {i: Layer.from_stored(i, model.read_file(layer_file(i)), self.layer_precision[i])
                     for i in self.plan.resident_layers}
         if self.plan.paged_layers:
             from nerva_cli.residency.pager import PagedWeights
