@@ -24,13 +24,14 @@ def resolve(ref) -> tuple[str, object]:
 
     if not isinstance(ref, str) or not ref.strip():
         raise ApiError(400, "'model' must name a model (a string such as smollm2-135m:q4_0)", param="model")
-    bare = ref.removesuffix(":latest")
     try:
-        name, variant = catalog.parse_ref(bare)
+        name, variant = catalog.parse_ref(ref)  # name:latest is the bare name
     except BadInput:
         raise not_found(ref) from None
     have = catalog.variants_of(name)
-    variant = variant or next((v for v in catalog.PICK_ORDER if v in have), None)
+    if not have:
+        raise not_found(ref)
+    variant = variant or catalog.default_variant(have)
     if variant not in have:
         raise not_found(ref)
     try:  # a directory, so that find_model never takes the name for a path of the server's
