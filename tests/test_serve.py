@@ -159,8 +159,9 @@ def test_openai_stream_equals_whole_at_temperature_0(a):
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert whole.choices[0].message.content == streamed and streamed.strip()
     assert whole.choices[0].finish_reason == chunks[-2].choices[0].finish_reason == "length"
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
-    usage = whole.usage
+    assert chunks[-1].choices == []
+    usage = whole.usage  # (the second's cached_tokens differ: it found the first's prompt in the cache)
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (usage.prompt_tokens, 12)
     assert usage.completion_tokens == 12 and 10 < usage.prompt_tokens < 100
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
@@ -180,6 +181,26 @@ def test_ollama_stream_equals_whole_with_timings(a):
         assert r.prompt_eval_duration + r.eval_duration <= r.total_duration < 60e9
     chat = client.chat(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], options=options)
     assert chat.message.role == "assistant" and chat.message.content == whole.response  # the same template
+
+
+def test_a_conversation_reuses_the_cache(a):
+    """A request whose prompt starts as an earlier one's did (the same chat, its next turn) is
+    not prefilled again where an engine's cache holds that start, and answers the same."""
+    client = oa(a)
+    hits = metric(a, "nerva_prefix_cache_hit_tokens_total")
+    messages = [{"role": "user", "content": "Describe a lighthouse at night in one line."}]
+    first, again = (client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+                    for _ in range(2))
+    assert again.choices[0].message.content == first.choices[0].message.content
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached == again.usage.prompt_tokens - 1  # all but the last, whose logits the answer needs
+    assert first.usage.prompt_tokens_details.cached_tokens < cached
+    follow = messages + [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": "And by day?"}]
+    turn = client.chat.completions.create(model=MODEL, messages=follow, max_tokens=4, temperature=0)
+    assert turn.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    total = sum(r.usage.prompt_tokens_details.cached_tokens for r in (first, again, turn))
+    assert metric(a, "nerva_prefix_cache_hit_tokens_total") - hits == total
 
 
 def test_same_seed_same_text(a):

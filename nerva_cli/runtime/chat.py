@@ -4,7 +4,7 @@ KV cache for the part of the token sequence that did not change since the last t
 from __future__ import annotations
 
 from nerva_cli.errors import NervaError
-from nerva_cli.runtime.generate import GenerationStats, generate
+from nerva_cli.runtime.generate import GenerationStats, generate, reuse_prefix
 from nerva_cli.runtime.sampling import Sampler, SamplingOptions
 
 
@@ -73,13 +73,7 @@ class ChatSession:
 
     def answer(self, user_text: str, write) -> GenerationStats:
         ids = self._prompt_ids(user_text)
-        common = 0
-        for a, b in zip(self.cached, ids):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(ids) - 1)  # at least one token must be prefilled for logits
-        common = self.engine.truncate(common)  # fewer where a sliding window's cache lost them
+        common = reuse_prefix(self.engine, self.cached, ids)
         decoder = self.tok.stream_decoder()
         room = self.engine.ctx - len(ids)
         out, stats = generate(self.engine, ids[common:], self.sampler, min(self.max_tokens, room),

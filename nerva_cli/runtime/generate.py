@@ -61,6 +61,23 @@ class StopMatcher:
         return out
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def reuse_prefix(engine, cached: list[int], ids: list[int]) -> int:
+    """Keeps in `engine`'s cache the longest start of `ids` it already holds (`cached`: the
+    tokens its cache holds, in order) and forgets the rest; -> how many positions were kept,
+    so that ids[kept:] is what is left to prefill (at least one token, for the logits)."""
+    # fewer where a sliding window's cache lost them
+    return engine.truncate(min(common_prefix(cached, ids), len(ids) - 1))
+
+
 def _host_tokens(engine, prompt_ids: list[int], sampler: Sampler, stats: GenerationStats, ledger=None):
     """Prefill, then decode and sample on the host, one token at a time."""
     t0 = time.perf_counter()

@@ -17,6 +17,7 @@ class Result:
 
     reason: str  # eos, stop (a stop string), length
     prompt_tokens: int
+    cached_tokens: int  # of the prompt's, those its engine's cache already held (not prefilled again)
     gen_tokens: int
     total_ns: int  # arrival to the end, waiting included
     load_ns: int  # waiting for the model to load (0 where it was loaded)
@@ -43,6 +44,7 @@ class Job:
     first_ns: int = 0
     last_ns: int = 0
     made: int = 0
+    cached_tokens: int = 0
 
     # -- the worker's side: called on its thread, each hands an event to the loop -----------
     def _push(self, kind: str, payload) -> None:
@@ -54,6 +56,11 @@ class Job:
     def started(self, waited_for_load_ns: int) -> None:
         self.load_ns = waited_for_load_ns
         self.started_ns = perf_counter_ns()
+
+    def reused(self, tokens: int) -> None:
+        """The prompt's first `tokens` were in the engine's cache already."""
+        self.cached_tokens = tokens
+        self.metrics.prefix_cache_hit_tokens.inc(tokens)
 
     def token(self, text: str, answer: bool = True) -> None:
         """A token was sampled; `text` is what it adds to the answer (possibly ""). An end of
@@ -79,7 +86,8 @@ class Job:
     def finish(self, reason: str) -> None:
         now = perf_counter_ns()
         first = self.first_ns or now
-        self._push("done", Result(reason, len(self.prompt_ids), self.made, now - self.arrived_ns, self.load_ns,
+        self._push("done", Result(reason, len(self.prompt_ids), self.cached_tokens, self.made, now - self.arrived_ns,
+                                  self.load_ns,
                                   first - (self.started_ns or first), (self.last_ns or first) - first))
 
     def fail(self, err: ApiError) -> None:

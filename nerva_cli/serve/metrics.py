@@ -27,6 +27,9 @@ class Metrics:
         self.rejected = Counter("nerva_requests_rejected", "Requests refused with 503 because the queue was full",
                                 registry=r)
         self.prompt_tokens = Counter("nerva_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.prefix_cache_hit_tokens = Counter(
+            "nerva_prefix_cache_hit_tokens", "Prompt tokens an engine's cache already held, so not prefilled again",
+            registry=r)
         self.generated_tokens = Counter("nerva_generated_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("nerva_time_to_first_token_seconds",
                               "From a request's arrival to its first token (queueing and loading included)",

@@ -53,7 +53,7 @@ def _request(state, body: Fields, **prompt) -> tuple[GenRequest, bool, bool]:
 def _usage(result) -> dict:
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.gen_tokens,
             "total_tokens": result.prompt_tokens + result.gen_tokens,
-            "prompt_tokens_details": {"cached_tokens": 0}}  # no prefix is reused across requests yet
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
 
 
 def _finish(result) -> str:

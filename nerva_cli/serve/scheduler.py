@@ -24,6 +24,7 @@ from time import perf_counter_ns
 
 from nerva_cli.errors import NervaError
 from nerva_cli.runtime.report import Reporter
+from nerva_cli.runtime.generate import common_prefix
 from nerva_cli.serve.errors import ApiError, overloaded
 from nerva_cli.serve.steps import answer_steps
 
@@ -45,10 +46,12 @@ class LogReporter(Reporter):
 
 
 class Slot:
-    """One engine and the request on it."""
+    """One engine, the request on it, and the tokens its KV cache holds (the last answer's
+    prompt and reply), which the next request may start from."""
 
     def __init__(self, engine):
         self.engine, self.job, self.steps = engine, None, None
+        self.cached: list[int] = []
 
 
 class ModelWorker(threading.Thread):
@@ -135,12 +138,17 @@ class ModelWorker(threading.Thread):
                  len(self.slots), "s" * (len(self.slots) > 1), self.slots[0].engine.ctx)
 
     def _take_waiting(self) -> None:
-        for slot in self.slots:
-            if slot.job is None and self.pending:
-                job = self.pending.popleft()
-                job.started(max(0, self.load_started_ns + self.load_ns - job.arrived_ns))  # 0 where it was loaded
-                slot.job, slot.steps = job, answer_steps(slot.engine, job)
-                self.expires_at = None
+        """The waiting requests, first come first served, each onto the free engine whose cache
+        holds the longest start of its prompt (a chat's next turn finds its conversation)."""
+        while self.pending:
+            free = [s for s in self.slots if s.job is None]
+            if not free:
+                return
+            job = self.pending.popleft()
+            slot = max(free, key=lambda s: common_prefix(s.cached, job.prompt_ids))
+            job.started(max(0, self.load_started_ns + self.load_ns - job.arrived_ns))  # 0 where it was loaded
+            slot.job, slot.steps = job, answer_steps(slot.engine, job, slot.cached)
+            self.expires_at = None
 
     def _step(self, slot: Slot) -> None:
         job = slot.job
@@ -155,14 +163,22 @@ class ModelWorker(threading.Thread):
         except StopIteration:
             pass
         except NervaError as e:  # a request the engine refused (its checks): that request fails alone
+            self._forget(slot)
             job.fail(ApiError(400, str(e)))
         except Exception:  # noqa: BLE001  (a bug: logged with its traceback, the other requests go on)
             log.exception("%s: a request failed", self.key)
+            self._forget(slot)
             job.fail(ApiError(500, "internal server error (the server's log has the details)"))
         with self.cond:
             slot.job = slot.steps = None
             self.keep_alive = job.keep_alive
             self._set_expiry()
+
+    @staticmethod
+    def _forget(slot: Slot) -> None:
+        """After a step that failed, what the cache holds is not known: the next request starts afresh."""
+        slot.cached.clear()
+        slot.engine.reset()
 
     def _set_expiry(self) -> None:
         """ollama's rule: the last request's keep_alive counts from the end of its answer."""
