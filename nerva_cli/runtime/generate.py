@@ -70,12 +70,13 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def reuse_prefix(engine, cached: list[int], ids: list[int]) -> int:
+def reuse_prefix(engine, cached: list[int], ids: list[int], unit: int = 1) -> int:
     """Keeps in `engine`'s cache the longest start of `ids` it already holds (`cached`: the
-    tokens its cache holds, in order) and forgets the rest; -> how many positions were kept,
-    so that ids[kept:] is what is left to prefill (at least one token, for the logits)."""
-    # fewer where a sliding window's cache lost them
-    return engine.truncate(min(common_prefix(cached, ids), len(ids) - 1))
+    tokens its cache holds, in order), in whole multiples of `unit` tokens, and forgets the
+    rest; -> how many positions were kept, so that ids[kept:] is what is left to prefill (at
+    least one token, for the logits)."""
+    keep = min(common_prefix(cached, ids), len(ids) - 1)
+    return engine.truncate(keep - keep % unit)  # fewer where a sliding window's cache lost them
 
 
 def _host_tokens(engine, prompt_ids: list[int], sampler: Sampler, stats: GenerationStats, ledger=None):

@@ -46,12 +46,12 @@ class LogReporter(Reporter):
 
 
 class Slot:
-    """One engine, the request on it, and the tokens its KV cache holds (the last answer's
-    prompt and reply), which the next request may start from."""
+    """One engine, the request on it, and the prompt its KV cache holds (steps.answer_steps),
+    which the next request may start from."""
 
     def __init__(self, engine):
         self.engine, self.job, self.steps = engine, None, None
-        self.cached: list[int] = []
+        self.prompt: list[int] = []
 
 
 class ModelWorker(threading.Thread):
@@ -139,15 +139,16 @@ class ModelWorker(threading.Thread):
 
     def _take_waiting(self) -> None:
         """The waiting requests, first come first served, each onto the free engine whose cache
-        holds the longest start of its prompt (a chat's next turn finds its conversation)."""
+        holds the most whole chunks of its prompt's start (a chat's next turn finds its
+        conversation)."""
         while self.pending:
             free = [s for s in self.slots if s.job is None]
             if not free:
                 return
             job = self.pending.popleft()
-            slot = max(free, key=lambda s: common_prefix(s.cached, job.prompt_ids))
+            slot = max(free, key=lambda s: common_prefix(s.prompt, job.prompt_ids) // s.engine.prefill_chunk)
             job.started(max(0, self.load_started_ns + self.load_ns - job.arrived_ns))  # 0 where it was loaded
-            slot.job, slot.steps = job, answer_steps(slot.engine, job, slot.cached)
+            slot.job, slot.steps = job, answer_steps(slot.engine, job, slot.prompt)
             self.expires_at = None
 
     def _step(self, slot: Slot) -> None:
@@ -177,7 +178,7 @@ class ModelWorker(threading.Thread):
     @staticmethod
     def _forget(slot: Slot) -> None:
         """After a step that failed, what the cache holds is not known: the next request starts afresh."""
-        slot.cached.clear()
+        slot.prompt.clear()
         slot.engine.reset()
 
     def _set_expiry(self) -> None:

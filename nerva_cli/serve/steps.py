@@ -9,28 +9,31 @@ from nerva_cli.runtime.generate import StopMatcher, reuse_prefix
 from nerva_cli.runtime.sampling import Sampler
 
 
-def answer_steps(engine, job, cached: list[int]) -> Iterator[None]:
+def answer_steps(engine, job, prompt: list[int]) -> Iterator[None]:
     """A generator: each next() runs one engine step, a prefill chunk or a decode step, and
     reports to `job` what it made; it returns when the answer ends (after job.finish).
 
-    `cached` is what the engine's cache holds (the tokens, in order), kept true as the cache
-    changes: the prompt's start that it already holds is not prefilled again (job.cached_tokens
-    says how much), as llama.cpp's server reuses a slot's cache.
+    `prompt` holds the tokens of the engine's cache that prefill chunks made, kept true here:
+    whole chunks of them that start this job's prompt too are not prefilled again
+    (job.cached_tokens says how many), as llama.cpp's server reuses a slot's cache. Only whole
+    chunks, never rows a decode step or a shorter chunk made: a row's numbers depend on the
+    kernels that made it (short chunks take the matvecs', long ones the GEMMs'), and an answer
+    must not depend on what the engine ran before it (a seed gives the same text).
 
     The engine samples on the host here even where it could on its device (cuda's `stream`):
     a device stream queues steps ahead of the host, which cannot be interleaved with another
     request's."""
     ids = job.prompt_ids
-    kept = reuse_prefix(engine, cached, ids)
-    del cached[kept:]
+    chunk = engine.prefill_chunk
+    kept = reuse_prefix(engine, prompt, ids, unit=chunk)
+    del prompt[kept:]
     job.reused(kept)
     sampler = Sampler(job.sampling, engine.cfg.vocab_size)
-    chunk = engine.prefill_chunk
     for start in range(kept, len(ids), chunk):
         if start > kept:
             yield  # between chunks: a long prompt does not hold up the other requests' tokens
         logits = engine.prefill(ids[start:start + chunk])
-        cached.extend(ids[start:start + chunk])
+        prompt.extend(ids[start:start + chunk])
     token = sampler(logits)
     eos = job.tokenizer.eos_ids
     decoder, matcher = job.tokenizer.stream_decoder(), StopMatcher(job.stops)
@@ -50,9 +53,7 @@ def answer_steps(engine, job, cached: list[int]) -> Iterator[None]:
             reason = "length"
             break
         yield
-        logits = engine.decode(token)
-        cached.append(token)
-        token = sampler(logits)
+        token = sampler(engine.decode(token))
     if reason != "stop":
         job.text(matcher.feed(decoder.flush())[0] + matcher.flush())
     job.finish(reason)
