@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 KEY = "test-key-5f2c"
 MODEL = "smollm2-135m:q4_1"  # the variant whose MCAP profile ships (no profiling at start)
 OTHER = "smollm2-135m:f16"
+TWINS = ("twin:q4_1", "triplet:q4_1")
 COUNTING = "1, 2, 3, 4, 5,"  # SmolLM2 counts on from here, for hundreds of tokens with LONG's options
 LONG = {"temperature": 0, "repeat_penalty": 1.0}  # (ollama's default penalty, 1.1, ends it in some 50)
 # a first start on a machine compiles the CPU kernels (a minute or more on 2 busy cores); later
@@ -94,8 +95,14 @@ def store_home(smollm2_store, tmp_path_factory):
         shutil.copytree(source, target, copy_function=os.link, ignore=lambda d, names: ["metadata.json"])
         meta = json.loads((source / "metadata.json").read_text())
         (target / "metadata.json").write_text(json.dumps({**meta, "name": name}))
+    source = home / "models" / "smollm2-135m" / "q4_1"
+    for twin in TWINS:  # the same model under other names: for the RAM budget's test
+        target = home / "models" / twin.split(":")[0] / "q4_1"
+        shutil.copytree(source, target, copy_function=os.link, ignore=lambda d, names: ["metadata.json"])
+        meta = json.loads((source / "metadata.json").read_text())
+        (target / "metadata.json").write_text(json.dumps({**meta, "name": twin.split(":")[0]}))
     # a copy of q4_1 whose first layer file is cut short: its load fails (written files, not links)
-    source, broken = home / "models" / "smollm2-135m" / "q4_1", home / "models" / "broken" / "q4_1"
+    broken = home / "models" / "broken" / "q4_1"
     shutil.copytree(source, broken, copy_function=os.link, ignore=lambda d, names: ["metadata.json", "layer_000.bin"])
     meta = json.loads((source / "metadata.json").read_text())
     (broken / "metadata.json").write_text(json.dumps({**meta, "name": "broken"}))
@@ -328,6 +335,30 @@ def test_keep_alive_0_unloads_and_load_requests(b):
     while OTHER in {m.model for m in client.ps().models}:
         assert time.monotonic() < deadline, "an unload request did not unload the model"
         time.sleep(0.1)
+
+
+def test_the_least_recently_used_model_makes_room(store_home, request, tmp_path_factory):
+    """--ram-budget for two models: a third request's model unloads the one used least lately."""
+    from nerva_cli.runtime.options import EngineOptions
+    from nerva_cli.serve.scheduler import planned_bytes
+    from nerva_cli.store.catalog import find_model
+
+    need = planned_bytes(find_model(str(store_home / "models" / "smollm2-135m" / "q4_1")), EngineOptions(ctx=256))
+    c = _server(request, store_home, tmp_path_factory, "c", "--ctx", "256", "--ram-budget", str(int(need * 2.5)))
+    client = ollama.Client(host=c.url, timeout=START_TIMEOUT_S)
+
+    def ask(model):
+        assert client.generate(model=model, prompt="Hi", options={"num_predict": 1}).eval_count == 1
+
+    twin, triplet = TWINS
+    for model in (MODEL, twin, MODEL):
+        ask(model)
+    assert sorted(m.model for m in client.ps().models) == sorted([MODEL, twin])
+    ask(triplet)  # does not fit beside both: twin, used least lately, goes
+    assert sorted(m.model for m in client.ps().models) == sorted([MODEL, triplet])
+    assert f"{twin}: unloaded to make room for {triplet}" in c.text()
+    ask(twin)  # and back: now MODEL is the least recently used
+    assert sorted(m.model for m in client.ps().models) == sorted([triplet, twin])
 
 
 # -- security -----------------------------------------------------------------------------------

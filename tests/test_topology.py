@@ -159,7 +159,7 @@ def test_bad_budget_is_one_error_line(budget, says, tiny_models, tmp_path, cli):
 
 
 def test_caches_come_from_sysfs_and_a_broken_entry_says_why(tmp_path):
-    from nerva_cli.cli.output import human_bytes
+    from nerva_cli.units import human_bytes
     from nerva_cli.hardware.topology import _caches_line, cpu_caches
 
     for i, (level, kind, size, shared) in enumerate([(1, "Data", "48K", "0"), (2, "Unified", "2048K", "0"),

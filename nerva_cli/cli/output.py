@@ -9,18 +9,12 @@ from contextlib import contextmanager
 from rich.console import Console
 from rich.markup import escape
 
+from nerva_cli.units import human_bytes  # noqa: F401  (the commands format sizes through output)
+
 # Text that holds the user's words (model names, paths, prompts) is printed as written: emoji codes
 # off (`tiny:banana:` became a banana), markup escaped (`escape`) or off where a line has none.
 out = Console(highlight=False, soft_wrap=True, emoji=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TB"
 
 
 def print_json(obj) -> None:

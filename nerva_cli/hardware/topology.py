@@ -367,7 +367,7 @@ def _caches_line(caches: dict, human_bytes) -> str:
 
 def describe(info: dict) -> list[tuple[str, str]]:
     """(what, value) rows for the human output; the JSON holds the same facts."""
-    from nerva_cli.cli.output import human_bytes
+    from nerva_cli.units import human_bytes
 
     def avail(d: dict) -> str:
         return ("yes" if d["available"] else "not available") + (f" ({d['reason']})" if d.get("reason") else "")

@@ -176,7 +176,7 @@ def plan_model(model, ctx: int, budget: int | None, importance: dict[int, float]
 def ctx_hint(fixed_at, budget: int, slots_bytes: int, ctx: int) -> str:
     """What a budget error adds: the context it was for and, where a shorter one's fixed part
     (fixed_at(n): name -> (kind, bytes)) and the staging slots fit the budget, the longest such."""
-    from nerva_cli.cli.output import human_bytes
+    from nerva_cli.units import human_bytes
 
     fits = fitting_ctx(lambda n: sum(b for _, b in fixed_at(n).values()), budget - slots_bytes, ctx)
     return f" at --ctx {ctx}" + ("" if fits is None else f"; --ctx {fits} fits {human_bytes(budget)}")
@@ -224,7 +224,7 @@ def plan(fixed: dict[str, tuple[str, int]], layer_bytes: dict[int, int], budget:
     slot = max(layer_bytes.values())
     minimum = fixed_bytes + slots * slot
     if budget < minimum:
-        from nerva_cli.cli.output import human_bytes
+        from nerva_cli.units import human_bytes
 
         by_kind: dict[str, int] = {}
         for b in blocks:

@@ -134,7 +134,7 @@ class Ledger:
     MINOR = {"embed", "sample", "launches", "syncs", "allocs", "h2d"}  # the first to go where space is short
 
     def _cells(self, r: TokenRecord) -> list[str]:
-        from nerva_cli.cli.output import human_bytes
+        from nerva_cli.units import human_bytes
 
         us = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
         return [str(r.index), str(r.token_id), repr(r.piece)[1:-1][:12], f"{r.wall_us:.0f}",
@@ -186,7 +186,7 @@ class Ledger:
             console.width = narrow
 
     def _print(self, console, table, same: str = "") -> None:
-        from nerva_cli.cli.output import human_bytes
+        from nerva_cli.units import human_bytes
 
         console.print(table)
         if same:

@@ -35,7 +35,7 @@ def pull_model(spec: str, quant: str = "auto", name: str | None = None, out: Pat
 
 def model_line(model) -> str:
     """A stored model in one line: what `pull` prints."""
-    from nerva_cli.cli.output import human_bytes
+    from nerva_cli.units import human_bytes
 
     cfg = model.config
     return f"{model.name}:{model.variant}  {cfg.family}, {cfg.num_layers} layers, {human_bytes(model.size)}  -> {model.path}"
@@ -107,7 +107,7 @@ def ram_budget(model, backend: str, options: EngineOptions, report: Reporter = S
     budget = options.ram_bytes
     if backend == "cuda":
         return budget
-    from nerva_cli.cli.output import human_bytes
+    from nerva_cli.units import human_bytes
     from nerva_cli.planes.cpu.engine import residency_plan
     from nerva_cli.residency import planner
 

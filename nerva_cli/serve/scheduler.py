@@ -20,16 +20,42 @@ import logging
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from time import perf_counter_ns
 
+from nerva_cli.units import human_bytes
 from nerva_cli.errors import NervaError
 from nerva_cli.runtime.report import Reporter
 from nerva_cli.runtime.generate import common_prefix
-from nerva_cli.serve.errors import ApiError, overloaded
+from nerva_cli.serve.errors import RETRY_AFTER_S, ApiError, overloaded
 from nerva_cli.serve.steps import answer_steps
 
 log = logging.getLogger("nerva.serve")
 COMPUTE = threading.Lock()
+
+
+def server_ram_budget(opts) -> int | None:
+    """The RAM the loaded models share on the cpu plane: --ram-budget, else 90% of what is
+    available when the server starts. None on cuda, where each engine plans its own VRAM (as
+    `run`'s) and the models are not counted against one another."""
+    from nerva_cli.planes import resolve
+    from nerva_cli.residency.planner import available_ram
+
+    if resolve(opts.backend) == "cuda":
+        return None
+    if opts.ram_bytes is not None:
+        return opts.ram_bytes
+    try:
+        return int(available_ram() * 0.9)
+    except (OSError, ValueError):  # no MemAvailable and no SC_AVPHYS_PAGES (macOS): no accounting
+        return None
+
+
+def planned_bytes(model, opts) -> int:
+    """What one engine of `model` plans to hold in RAM when all of it fits, from sizes alone."""
+    from nerva_cli.planes.cpu.engine import residency_plan
+
+    return residency_plan(model, opts.ctx, None, kv_cache=opts.kv_cache).used_bytes
 
 
 class LogReporter(Reporter):
@@ -55,9 +81,13 @@ class Slot:
 
 
 class ModelWorker(threading.Thread):
-    def __init__(self, registry: "Registry", key: str, model):
+    def __init__(self, registry: "Registry", key: str, model, need: int | None = None, room: int | None = None):
+        """need: the bytes its engines plan to hold (the server's RAM accounting; None: not
+        counted); room: the RAM its engines may take together (past it they page), None: as run."""
         super().__init__(name=f"nerva-model-{key}", daemon=True)
         self.registry, self.key, self.model = registry, key, model
+        self.bytes, self.room = need or 0, room
+        self.last_used = time.monotonic()
         self.cond = threading.Condition(registry.lock)  # every worker's state is guarded by the registry's lock
         self.pending: deque = deque()
         self.slots: list[Slot] = []
@@ -72,6 +102,10 @@ class ModelWorker(threading.Thread):
     @property
     def running(self) -> int:
         return sum(s.job is not None for s in self.slots)
+
+    def idle(self) -> bool:
+        """Loaded with nothing to do: what may be unloaded to make room. Under the lock."""
+        return self.ready and not self.pending and self.running == 0
 
     def facts(self) -> dict | None:
         """What /api/ps shows of a loaded model; None once it is unloading. `expires_at`: a
@@ -120,6 +154,8 @@ class ModelWorker(threading.Thread):
         from nerva_cli.runtime.open_engine import SILENT, open_engine
 
         opts = self.registry.engine_options
+        if self.room is not None:  # its share of the server's RAM budget, split between its engines
+            opts = replace(opts, ram_budget=str(self.room // self.registry.parallel))
         started = time.perf_counter()
         # not in cli.app's long_lived_objects: its gc.freeze would keep, for the server's life, the
         # cyclic garbage of the requests in flight
@@ -131,6 +167,8 @@ class ModelWorker(threading.Thread):
             ready()
         with self.cond:
             self.ready = True
+            if self.registry.ram_budget is not None:  # what they planned, paged or not
+                self.bytes = sum(s.engine.plan.used_bytes for s in self.slots)
             self.load_ns = perf_counter_ns() - self.load_started_ns
             self._set_expiry()
         self.loaded.set()
@@ -150,6 +188,7 @@ class ModelWorker(threading.Thread):
             job.started(max(0, self.load_started_ns + self.load_ns - job.arrived_ns))  # 0 where it was loaded
             slot.job, slot.steps = job, answer_steps(slot.engine, job, slot.prompt)
             self.expires_at = None
+            self.last_used = time.monotonic()
 
     def _step(self, slot: Slot) -> None:
         job = slot.job
@@ -173,6 +212,7 @@ class ModelWorker(threading.Thread):
         with self.cond:
             slot.job = slot.steps = None
             self.keep_alive = job.keep_alive
+            self.last_used = time.monotonic()
             self._set_expiry()
 
     @staticmethod
@@ -190,8 +230,16 @@ class ModelWorker(threading.Thread):
         its lock), so that no request is queued here while the engines close."""
         if self.pending or self.expires_at is None or time.monotonic() < self.expires_at:
             return False
-        self.registry.workers.pop(self.key, None)
+        if self.registry.workers.get(self.key) is self:  # (an evicted one was taken out already)
+            del self.registry.workers[self.key]
         return True
+
+    def evict(self) -> None:
+        """Out of the registry now, its engines closed by its thread: room for another model.
+        Only an idle one, under the lock."""
+        del self.registry.workers[self.key]
+        self.keep_alive, self.expires_at = 0, time.monotonic()
+        self.cond.notify_all()
 
     def _close(self, err: ApiError | None) -> None:
         with self.cond:
@@ -221,6 +269,7 @@ class Registry:
         self.lock = threading.Lock()
         self.workers: dict[str, ModelWorker] = {}
         self.metrics = None  # set by the app (metrics read this registry's counts)
+        self.ram_budget = server_ram_budget(engine_options)
 
     def running(self) -> int:
         with self.lock:
@@ -238,10 +287,34 @@ class Registry:
         """The model's worker, started (its load begun) where there is none. Under the lock."""
         w = self.workers.get(key)
         if w is None:
-            w = self.workers[key] = ModelWorker(self, key, model)
+            need = room = None
+            if self.ram_budget is not None:
+                need = self.parallel * planned_bytes(model, self.engine_options)
+                room = self._make_room(key, need)
+            w = self.workers[key] = ModelWorker(self, key, model, need, room)
             log.info("%s: loading", key)
             w.start()
         return w
+
+    def _make_room(self, key: str, need: int) -> int:
+        """Unloads idle models, the least recently used first, until `need` bytes fit the
+        server's RAM budget beside the models left; -> the room the new one gets (where the
+        models still loaded are busy, less than `need`: its engines page past it). Under the lock."""
+        held = sum(w.bytes for w in self.workers.values())
+        idle = sorted((w for w in self.workers.values() if w.idle()), key=lambda w: w.last_used)
+        while held + need > self.ram_budget and idle:
+            victim = idle.pop(0)
+            held -= victim.bytes
+            log.info("%s: unloaded to make room for %s (%s of the RAM budget's %s held)", victim.key, key,
+                     human_bytes(held + need), human_bytes(self.ram_budget))
+            victim.evict()
+        room = self.ram_budget - held
+        if room <= 0:
+            self.metrics.rejected.inc()
+            raise ApiError(503, f"the server's RAM budget ({human_bytes(self.ram_budget)}) is held by models "
+                                f"answering requests: {key} cannot load now; retry shortly",
+                           code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return room
 
     def submit(self, job, model) -> None:
         """Queues `job` on its model (loading it first where it is not loaded), or refuses it at

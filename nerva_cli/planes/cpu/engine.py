@@ -363,7 +363,7 @@ class Engine(EngineBase):
         p = self.plan
         if not p.paged_layers:
             return []
-        from nerva_cli.cli.output import human_bytes
+        from nerva_cli.units import human_bytes
 
         return [f"residency: {len(p.resident_layers)} layers resident, {len(p.paged_layers)} stream from "
                 f"disk through {p.slots} slots ({human_bytes(p.paged_bytes_per_token)} a token, "

@@ -31,7 +31,7 @@ from nerva_cli.planes.cuda.launch import (RECENT, Kernels, attention_splits, mos
 from nerva_cli.planes.base import Counters, EngineBase, context_length
 from nerva_cli.errors import NervaError
 from nerva_cli.model.layout import layer_file
-from nerva_cli.cli.output import human_bytes
+from nerva_cli.units import human_bytes
 from nerva_cli.residency.pager import LayerFileReader, PagedWeights, PagerStats
 from nerva_cli.residency.planner import Plan, ResidentBlock, plan, plan_model
 from nerva_cli.store.catalog import StoredModel, tensors_in
