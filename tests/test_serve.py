@@ -449,6 +449,26 @@ def test_bad_input_is_one_error_and_the_server_lives_on(a, path, body, status, s
     assert ok.status_code == 200 and ok.json()["eval_count"] == 1
 
 
+def test_ollama_truncate_drops_the_oldest_turns(a):
+    """Past the context, a 400 (BAD above) unless ollama's truncate asks: then the oldest turns
+    go (the system message stays), or a raw prompt's start."""
+    turns = [{"role": "system", "content": "You are terse."}]
+    for i in range(12):
+        turns += [{"role": "user", "content": f"Question {i}: " + "tell me more " * 20},
+                  {"role": "assistant", "content": "More. " * 20}]
+    turns.append({"role": "user", "content": "Last question: name a colour."})
+    body = {"model": MODEL, "messages": turns, "stream": False, "options": {"num_predict": 3, "temperature": 0}}
+    refused = httpx.post(f"{a.url}/api/chat", json=body, headers=AUTH, timeout=WAIT_S)
+    assert refused.status_code == 400 and "context holds 512" in refused.json()["error"]
+    cut = httpx.post(f"{a.url}/api/chat", json={**body, "truncate": True}, headers=AUTH, timeout=WAIT_S).json()
+    # room for num_predict's 3 tokens; a turn here is some 100 tokens, so at most two too many went
+    assert 1 <= cut["eval_count"] <= 3 and 512 - 3 - 200 < cut["prompt_eval_count"] <= 512 - 3, cut
+    generated = httpx.post(f"{a.url}/api/generate", headers=AUTH, timeout=WAIT_S, json={
+        "model": MODEL, "prompt": PAST_CONTEXT, "raw": True, "truncate": True, "stream": False,
+        "options": {"num_predict": 3}}).json()
+    assert generated["eval_count"] == 3 and generated["prompt_eval_count"] == 512 - 3
+
+
 def test_bodies_past_the_limit_get_413_before_they_are_read(a):
     host, port = a.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=WAIT_S) as s:  # says 20 MB, sends 1 KB

@@ -8,6 +8,24 @@ from nerva_cli.runtime.generate import GenerationStats, generate, reuse_prefix
 from nerva_cli.runtime.sampling import Sampler, SamplingOptions
 
 
+def fit_turns(messages: list[dict], render, ctx: int, room: int) -> tuple[list[dict], list[int], int]:
+    """Drops the oldest turns (a system message stays) until the rest, rendered to tokens by
+    `render`, leave `room` positions of the context for the answer, as ollama does; the newest
+    message alone may take more. -> (the messages kept, their tokens, turns dropped): the
+    caller checks that the tokens fit at all."""
+    messages = list(messages)
+    first = 1 if messages[0]["role"] == "system" else 0
+    dropped = 0
+    ids = render(messages)
+    while len(ids) > ctx - room and len(messages) - first > 1:
+        del messages[first]  # a whole turn, so that roles still alternate as templates demand
+        while len(messages) - first > 1 and messages[first]["role"] != "user":
+            del messages[first]
+        dropped += 1
+        ids = render(messages)
+    return messages, ids, dropped
+
+
 class ChatSession:
     def __init__(self, engine, tokenizer, opts: SamplingOptions, max_tokens: int, raw: bool = False,
                  system: str | None = None, stops: list[str] = (), ledger=None, note=None):
@@ -53,16 +71,7 @@ class ChatSession:
                                  f"the prompt takes {len(ids)} tokens and the context holds {ctx}: raise --ctx")
             return ids
         messages = self.messages + [{"role": "user", "content": user_text}]
-        room = min(self.max_tokens, max(1, ctx // 4))
-        first = 1 if messages[0]["role"] == "system" else 0
-        dropped = 0
-        ids = self._render(messages)
-        while len(ids) > ctx - room and len(messages) - first > 1:
-            del messages[first]  # a whole turn, so that roles still alternate as templates demand
-            while len(messages) - first > 1 and messages[first]["role"] != "user":
-                del messages[first]
-            dropped += 1
-            ids = self._render(messages)
+        messages, ids, dropped = fit_turns(messages, self._render, ctx, min(self.max_tokens, max(1, ctx // 4)))
         if len(ids) >= ctx:
             raise NervaError(f"the message takes {len(ids)} tokens with the chat template and the context holds "
                              f"{ctx}: raise --ctx")

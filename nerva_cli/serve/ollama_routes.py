@@ -55,7 +55,8 @@ def _request(state, body: Fields, **prompt) -> GenRequest:
         raise bad("'model' is required", param="model")
     return GenRequest(model=model, sampling=opts, keep_alive=_keep_alive(body, state.options.keep_alive),
                       max_tokens=None if num_predict in (None, -1, -2) else num_predict,
-                      num_ctx=o.integer("num_ctx", low=1), stops=o.stops("stop"), **prompt)
+                      num_ctx=o.integer("num_ctx", low=1), stops=o.stops("stop"),
+                      truncate=body.boolean("truncate", False), **prompt)
 
 
 def _done_fields(result) -> dict:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from starlette.requests import ClientDisconnect, Request
 
 from nerva_cli.errors import NervaError
+from nerva_cli.runtime.chat import fit_turns
 from nerva_cli.runtime.sampling import SamplingOptions
 from nerva_cli.serve.errors import ApiError, bad
 from nerva_cli.serve.job import Job
@@ -82,6 +83,7 @@ class GenRequest:
     max_tokens: int | None = None  # None: to the end of the context
     num_ctx: int | None = None  # a smaller context for this request (ollama's option)
     stops: list[str] = field(default_factory=list)
+    truncate: bool = False  # ollama's: past the context, drop the oldest turns (the prompt's start) instead of a 400
 
 
 def sampling(**given) -> SamplingOptions:
@@ -92,17 +94,30 @@ def sampling(**given) -> SamplingOptions:
         raise bad(re.sub(r"--([a-z-]+)", lambda m: m.group(1).replace("-", "_"), str(e))) from None
 
 
-def _prompt_ids(tokenizer, req: GenRequest) -> list[int]:
+def _prompt_ids(tokenizer, req: GenRequest, ctx: int) -> list[int]:
+    """The prompt's tokens; with `truncate`, cut to leave room for an answer in `ctx` (the
+    room `run`'s chat leaves: min(max_tokens, a quarter of the context))."""
+    room = min(req.max_tokens or ctx, max(1, ctx // 4))
     try:
         if req.messages is None and not (req.templated and tokenizer.template):
-            return tokenizer.encode(req.prompt)
+            ids = tokenizer.encode(req.prompt)
+            if req.truncate and len(ids) > ctx - room:  # the start goes, a BOS token stays
+                keep = 1 if tokenizer.add_bos and ids[0] == tokenizer.bos_id else 0
+                ids = ids[:keep] + ids[len(ids) - (ctx - room) + keep:]
+            return ids
         messages = req.messages
         if messages is None:
             messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
                        [{"role": "user", "content": req.prompt}]
         elif not tokenizer.template:
             raise bad(f"{req.model} has no chat template: send its prompt as it is (/api/generate, /v1/completions)")
-        return tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt=True), add_special=False)
+
+        def render(kept):
+            return tokenizer.encode(tokenizer.render_chat(kept, add_generation_prompt=True), add_special=False)
+
+        if not req.truncate:
+            return render(messages)
+        return fit_turns(messages, render, ctx, room)[1]
     except NervaError as e:  # the template refusing these messages (roles out of order, say)
         raise bad(str(e)) from None
 
@@ -115,15 +130,15 @@ def _prepare(req: GenRequest, engine_ctx: int | None):
 
     key, model = resolve(req.model)
     tokenizer = open_tokenizer(model.path)
-    ids = _prompt_ids(tokenizer, req)
-    if not ids:
-        raise bad("the prompt is empty", param="prompt")
     ctx = context_length(model.config, engine_ctx)  # what the engine will have: --ctx within the model's
     if req.num_ctx is not None:
         if req.num_ctx > ctx:
             raise bad(f"num_ctx {req.num_ctx} is past the context {key} runs with here ({ctx} tokens; "
                       f"`nerva serve --ctx` sets it)", param="num_ctx")
         ctx = req.num_ctx
+    ids = _prompt_ids(tokenizer, req, ctx)
+    if not ids:
+        raise bad("the prompt is empty", param="prompt")
     if len(ids) >= ctx:
         raise bad(f"the prompt takes {len(ids)} tokens and the context holds {ctx}: nothing is left for the "
                   f"answer (shorten the prompt or raise the context)", code="context_length_exceeded")
