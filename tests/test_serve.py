@@ -492,6 +492,57 @@ def test_a_model_that_fails_to_load_is_one_error_and_the_server_lives_on(a):
     assert oa(a).completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
 
 
+def test_run_ps_and_stop_talk_to_a_running_server(a, store_home, cli, monkeypatch):
+    """`nerva run` answers through a running server (its model loaded already) as it does in its
+    own process; `nerva ps` lists what the server holds, `nerva stop` unloads one."""
+    monkeypatch.setenv("NERVA_HOME", str(store_home))
+    monkeypatch.setenv("NERVA_HOST", a.url)
+    monkeypatch.setenv("NERVA_API_KEY", KEY)
+    ask = ("run", MODEL, "-p", "Name three colours.", "--temperature", "0", "-n", "12")
+    made = metric(a, "nerva_generated_tokens_total")
+    code, served, err = cli(*ask, "--verbose")
+    assert code == 0 and f"answered by the nerva server at {a.url}" in err, err
+    assert metric(a, "nerva_generated_tokens_total") - made == 12
+    assert re.search(r"answer 12 tok, [\d.]+ tok/s", err)
+    code, local, err = cli(*ask, "--no-server", "--threads", "1")
+    assert code == 0 and "answered by" not in err
+    assert served == local and served.strip()
+    pexpect = pytest.importorskip("pexpect")  # the chat, in a terminal, as a person types it
+    chat = pexpect.spawn(sys.executable, ["-m", "nerva_cli", "run", "smollm2-135m", "--temperature", "0", "-n", "4"],
+                         env=dict(os.environ, PYTHONPATH=str(REPO)), encoding="utf-8", timeout=60)
+    for line, shows in (("Hi", ""), ("/show info", "llama, 30 layers"), ("/set verbose", ""),
+                        ("And a colour?", "answer 4 tok")):
+        chat.expect(">>> ")
+        chat.sendline(line)
+        if shows:
+            chat.expect(">>> ")
+            assert shows in chat.before, chat.before
+            chat.sendline("")
+    chat.sendline("/bye")
+    chat.expect(pexpect.EOF)
+    chat.close()
+    assert chat.exitstatus == 0
+
+    code, out, err = cli("ps")
+    assert code == 0 and out.split("\n")[0].split() == ["NAME", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]
+    assert MODEL in out and "512" in out and "100% CPU" in out
+    code, out, err = cli("ps", "--json")
+    assert code == 0 and [m["name"] for m in json.loads(out)] == [MODEL]
+    code, out, err = cli("stop", "no-such-model")
+    assert code == 1 and "no-such-model" in err and len(err.strip().splitlines()) == 1
+    code, out, err = cli("stop", "smollm2-135m")  # a bare name: the variant `run` would pick
+    assert code == 0 and f"{MODEL}: unloaded" in err
+    deadline = time.monotonic() + WAIT_S
+    while MODEL in {m.model for m in ol(a).ps().models}:
+        assert time.monotonic() < deadline, "nerva stop did not unload the model"
+        time.sleep(0.1)
+    assert oa(a).completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2  # loads again
+
+    monkeypatch.setenv("NERVA_HOST", "127.0.0.1:9")  # nobody listens (discard)
+    code, out, err = cli("ps")
+    assert code == 1 and "no nerva server answers at http://127.0.0.1:9" in err and len(err.strip().splitlines()) == 1
+
+
 def test_no_traceback_in_the_log(a):
     """Last in the module's use of A: none of the refusals above put a traceback in its log."""
     assert "Traceback" not in a.text() and "Exception" not in a.text()

@@ -96,4 +96,4 @@ def main() -> None:
 
 
 # the command modules register their commands on `app`, in the order `nerva --help` lists them
-from nerva_cli.cli import store_commands, run_command, serve_command, topology_command, measure_commands  # noqa: E402, F401, I001
+from nerva_cli.cli import store_commands, run_command, serve_commands, topology_command, measure_commands  # noqa: E402, F401, I001

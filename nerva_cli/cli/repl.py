@@ -140,7 +140,7 @@ def command(session, line: str, write, runtime: str = "") -> str | None:
     elif head == "/show" and words[1:] == ["system"]:
         write(f"{session.system}\n" if session.system else "no system message\n")
     elif head == "/show" and words[1:] == ["template"]:
-        template = None if session.raw else session.tok.template
+        template = session.template
         write(f"{template}\n" if template else "no chat template: messages go to the model as they are\n")
     elif head == "/show":
         raise NervaError(f"{line!r}: /show info, parameters, system or template")
@@ -195,6 +195,8 @@ def parameters(session) -> list[tuple[str, str]]:
 
 def info(session, runtime: str) -> list[tuple[str, str]]:
     e = session.engine
+    if e is None:  # a chat a running server holds (serve/remote_chat.py)
+        return session.info_rows(runtime)
     m, cfg = e.model, e.cfg
     plan = e.plan
     rows = [("model", f"{m.name}:{m.variant}  {m.path}"),

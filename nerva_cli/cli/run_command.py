@@ -45,6 +45,7 @@ def run(
     policy: Policy = "ring",
     kv_cache: KvCache = "f16",
     backend: Backend = "auto",
+    no_server: Annotated[bool, typer.Option("--no-server", help="Run in this process even where a `nerva serve` answers at NERVA_HOST (by default a running server answers, its model already loaded, unless a flag here asks for this process's engine: --ledger, --ctx, --backend, --threads, --precision and the residency flags).")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print the load time, then timings after each answer.")] = False,
     ledger: Annotated[bool, typer.Option("--ledger", help="Print the per-token ledger (time per phase, bytes per tier) after each answer.")] = False,
     ledger_every: Annotated[int, typer.Option("--ledger-every", help="With --ledger: show every Nth token (the summary counts all).")] = 1,
@@ -52,6 +53,7 @@ def run(
 ):
     """Chat with a model (in the chat, /? lists its commands), or answer one prompt (-p)."""
     started = time.perf_counter()
+    threads_given = threads is not None
     threads = configure_threads(threads)
     from nerva_cli.cli import output
     from nerva_cli.runtime.chat import ChatSession
@@ -83,6 +85,27 @@ def run(
         prompt = _read_stdin()
         if not prompt.strip():
             raise NervaError("stdin is not a terminal and held no prompt: pipe text in, or give -p or the words")
+    engine_flags = {"--ledger": ledger, "--ledger-file": ledger_file is not None, "--ctx": ctx is not None,
+                    "--threads": threads_given, "--precision": precision is not None, "--tau": tau != 0.7,
+                    "--no-profile": no_profile, "--mode": mode != "full", "--active-fraction": active_fraction != 0.75,
+                    "--ram-budget": ram_budget is not None, "--vram-budget": vram_budget is not None,
+                    "--policy": policy != "ring", "--kv-cache": kv_cache != "f16", "--backend": backend != "auto"}
+    remote = None if no_server or any(engine_flags.values()) else _through_server(model, raw, system)
+    if remote is not None:
+        client, described = remote
+        if verbose:
+            output.info(f"answered by the nerva server at {client.url}, which holds the model (--no-server: "
+                        "this process)")
+        from nerva_cli.serve.remote_chat import RemoteChat
+
+        if not raw and not described.get("template"):
+            if system is not None:
+                raise NervaError(f"{model} has no chat template, so --system has nowhere to go")
+            output.note(f"{model} has no chat template: prompts go to it as they are (--raw)")
+            raw = True
+        session = RemoteChat(client, model, described, opts, max_tokens, raw=raw, system=system, stops=stop or [])
+        _converse(session, prompt, verbose, f"the nerva server at {client.url}")
+        return
     engine, tokenizer = open_engine(model, options, output.CliReporter(), building=long_lived_objects)
     if verbose:  # ollama's "load duration": model, profile, tokenizer, arena, any kernels compiled ahead
         output.info(f"loaded in {time.perf_counter() - started:.2f} s")
@@ -97,27 +120,54 @@ def run(
     session = ChatSession(engine, tokenizer, opts, max_tokens=max_tokens, raw=raw, system=system,
                           stops=stop or [], ledger=book, note=output.note)
     try:
-        if prompt is not None:
-            stats = session.answer(prompt, write=_write_stdout)
-            _write_stdout("\n")
-            if stats.stop_reason == "context":
-                output.note(session.context_note())
-            if verbose:
-                output.info(_stats_line(stats))
-            if ledger:
-                book.print_table(output.err, ledger_every)
-            if stats.stop_reason == "interrupted":  # Ctrl-C: a script must not take half an answer for one
-                raise typer.Exit(130)
-            return
-        from nerva_cli.cli.repl import chat_loop
-
-        chat_loop(session, _write_stdout, engine.runtime_line(threads), verbose, _stats_line,
-                  book if ledger else None, ledger_every, ready=_warm_up_while_typing(engine, tokenizer, threads,
-                                                                                      not raw))
+        _converse(session, prompt, verbose, engine.runtime_line(threads), book if ledger else None, ledger_every,
+                  lambda: _warm_up_while_typing(engine, tokenizer, threads, not raw))
     finally:
         if book:
             book.close()
         engine.close()
+
+
+def _converse(session, prompt: str | None, verbose: bool, runtime: str, book=None, ledger_every: int = 1,
+              warm_up=lambda: None) -> None:
+    """One prompt's answer, or the chat, on a ChatSession (this process's engine) or a RemoteChat
+    (a running server's)."""
+    from nerva_cli.cli import output
+
+    if prompt is not None:
+        stats = session.answer(prompt, write=_write_stdout)
+        _write_stdout("\n")
+        if stats.stop_reason == "context":
+            output.note(session.context_note())
+        if verbose:
+            output.info(_stats_line(stats))
+        if book is not None:
+            book.print_table(output.err, ledger_every)
+        if stats.stop_reason == "interrupted":  # Ctrl-C: a script must not take half an answer for one
+            raise typer.Exit(130)
+        return
+    from nerva_cli.cli.repl import chat_loop
+
+    chat_loop(session, _write_stdout, runtime, verbose, _stats_line, book, ledger_every, ready=warm_up())
+
+
+def _through_server(model: str, raw: bool, system: str | None):
+    """(client, the server's /api/show of `model`) where a nerva server answers at NERVA_HOST
+    and its store has `model`; else None: this process runs it (pulling it first if need be).
+    A path or a source to pull is never sent: the server runs only its store's models."""
+    from nerva_cli.serve.client import ServerClient, ServerError
+
+    if "/" in model or model.endswith(".gguf") or Path(model).expanduser().exists():  # a path, a Hub repo
+        return None
+    client = ServerClient.find()
+    if client is None:
+        return None
+    try:
+        return client, client.post("/api/show", {"model": model})
+    except ServerError as e:
+        if e.status == 404:  # not in its store: `run` pulls an alias here, as without a server
+            return None
+        raise
 
 
 def _read_stdin() -> str:

@@ -37,6 +37,11 @@ class ChatSession:
         self.set_options(opts)
         self.clear()
 
+    @property
+    def template(self) -> str | None:
+        """The chat template the messages go through; None where they go as they are (--raw)."""
+        return None if self.raw else self.tok.template
+
     def set_options(self, opts: SamplingOptions) -> None:
         self.opts = opts
         self.sampler = Sampler(opts, self.engine.cfg.vocab_size)

@@ -100,7 +100,7 @@ async def _load_or_unload(state, body: Fields, shape) -> JSONResponse:
         if worker.error is not None:
             raise worker.error
         reason = "load"
-    return JSONResponse({"model": ref, "created_at": models.now_iso(), **shape(""), "done": True,
+    return JSONResponse({"model": key, "created_at": models.now_iso(), **shape(""), "done": True,
                          "done_reason": reason})
 
 

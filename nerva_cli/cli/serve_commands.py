@@ -1,4 +1,5 @@
-"""`nerva serve`: ollama's and OpenAI's HTTP APIs over the store's models (nerva_cli/serve/)."""
+"""`nerva serve`: ollama's and OpenAI's HTTP APIs over the store's models (nerva_cli/serve/); `nerva ps`
+and `nerva stop`, which ask a running one what it holds and to unload a model."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from nerva_cli.cli.app import app
-from nerva_cli.cli.options import Backend, Ctx, KvCache, Precision, RamBudget, Threads, VramBudget
+from nerva_cli.cli.options import Backend, Ctx, Json, KvCache, Precision, RamBudget, Threads, VramBudget
+from nerva_cli.errors import NervaError
 from nerva_cli.hardware.machine import configure_threads
 
 
@@ -61,3 +63,69 @@ def serve(
     code = run_server(options, say=say)
     if code:
         raise typer.Exit(code)
+
+
+@app.command(epilog="Example: nerva ps | NERVA_HOST=127.0.0.1:8080 nerva ps --json")
+def ps(json_: Json = False):
+    """List the models a running `nerva serve` holds (as `ollama ps`): their memory, context and
+    how long they stay loaded."""
+    import time
+    from datetime import datetime
+
+    from nerva_cli.cli import output
+
+    client = _server()
+    held = client.get("/api/ps")["models"]
+    if json_:
+        output.print_json(held)
+        return
+    if not held:
+        output.info(f"no models loaded by the server at {client.url}")
+        return
+    now = time.time()
+
+    def until(stamp: str) -> str:
+        left = datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() - now
+        if left > 10 * 365 * 86400:
+            return "forever"
+        return "now" if left < 1 else f"{_duration(left)} from now"
+
+    output.columns(("NAME", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"),
+                   [(m["name"], output.human_bytes(m["size"]), "100% GPU" if m.get("size_vram") else "100% CPU",
+                     str(m["context_length"]), until(m["expires_at"])) for m in held])
+
+
+@app.command(epilog="Example: nerva stop smollm2-135m")
+def stop(model: Annotated[str, typer.Argument(help="A model the server holds, name[:variant] as `nerva ps` lists it.")]):
+    """Unload a model from a running `nerva serve` (its requests in flight finish first)."""
+    from nerva_cli.cli import output
+    from nerva_cli.serve.client import ServerError
+
+    client = _server()
+    held = {m["name"] for m in client.get("/api/ps")["models"]}
+    try:
+        key = client.post("/api/generate", {"model": model, "keep_alive": 0})["model"]
+    except ServerError as e:
+        if e.status == 404:
+            raise NervaError(f"{model} is not a model of the server's store (`nerva ps` lists those it holds)") from None
+        raise
+    output.info(f"{key}: unloaded once its requests end" if key in held else f"{key} was not loaded")
+
+
+def _server():
+    from nerva_cli.serve.client import ServerClient, address
+
+    client = ServerClient.find()
+    if client is None:
+        raise NervaError(f"no nerva server answers at {address()}: start one with `nerva serve` "
+                         "(NERVA_HOST names another address)")
+    return client
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds >= size:
+            n = round(seconds / size)
+            return f"{n} {unit}{'s' * (n != 1)}"
+    n = round(seconds)
+    return f"{n} second{'s' * (n != 1)}"
