@@ -212,6 +212,23 @@ def smollm2_gguf() -> Path:
         pytest.skip(str(e))
 
 
+@pytest.fixture(scope="module")
+def hf_smollm2():
+    """transformers' SmolLM2 from the bundled GGUF, its matrices rounded to f16 as the f16
+    variant stores them: (tokenizer, model)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    gguf = smollm2_gguf()
+    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                              dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.copy_(p.half().float())
+    return tok, model.eval()
+
+
 @pytest.fixture(scope="session")
 def smollm2_store(tmp_path_factory):
     """NERVA_HOME-independent directory holding SmolLM2 converted to f16, q4_0 and q4_1 (what

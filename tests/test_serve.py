@@ -19,9 +19,11 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 httpx = pytest.importorskip("httpx")
+torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 ollama = pytest.importorskip("ollama")
 
@@ -208,6 +210,37 @@ def test_a_long_prompt_start_is_reused_and_answers_do_not_change(a):
     short = client.completions.create(prompt="The lighthouse keeper climbed", **ask)
     assert short.usage.prompt_tokens_details.cached_tokens == 0  # no whole chunk: prefilled afresh
     assert metric(a, "nerva_prefix_cache_hit_tokens_total") - hits == 512
+
+
+def test_logprobs_are_the_models_own(a, hf_smollm2):
+    """OpenAI's logprobs: the model's log-probabilities (transformers' on the same f16 weights),
+    the chosen token's and the likeliest's, in both endpoints' shapes, streamed or not."""
+    tok, hf = hf_smollm2
+    prompt = "The capital of France is"
+    r = oa(a).completions.create(model=OTHER, prompt=prompt, max_tokens=3, temperature=0, logprobs=5)
+    got = r.choices[0].logprobs
+    with torch.no_grad():
+        logits = hf(torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])).logits[0, -1]
+    want = torch.log_softmax(logits.double(), -1).topk(5)
+    assert list(got.top_logprobs[0]) == [tok.decode([int(i)]) for i in want.indices]
+    assert np.allclose(list(got.top_logprobs[0].values()), want.values.numpy(), atol=0.02)
+    assert got.token_logprobs[0] == max(got.top_logprobs[0].values())  # greedy: the likeliest
+    assert "".join(got.tokens) == r.choices[0].text and got.text_offset[0] == 0
+
+    client = oa(a)
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=6, temperature=0,
+               logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**ask)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 6
+    assert "".join(e.token for e in content) == whole.choices[0].message.content
+    for e in content:
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob <= 0
+        assert e.top_logprobs[1].logprob <= e.logprob and bytes(e.bytes).decode() == e.token
+    streamed = [x for c in client.chat.completions.create(**ask, stream=True) if c.choices and c.choices[0].logprobs
+                for x in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    assert client.chat.completions.create(**{**ask, "logprobs": False, "top_logprobs": None}).choices[0].logprobs is None
 
 
 def test_same_seed_same_text(a):
@@ -418,7 +451,9 @@ BAD = [
     ("/v1/chat/completions", {**CHAT, "stop": ["x"] * 10000}, 400, "at most 64 stop strings"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "'n'"),
-    ("/v1/chat/completions", {**CHAT, "logprobs": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, 400, "'top_logprobs' needs 'logprobs'"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 50}, 400, "'top_logprobs' must be"),
+    ("/v1/completions", {**GEN, "logprobs": 9}, 400, "'logprobs' must be"),
     ("/v1/completions", {"model": MODEL, "prompt": PAST_CONTEXT}, 400, "context holds 512"),
     ("/api/chat", {**CHAT, "messages": [{"role": "user", "content": PAST_CONTEXT}]}, 400, "context holds 512"),
     ("/v1/embeddings", {"model": MODEL, "input": "Hi"}, 404, "no such endpoint"),

@@ -21,19 +21,6 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def hf_smollm2():
-    gguf = smollm2_gguf()
-    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                              dtype=torch.float32)
-    with torch.no_grad():  # the f16 variant stores matrices rounded to f16: give HF the same
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.copy_(p.half().float())
-    return tok, model.eval()
-
-
 def test_f16_greedy_equals_transformers_on_bundled_gguf(smollm2_store, hf_smollm2):
     tok, hf = hf_smollm2
     engine = Engine(smollm2_store["f16"], ctx=256, kv_cache="f32")  # what transformers computes

@@ -79,6 +79,14 @@ class Sampler:
         return token
 
 
+def log_probs(logits: np.ndarray) -> np.ndarray:
+    """The model's log-probabilities, before penalties, temperature and truncation (what OpenAI's
+    and llama.cpp's servers report as logprobs), in float64 so the tail does not round to -inf."""
+    x = logits.astype(np.float64)
+    x -= x.max()
+    return x - np.log(np.exp(x).sum())
+
+
 def warm_kernels(vocab: int) -> None:
     """One draw with a repetition penalty, on random logits, so that the sampling kernels compile
     before an answer (the CLI's warm-up): on a machine's first run their compile came between

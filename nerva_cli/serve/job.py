@@ -7,6 +7,8 @@ import asyncio
 from dataclasses import dataclass, field
 from time import perf_counter_ns
 
+import numpy as np
+
 from nerva_cli.runtime.sampling import SamplingOptions
 from nerva_cli.serve.errors import ApiError
 
@@ -45,6 +47,10 @@ class Job:
     last_ns: int = 0
     made: int = 0
     cached_tokens: int = 0
+    top_logprobs: int | None = None  # None: no log-probabilities; n: each token's and the n likeliest's
+    # (token id, its log-probability, [(id, log-probability)] of the likeliest), appended by the
+    # worker before the token's text event is sent (the handler reads what the events announced)
+    logprobs: list = field(default_factory=list)
 
     # -- the worker's side: called on its thread, each hands an event to the loop -----------
     def _push(self, kind: str, payload) -> None:
@@ -61,6 +67,13 @@ class Job:
         """The prompt's first `tokens` were in the engine's cache already."""
         self.cached_tokens = tokens
         self.metrics.prefix_cache_hit_tokens.inc(tokens)
+
+    def scored(self, token: int, logprobs) -> None:
+        """The answer's next token's log-probability and the top_logprobs likeliest's."""
+        n = self.top_logprobs
+        top = np.argpartition(logprobs, -n)[-n:] if n else np.empty(0, dtype=np.int64)
+        top = top[np.argsort(-logprobs[top], kind="stable")]
+        self.logprobs.append((token, float(logprobs[token]), [(int(i), float(logprobs[i])) for i in top]))
 
     def token(self, text: str, answer: bool = True) -> None:
         """A token was sampled; `text` is what it adds to the answer (possibly ""). An end of

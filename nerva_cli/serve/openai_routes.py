@@ -1,6 +1,6 @@
 """OpenAI's API: /v1/chat/completions and /v1/completions (server-sent events ending in
-`data: [DONE]` when streamed), /v1/models. What nerva does not do yet (tools, logprobs, n > 1,
-penalties other than repeat_penalty) is refused by name rather than ignored."""
+`data: [DONE]` when streamed), /v1/models. What nerva does not do yet (n > 1, penalties other
+than repeat_penalty) is refused by name rather than ignored."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from nerva_cli.serve.pipeline import (GenRequest, message_list, read_json, sampl
                                       whole_answer)
 
 
-def _request(state, body: Fields, **prompt) -> tuple[GenRequest, bool, bool]:
+def _request(state, body: Fields, top_logprobs: int | None = None, **prompt) -> tuple[GenRequest, bool, bool]:
     """The fields both endpoints share -> (request, stream, include_usage). Sampling defaults
     are OpenAI's (temperature 1, top_p 1: the whole distribution); top_k, min_p and
     repeat_penalty are taken as llama.cpp's server takes them."""
@@ -46,7 +46,7 @@ def _request(state, body: Fields, **prompt) -> tuple[GenRequest, bool, bool]:
     stream = body.boolean("stream", False)
     stream_options = body.object("stream_options") or Fields({}, "stream_options")
     req = GenRequest(model=model, sampling=opts, keep_alive=state.options.keep_alive, max_tokens=limit,
-                     stops=body.stops("stop"), **prompt)
+                     stops=body.stops("stop"), top_logprobs=top_logprobs, **prompt)
     return req, stream, stream_options.boolean("include_usage", False)
 
 
@@ -60,16 +60,52 @@ def _finish(result) -> str:
     return "length" if result.reason == "length" else "stop"
 
 
+class _Logprobs:
+    """A job's token log-probabilities in the API's shape: chat's `content` entries, or the
+    completions' token_logprobs lists. Streamed, each chunk carries the tokens scored since the
+    last one (a token's text may come later than its score: a possible stop string is held back)."""
+
+    def __init__(self, job, kind: str):
+        self.job, self.kind, self.sent, self.offset = job, kind, 0, 0
+
+    def _piece(self, token: int) -> str:
+        return self.job.tokenizer.decode([token])
+
+    def take(self) -> dict | None:
+        if self.job.top_logprobs is None:
+            return None
+        scored = self.job.logprobs[self.sent:]
+        self.sent += len(scored)
+        if self.kind == "chat":
+            return {"content": [self._chat_entry(token, lp, top) for token, lp, top in scored], "refusal": None}
+        pieces = [self._piece(token) for token, _, _ in scored]
+        offsets = []
+        for piece in pieces:
+            offsets.append(self.offset)
+            self.offset += len(piece)
+        return {"tokens": pieces, "token_logprobs": [lp for _, lp, _ in scored],
+                "top_logprobs": [{self._piece(i): v for i, v in top} for _, _, top in scored],
+                "text_offset": offsets}
+
+    def _chat_entry(self, token: int, lp: float, top) -> dict:
+        def entry(i: int, v: float) -> dict:
+            piece = self._piece(i)
+            return {"token": piece, "logprob": v, "bytes": list(piece.encode())}
+
+        return {**entry(token, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+
+
 async def _answer(request: Request, state, req: GenRequest, stream: bool, include_usage: bool, kind: str):
     """kind: "chat" or "text" (completions)."""
     job = await submit(state, req)
+    scores = _Logprobs(job, kind)
     head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "chat.completion" if kind == "chat" else "text_completion",
             "created": int(time.time()), "model": req.model}
     if not stream:
         text, result = await whole_answer(state, job, request)
         choice = {"message": {"role": "assistant", "content": text}} if kind == "chat" else {"text": text}
-        return JSONResponse({**head, "choices": [{"index": 0, **choice, "logprobs": None,
+        return JSONResponse({**head, "choices": [{"index": 0, **choice, "logprobs": scores.take(),
                                                   "finish_reason": _finish(result)}], "usage": _usage(result)})
     events = await streamed_answer(state, job, request)
     if kind == "chat":
@@ -82,7 +118,9 @@ async def _answer(request: Request, state, req: GenRequest, stream: bool, includ
         else:
             body = {"text": delta or ""}
         usage = {"usage": None} if include_usage else {}
-        return _sse({**head, "choices": [{"index": 0, **body, "logprobs": None, "finish_reason": finish}], **usage})
+        logprobs = None if first else scores.take()
+        return _sse({**head, "choices": [{"index": 0, **body, "logprobs": logprobs, "finish_reason": finish}],
+                     **usage})
 
     async def frames():
         try:
@@ -120,15 +158,17 @@ def _content(value, where: str) -> str:
 async def chat_completions(request: Request):
     state = request.app.state.nerva
     body = Fields(await read_json(request, state.options.max_body))
-    body.refuse("logprobs", "log probabilities are not supported yet", allowed=(None, False))
-    req, stream, usage = _request(state, body, messages=message_list(body.data.get("messages"), _content))
+    top = body.integer("top_logprobs", low=0, high=20)
+    if top is not None and not body.boolean("logprobs", False):
+        raise bad("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    req, stream, usage = _request(state, body, top_logprobs=(top or 0) if body.boolean("logprobs", False) else None,
+                                  messages=message_list(body.data.get("messages"), _content))
     return await _answer(request, state, req, stream, usage, "chat")
 
 
 async def completions(request: Request):
     state = request.app.state.nerva
     body = Fields(await read_json(request, state.options.max_body))
-    body.refuse("logprobs", "log probabilities are not supported yet")
     body.refuse("echo", "echoing the prompt", allowed=(None, False))
     body.refuse("suffix", "fill-in-the-middle", allowed=(None, ""))
     prompt = body.data.get("prompt")
@@ -136,7 +176,7 @@ async def completions(request: Request):
         prompt = prompt[0]  # a batch of one
     if not isinstance(prompt, str):
         raise bad("'prompt' must be a string (or an array of one string)", param="prompt")
-    req, stream, usage = _request(state, body, prompt=prompt)
+    req, stream, usage = _request(state, body, top_logprobs=body.integer("logprobs", low=0, high=5), prompt=prompt)
     return await _answer(request, state, req, stream, usage, "text")
 
 

@@ -83,6 +83,7 @@ class GenRequest:
     max_tokens: int | None = None  # None: to the end of the context
     num_ctx: int | None = None  # a smaller context for this request (ollama's option)
     stops: list[str] = field(default_factory=list)
+    top_logprobs: int | None = None  # None: no log-probabilities; n: each token's and the n likeliest's
     truncate: bool = False  # ollama's: past the context, drop the oldest turns (the prompt's start) instead of a 400
 
 
@@ -154,7 +155,7 @@ async def submit(state, req: GenRequest) -> Job:
     it, 503 when the queue is full."""
     key, model, tokenizer, ids, max_tokens = await asyncio.to_thread(_prepare, req, state.options.engine.ctx)
     job = Job(key, ids, req.sampling, max_tokens, req.stops, req.keep_alive, tokenizer, state.metrics,
-              asyncio.get_running_loop())
+              asyncio.get_running_loop(), top_logprobs=req.top_logprobs)
     state.registry.submit(job, model)
     return job
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from nerva_cli.runtime.generate import StopMatcher, reuse_prefix
-from nerva_cli.runtime.sampling import Sampler
+from nerva_cli.runtime.sampling import Sampler, log_probs
 
 
 def answer_steps(engine, job, prompt: list[int]) -> Iterator[None]:
@@ -29,12 +29,20 @@ def answer_steps(engine, job, prompt: list[int]) -> Iterator[None]:
     del prompt[kept:]
     job.reused(kept)
     sampler = Sampler(job.sampling, engine.cfg.vocab_size)
+    scored = None  # the last token's log-probabilities, when the request asks for them
+
+    def pick(logits) -> int:
+        nonlocal scored
+        if job.top_logprobs is not None:
+            scored = log_probs(logits)
+        return sampler(logits)
+
     for start in range(kept, len(ids), chunk):
         if start > kept:
             yield  # between chunks: a long prompt does not hold up the other requests' tokens
         logits = engine.prefill(ids[start:start + chunk])
         prompt.extend(ids[start:start + chunk])
-    token = sampler(logits)
+    token = pick(logits)
     eos = job.tokenizer.eos_ids
     decoder, matcher = job.tokenizer.stream_decoder(), StopMatcher(job.stops)
     # the last token sampled is never fed back, so an answer may take every position left
@@ -44,6 +52,8 @@ def answer_steps(engine, job, prompt: list[int]) -> Iterator[None]:
             job.token("", answer=False)
             reason = "eos"
             break
+        if scored is not None:
+            job.scored(token, scored)
         text, hit = matcher.feed(decoder.push(token))
         job.token(text)
         if hit:
@@ -53,7 +63,7 @@ def answer_steps(engine, job, prompt: list[int]) -> Iterator[None]:
             reason = "length"
             break
         yield
-        token = sampler(engine.decode(token))
+        token = pick(engine.decode(token))
     if reason != "stop":
         job.text(matcher.feed(decoder.flush())[0] + matcher.flush())
     job.finish(reason)
