@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import TEXT_PATH, hf_greedy, smollm2_gguf
+from conftest import TEXT_PATH, hf_greedy
 from nerva_cli.planes.cpu.engine import Engine
 
 torch = pytest.importorskip("torch")
