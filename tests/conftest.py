@@ -85,6 +85,16 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 384, also: str = "") -> Non
                          "{% if add_generation_prompt %}<s>assistant:{% endif %}"}))
 
 
+# A chat template that takes tools and has its model write calls in Hermes' <tool_call> blocks, as
+# Qwen2.5's and Qwen3's do (written for these tests: the shape, not any model's own text).
+TOOL_TEMPLATE = (
+    "{% if tools %}<s>tools:{% for t in tools %} {{ t | tojson }}{% endfor %}</s>{% endif %}"
+    "{% for m in messages %}{% if m.role == 'tool' %}<s>tool: {{ m.content }}</s>"
+    "{% elif m.tool_calls %}<s>assistant:{% for c in m.tool_calls %}<tool_call>"
+    "{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}</tool_call>"
+    "{% endfor %}</s>{% else %}<s>{{ m.role }}: {{ m.content }}</s>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+
 FAMILIES = {
     # name: (transformers config class, extra config; its "layers" the layer count where not 3)
     "llama": ("LlamaConfig", {}),

@@ -22,6 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import TOOL_TEMPLATE
+from nerva_cli.store.pull import pull
+
 httpx = pytest.importorskip("httpx")
 torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
@@ -32,6 +35,9 @@ KEY = "test-key-5f2c"
 MODEL = "smollm2-135m:q4_1"  # the variant whose MCAP profile ships (no profiling at start)
 OTHER = "smollm2-135m:f16"
 TWINS = ("twin:q4_1", "triplet:q4_1")
+TOOLBOX = "toolbox:f16"
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"city": "string"}}}  # a tiny
+# vocabulary writes a schema in some 100 tokens: a short one, for server B's context of 256
 COUNTING = "1, 2, 3, 4, 5,"  # SmolLM2 counts on from here, for hundreds of tokens with LONG's options
 LONG = {"temperature": 0, "repeat_penalty": 1.0}  # (ollama's default penalty, 1.1, ends it in some 50)
 # a first start on a machine compiles the CPU kernels (a minute or more on 2 busy cores); later
@@ -86,7 +92,7 @@ def numba_cache() -> str:
 
 
 @pytest.fixture(scope="module")
-def store_home(smollm2_store, tmp_path_factory):
+def store_home(smollm2_store, tiny_models, tmp_path_factory):
     """A NERVA_HOME whose store holds the session's SmolLM2 conversions, as hard links, under the
     name `pull smollm2-135m` gives (the session's were made in a temporary directory, whose name
     their metadata.json carries)."""
@@ -103,6 +109,12 @@ def store_home(smollm2_store, tmp_path_factory):
         shutil.copytree(source, target, copy_function=os.link, ignore=lambda d, names: ["metadata.json"])
         meta = json.loads((source / "metadata.json").read_text())
         (target / "metadata.json").write_text(json.dumps({**meta, "name": twin.split(":")[0]}))
+    # a tiny model whose chat template takes tools (conftest's TOOL_TEMPLATE)
+    tiny = shutil.copytree(tiny_models("llama"), tmp_path_factory.mktemp("toolbox") / "src")
+    config = json.loads((tiny / "tokenizer_config.json").read_text())
+    (tiny / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TOOL_TEMPLATE}))
+    name, variant = TOOLBOX.split(":")
+    pull(str(tiny), variant=variant, name=name, out=home / "models" / name / variant)
     # a copy of q4_1 whose first layer file is cut short: its load fails (written files, not links)
     broken = home / "models" / "broken" / "q4_1"
     shutil.copytree(source, broken, copy_function=os.link, ignore=lambda d, names: ["metadata.json", "layer_000.bin"])
@@ -392,6 +404,36 @@ def test_the_least_recently_used_model_makes_room(store_home, request, tmp_path_
     assert f"{twin}: unloaded to make room for {triplet}" in c.text()
     ask(twin)  # and back: now MODEL is the least recently used
     assert sorted(m.model for m in client.ps().models) == sorted([triplet, twin])
+
+
+def test_tools_reach_a_template_that_takes_them(b):
+    """Tools go to a template that takes them (SmolLM2's does not: BAD above), with the earlier
+    calls and their results, through both APIs; with tools a stream sends the answer at its end."""
+    client = openai.OpenAI(base_url=f"{b.url}/v1", api_key="none", max_retries=0, timeout=START_TIMEOUT_S)
+    messages = [{"role": "user", "content": "the quick brown fox"}]
+    ask = dict(model=TOOLBOX, messages=messages, max_tokens=3, temperature=0)
+    plain = client.chat.completions.create(**ask)
+    offered = client.chat.completions.create(**ask, tools=[WEATHER])
+    assert offered.usage.prompt_tokens > plain.usage.prompt_tokens + 20  # the tool's schema went in
+    assert client.chat.completions.create(**ask, tools=[WEATHER], tool_choice="none").usage.prompt_tokens == \
+        plain.usage.prompt_tokens
+    streamed = list(client.chat.completions.create(**ask, tools=[WEATHER], stream=True))
+    message = offered.choices[0].message
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == (message.content or "")
+    assert streamed[-1].choices[0].finish_reason == offered.choices[0].finish_reason
+    follow = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, clear"}]
+    after = client.chat.completions.create(**{**ask, "messages": follow}, tools=[WEATHER])
+    assert after.usage.prompt_tokens > offered.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(**ask, tools=[WEATHER], tool_choice="required")
+    native = ollama.Client(host=b.url, timeout=START_TIMEOUT_S)
+    r = native.chat(model=TOOLBOX, messages=messages, tools=[WEATHER], options={"num_predict": 3, "temperature": 0})
+    assert r.done and r.prompt_eval_count > plain.usage.prompt_tokens + 20  # (its client reshapes the schema)
+    assert "tools" in native.show(TOOLBOX).capabilities and "tools" not in native.show(MODEL).capabilities
+    assert native.generate(model=TOOLBOX, keep_alive=0).done_reason == "unload"
 
 
 # -- security -----------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ class Job:
     last_ns: int = 0
     made: int = 0
     cached_tokens: int = 0
+    tool_style: str | None = None  # the template's way of writing tool calls, where the request has tools
     top_logprobs: int | None = None  # None: no log-probabilities; n: each token's and the n likeliest's
     # (token id, its log-probability, [(id, log-probability)] of the likeliest), appended by the
     # worker before the token's text event is sent (the handler reads what the events announced)

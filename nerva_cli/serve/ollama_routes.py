@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 from starlette.routing import Route
 
 from nerva_cli.errors import BadInput
-from nerva_cli.serve import models
+from nerva_cli.serve import models, tools
 from nerva_cli.serve.errors import ApiError, bad
 from nerva_cli.serve.fields import Fields, json_type
 from nerva_cli.serve.options import parse_duration
@@ -69,9 +69,20 @@ def _done_fields(result) -> dict:
 async def _answer(request: Request, state, req: GenRequest, stream: bool, shape) -> JSONResponse | StreamingResponse:
     """Runs the request; `shape(text)` is the API's field for the text (response, or message)."""
     job = await submit(state, req)
-    if not stream:
+    if not stream or job.tool_style:  # with tools, the whole text: a call is read out of it at the end
         text, result = await whole_answer(state, job, request)
-        return JSONResponse({"model": req.model, "created_at": models.now_iso(), **shape(text), **_done_fields(result)})
+        fields = shape(text)
+        if job.tool_style:
+            content, calls = tools.parse(text, job.tool_style)
+            fields["message"]["content"] = content or ""
+            if calls:
+                fields["message"]["tool_calls"] = [c.ollama() for c in calls]
+        head = {"model": req.model, "created_at": models.now_iso()}
+        if not stream:
+            return JSONResponse({**head, **fields, **_done_fields(result)})
+        return StreamingResponse(iter([json.dumps({**head, **fields, "done": False}) + "\n",
+                                       json.dumps({**head, **shape(""), **_done_fields(result)}) + "\n"]),
+                                 media_type="application/x-ndjson")
     events = await streamed_answer(state, job, request)
 
     async def lines():
@@ -133,7 +144,6 @@ def _content(value, where: str) -> str:
 async def chat(request: Request):
     state = request.app.state.nerva
     body = Fields(await read_json(request, state.options.max_body))
-    body.refuse("tools", "tool calls are not supported yet", allowed=(None, []))
     body.refuse("format", "structured (JSON) output", allowed=(None, ""))
     body.refuse("think", "thinking output", allowed=(None, False))
     stream = body.boolean("stream", True)
@@ -143,7 +153,8 @@ async def chat(request: Request):
 
     if body.array("messages") in (None, []):  # ollama's way to load (or with keep_alive 0 unload) a model
         return await _load_or_unload(state, body, shape)
-    req = _request(state, body, messages=message_list(body.data["messages"], _content))
+    req = _request(state, body, messages=message_list(body.data["messages"], _content),
+                   tools=tools.tool_list(body.data.get("tools")))
     return await _answer(request, state, req, stream, shape)
 
 
@@ -161,9 +172,11 @@ async def show(request: Request):
         from nerva_cli.store.tokenizer import open_tokenizer
 
         key, model = models.resolve(ref)
-        return {"license": "", "modelfile": "", "parameters": "", "template": open_tokenizer(model.path).template or "",
+        template = open_tokenizer(model.path).template or ""
+        return {"license": "", "modelfile": "", "parameters": "", "template": template,
                 "details": models.details(model), "model_info": models.model_info(model),
-                "capabilities": ["completion"], "modified_at": models.iso(models.modified(model))}
+                "capabilities": ["completion"] + (["tools"] if tools.call_style(template) else []),
+                "modified_at": models.iso(models.modified(model))}
 
     return JSONResponse(await asyncio.to_thread(describe))
 

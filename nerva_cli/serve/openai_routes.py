@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from nerva_cli.serve import models
+from nerva_cli.serve import models, tools
 from nerva_cli.serve.errors import ApiError, bad
 from nerva_cli.serve.fields import Fields, json_type
 from nerva_cli.serve.pipeline import (GenRequest, message_list, read_json, sampling, streamed_answer, submit,
@@ -29,9 +29,9 @@ def _request(state, body: Fields, top_logprobs: int | None = None, **prompt) -> 
     for name in ("frequency_penalty", "presence_penalty"):
         body.refuse(name, "it does not map onto nerva's penalty; repeat_penalty (llama.cpp's) does it the "
                           "way nerva samples", allowed=(None, 0, 0.0))
-    body.refuse("tools", "tool calls are not supported yet", allowed=(None, []))
-    body.refuse("functions", "tool calls are not supported yet", allowed=(None, []))
-    body.refuse("tool_choice", "tool calls are not supported yet", allowed=(None, "none"))
+    body.refuse("functions", "the deprecated form of 'tools': send 'tools'", allowed=(None, []))
+    body.refuse("tool_choice", "a call the model must make needs constrained decoding; \"auto\" and \"none\" "
+                               "are taken", allowed=(None, "auto", "none"))
     body.refuse("response_format", "structured (JSON) output", allowed=(None, {"type": "text"}))
     model = body.string("model")
     if model is None:
@@ -45,8 +45,13 @@ def _request(state, body: Fields, top_logprobs: int | None = None, **prompt) -> 
                     seed=body.integer("seed", low=0))
     stream = body.boolean("stream", False)
     stream_options = body.object("stream_options") or Fields({}, "stream_options")
+    offered = tools.tool_list(body.data.get("tools")) if "messages" in prompt else None
+    if offered and body.data.get("tool_choice") == "none":
+        offered = None  # the template is not told of them: no call can come back
+    elif body.has("tools") and "messages" not in prompt:
+        raise bad("'tools' are for /v1/chat/completions", param="tools")
     req = GenRequest(model=model, sampling=opts, keep_alive=state.options.keep_alive, max_tokens=limit,
-                     stops=body.stops("stop"), top_logprobs=top_logprobs, **prompt)
+                     stops=body.stops("stop"), top_logprobs=top_logprobs, tools=offered, **prompt)
     return req, stream, stream_options.boolean("include_usage", False)
 
 
@@ -56,8 +61,17 @@ def _usage(result) -> dict:
             "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
 
 
-def _finish(result) -> str:
-    return "length" if result.reason == "length" else "stop"
+def _finish(result, calls=()) -> str:
+    return "tool_calls" if calls else "length" if result.reason == "length" else "stop"
+
+
+def _message(text: str, style: str | None) -> tuple[dict, list]:
+    """The assistant's message, its tool calls read out of the text where the request had tools."""
+    content, calls = tools.parse(text, style) if style else (text, [])
+    message = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [c.openai() for c in calls]
+    return message, calls
 
 
 class _Logprobs:
@@ -104,9 +118,10 @@ async def _answer(request: Request, state, req: GenRequest, stream: bool, includ
             "created": int(time.time()), "model": req.model}
     if not stream:
         text, result = await whole_answer(state, job, request)
-        choice = {"message": {"role": "assistant", "content": text}} if kind == "chat" else {"text": text}
+        message, calls = _message(text, job.tool_style)
+        choice = {"message": message} if kind == "chat" else {"text": text}
         return JSONResponse({**head, "choices": [{"index": 0, **choice, "logprobs": scores.take(),
-                                                  "finish_reason": _finish(result)}], "usage": _usage(result)})
+                                                  "finish_reason": _finish(result, calls)}], "usage": _usage(result)})
     events = await streamed_answer(state, job, request)
     if kind == "chat":
         head["object"] = "chat.completion.chunk"
@@ -123,14 +138,27 @@ async def _answer(request: Request, state, req: GenRequest, stream: bool, includ
                      **usage})
 
     async def frames():
+        held = []  # with tools, the whole text: a call is read out of it at the end
         try:
             if kind == "chat":
                 yield chunk("", None, first=True)
             async for what, payload in events:
-                if what == "text":
+                if what == "text" and job.tool_style:
+                    held.append(payload)
+                elif what == "text":
                     yield chunk(payload, None)
+                if what == "text":
                     continue
-                yield chunk(None, _finish(payload))
+                calls = []
+                if job.tool_style:
+                    message, calls = _message("".join(held), job.tool_style)
+                    if message["content"]:
+                        yield chunk(message["content"], None)
+                    if calls:
+                        deltas = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+                        yield _sse({**head, "choices": [{"index": 0, "delta": {"tool_calls": deltas},
+                                                         "logprobs": None, "finish_reason": None}]})
+                yield chunk(None, _finish(payload, calls))
                 if include_usage:
                     yield _sse({**head, "choices": [], "usage": _usage(payload)})
             yield "data: [DONE]\n\n"

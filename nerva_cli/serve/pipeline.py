@@ -14,10 +14,11 @@ from starlette.requests import ClientDisconnect, Request
 from nerva_cli.errors import NervaError
 from nerva_cli.runtime.chat import fit_turns
 from nerva_cli.runtime.sampling import SamplingOptions
+from nerva_cli.serve import tools
 from nerva_cli.serve.errors import ApiError, bad
 from nerva_cli.serve.job import Job
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 async def read_json(request: Request, limit: int) -> dict:
@@ -61,12 +62,26 @@ def message_list(value, text_of) -> list[dict]:
             raise bad(f"'{where}' must be an object with a role and content", param=where)
         role = m.get("role")
         if role not in ROLES:
-            raise bad(f"'{where}.role' must be one of {', '.join(ROLES)} (tools are not supported yet), got "
-                      f"{json.dumps(role)[:40]}", param=f"{where}.role")
-        if m.get("tool_calls") or m.get("images"):
-            raise bad(f"'{where}': tool calls and images are not supported yet", param=where)
-        messages.append({"role": role, "content": text_of(m.get("content"), f"{where}.content")})
+            raise bad(f"'{where}.role' must be one of {', '.join(ROLES)}, got {json.dumps(role)[:40]}",
+                      param=f"{where}.role")
+        if m.get("images"):
+            raise bad(f"'{where}': images are not supported", param=where)
+        calls = m.get("tool_calls")
+        content = m.get("content")
+        message = {"role": role, "content": "" if content is None and calls else text_of(content, f"{where}.content")}
+        if calls:
+            if role != "assistant":
+                raise bad(f"'{where}': only an assistant message holds tool calls", param=where)
+            message["tool_calls"] = tools.message_calls(calls, f"{where}.tool_calls")
+        for key in ("tool_call_id", "name", "tool_name"):  # which call a tool's result answers
+            if role == "tool" and isinstance(m.get(key), str):
+                message[key] = m[key]
+        messages.append(message)
     return messages
+
+
+def uses_tools(req) -> bool:
+    return bool(req.tools) or any(m["role"] == "tool" or "tool_calls" in m for m in req.messages or ())
 
 
 @dataclass
@@ -83,6 +98,7 @@ class GenRequest:
     max_tokens: int | None = None  # None: to the end of the context
     num_ctx: int | None = None  # a smaller context for this request (ollama's option)
     stops: list[str] = field(default_factory=list)
+    tools: list[dict] | None = None  # for the chat template (tools.tool_list's shape)
     top_logprobs: int | None = None  # None: no log-probabilities; n: each token's and the n likeliest's
     truncate: bool = False  # ollama's: past the context, drop the oldest turns (the prompt's start) instead of a 400
 
@@ -114,7 +130,8 @@ def _prompt_ids(tokenizer, req: GenRequest, ctx: int) -> list[int]:
             raise bad(f"{req.model} has no chat template: send its prompt as it is (/api/generate, /v1/completions)")
 
         def render(kept):
-            return tokenizer.encode(tokenizer.render_chat(kept, add_generation_prompt=True), add_special=False)
+            text = tokenizer.render_chat(kept, add_generation_prompt=True, tools=req.tools)
+            return tokenizer.encode(text, add_special=False)
 
         if not req.truncate:
             return render(messages)
@@ -124,13 +141,15 @@ def _prompt_ids(tokenizer, req: GenRequest, ctx: int) -> list[int]:
 
 
 def _prepare(req: GenRequest, engine_ctx: int | None):
-    """On a thread (a template and a tokenizer run here): -> (key, model, tokenizer, ids, max_tokens)."""
+    """On a thread (a template and a tokenizer run here): -> (key, model, tokenizer, ids,
+    max_tokens, the template's tool call style where the request uses tools)."""
     from nerva_cli.planes.base import context_length
     from nerva_cli.serve.models import resolve
     from nerva_cli.store.tokenizer import open_tokenizer
 
     key, model = resolve(req.model)
     tokenizer = open_tokenizer(model.path)
+    style = tools.check(key, tokenizer.template) if uses_tools(req) else None
     ctx = context_length(model.config, engine_ctx)  # what the engine will have: --ctx within the model's
     if req.num_ctx is not None:
         if req.num_ctx > ctx:
@@ -147,15 +166,15 @@ def _prepare(req: GenRequest, engine_ctx: int | None):
         raise bad(f"at most {req.max_tokens} tokens were asked for, past the context of {ctx} tokens",
                   param="max_tokens")
     room = ctx - len(ids)
-    return key, model, tokenizer, ids, min(req.max_tokens or room, room)
+    return key, model, tokenizer, ids, min(req.max_tokens or room, room), style
 
 
 async def submit(state, req: GenRequest) -> Job:
     """The request queued on its model (loaded first where it is not); 4xx for what is wrong with
     it, 503 when the queue is full."""
-    key, model, tokenizer, ids, max_tokens = await asyncio.to_thread(_prepare, req, state.options.engine.ctx)
+    key, model, tokenizer, ids, max_tokens, style = await asyncio.to_thread(_prepare, req, state.options.engine.ctx)
     job = Job(key, ids, req.sampling, max_tokens, req.stops, req.keep_alive, tokenizer, state.metrics,
-              asyncio.get_running_loop(), top_logprobs=req.top_logprobs)
+              asyncio.get_running_loop(), top_logprobs=req.top_logprobs, tool_style=style)
     state.registry.submit(job, model)
     return job
 

@@ -97,15 +97,17 @@ class TextTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template rendered as transformers' apply_chat_template(tokenize=False) does."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
+        """The chat template rendered as transformers' apply_chat_template(tokenize=False) does
+        (`tools` passed to it only where given, as transformers passes them)."""
         if not self.template:
             raise NervaError("this model has no chat template; use --raw to send the prompt as is")
         from jinja2 import TemplateError
 
         try:
+            extra = {"tools": tools} if tools else {}
             return _environment().from_string(self.template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+                messages=messages, add_generation_prompt=add_generation_prompt, **extra,
                 **{k: v for k, v in self.special.items() if v is not None})
         except TemplateError as e:
             raise NervaError(f"chat template: {e}") from None
