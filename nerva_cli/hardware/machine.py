@@ -9,13 +9,36 @@ from pathlib import Path
 
 
 def cpu_name() -> str:
+    """The CPU's model name, with its family and model where /proc/cpuinfo gives them (a VM's
+    "AMD EPYC" alone does not say which generation ran a figure) and AMD's core generation."""
+    facts: dict[str, str] = {}
     try:
         for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "cpu family", "model", "vendor_id"):
+                facts.setdefault(key.strip(), value.strip())
+            if not line.strip():
+                break  # the first processor's block is enough
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = facts.get("model name")
+    if name is None:
+        return platform.processor() or platform.machine()
+    if not (facts.get("cpu family", "").isdigit() and facts.get("model", "").isdigit()):
+        return name
+    family, model = int(facts["cpu family"]), int(facts["model"])
+    zen = _amd_generation(family, model) if facts.get("vendor_id") == "AuthenticAMD" else None
+    return f"{name} (family {family} model {model}{', ' + zen if zen else ''})"
+
+
+def _amd_generation(family: int, model: int) -> str | None:
+    if family == 0x17:
+        return "Zen 2" if model >= 0x30 else "Zen/Zen+"
+    if family == 0x19:
+        return "Zen 4" if 0x10 <= model <= 0x1F or 0x60 <= model <= 0xAF else "Zen 3"
+    if family == 0x1A:
+        return "Zen 5"
+    return None
 
 
 def allowed_cpus() -> list[int]:
