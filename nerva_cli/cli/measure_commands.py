@@ -55,7 +55,10 @@ def bench(
                             active_fraction=active_fraction, ctx=ctx, ctx_given=not chosen, threads=threads,
                             ram_budget=ram_budget, vram_budget=vram_budget, policy=policy, kv_cache=kv_cache)
     engine, tokenizer = open_engine(model, options, output.CliReporter(), building=long_lived_objects)
-    result = run_bench(engine, tokenizer, opts, threads, log=output.info)
+    try:  # closed: the model's lock is released (a `nerva rm` meanwhile waits for it)
+        result = run_bench(engine, tokenizer, opts, threads, log=output.info)
+    finally:
+        engine.close()
     output.print_json(result)
 
 
