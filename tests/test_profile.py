@@ -166,9 +166,9 @@ def test_shipped_smollm2_profile_matches_the_bundled_conversion(smollm2_store):
     assert len(found.profile["scores"]) == 30
 
 
-def assert_refused(cli, args, *needles):
-    code, out, err = cli(*args)
-    assert code == 1, (code, out, err)
+def assert_refused(cli, args, *needles, code=1):
+    expected, (code, out, err) = code, cli(*args)
+    assert code == expected, (code, out, err)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:"), err
     for needle in needles:
@@ -181,13 +181,13 @@ def test_bad_input_is_one_line(tiny_models, tmp_path, cli):
     empty.write_text("\n  \n")
     assert_refused(cli, ["profile", model.path, "--prompts", tmp_path / "nope.txt"], "nope.txt", "no such file")
     assert_refused(cli, ["profile", model.path, "--prompts", empty], "empty.txt", "0 prompt")
-    for cmd in (["run", model.path, "-p", "hi"], ["bench", model.path]):
-        assert_refused(cli, [*cmd, "--tau", "1.5"], "--tau")
-        assert_refused(cli, [*cmd, "--tau", "-0.1"], "--tau")
-        assert_refused(cli, [*cmd, "--mode", "hot-only", "--active-fraction", "0"], "--active-fraction")
-        assert_refused(cli, [*cmd, "--mode", "hot-only", "--active-fraction", "1.5"], "--active-fraction")
-        assert_refused(cli, [*cmd, "--mode", "fast"], "--mode")
-        assert_refused(cli, [*cmd, "--mode", "hot-only", "--no-profile"], "--no-profile")
+    for cmd in (["run", model.path, "-p", "hi"], ["bench", model.path]):  # bad flag values: usage errors
+        assert_refused(cli, [*cmd, "--tau", "1.5"], "--tau", code=2)
+        assert_refused(cli, [*cmd, "--tau", "-0.1"], "--tau", code=2)
+        assert_refused(cli, [*cmd, "--mode", "hot-only", "--active-fraction", "0"], "--active-fraction", code=2)
+        assert_refused(cli, [*cmd, "--mode", "hot-only", "--active-fraction", "1.5"], "--active-fraction", code=2)
+        assert_refused(cli, [*cmd, "--mode", "fast"], "--mode", code=2)
+        assert_refused(cli, [*cmd, "--mode", "hot-only", "--no-profile"], "--no-profile", code=2)
 
 
 def bench(cli, path, *extra):

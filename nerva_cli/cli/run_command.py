@@ -12,7 +12,7 @@ import typer
 from nerva_cli.cli.app import app, long_lived_objects
 from nerva_cli.cli.options import (ActiveFraction, Backend, Ctx, KvCache, Mode, NoProfile, Policy, Precision, RamBudget,
                                    Tau, Threads, VramBudget)
-from nerva_cli.errors import NervaError, writable_file
+from nerva_cli.errors import NervaError, UsageError, writable_file
 from nerva_cli.hardware.machine import configure_threads
 
 
@@ -62,11 +62,11 @@ def run(
     opts = SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                            repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
     if max_tokens < 1:
-        raise NervaError(f"--max-tokens must be >= 1, got {max_tokens}")
+        raise UsageError(f"--max-tokens must be >= 1, got {max_tokens}")
     if ledger_every < 1:
-        raise NervaError(f"--ledger-every must be >= 1, got {ledger_every}")
+        raise UsageError(f"--ledger-every must be >= 1, got {ledger_every}")
     if raw and system is not None:
-        raise NervaError("--system goes into the chat template, which --raw leaves out")
+        raise UsageError("--system goes into the chat template, which --raw leaves out")
     if ledger_file is not None:
         ledger_file = writable_file(ledger_file, "--ledger-file")
     options = EngineOptions(backend=backend, precision=precision, tau=tau, use_profile=not no_profile, mode=mode,
@@ -74,7 +74,7 @@ def run(
                             vram_budget=vram_budget, policy=policy, kv_cache=kv_cache, decodes=max_tokens > 1)
     if words:
         if prompt is not None:
-            raise NervaError(f"give the prompt once: -p or the words after the model, not both ({' '.join(words)!r})")
+            raise UsageError(f"give the prompt once: -p or the words after the model, not both ({' '.join(words)!r})")
         prompt = " ".join(words)
         if not sys.stdin.isatty():  # ollama's way: `cat notes.txt | nerva run MODEL summarise this`
             piped = _read_stdin().rstrip()

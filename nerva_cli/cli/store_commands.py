@@ -9,7 +9,7 @@ import typer
 
 from nerva_cli.cli.app import app
 from nerva_cli.cli.options import Force, Json, Quant
-from nerva_cli.errors import NervaError
+from nerva_cli.errors import NervaError, UsageError
 
 
 def _pull(spec: str, quant: str, name: Optional[str], out: Optional[Path], force: bool,
@@ -42,7 +42,7 @@ def pull(
     if aliased is not None:
         alias, tagged = aliased
         if tagged != "auto" and quant not in ("auto", tagged):
-            raise NervaError(f"{source} and --quant {quant} name two variants: give one")
+            raise UsageError(f"{source} and --quant {quant} name two variants: give one")
         source, quant = alias, quant if tagged == "auto" else tagged
     _pull(source, quant, name, None, force, revision, keep_existing=True)
 

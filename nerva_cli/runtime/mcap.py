@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nerva_cli.errors import BadInput
+from nerva_cli.errors import BadInput, UsageError
 from nerva_cli.store.catalog import StoredModel, home, store_dir
 
 FORMAT = "nerva-profile/1"
@@ -98,13 +98,13 @@ def read_prompts(path: Path) -> list[str]:
 
 def check_tau(tau: float) -> float:
     if not 0.0 <= tau <= 1.0:
-        raise BadInput(f"--tau must be between 0 and 1 (a normalised score), got {tau}")
+        raise UsageError(f"--tau must be between 0 and 1 (a normalised score), got {tau}")
     return tau
 
 
 def check_fraction(fraction: float) -> float:
     if not 0.0 < fraction <= 1.0:
-        raise BadInput(f"--active-fraction must be in (0, 1], got {fraction}")
+        raise UsageError(f"--active-fraction must be in (0, 1], got {fraction}")
     return fraction
 
 
@@ -291,14 +291,14 @@ def plan_layers(model: StoredModel, precision: str | None, tau: float, use_profi
     check_tau(tau)
     check_fraction(fraction)
     if mode not in ("full", "hot-only"):
-        raise BadInput(f"--mode {mode}: choose full or hot-only")
+        raise UsageError(f"--mode {mode}: choose full or hot-only")
     if precision not in (None, "mixed", "w4a16", "w4a8", "exact"):
-        raise BadInput(f"--precision {precision}: choose mixed, w4a16 or w4a8 (q4_0 and q4_1 models)")
+        raise UsageError(f"--precision {precision}: choose mixed, w4a16 or w4a8 (q4_0 and q4_1 models)")
     exact = model.variant in ("f16", "bf16")
     mixed = precision in (None, "mixed") and not exact
     hot = mode == "hot-only"
     if hot and not use_profile:
-        raise BadInput("--mode hot-only picks layers by their MCAP score: drop --no-profile")
+        raise UsageError("--mode hot-only picks layers by their MCAP score: drop --no-profile")
     if mixed and not use_profile:
         log("--no-profile: every layer runs W4A16")
         return LayerPlan("w4a16")
