@@ -214,6 +214,25 @@ def test_mixed_dispatch_and_hot_only_follow_the_profile(tiny_models, tmp_path, c
     assert mcap.hot_layers(prof, 0.01) == [int(np.argmax(prof["scores"]))]  # at least one
 
 
+def test_the_mixed_precision_line_is_verbose_s_the_ledger_s_and_show_s(tiny_models, tmp_path, cli):
+    """Which layers run W4A16 holds on every run: --verbose says it, the ledger and `show` too, a
+    plain answer does not (issue 49.11)."""
+    model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+    prof = mcap.get_profile(model).profile
+    hi = [i for i, p in enumerate(mcap.layer_precisions(prof, 0.5)) if p == "w4a16"]
+    line = (f"W4A16 on layer(s) {', '.join(map(str, hi))}, W4A8 on the other {3 - len(hi)}" if 0 < len(hi) < 3
+            else f"{'W4A16' if hi else 'W4A8'} on all 3 layers")
+    args = ["run", model.path, "-p", "hi", "-n", "2", "--backend", "ref", "--seed", "1", "--tau", "0.5"]
+    code, out, err = cli(*args)
+    assert code == 0 and "precision" not in out + err, err
+    code, out, err = cli(*args, "--verbose")
+    assert code == 0 and f"mixed precision (tau 0.5): {line}" in err.splitlines(), err
+    code, out, err = cli(*args, "--ledger")
+    assert code == 0 and f"precision: {line}" in err.splitlines() and "mixed precision" not in err, err
+    code, out, err = cli("run", model.path, "-p", "hi", "-n", "2", "--backend", "ref", "--precision", "w4a8", "-v")
+    assert code == 0 and "mixed precision" not in err, err  # a precision forced on every layer is no mix
+
+
 def test_smollm2_mixed_perplexity_within_1_percent_of_w4a16(smollm2_store, tmp_path, cli):
     from test_smollm2 import ppl_text
 

@@ -131,9 +131,16 @@ def step_progress(title: str):
 
 class CliReporter:
     """The runtime's Reporter (runtime/report.py) on this terminal: lines and notes on stderr, bars
-    and spinners where it is a terminal."""
+    and spinners where it is a terminal; details only when `verbose` (run --verbose)."""
 
     info = staticmethod(info)
     note = staticmethod(note)
     progress = staticmethod(step_progress)
     working = staticmethod(working)
+
+    def __init__(self, verbose: bool = False):
+        self.verbose = verbose
+
+    def detail(self, text: str) -> None:
+        if self.verbose:
+            info(text)

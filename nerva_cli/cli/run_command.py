@@ -45,7 +45,7 @@ def run(
     policy: Policy = "ring",
     kv_cache: KvCache = "f16",
     backend: Backend = "auto",
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print the load time, then timings after each answer.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print the layers' precisions and the load time, then timings after each answer.")] = False,
     ledger: Annotated[bool, typer.Option("--ledger", help="Print the per-token ledger (time per phase, bytes per tier) after each answer.")] = False,
     ledger_every: Annotated[int, typer.Option("--ledger-every", help="With --ledger: show every Nth token (the summary counts all).")] = 1,
     ledger_file: Annotated[Optional[Path], typer.Option("--ledger-file", help="Write the ledger as JSON lines to this file.")] = None,
@@ -83,7 +83,7 @@ def run(
         prompt = _read_stdin()
         if not prompt.strip():
             raise NervaError("stdin is not a terminal and held no prompt: pipe text in, or give -p or the words")
-    engine, tokenizer = open_engine(model, options, output.CliReporter(), building=long_lived_objects)
+    engine, tokenizer = open_engine(model, options, output.CliReporter(verbose), building=long_lived_objects)
     if verbose:  # ollama's "load duration": model, profile, tokenizer, arena, any kernels compiled ahead
         output.info(f"loaded in {time.perf_counter() - started:.2f} s")
     from nerva_cli.runtime.ledger import Ledger

@@ -15,6 +15,9 @@ class Reporter:
     def note(self, text: str) -> None:
         """Something the user may want to act on."""
 
+    def detail(self, text: str) -> None:
+        """A line only a verbose run shows (the CLI's --verbose): what holds on every run."""
+
     @contextmanager
     def progress(self, title: str):
         """Yields a callback (what, done, total) for a job of steps."""

@@ -43,6 +43,9 @@ class LogReporter(Reporter):
     def note(self, text: str) -> None:
         log.warning("%s: %s", self.key, text)
 
+    def detail(self, text: str) -> None:  # a load's, once: the log is the server's verbose output
+        log.info("%s: %s", self.key, text)
+
 
 class Slot:
     """One engine and the request on it."""
