@@ -82,17 +82,18 @@ def error(msg: str) -> None:
 
 @contextmanager
 def working(title: str):
-    """A spinner with the time elapsed while the block runs, on a terminal; the title once, when
-    piped."""
+    """A spinner with the time elapsed while the block runs, on a terminal, after the title what
+    the callback it yields, status(detail), last said; the title once, when piped."""
     if not err.is_terminal:
         err.print(title, markup=False)
-        yield
+        yield lambda detail: None
         return
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    with Progress(SpinnerColumn(), TextColumn(title), TimeElapsedColumn(), console=err, transient=True) as bar:
-        bar.add_task("", total=None)
-        yield
+    with Progress(SpinnerColumn(), TextColumn(escape(title) + "{task.description}"), TimeElapsedColumn(), console=err,
+                  transient=True) as bar:
+        task = bar.add_task("", total=None)
+        yield lambda detail: bar.update(task, description=f": {escape(detail)}")
 
 
 @contextmanager

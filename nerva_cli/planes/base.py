@@ -191,7 +191,7 @@ class EngineBase:
     def prepare(self, threads: int, decodes: bool, say=None, working=None) -> None:
         """What a plane does before an answer starts, once the engine is built (cpu: threads, and
         compiling the decode kernels ahead of the answer); `say(text)` reports, `working(title)`
-        is a context manager shown while it works."""
+        is a context manager shown while it works, yielding status(detail) for its progress."""
 
     def load_kernels_aside(self, threads: int, also=lambda: None):
         """Loads on a thread what a first answer would load on the way, then calls also(); ->

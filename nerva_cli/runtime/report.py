@@ -25,5 +25,5 @@ class Reporter:
 
     @contextmanager
     def working(self, title: str):
-        """Shown while the block runs."""
-        yield
+        """Shown while the block runs; yields a callback status(detail) for how far it got."""
+        yield lambda detail: None
