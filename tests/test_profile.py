@@ -229,6 +229,9 @@ def test_the_mixed_precision_line_is_verbose_s_the_ledger_s_and_show_s(tiny_mode
     assert code == 0 and f"mixed precision (tau 0.5): {line}" in err.splitlines(), err
     code, out, err = cli(*args, "--ledger")
     assert code == 0 and f"precision: {line}" in err.splitlines() and "mixed precision" not in err, err
+    code, out, err = cli("show", model.path)  # at the default tau, which a run without --tau takes
+    shown = mcap.precision_line(dict(enumerate(mcap.layer_precisions(prof, mcap.DEFAULT_TAU))), mcap.DEFAULT_TAU)
+    assert code == 0 and shown.startswith("mixed precision (tau 0.7): W4A") and shown in out.splitlines(), out
     code, out, err = cli("run", model.path, "-p", "hi", "-n", "2", "--backend", "ref", "--precision", "w4a8", "-v")
     assert code == 0 and "mixed precision" not in err, err  # a precision forced on every layer is no mix
 
