@@ -1,4 +1,4 @@
-"""Errors the CLI turns into one line and exit code 1."""
+"""Errors the CLI turns into one line: exit code 2 for a UsageError, 1 for any other."""
 
 
 class NervaError(Exception):
@@ -7,6 +7,13 @@ class NervaError(Exception):
 
 class BadInput(NervaError):
     """A source, store file or option that is malformed; the message names the file."""
+
+
+class UsageError(BadInput):
+    """The command line itself is wrong: a flag's value out of its range or choices, or two flags
+    that contradict each other, what no model, file or network would change. cli.app.main exits 2
+    for it, as click does for its own usage errors (a BadInput, so a server that checks a
+    request's field with the same code still answers 400)."""
 
 
 class NotInStore(NervaError):

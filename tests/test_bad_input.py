@@ -1,4 +1,5 @@
-"""Every malformed source: one line naming the file and the problem, exit 1, nothing left behind."""
+"""Every malformed source: one line naming the file and the problem, exit 1, nothing left behind;
+every bad flag value: one line naming the flag, exit 2 (a usage error, as the README says)."""
 
 from __future__ import annotations
 
@@ -32,9 +33,11 @@ def first_matrix(header):
     return next(k for k in header if k.endswith("q_proj.weight"))
 
 
-def assert_refused(cli, args, *needles):
-    code, out, err = cli(*args)
-    assert code == 1, (code, out, err)
+def assert_refused(cli, args, *needles, code=1):
+    """`nerva ARGS` refused with one "error:" line holding every needle, exit `code` (1: a file, a
+    model, the machine; 2: the command line itself), and nothing left in the store."""
+    expected, (code, out, err) = code, cli(*args)
+    assert code == expected, (code, out, err)
     lines = [ln for ln in err.strip().splitlines() if not ln.startswith("converting ")]  # progress
     assert len(lines) == 1 and lines[0].startswith("error:"), err
     for needle in needles:
@@ -143,7 +146,7 @@ def test_gguf_cut_short(tmp_path, cli):
 
 
 def test_unknown_quant(tiny_models, cli):
-    assert_refused(cli, ["convert", tiny_models("llama"), "--quant", "q5_0"], "--quant q5_0", "auto, q4_0, q4_1")
+    assert_refused(cli, ["convert", tiny_models("llama"), "--quant", "q5_0"], "--quant q5_0", "auto, q4_0, q4_1", code=2)
 
 
 def test_unknown_kv_cache_type(tiny_models, cli, tmp_path):
@@ -151,14 +154,14 @@ def test_unknown_kv_cache_type(tiny_models, cli, tmp_path):
 
     model = pull(str(tiny_models("llama")), variant="f16", out=tmp_path / "m")
     assert_refused(cli, ["run", model.path, "-p", "hi", "--kv-cache", "q8", "--backend", "cpu"],
-                   "--kv-cache q8", "f16, f32")
+                   "--kv-cache q8", "f16, f32", code=2)
 
 
 def test_a_prompt_given_twice(tiny_models, cli, tmp_path):
     from nerva_cli.store.pull import pull
 
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
-    assert_refused(cli, ["run", model.path, "why", "blue", "-p", "hi", "--no-profile"], "-p", "'why blue'")
+    assert_refused(cli, ["run", model.path, "why", "blue", "-p", "hi", "--no-profile"], "-p", "'why blue'", code=2)
 
 
 @pytest.mark.parametrize("option,needle", [
@@ -168,14 +171,54 @@ def test_a_prompt_given_twice(tiny_models, cli, tmp_path):
     (["--temperature", "inf"], "--temperature must be a number >= 0"),
     (["--repeat-penalty", "nan"], "--repeat-penalty must be a number > 0"),
     (["--min-p", "-0.1"], "--min-p must be in [0, 1]"), (["--repeat-last-n", "-1"], "--repeat-last-n must be >= 0"),
-    (["--ledger-every", "0"], "--ledger-every must be >= 1"), ([], "held no prompt"),
+    (["--max-tokens", "-1"], "--max-tokens must be >= 1"), (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--tau", "2"], "--tau must be between 0 and 1"), (["--active-fraction", "0"], "--active-fraction must be in"),
+    (["--mode", "cold"], "--mode cold: choose full or hot-only"), (["--precision", "w8a8"], "--precision w8a8"),
+    (["--mode", "hot-only"], "--mode hot-only picks layers by their MCAP score"),
+    (["--backend", "tpu"], "--backend tpu: choose one of"), (["--policy", "fifo"], "--policy fifo: choose one of"),
+    (["--ram-budget", "lots"], "--ram-budget 'lots': expected a size"),
+    (["--vram-budget", "-2G"], "--vram-budget '-2G': expected a size"),
+    (["--ledger-every", "0"], "--ledger-every must be >= 1"),
     (["--raw", "--system", "be brief"], "--system goes into the chat template")])
 def test_run_refuses_an_out_of_range_option(tiny_models, cli, tmp_path, option, needle):
+    """A bad flag value is a usage error: exit 2, as for a flag typer cannot parse, one line naming it."""
     from nerva_cli.store.pull import pull
 
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
-    prompt = ["-p", "hi"] if option else []  # none, and stdin (the fixture's) empty
-    assert_refused(cli, ["run", model.path, *prompt, "--no-profile", *option], needle)
+    assert_refused(cli, ["run", model.path, "-p", "hi", "--no-profile", *option], needle, code=2)
+
+
+def test_run_with_no_prompt_on_an_empty_stdin_is_an_input_error(tiny_models, cli, tmp_path):
+    """Not a flag's value but the input (stdin, the fixture's, empty): exit 1."""
+    from nerva_cli.store.pull import pull
+
+    model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+    assert_refused(cli, ["run", model.path, "--no-profile"], "held no prompt")
+
+
+def test_a_flag_typer_cannot_parse_exits_2_too(cli):
+    code, _, err = cli("run", "smollm2-135m", "-p", "hi", "--max-tokens", "many")
+    assert code == 2 and "--max-tokens" in err, err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--keep-alive", "soon"], "--keep-alive 'soon': not a duration"), (["--parallel", "0"], "--parallel must be >= 1"),
+    (["--port", "70000"], "--port must be from 0 to 65535"), (["--max-queue", "-1"], "--max-queue must be >= 0"),
+    (["--cors", "example.com"], "--cors 'example.com'"), (["--api-key", " "], "--api-key is empty"),
+    (["--ctx", "0"], "--ctx must be >= 1"), (["--threads", "0"], "--threads must be >= 1"),
+    (["--ram-budget", "lots"], "--ram-budget 'lots'")])
+def test_serve_refuses_a_bad_flag_value_before_it_listens(cli, args, needle):
+    assert_refused(cli, ["serve", *args], needle, code=2)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["pull", "smollm2-135m:f16", "--quant", "q4_0"], "name two variants"),
+    (["pull", "smollm2-135m", "--quant", "q5_0"], "--quant q5_0"),
+    (["profile", "smollm2-135m", "--backend", "tpu"], "--backend tpu"),
+    (["topology", "--tau", "-1"], "--tau must be between 0 and 1"),
+    (["bench", "smollm2-135m", "--repeat", "0"], "--repeat must be >= 1")])
+def test_other_commands_refuse_a_bad_flag_value_with_2(cli, args, needle):
+    assert_refused(cli, args, needle, code=2)
 
 
 @pytest.mark.parametrize("option,needle", [
@@ -183,6 +226,7 @@ def test_run_refuses_an_out_of_range_option(tiny_models, cli, tmp_path, option, 
     (["--ppl", "MISSING"], "No such file"), (["--ppl", "EMPTY"], "no text for a perplexity"),
     (["--repeat", "0"], "must be >= 1")])
 def test_bench_refuses_bad_options_before_it_runs(tiny_models, cli, tmp_path, option, needle):
+    """A bad value exits 2, a file that is missing or holds no text 1."""
     from nerva_cli.store.pull import pull
 
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
@@ -190,8 +234,9 @@ def test_bench_refuses_bad_options_before_it_runs(tiny_models, cli, tmp_path, op
     files["TEXT"].write_text("the quick brown fox jumps over the lazy dog " * 20)
     files["EMPTY"].write_text("")
     args = [str(files.get(a, a)) for a in option]
+    by_file = option[-1] in ("MISSING", "EMPTY")
     assert_refused(cli, ["bench", model.path, "--no-profile", "--prompt-tokens", "8", "--gen-tokens", "4", *args],
-                   needle, *([str(files[option[-1]])] if option[-1] in ("MISSING", "EMPTY") else []))
+                   needle, *([str(files[option[-1]])] if by_file else []), code=1 if by_file else 2)
 
 
 def test_target_exists_needs_force(tiny_models, cli):

@@ -350,6 +350,12 @@ def test_bundled_smollm2_pull_and_show(cli):
     meta = json.loads(out)
     assert meta["config"]["num_layers"] == 30 and meta["config"]["vocab_size"] == 49152
     assert meta["config"]["tie_embeddings"] and meta["variant"] == "q4_1"
+    assert meta["parameters"] == 134_515_008  # the model card's 134.5M (the token table counted once)
+    assert meta["quantization"] == {"layer_matrices": "q4_1", "token_table": "q8_0"} and meta["chat_template"]
+    assert len(meta["mixed_precision"]["layers"]) == 30  # the profile shipped with nerva
+    code, out, err = cli("show", "smollm2-135m")
+    assert code == 0 and {"parameters: 134.5M", "context length: 8192", "embedding length: 576",
+                          "quantization: Q4_1 (layer matrices Q4_1, token table Q8_0)"} <= set(out.splitlines()), out
     code, out, err = cli("list", "--json")
     assert [m["name"] for m in json.loads(out)] == ["smollm2-135m"]
 
@@ -377,6 +383,30 @@ def test_list_show_verify_rm(tiny_models, cli):
     assert code == 1 and "not in the store" in err
 
 
+def test_show_is_a_summary_as_ollama_s_and_the_config_is_verbose_s(tiny_models, cli):
+    """`show` says what `ollama show` does, not thirty config fields, many of them None; -v adds
+    the fields that are set, --json gives everything (issue 49.12)."""
+    assert cli("convert", tiny_models("llama"), "--name", "tiny", "--quant", "q4_0")[0] == 0
+    code, out, _ = cli("show", "tiny")
+    lines = out.splitlines()
+    assert code == 0 and lines[0].startswith("tiny:q4_0  "), out
+    assert lines[1:9] == ["architecture: llama", "parameters: 154K", "context length: 512", "embedding length: 64",
+                          "layers: 3", "quantization: Q4_0 (layer matrices Q4_0, token table Q8_0)",
+                          "chat template: yes", "license: not kept in the store (the source has it)"], out
+    assert "None" not in out and "rms_eps" not in out and "mixed precision" not in out, out  # no profile yet
+    code, verbose, _ = cli("show", "tiny", "-v")
+    assert code == 0 and verbose.startswith(out) and "rms_eps: 1e-05" in verbose.splitlines(), verbose
+    assert "None" not in verbose and "rope_scaling" not in verbose, verbose
+    code, out, _ = cli("show", "tiny", "--json")
+    record = json.loads(out)
+    assert code == 0 and record["parameters"] == 154_048 and record["context_length"] == 512
+    assert record["config"]["rope_scaling"] is None and "files" in record and record["mixed_precision"] is None
+    assert record["license"] is None and record["chat_template"] is True
+    assert cli("convert", tiny_models("llama"), "--name", "tiny", "--quant", "f16")[0] == 0
+    code, out, _ = cli("show", "tiny:f16")
+    assert code == 0 and "quantization: F16 (as converted: runs exact)" in out.splitlines(), out
+
+
 def test_list_and_show_piped_print_values_whole(tiny_models, cli, tmp_path):
     """Piped, `show` gives "name: value" lines and `list` plain padded columns: a source path or
     a model name past 80 columns was cut to an ellipsis in a table as wide as a pipe is taken to
@@ -386,7 +416,7 @@ def test_list_and_show_piped_print_values_whole(tiny_models, cli, tmp_path):
     src = shutil.copytree(tiny_models("llama"), tmp_path / ("a-long-directory-name-" * 4) / "llama")
     name = "a-model-name-longer-than-a-pipe-is-wide-" * 2
     assert cli("convert", src, "--name", name, "--quant", "f16")[0] == 0
-    code, out, _ = cli("show", f"{name}:f16")
+    code, out, _ = cli("show", f"{name}:f16", "--verbose")
     assert code == 0 and "num_layers: 3" in out.splitlines()
     assert [line for line in out.splitlines() if line.startswith("source: ") and line.endswith(str(src))], out
     code, out, _ = cli("list")
@@ -615,7 +645,7 @@ def test_gguf_rope_freqs_are_llama3_scaling_as_transformers_computes_it(tiny_mod
     assert cli("convert", src, "--quant", "f16", "--name", "tiny-hf31")[0] == 0
     from_gguf, from_hf = find_model("tiny-llama31:f16"), find_model("tiny-hf31:f16")
     assert from_gguf.config.rope_scaling["type"] == "freq_factors"
-    shown = cli("show", "tiny-llama31")[1]
+    shown = cli("show", "tiny-llama31", "-v")[1]
     assert f"freq_factors: {head_dim // 2} per-frequency divisors, 1 to {(plain / scaled).max():g}" in shown, shown
     np.testing.assert_allclose(inv_freq(from_gguf.config), scaled, rtol=2e-7)
     prompt = [5, 17, 42, 99, 3, 250, 8, 77]

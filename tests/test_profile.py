@@ -166,9 +166,9 @@ def test_shipped_smollm2_profile_matches_the_bundled_conversion(smollm2_store):
     assert len(found.profile["scores"]) == 30
 
 
-def assert_refused(cli, args, *needles):
-    code, out, err = cli(*args)
-    assert code == 1, (code, out, err)
+def assert_refused(cli, args, *needles, code=1):
+    expected, (code, out, err) = code, cli(*args)
+    assert code == expected, (code, out, err)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:"), err
     for needle in needles:
@@ -181,13 +181,13 @@ def test_bad_input_is_one_line(tiny_models, tmp_path, cli):
     empty.write_text("\n  \n")
     assert_refused(cli, ["profile", model.path, "--prompts", tmp_path / "nope.txt"], "nope.txt", "no such file")
     assert_refused(cli, ["profile", model.path, "--prompts", empty], "empty.txt", "0 prompt")
-    for cmd in (["run", model.path, "-p", "hi"], ["bench", model.path]):
-        assert_refused(cli, [*cmd, "--tau", "1.5"], "--tau")
-        assert_refused(cli, [*cmd, "--tau", "-0.1"], "--tau")
-        assert_refused(cli, [*cmd, "--mode", "hot-only", "--active-fraction", "0"], "--active-fraction")
-        assert_refused(cli, [*cmd, "--mode", "hot-only", "--active-fraction", "1.5"], "--active-fraction")
-        assert_refused(cli, [*cmd, "--mode", "fast"], "--mode")
-        assert_refused(cli, [*cmd, "--mode", "hot-only", "--no-profile"], "--no-profile")
+    for cmd in (["run", model.path, "-p", "hi"], ["bench", model.path]):  # bad flag values: usage errors
+        assert_refused(cli, [*cmd, "--tau", "1.5"], "--tau", code=2)
+        assert_refused(cli, [*cmd, "--tau", "-0.1"], "--tau", code=2)
+        assert_refused(cli, [*cmd, "--mode", "hot-only", "--active-fraction", "0"], "--active-fraction", code=2)
+        assert_refused(cli, [*cmd, "--mode", "hot-only", "--active-fraction", "1.5"], "--active-fraction", code=2)
+        assert_refused(cli, [*cmd, "--mode", "fast"], "--mode", code=2)
+        assert_refused(cli, [*cmd, "--mode", "hot-only", "--no-profile"], "--no-profile", code=2)
 
 
 def bench(cli, path, *extra):
@@ -212,6 +212,28 @@ def test_mixed_dispatch_and_hot_only_follow_the_profile(tiny_models, tmp_path, c
     assert got["active_layers"] == 2 and "differ from the full model" in err
     assert mcap.hot_layers(prof, 0.5) == sorted(np.argsort(prof["scores"])[-2:].tolist())
     assert mcap.hot_layers(prof, 0.01) == [int(np.argmax(prof["scores"]))]  # at least one
+
+
+def test_the_mixed_precision_line_is_verbose_s_the_ledger_s_and_show_s(tiny_models, tmp_path, cli):
+    """Which layers run W4A16 holds on every run: --verbose says it, the ledger and `show` too, a
+    plain answer does not (issue 49.11)."""
+    model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+    prof = mcap.get_profile(model).profile
+    hi = [i for i, p in enumerate(mcap.layer_precisions(prof, 0.5)) if p == "w4a16"]
+    line = (f"W4A16 on layer(s) {', '.join(map(str, hi))}, W4A8 on the other {3 - len(hi)}" if 0 < len(hi) < 3
+            else f"{'W4A16' if hi else 'W4A8'} on all 3 layers")
+    args = ["run", model.path, "-p", "hi", "-n", "2", "--backend", "ref", "--seed", "1", "--tau", "0.5"]
+    code, out, err = cli(*args)
+    assert code == 0 and "precision" not in out + err, err
+    code, out, err = cli(*args, "--verbose")
+    assert code == 0 and f"mixed precision (tau 0.5): {line}" in err.splitlines(), err
+    code, out, err = cli(*args, "--ledger")
+    assert code == 0 and f"precision: {line}" in err.splitlines() and "mixed precision" not in err, err
+    code, out, err = cli("show", model.path)  # at the default tau, which a run without --tau takes
+    shown = mcap.precision_line(dict(enumerate(mcap.layer_precisions(prof, mcap.DEFAULT_TAU))), mcap.DEFAULT_TAU)
+    assert code == 0 and shown.startswith("mixed precision (tau 0.7): W4A") and shown in out.splitlines(), out
+    code, out, err = cli("run", model.path, "-p", "hi", "-n", "2", "--backend", "ref", "--precision", "w4a8", "-v")
+    assert code == 0 and "mixed precision" not in err, err  # a precision forced on every layer is no mix
 
 
 def test_smollm2_mixed_perplexity_within_1_percent_of_w4a16(smollm2_store, tmp_path, cli):

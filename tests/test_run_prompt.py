@@ -116,7 +116,7 @@ def test_pull_takes_an_alias_variant_as_a_tag(monkeypatch, cli):
     monkeypatch.setattr(store_commands, "_pull", lambda *args, **kw: pulled.append(args[:2]))
     assert cli("pull", "smollm2-135m:F16")[0] == 0 and pulled == [("smollm2-135m", "f16")]
     code, _, err = cli("pull", "smollm2-135m:f16", "--quant", "q4_0")
-    assert code == 1 and "name two variants" in err and len(pulled) == 1
+    assert code == 2 and "name two variants" in err and len(pulled) == 1
 
 
 def test_kernels_compile_ahead_once_for_each_kind_of_model(tiny_models, cli, tmp_path, monkeypatch):
@@ -133,7 +133,7 @@ def test_kernels_compile_ahead_once_for_each_kind_of_model(tiny_models, cli, tmp
     shutil.rmtree(cpu.warm_marker("x").parent, ignore_errors=True)  # markers of earlier tests
     warmed, warm_up = [], Engine.warm_up
     monkeypatch.setattr(Engine, "warm_up",
-                        lambda self, aside, also: warmed.append(self.kernel_kinds()) or warm_up(self, aside, also))
+                        lambda self, aside, also, **kw: warmed.append(self.kernel_kinds()) or warm_up(self, aside, also, **kw))
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
     exact = pull(str(tiny_models("llama")), variant="f16", out=tmp_path / "f16")  # exact: kernels of its own kinds
     args = ["-p", "hi", "-n", "2", "--no-profile", "--ctx", "64"]

@@ -149,11 +149,12 @@ def test_plan_bound_from_the_probe_and_profile_importance(tiny_models, tmp_path,
         engine.weights.close()
 
 
-@pytest.mark.parametrize("budget, says", [("lots", "expected a size like"), ("64K", "smallest budget that works")])
-def test_bad_budget_is_one_error_line(budget, says, tiny_models, tmp_path, cli):
+@pytest.mark.parametrize("budget, says, exit_code", [("lots", "expected a size like", 2),  # not a size: usage
+                                                    ("64K", "smallest budget that works", 1)])  # too small for the model
+def test_bad_budget_is_one_error_line(budget, says, exit_code, tiny_models, tmp_path, cli):
     model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
     code, out, err = cli("topology", "--model", model.path, "--ram-budget", budget, "--no-profile")
-    assert code == 1 and out == ""
+    assert code == exit_code and out == ""
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and says in errors[0] and err.strip().endswith(errors[0]), err
 

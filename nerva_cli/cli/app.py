@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from nerva_cli.errors import NervaError, Terminated
+from nerva_cli.errors import NervaError, Terminated, UsageError
 
 app = typer.Typer(
     name="nerva", add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -73,11 +73,11 @@ def main() -> None:
     caught = {s: signal.signal(s, _terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         app()
-    except NervaError as e:
+    except NervaError as e:  # a bad flag value exits 2, as click's own usage errors do; the rest 1
         from nerva_cli.cli import output
 
         output.error(str(e))
-        sys.exit(1)
+        sys.exit(2 if isinstance(e, UsageError) else 1)
     except KeyboardInterrupt:
         sys.exit(130)
     except Terminated as e:  # cleaned up: now end by the signal, as whoever sent it expects

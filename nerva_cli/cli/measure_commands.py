@@ -10,7 +10,7 @@ import typer
 from nerva_cli.cli.app import app, long_lived_objects
 from nerva_cli.cli.options import (ActiveFraction, Backend, Ctx, Json, KvCache, Mode, NoProfile, Policy, Precision,
                                    RamBudget, Tau, Threads, VramBudget)
-from nerva_cli.errors import NervaError
+from nerva_cli.errors import UsageError
 from nerva_cli.hardware.machine import configure_threads
 
 
@@ -44,9 +44,9 @@ def bench(
     from nerva_cli.runtime.options import EngineOptions
 
     if min(prompt_tokens, gen_tokens, repeat) < 1:
-        raise NervaError("--prompt-tokens, --gen-tokens and --repeat must be >= 1")
+        raise UsageError("--prompt-tokens, --gen-tokens and --repeat must be >= 1")
     if ppl_ctx < 2:
-        raise NervaError(f"--ppl-ctx must be >= 2 (a window's first token is context only), got {ppl_ctx}")
+        raise UsageError(f"--ppl-ctx must be >= 2 (a window's first token is context only), got {ppl_ctx}")
     opts = BenchOptions(prompt_tokens, gen_tokens, repeat, ppl, ppl_ctx)  # reads --ppl's file
     chosen = ctx is None
     if chosen:  # room for the runs, the allocation check's 26 positions, and --ppl's window
@@ -82,7 +82,7 @@ def profile(
     from nerva_cli.store import locks
 
     if backend not in BACKENDS:
-        raise NervaError(f"--backend {backend}: choose one of {', '.join(BACKENDS)}")
+        raise UsageError(f"--backend {backend}: choose one of {', '.join(BACKENDS)}")
     texts = mcap.read_prompts(prompts) if prompts is not None else None
     m = locks.hold(find_or_pull(model, output.CliReporter()))  # as a run's: rm refuses it while profiling
     with output.step_progress("profiling") as progress:

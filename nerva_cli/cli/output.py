@@ -76,17 +76,18 @@ def error(msg: str) -> None:
 
 @contextmanager
 def working(title: str):
-    """A spinner with the time elapsed while the block runs, on a terminal; the title once, when
-    piped."""
+    """A spinner with the time elapsed while the block runs, on a terminal, after the title what
+    the callback it yields, status(detail), last said; the title once, when piped."""
     if not err.is_terminal:
         err.print(title, markup=False)
-        yield
+        yield lambda detail: None
         return
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    with Progress(SpinnerColumn(), TextColumn(title), TimeElapsedColumn(), console=err, transient=True) as bar:
-        bar.add_task("", total=None)
-        yield
+    with Progress(SpinnerColumn(), TextColumn(escape(title) + "{task.description}"), TimeElapsedColumn(), console=err,
+                  transient=True) as bar:
+        task = bar.add_task("", total=None)
+        yield lambda detail: bar.update(task, description=f": {escape(detail)}")
 
 
 @contextmanager
@@ -125,9 +126,16 @@ def step_progress(title: str):
 
 class CliReporter:
     """The runtime's Reporter (runtime/report.py) on this terminal: lines and notes on stderr, bars
-    and spinners where it is a terminal."""
+    and spinners where it is a terminal; details only when `verbose` (run --verbose)."""
 
     info = staticmethod(info)
     note = staticmethod(note)
     progress = staticmethod(step_progress)
     working = staticmethod(working)
+
+    def __init__(self, verbose: bool = False):
+        self.verbose = verbose
+
+    def detail(self, text: str) -> None:
+        if self.verbose:
+            info(text)

@@ -12,7 +12,7 @@ import typer
 from nerva_cli.cli.app import app, long_lived_objects
 from nerva_cli.cli.options import (ActiveFraction, Backend, Ctx, KvCache, Mode, NoProfile, Policy, Precision, RamBudget,
                                    Tau, Threads, VramBudget)
-from nerva_cli.errors import NervaError, writable_file
+from nerva_cli.errors import NervaError, UsageError, writable_file
 from nerva_cli.hardware.machine import configure_threads
 
 
@@ -46,7 +46,7 @@ def run(
     kv_cache: KvCache = "f16",
     backend: Backend = "auto",
     no_server: Annotated[bool, typer.Option("--no-server", help="Run in this process even where a `nerva serve` answers at NERVA_HOST (by default a running server answers, its model already loaded, unless a flag here asks for this process's engine: --ledger, --ctx, --backend, --threads, --precision and the residency flags).")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print the load time, then timings after each answer.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print the layers' precisions and the load time, then timings after each answer.")] = False,
     ledger: Annotated[bool, typer.Option("--ledger", help="Print the per-token ledger (time per phase, bytes per tier) after each answer.")] = False,
     ledger_every: Annotated[int, typer.Option("--ledger-every", help="With --ledger: show every Nth token (the summary counts all).")] = 1,
     ledger_file: Annotated[Optional[Path], typer.Option("--ledger-file", help="Write the ledger as JSON lines to this file.")] = None,
@@ -64,11 +64,11 @@ def run(
     opts = SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                            repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed)
     if max_tokens < 1:
-        raise NervaError(f"--max-tokens must be >= 1, got {max_tokens}")
+        raise UsageError(f"--max-tokens must be >= 1, got {max_tokens}")
     if ledger_every < 1:
-        raise NervaError(f"--ledger-every must be >= 1, got {ledger_every}")
+        raise UsageError(f"--ledger-every must be >= 1, got {ledger_every}")
     if raw and system is not None:
-        raise NervaError("--system goes into the chat template, which --raw leaves out")
+        raise UsageError("--system goes into the chat template, which --raw leaves out")
     if ledger_file is not None:
         ledger_file = writable_file(ledger_file, "--ledger-file")
     options = EngineOptions(backend=backend, precision=precision, tau=tau, use_profile=not no_profile, mode=mode,
@@ -76,7 +76,7 @@ def run(
                             vram_budget=vram_budget, policy=policy, kv_cache=kv_cache, decodes=max_tokens > 1)
     if words:
         if prompt is not None:
-            raise NervaError(f"give the prompt once: -p or the words after the model, not both ({' '.join(words)!r})")
+            raise UsageError(f"give the prompt once: -p or the words after the model, not both ({' '.join(words)!r})")
         prompt = " ".join(words)
         if not sys.stdin.isatty():  # ollama's way: `cat notes.txt | nerva run MODEL summarise this`
             piped = _read_stdin().rstrip()
@@ -106,7 +106,7 @@ def run(
         session = RemoteChat(client, model, described, opts, max_tokens, raw=raw, system=system, stops=stop or [])
         _converse(session, prompt, verbose, f"the nerva server at {client.url}")
         return
-    engine, tokenizer = open_engine(model, options, output.CliReporter(), building=long_lived_objects)
+    engine, tokenizer = open_engine(model, options, output.CliReporter(verbose), building=long_lived_objects)
     if verbose:  # ollama's "load duration": model, profile, tokenizer, arena, any kernels compiled ahead
         output.info(f"loaded in {time.perf_counter() - started:.2f} s")
     from nerva_cli.runtime.ledger import Ledger

@@ -9,7 +9,7 @@ import typer
 
 from nerva_cli.cli.app import app
 from nerva_cli.cli.options import Force, Json, Quant
-from nerva_cli.errors import NervaError
+from nerva_cli.errors import NervaError, UsageError, read_json
 
 
 def _pull(spec: str, quant: str, name: Optional[str], out: Optional[Path], force: bool,
@@ -42,7 +42,7 @@ def pull(
     if aliased is not None:
         alias, tagged = aliased
         if tagged != "auto" and quant not in ("auto", tagged):
-            raise NervaError(f"{source} and --quant {quant} name two variants: give one")
+            raise UsageError(f"{source} and --quant {quant} name two variants: give one")
         source, quant = alias, quant if tagged == "auto" else tagged
     _pull(source, quant, name, None, force, revision, keep_existing=True)
 
@@ -95,22 +95,25 @@ def list_(json_: Json = False):
                         "removes it, a pull with --force converts it again")
 
 
-@app.command()
+@app.command(epilog="Examples: nerva show smollm2-135m | nerva show smollm2-135m -v | nerva show smollm2-135m --json | jq .config")
 def show(
     model: Annotated[str, typer.Argument(help="name[:variant] in the store, or a model directory.")],
-    json_: Json = False,
+    json_: Annotated[bool, typer.Option("--json", help="Print the whole record for scripts: the summary, metadata.json's config, source and files.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Add the config's fields (those set), the tensors and the arch hash.")] = False,
     verify: Annotated[bool, typer.Option("--verify", help="Re-hash every file against metadata.json.")] = False,
 ):
-    """Show a model's config, files and tensors."""
+    """A model as `ollama show` shows it: architecture, parameters, context and embedding length,
+    quantisation, chat template and license; its layers' mixed precision where it has a profile."""
     from nerva_cli.cli import output
     from nerva_cli.store import catalog as store
 
     m = store.find_model(model)
     bad = m.verify() if verify else None
+    summary = _summary(m)
     if json_:
-        output.print_json({"path": str(m.path), **m.meta, **({"verify_failed": bad} if verify else {})})
+        output.print_json({"path": str(m.path), **summary, **m.meta, **({"verify_failed": bad} if verify else {})})
     else:
-        _print_show(m)
+        _print_show(m, summary, verbose)
         if verify and not bad:
             output.out.print(f"verified: {len(m.meta['files'])} files match metadata.json")
     if bad:
@@ -118,16 +121,53 @@ def show(
                          f"`{m.repair_command()}` converts the model again")
 
 
-def _print_show(m) -> None:
+def _summary(m) -> dict:
+    """What `show` says of a model, as --json gives it beside metadata.json's fields."""
+    from nerva_cli.model.layout import parameter_count
+    from nerva_cli.runtime import mcap
+
+    cfg, q4 = m.config, m.variant in ("q4_0", "q4_1")
+    template = (m.path / "tokenizer_config.json").exists() and \
+        bool(read_json(m.path / "tokenizer_config.json").get("chat_template"))
+    found = mcap.find_profile(m) if q4 else None  # mixed precision needs one: the first run makes it
+    mixed = None if found is None else mcap.layer_precisions(found.profile, mcap.DEFAULT_TAU)
+    return {"architecture": cfg.family, "parameters": parameter_count(cfg), "context_length": cfg.max_context,
+            "embedding_length": cfg.hidden_size, "layers": cfg.num_layers,
+            "quantization": {"layer_matrices": m.variant,
+                             "token_table": (m.variant if m.q4_token_table else "q8_0") if q4 else m.variant},
+            "chat_template": template, "license": None,  # the store keeps no license: the source has it
+            "mixed_precision": None if mixed is None else {"tau": mcap.DEFAULT_TAU, "layers": mixed}}
+
+
+def _print_show(m, summary: dict, verbose: bool) -> None:
     from collections import Counter
 
     from nerva_cli.cli import output
+    from nerva_cli.model.layout import parameter_size
+    from nerva_cli.runtime import mcap
 
-    cfg = m.config
+    quant = {k: v.upper() for k, v in summary["quantization"].items()}
+    quantisation = (f"{m.variant.upper()} (layer matrices {quant['layer_matrices']}, token table "
+                    f"{quant['token_table']})" if m.variant in ("q4_0", "q4_1") else
+                    f"{m.variant.upper()} (as converted: runs exact)")
+    source = m.meta["source"]
     output.out.print(f"[bold]{output.escape(f'{m.name}:{m.variant}')}[/bold]  {output.escape(str(m.path))}")
-    output.facts([*((k, _config_fact(v)) for k, v in cfg.to_dict().items()), ("arch_hash", m.meta["arch_hash"]),
-                  ("source", f"{m.meta['source'].get('kind')}: {m.meta['source'].get('id')}"),
+    output.facts([("architecture", summary["architecture"]), ("parameters", parameter_size(summary["parameters"])),
+                  ("context length", str(summary["context_length"])),
+                  ("embedding length", str(summary["embedding_length"])), ("layers", str(summary["layers"])),
+                  ("quantization", quantisation),
+                  ("chat template", "yes" if summary["chat_template"] else
+                   "none (a base model: prompts go to it as they are)"),
+                  ("license", "not kept in the store (the source has it)"),
+                  ("source", f"{source.get('kind')}: {source.get('id')}"),
                   ("size", f"{output.human_bytes(m.size)} in {len(m.meta['files'])} files")])
+    mixed = summary["mixed_precision"]
+    if mixed is not None:
+        output.out.print(mcap.precision_line(dict(enumerate(mixed["layers"])), mixed["tau"]), markup=False)
+    if not verbose:
+        return
+    cfg = m.config.to_dict()
+    output.facts([*((k, _config_fact(v)) for k, v in cfg.items() if v is not None), ("arch_hash", m.meta["arch_hash"])])
     dtypes = Counter(t["dtype"] for f in m.meta["files"].values() for t in f["tensors"].values())
     largest = max(m.meta["files"].items(), key=lambda kv: kv[1]["size"])
     output.out.print(f"tensors: {sum(dtypes.values())} ({', '.join(f'{n} {d}' for d, n in sorted(dtypes.items()))}); "

@@ -119,14 +119,14 @@ def configure_threads(threads: int | None) -> int:
     """--threads resolved (default: the physical cores) and checked, applied to BLAS, and freed
     memory kept in the heap for reuse (reuse_freed_memory): what a process that will run an
     engine does before anything imports numpy. -> the threads."""
-    from nerva_cli.errors import BadInput
+    from nerva_cli.errors import UsageError
 
     threads = physical_cores() if threads is None else threads
     if threads < 1:
-        raise BadInput(f"--threads must be >= 1, got {threads}")
+        raise UsageError(f"--threads must be >= 1, got {threads}")
     most = most_threads()
     if threads > most:
-        raise BadInput(f"--threads must be at most {most} here (the CPUs this process may run on, "
+        raise UsageError(f"--threads must be at most {most} here (the CPUs this process may run on, "
                        f"or NUMBA_NUM_THREADS), got {threads}")
     limit_blas_threads(threads)
     reuse_freed_memory()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from nerva_cli.model.config import ModelConfig
 
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # Q4_0 or Q4_1 in the q4_0 and q4_1 variants
@@ -39,3 +41,18 @@ def layer_file(i: int) -> str:
 
 def quantised(name: str) -> bool:
     return name in MATRICES or name in TABLES
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """The model's weights, counted as its source has them (a tied token table once)."""
+    per_layer = sum(math.prod(s) for s in layer_shapes(cfg).values())
+    rest = sum(math.prod(s) for tensors in global_files(cfg).values() for s in tensors.values())
+    return cfg.num_layers * per_layer + rest
+
+
+def parameter_size(n: int) -> str:
+    """As ollama writes it: 135M, 1.7B."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}".removesuffix(".0") + unit
+    return str(n)

@@ -12,10 +12,10 @@ CHOICES = ("auto", "cpu", "cuda", "ref")
 
 def resolve(name: str) -> str:
     """--backend: auto is cuda when CuPy imports and a device answers, else cpu."""
-    from nerva_cli.errors import NervaError
+    from nerva_cli.errors import NervaError, UsageError
 
     if name not in CHOICES:
-        raise NervaError(f"--backend {name}: choose one of {', '.join(CHOICES)}")
+        raise UsageError(f"--backend {name}: choose one of {', '.join(CHOICES)}")
     if name in ("auto", "cuda"):
         from nerva_cli.planes.cuda import launch as cuda
 

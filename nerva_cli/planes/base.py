@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from nerva_cli.errors import NervaError
+from nerva_cli.errors import NervaError, UsageError
 from nerva_cli.model.config import ModelConfig
 from nerva_cli.model.layout import layer_file
 from nerva_cli.store.catalog import StoredModel
@@ -24,7 +24,7 @@ PRECISIONS = ("w4a8", "w4a16", "exact")
 def context_length(cfg: ModelConfig, ctx: int | None) -> int:
     """--ctx, or min(model max, 4096) when not given; never past the model's max."""
     if ctx is not None and ctx < 1:
-        raise NervaError(f"--ctx must be >= 1 (tokens), got {ctx}")
+        raise UsageError(f"--ctx must be >= 1 (tokens), got {ctx}")
     return min(ctx or min(cfg.max_context, 4096), cfg.max_context)
 
 
@@ -191,7 +191,7 @@ class EngineBase:
     def prepare(self, threads: int, decodes: bool, say=None, working=None) -> None:
         """What a plane does before an answer starts, once the engine is built (cpu: threads, and
         compiling the decode kernels ahead of the answer); `say(text)` reports, `working(title)`
-        is a context manager shown while it works."""
+        is a context manager shown while it works, yielding status(detail) for its progress."""
 
     def load_kernels_aside(self, threads: int, also=lambda: None):
         """Loads on a thread what a first answer would load on the way, then calls also(); ->

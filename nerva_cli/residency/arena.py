@@ -10,7 +10,7 @@ import numpy as np
 
 from nerva_cli.planes.ref import attention_decode_partials, attention_prefill_work
 from nerva_cli.model.config import ModelConfig
-from nerva_cli.errors import NervaError
+from nerva_cli.errors import UsageError
 from nerva_cli.model.quant import QK
 
 KV_CACHE_TYPES = {"f16": np.float16, "f32": np.float32}
@@ -36,7 +36,7 @@ def cache_rows(cfg: ModelConfig, ctx: int, chunk: int) -> list[int]:
 def kv_cache_type(kv_cache: str):
     """--kv-cache's dtype, or the one-line error that names the choices."""
     if kv_cache not in KV_CACHE_TYPES:
-        raise NervaError(f"--kv-cache {kv_cache}: choose one of {', '.join(KV_CACHE_TYPES)}")
+        raise UsageError(f"--kv-cache {kv_cache}: choose one of {', '.join(KV_CACHE_TYPES)}")
     return KV_CACHE_TYPES[kv_cache]
 
 

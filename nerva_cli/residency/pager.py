@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nerva_cli.errors import BadInput
+from nerva_cli.errors import BadInput, UsageError
 from nerva_cli.model.layout import layer_file
 from nerva_cli.residency.planner import ResidentBlock, State
 from nerva_cli.store.catalog import StoredModel, tensors_in
@@ -128,7 +128,7 @@ class PagedWeights:
         view_buffer(buf), when given, from its raw bytes instead (the cuda backend copies whole
         slots to the GPU)."""
         if policy not in POLICIES:
-            raise BadInput(f"--policy {policy}: choose one of {', '.join(POLICIES)}")
+            raise UsageError(f"--policy {policy}: choose one of {', '.join(POLICIES)}")
         tables = {layer_file(i): model.meta["files"][layer_file(i)]["tensors"] for i in paged}
         first = next(iter(tables.values()))
         if any(t != first for t in tables.values()):

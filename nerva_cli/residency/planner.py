@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 from enum import Enum
 
-from nerva_cli.errors import NervaError
+from nerva_cli.errors import NervaError, UsageError
 
 
 class State(str, Enum):
@@ -70,7 +70,7 @@ def parse_budget(text: str | None, what: str) -> int | None:
         return int(available_ram() * 0.9)
     m = _SIZE.match(text)
     if not m:
-        raise NervaError(f"--{what} {text!r}: expected a size like 512M, 4G or auto")
+        raise UsageError(f"--{what} {text!r}: expected a size like 512M, 4G or auto")
     unit = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
     return int(float(m.group(1)) * unit)
 

@@ -9,6 +9,7 @@ from time import perf_counter_ns
 import numpy as np
 
 from nerva_cli.runtime.hotpath import AllocationCounter
+from nerva_cli.runtime.mcap import precision_line
 
 
 @dataclass
@@ -212,3 +213,6 @@ class Ledger:
                 f"{human_bytes(s['h2d_bytes_per_token'])}/token; hit rate "
                 f"{s['hit_rate']:.2%}; hot-path allocations {s['hot_path_allocations']} (the first step's "
                 "one-time work included)")
+        layers = precision_line(self.engine.layer_precision)
+        if layers:
+            console.print(layers, markup=False)

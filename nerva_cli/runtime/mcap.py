@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nerva_cli.errors import BadInput
+from nerva_cli.errors import BadInput, UsageError
 from nerva_cli.store.catalog import StoredModel, home, store_dir
 
 FORMAT = "nerva-profile/1"
@@ -98,13 +98,13 @@ def read_prompts(path: Path) -> list[str]:
 
 def check_tau(tau: float) -> float:
     if not 0.0 <= tau <= 1.0:
-        raise BadInput(f"--tau must be between 0 and 1 (a normalised score), got {tau}")
+        raise UsageError(f"--tau must be between 0 and 1 (a normalised score), got {tau}")
     return tau
 
 
 def check_fraction(fraction: float) -> float:
     if not 0.0 < fraction <= 1.0:
-        raise BadInput(f"--active-fraction must be in (0, 1], got {fraction}")
+        raise UsageError(f"--active-fraction must be in (0, 1], got {fraction}")
     return fraction
 
 
@@ -276,12 +276,26 @@ def hot_layers(profile: dict, fraction: float) -> list[int]:
     return top_k(profile["scores"], keep)
 
 
+def precision_line(per_layer: dict[int, str], tau: float | None = None) -> str | None:
+    """Which layers run at which precision, in a line: "mixed precision (tau 0.7): W4A16 on
+    layer(s) 0, 2, W4A8 on the other 1" (what --verbose, the ledger and `show` print); None for an
+    exact model, whose layers have no choice."""
+    if set(per_layer.values()) <= {"exact"}:
+        return None
+    hi = [i for i, p in sorted(per_layer.items()) if p == "w4a16"]
+    head = f"mixed precision (tau {tau})" if tau is not None else "precision"
+    if len(hi) in (0, len(per_layer)):
+        return f"{head}: {'W4A16' if hi else 'W4A8'} on all {len(per_layer)} layers"
+    return f"{head}: W4A16 on layer(s) {', '.join(map(str, hi))}, W4A8 on the other {len(per_layer) - len(hi)}"
+
+
 @dataclass
 class LayerPlan:
     precision: str | None  # what Engine gets
     layer_precisions: list[str] | None = None
     active_layers: list[int] | None = None
     importance: dict[int, float] | None = None  # normalised scores, for the residency planner
+    mixed: str | None = None  # mixed precision's precision_line: a verbose run's to print
 
 
 def plan_layers(model: StoredModel, precision: str | None, tau: float, use_profile: bool, mode: str,
@@ -291,14 +305,14 @@ def plan_layers(model: StoredModel, precision: str | None, tau: float, use_profi
     check_tau(tau)
     check_fraction(fraction)
     if mode not in ("full", "hot-only"):
-        raise BadInput(f"--mode {mode}: choose full or hot-only")
+        raise UsageError(f"--mode {mode}: choose full or hot-only")
     if precision not in (None, "mixed", "w4a16", "w4a8", "exact"):
-        raise BadInput(f"--precision {precision}: choose mixed, w4a16 or w4a8 (q4_0 and q4_1 models)")
+        raise UsageError(f"--precision {precision}: choose mixed, w4a16 or w4a8 (q4_0 and q4_1 models)")
     exact = model.variant in ("f16", "bf16")
     mixed = precision in (None, "mixed") and not exact
     hot = mode == "hot-only"
     if hot and not use_profile:
-        raise BadInput("--mode hot-only picks layers by their MCAP score: drop --no-profile")
+        raise UsageError("--mode hot-only picks layers by their MCAP score: drop --no-profile")
     if mixed and not use_profile:
         log("--no-profile: every layer runs W4A16")
         return LayerPlan("w4a16")
@@ -316,9 +330,7 @@ def plan_layers(model: StoredModel, precision: str | None, tau: float, use_profi
     if mixed:
         plan.precision = "w4a16"
         plan.layer_precisions = layer_precisions(prof, tau)
-        hi = [i for i, p in enumerate(plan.layer_precisions) if p == "w4a16"]
-        log(f"mixed precision (tau {tau}): W4A16 on layer(s) {', '.join(map(str, hi)) or 'none'}, "
-            f"W4A8 on the other {len(plan.layer_precisions) - len(hi)}")
+        plan.mixed = precision_line(dict(enumerate(plan.layer_precisions)), tau)
     if hot:
         plan.active_layers = hot_layers(prof, fraction)
         n, kept = len(prof["scores"]), len(plan.active_layers)

@@ -93,9 +93,12 @@ def layer_plan(model, options: EngineOptions, report: Reporter = SILENT):
     from nerva_cli.runtime import mcap
 
     with report.progress("profiling") as progress:
-        return mcap.plan_layers(model, options.precision, options.tau, options.use_profile, options.mode,
+        plan = mcap.plan_layers(model, options.precision, options.tau, options.use_profile, options.mode,
                                 options.active_fraction, profiling_backend(options.backend),
                                 progress=progress, log=report.info)
+    if plan.mixed:  # every run's, so --verbose's (the ledger and `show` say it too)
+        report.detail(plan.mixed)
+    return plan
 
 
 def ram_budget(model, backend: str, options: EngineOptions, report: Reporter = SILENT) -> int | None:

@@ -1,11 +1,11 @@
 """EngineOptions: what `run`, `bench`, `topology --model` (and a server) ask of an engine, checked
-once, whatever the plan turns out to need, each error naming its flag."""
+once, whatever the plan turns out to need, each error naming its flag (a UsageError: exit 2)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nerva_cli.errors import BadInput
+from nerva_cli.errors import UsageError
 
 BACKENDS = ("auto", "cpu", "cuda", "ref")
 PRECISIONS = ("mixed", "w4a16", "w4a8", "exact")
@@ -16,7 +16,7 @@ KV_CACHES = ("f16", "f32")
 
 def _one_of(flag: str, value, choices) -> None:
     if value not in choices:
-        raise BadInput(f"{flag} {value}: choose one of {', '.join(choices)}")
+        raise UsageError(f"{flag} {value}: choose one of {', '.join(choices)}")
 
 
 @dataclass
@@ -42,15 +42,17 @@ class EngineOptions:
 
         _one_of("--backend", self.backend, BACKENDS)
         if self.precision not in (None, *PRECISIONS):
-            raise BadInput(f"--precision {self.precision}: choose mixed, w4a16 or w4a8 (q4_0 and q4_1 models)")
+            raise UsageError(f"--precision {self.precision}: choose mixed, w4a16 or w4a8 (q4_0 and q4_1 models)")
         check_tau(self.tau)
         if self.mode not in MODES:
-            raise BadInput(f"--mode {self.mode}: choose full or hot-only")
+            raise UsageError(f"--mode {self.mode}: choose full or hot-only")
         check_fraction(self.active_fraction)
+        if self.mode == "hot-only" and not self.use_profile:  # before the model is read, not after
+            raise UsageError("--mode hot-only picks layers by their MCAP score: drop --no-profile")
         if self.ctx is not None and self.ctx < 1:
-            raise BadInput(f"--ctx must be >= 1 (tokens), got {self.ctx}")
+            raise UsageError(f"--ctx must be >= 1 (tokens), got {self.ctx}")
         if self.threads < 1:
-            raise BadInput(f"--threads must be >= 1, got {self.threads}")
+            raise UsageError(f"--threads must be >= 1, got {self.threads}")
         self.ram_bytes = parse_budget(self.ram_budget, "ram-budget")
         self.vram_bytes = None if self.vram_budget in (None, "auto") else parse_budget(self.vram_budget,
                                                                                         "vram-budget")

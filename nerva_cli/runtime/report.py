@@ -15,6 +15,9 @@ class Reporter:
     def note(self, text: str) -> None:
         """Something the user may want to act on."""
 
+    def detail(self, text: str) -> None:
+        """A line only a verbose run shows (the CLI's --verbose): what holds on every run."""
+
     @contextmanager
     def progress(self, title: str):
         """Yields a callback (what, done, total) for a job of steps."""
@@ -22,5 +25,5 @@ class Reporter:
 
     @contextmanager
     def working(self, title: str):
-        """Shown while the block runs."""
-        yield
+        """Shown while the block runs; yields a callback status(detail) for how far it got."""
+        yield lambda detail: None

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nerva_cli.errors import NervaError
+from nerva_cli.errors import UsageError
 
 
 @dataclass
@@ -26,19 +26,19 @@ class SamplingOptions:
 
     def __post_init__(self):
         if not 0 <= self.temperature < math.inf:  # NaN too
-            raise NervaError(f"--temperature must be a number >= 0, got {self.temperature}")
+            raise UsageError(f"--temperature must be a number >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise NervaError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}")
+            raise UsageError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise NervaError(f"--top-p must be in (0, 1], got {self.top_p}")
+            raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
-            raise NervaError(f"--min-p must be in [0, 1] (0 disables it), got {self.min_p}")
+            raise UsageError(f"--min-p must be in [0, 1] (0 disables it), got {self.min_p}")
         if self.repeat_last_n < 0:
-            raise NervaError(f"--repeat-last-n must be >= 0 (0 disables the penalty), got {self.repeat_last_n}")
+            raise UsageError(f"--repeat-last-n must be >= 0 (0 disables the penalty), got {self.repeat_last_n}")
         if not 0 < self.repeat_penalty < math.inf:
-            raise NervaError(f"--repeat-penalty must be a number > 0, got {self.repeat_penalty}")
+            raise UsageError(f"--repeat-penalty must be a number > 0, got {self.repeat_penalty}")
         if self.seed is not None and self.seed < 0:
-            raise NervaError(f"--seed must be >= 0 (without it, a random seed), got {self.seed}")
+            raise UsageError(f"--seed must be >= 0 (without it, a random seed), got {self.seed}")
 
 
 class Sampler:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import hashlib
-import math
 import time
 from datetime import datetime, timezone
 
 from nerva_cli.errors import BadInput
+from nerva_cli.model.layout import parameter_count, parameter_size
 from nerva_cli.serve.errors import ApiError
 
 
@@ -48,22 +48,6 @@ def stored_models() -> list:
 
 def key_of(model) -> str:
     return f"{model.name}:{model.variant}"
-
-
-def parameter_count(cfg) -> int:
-    from nerva_cli.model.layout import global_files, layer_shapes
-
-    per_layer = sum(math.prod(s) for s in layer_shapes(cfg).values())
-    rest = sum(math.prod(s) for tensors in global_files(cfg).values() for s in tensors.values())
-    return cfg.num_layers * per_layer + rest
-
-
-def parameter_size(n: int) -> str:
-    """As ollama writes it: 135M, 1.7B."""
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f}".removesuffix(".0") + unit
-    return str(n)
 
 
 def digest(model) -> str:

@@ -7,7 +7,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from nerva_cli.errors import BadInput
+from nerva_cli.errors import UsageError
 from nerva_cli.runtime.options import EngineOptions
 
 DEFAULT_HOST = "127.0.0.1"
@@ -22,7 +22,7 @@ def parse_duration(value, what: str) -> float | None:
     """ollama's keep_alive: a number of seconds, or a Go duration ("5m", "1h30m", "250ms"); a
     negative one keeps the model loaded for ever. -> seconds, or None for ever."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise BadInput(f"{what} must be a duration such as 5m, 30s or -1, got {type(value).__name__}")
+        raise UsageError(f"{what} must be a duration such as 5m, 30s or -1, got {type(value).__name__}")
     if isinstance(value, str):
         text = value.strip()
         sign = -1.0 if text.startswith("-") else 1.0
@@ -32,11 +32,11 @@ def parse_duration(value, what: str) -> float | None:
         except ValueError:
             parts = _GO_PART.findall(body)
             if not body or "".join(a + u for a, u in parts) != body:
-                raise BadInput(f"{what} {value!r}: not a duration (examples: 5m, 1h30m, 30s, 0, -1)") from None
+                raise UsageError(f"{what} {value!r}: not a duration (examples: 5m, 1h30m, 30s, 0, -1)") from None
             seconds = sum(float(a) * _GO_UNITS[u] for a, u in parts)
         value = sign * seconds
     if math.isnan(value):
-        raise BadInput(f"{what} must be a duration such as 5m, 30s or -1, got NaN")
+        raise UsageError(f"{what} must be a duration such as 5m, 30s or -1, got NaN")
     return None if value < 0 or math.isinf(value) else float(value)
 
 
@@ -59,7 +59,7 @@ def parse_host(text: str) -> tuple[str, int | None]:
     if port is None or port == "":
         return host, None
     if not port.isdigit() or not 0 < int(port) < 65536:
-        raise BadInput(f"NERVA_HOST {text!r}: the port must be a number from 1 to 65535")
+        raise UsageError(f"NERVA_HOST {text!r}: the port must be a number from 1 to 65535")
     return host, int(port)
 
 
@@ -89,14 +89,14 @@ class ServeOptions:
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
-            raise BadInput(f"--port must be from 0 to 65535, got {self.port}")
+            raise UsageError(f"--port must be from 0 to 65535, got {self.port}")
         if self.parallel < 1:
-            raise BadInput(f"--parallel must be >= 1, got {self.parallel}")
+            raise UsageError(f"--parallel must be >= 1, got {self.parallel}")
         if self.max_queue < 0:
-            raise BadInput(f"--max-queue must be >= 0, got {self.max_queue}")
+            raise UsageError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.api_key is not None and not self.api_key.strip():
-            raise BadInput("--api-key is empty: give a key, or leave it out for none")
+            raise UsageError("--api-key is empty: give a key, or leave it out for none")
         for origin in self.cors:
             if not re.fullmatch(r"https?://[^/\s]+", origin):
-                raise BadInput(f"--cors {origin!r}: give an origin as scheme://host[:port], "
+                raise UsageError(f"--cors {origin!r}: give an origin as scheme://host[:port], "
                                "e.g. https://chat.example.com")

@@ -70,6 +70,9 @@ class LogReporter(Reporter):
     def note(self, text: str) -> None:
         log.warning("%s: %s", self.key, text)
 
+    def detail(self, text: str) -> None:  # a load's, once: the log is the server's verbose output
+        log.info("%s: %s", self.key, text)
+
 
 class Slot:
     """One engine, the request on it, and the prompt its KV cache holds (steps.answer_steps),

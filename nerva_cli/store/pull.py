@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from nerva_cli.store.convert import Progress, conversion_notes, convert, default_variant
-from nerva_cli.errors import BadInput
+from nerva_cli.errors import BadInput, UsageError
 from nerva_cli.store.catalog import VARIANTS, StoredModel, load_metadata, models_root, parse_ref
 
 
@@ -21,7 +21,7 @@ def pull(spec: str, variant: str = "auto", name: str | None = None, out: Path | 
     from nerva_cli.store.sources.resolve import open_source
 
     if variant != "auto" and variant not in VARIANTS:  # before a download, not after
-        raise BadInput(f"--quant {variant}: choose auto, {', '.join(VARIANTS)}")
+        raise UsageError(f"--quant {variant}: choose auto, {', '.join(VARIANTS)}")
     source = open_source(spec, revision=revision)
     try:
         if variant == "auto":

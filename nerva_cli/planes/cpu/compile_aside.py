@@ -65,13 +65,16 @@ class CompileAside:
         self._progress: Optional[int] = read_end
         self.exit_code: Optional[int] = None  # once reaped: 0 done, 1 failed, -9 stopped
 
-    def wait(self, patience: float = PATIENCE_S) -> None:
-        """Until the child exits, or has compiled nothing for `patience` seconds (then stopped)."""
+    def wait(self, patience: float = PATIENCE_S, progress: Callable[[], None] = lambda: None) -> None:
+        """Until the child exits, or has compiled nothing for `patience` seconds (then stopped);
+        progress() each time it says it compiled a kernel."""
         while self.pid is not None:
             ready, _, _ = select.select([self._progress], [], [], patience)
             if not ready:  # stuck
                 break
-            if not os.read(self._progress, 4096):  # the pipe's end: the child is exiting
+            told = os.read(self._progress, 4096)
+            progress()
+            if not told:  # the pipe's end: the child is exiting
                 self.exit_code = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
                 self.pid = None
         self.close()

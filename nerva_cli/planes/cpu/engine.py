@@ -382,28 +382,40 @@ class Engine(EngineBase):
         from nerva_cli.runtime import sampling
 
         say = say or (lambda text: None)
-        working = working or (lambda title: nullcontext())
+        working = working or (lambda title: nullcontext(lambda detail: None))
         first = not self.k.compiled_before(decodes)
         if not decodes:  # a prefill's kernels compile in the prefill itself, before any text
             if first:
-                say("compiling the CPU kernels for this machine: once, a few seconds on 2 cores; "
-                    "later runs reuse them")
+                say("compiling the CPU kernels for this machine before the first token: once, later runs "
+                    "reuse them")
             return
         marker = self.k.warm_marker(self.kernel_kinds())
         if marker.exists():
             return
         started = perf_counter_ns()
         aside = self.compile_aside()  # before the spinner starts its thread: the fork copies this one
+        compiled = [0]
+
+        def tell(n: int) -> None:
+            compiled[0] = n
+            if n:
+                status(f"{n} kernel{'s' if n != 1 else ''} compiled")
+
         try:
-            with working("compiling the CPU kernels for this machine, once (about 10 s)" if first else
-                         "compiling the CPU kernels this model needs, once"):
-                self.warm_up(aside, also=lambda: sampling.warm_kernels(self.cfg.vocab_size))
+            # the progress is the kernels compiled so far, both processes' (no total is known
+            # before: it depends on the model's kinds and the CPU's features), with the time
+            with working("compiling the CPU kernels for this machine, once" if first else
+                         "compiling the CPU kernels this model needs, once") as status, \
+                    self.k.counting_compiles(tell) as poll:
+                self.warm_up(aside, also=lambda: sampling.warm_kernels(self.cfg.vocab_size), progress=poll)
         finally:
             if aside is not None:
                 aside.close()
         took = (perf_counter_ns() - started) / 1e9
         if first or took > 0.5:
-            say(f"compiled the CPU kernels in {took:.1f} s; later runs reuse them")
+            n = compiled[0]  # 0 where the cache directory could not be read: no count to give
+            say(f"compiled {f'{n} CPU kernel' + ('s' if n != 1 else '') if n else 'the CPU kernels'} in {took:.1f} s; "
+                "later runs reuse them")
         try:
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
@@ -453,15 +465,16 @@ class Engine(EngineBase):
                                   self.model.q4_token_table, sorted(set(self.layer_precision.values())),
                                   bool(self.plan.paged_layers), self.kv_cache)))
 
-    def warm_up(self, aside=None, also=lambda: None) -> None:
+    def warm_up(self, aside=None, also=lambda: None, progress=lambda: None) -> None:
         """Two tokens prefilled and one decoded, then forgotten, so that the decode kernels a run
         needs compile before its answer starts (prepare does it once for each kernel_kinds): an
         answer stalled after its first token while they compiled. `aside`, from
         compile_aside (made before any thread of the caller's starts), compiles the attention
         halves meanwhile; this process compiles the MLP halves after its prefill, then the
         kernels of a longer prompt (_longer_prompt_dense), calls `also` (the caller's own
-        kernels' first calls), then waits for it. Where the kernels are on disk already (the
-        chat's warm-up while the user types), all this loads them."""
+        kernels' first calls), then waits for it, calling progress() each time it says it
+        compiled a kernel. Where the kernels are on disk already (the chat's warm-up while the
+        user types), all this loads them."""
         token = self.cfg.bos_token_id or 0
         # two tokens where the context has room to decode after them: a prompt of several slices
         # the outputs of a paged layer's unfused q/k/v (a layout of its own, compiled apart),
@@ -478,7 +491,7 @@ class Engine(EngineBase):
                         self._longer_prompt_dense()
                 also()
                 if aside is not None:
-                    aside.wait()
+                    aside.wait(progress=progress)
                 self.decode(token)
         finally:
             if aside is not None:

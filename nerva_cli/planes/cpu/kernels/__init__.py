@@ -25,7 +25,7 @@ This package is the contract (what get_backend("cpu") returns); the kernels live
   decode_attention   decode attention
   prefill_attention  prefill attention
   layer              a resident layer's decode step in a few calls (decode_layer_halves)
-  disk_cache         warm_marker, compiled_before
+  disk_cache         warm_marker, compiled_before, counting_compiles
   sampling           host sampling (penalise, sample_logits)
 
 numba's disk cache keys each function on its own file's source, so a kernel that inlines IR or
@@ -45,7 +45,7 @@ from nerva_cli.planes.cpu.kernels.numba_setup import set_threads
 from nerva_cli.planes.cpu.compile_aside import compile_aside, compile_only  # Engine.warm_up's
 from nerva_cli.planes.cpu.kernels.decode_attention import (
     attention_decode, attention_geometry, attention_kernel, decode_splits, pack_sizes)
-from nerva_cli.planes.cpu.kernels.disk_cache import compiled_before, warm_marker
+from nerva_cli.planes.cpu.kernels.disk_cache import compiled_before, counting_compiles, warm_marker
 from nerva_cli.planes.cpu.kernels.exact import embed_exact, matmul_exact, matvec_exact, widen_exact
 from nerva_cli.planes.cpu.kernels.gemm import (
     GEMM_MIN_ROWS, GEMM_SLICE_BYTES, gemm_exact, gemm_q4, gemm_q8, short_prefill_rows)
@@ -60,7 +60,7 @@ from nerva_cli.planes.cpu.kernels.quantize_act import fake_quantize_q8, quantize
 from nerva_cli.planes.cpu.kernels.sampling import penalise, sample_logits
 
 __all__ = [
-    "set_threads", "compile_aside", "compile_only", "compiled_before", "warm_marker",
+    "set_threads", "compile_aside", "compile_only", "compiled_before", "counting_compiles", "warm_marker",
     "rmsnorm", "add_rmsnorm", "add_rows", "rope", "silu_mul", "gelu_mul",
     "quantize_act_q8", "quantize_act_q16", "fake_quantize_q8",
     "matvec_q4_w4a16", "matmul_q4_w4a16", "matvec_q4_w4a8", "matmul_q4_w4a8", "dequantize_q4", "embed_q4",

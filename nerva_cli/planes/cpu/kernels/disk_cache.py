@@ -1,8 +1,11 @@
-"""What numba's disk cache holds for these sources: whether a run's kernels compiled before."""
+"""What numba's disk cache holds for these sources: whether a run's kernels compiled before, and
+how many a first run has compiled so far."""
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
+from pathlib import Path
 
 import numba
 
@@ -18,11 +21,13 @@ def warm_marker(kinds: str):
     others, which compiled in the middle of a first answer and slowed it several times over
     (docs/perf/code_figures.md)."""
     import hashlib
-    from pathlib import Path
 
     stamp = f"{kinds}|{folder_stamp(KERNELS)}|{numba.__version__}"  # the stamp of every kernel's cache entry
-    root = numba.config.CACHE_DIR or os.path.join(os.path.dirname(__file__), "__pycache__")  # numba's default
-    return Path(root) / "nerva-warmed" / hashlib.sha1(stamp.encode()).hexdigest()[:20]
+    return _cache_root() / "nerva-warmed" / hashlib.sha1(stamp.encode()).hexdigest()[:20]
+
+
+def _cache_root() -> Path:
+    return Path(numba.config.CACHE_DIR or os.path.join(os.path.dirname(__file__), "__pycache__"))  # numba's default
 
 
 def compiled_before(decodes: bool = True) -> bool:
@@ -36,3 +41,39 @@ def compiled_before(decodes: bool = True) -> bool:
         return bool(kernel._cache._cache_file._load_index())
     except Exception:  # numba internals: should they change, say nothing rather than fail a run
         return True
+
+
+@contextmanager
+def counting_compiles(tell):
+    """Calls tell(n) as this process starts and ends compiling a function, and as `poll()` is
+    called (a compile_aside child's progress), n the compiled functions saved to the disk cache
+    since the block began, by this process and any other (the child): the progress of a first
+    run's compile, in kernels actually compiled (a total is not known before: it depends on the
+    model's kinds and this CPU's features). Yields poll."""
+    from numba.core import event
+
+    def saved() -> dict:
+        try:
+            return {str(p): p.stat().st_mtime_ns for p in _cache_root().rglob("*.nbc")}
+        except OSError:  # a cache directory nerva cannot read: no count, the compile goes on
+            return {}
+
+    before = saved()
+    shown = [-1]
+
+    def poll() -> None:
+        n = sum(1 for p, t in saved().items() if before.get(p) != t)
+        if n != shown[0]:
+            shown[0] = n
+            tell(n)
+
+    class Listener(event.Listener):
+        def on_start(self, ev):
+            poll()
+
+        def on_end(self, ev):
+            poll()
+
+    with event.install_listener("numba:compile", Listener()):
+        yield poll
+    poll()
