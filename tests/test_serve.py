@@ -238,6 +238,11 @@ def test_logprobs_are_the_models_own(a, hf_smollm2):
     assert np.allclose(list(got.top_logprobs[0].values()), want.values.numpy(), atol=0.02)
     assert got.token_logprobs[0] == max(got.top_logprobs[0].values())  # greedy: the likeliest
     assert "".join(got.tokens) == r.choices[0].text and got.text_offset[0] == 0
+    ol(a).generate(model=OTHER, keep_alive=0)  # A holds MODEL alone again (the tests after count on it)
+    deadline = time.monotonic() + WAIT_S
+    while OTHER in {m.model for m in ol(a).ps().models}:
+        assert time.monotonic() < deadline, "the f16 model did not unload"
+        time.sleep(0.1)
 
     client = oa(a)
     ask = dict(model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=6, temperature=0,
