@@ -4,7 +4,7 @@ KV cache for the part of the token sequence that did not change since the last t
 from __future__ import annotations
 
 from nerva_cli.errors import NervaError
-from nerva_cli.runtime.generate import GenerationStats, generate, reuse_prefix
+from nerva_cli.runtime.generate import GenerationStats, generate, reusable_prefix
 from nerva_cli.runtime.sampling import Sampler, SamplingOptions
 
 
@@ -87,7 +87,7 @@ class ChatSession:
 
     def answer(self, user_text: str, write) -> GenerationStats:
         ids = self._prompt_ids(user_text)
-        common = reuse_prefix(self.engine, self.cached, ids)
+        common = self.engine.truncate(reusable_prefix(self.cached, ids))
         decoder = self.tok.stream_decoder()
         room = self.engine.ctx - len(ids)
         out, stats = generate(self.engine, ids[common:], self.sampler, min(self.max_tokens, room),

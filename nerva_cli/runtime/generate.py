@@ -70,13 +70,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def reuse_prefix(engine, cached: list[int], ids: list[int], unit: int = 1) -> int:
-    """Keeps in `engine`'s cache the longest start of `ids` it already holds (`cached`: the
-    tokens its cache holds, in order), in whole multiples of `unit` tokens, and forgets the
-    rest; -> how many positions were kept, so that ids[kept:] is what is left to prefill (at
-    least one token, for the logits)."""
+def reusable_prefix(cached: list[int], ids: list[int], unit: int = 1) -> int:
+    """How many of `ids`' first tokens a cache holding `cached` (in order) can keep, in whole
+    multiples of `unit`, leaving at least one token to run (for the logits). The engine's
+    truncate() may keep fewer (a sliding window's cache that lost them)."""
     keep = min(common_prefix(cached, ids), len(ids) - 1)
-    return engine.truncate(keep - keep % unit)  # fewer where a sliding window's cache lost them
+    return keep - keep % unit
 
 
 def _host_tokens(engine, prompt_ids: list[int], sampler: Sampler, stats: GenerationStats, ledger=None):

@@ -28,7 +28,7 @@ from nerva_cli.errors import NervaError
 from nerva_cli.runtime.report import Reporter
 from nerva_cli.runtime.generate import common_prefix
 from nerva_cli.serve.errors import RETRY_AFTER_S, ApiError, overloaded
-from nerva_cli.serve.steps import answer_steps
+from nerva_cli.serve.steps import answer_steps, run_step
 
 log = logging.getLogger("nerva.serve")
 COMPUTE = threading.Lock()
@@ -80,6 +80,7 @@ class Slot:
 
     def __init__(self, engine):
         self.engine, self.job, self.steps = engine, None, None
+        self.step = None  # the step its request waits for (steps.py)
         self.prompt: list[int] = []
 
 
@@ -189,7 +190,9 @@ class ModelWorker(threading.Thread):
             job = self.pending.popleft()
             slot = max(free, key=lambda s: common_prefix(s.prompt, job.prompt_ids) // s.engine.prefill_chunk)
             job.started(max(0, self.load_started_ns + self.load_ns - job.arrived_ns))  # 0 where it was loaded
-            slot.job, slot.steps = job, answer_steps(slot.engine, job, slot.prompt)
+            e = slot.engine
+            slot.job, slot.steps = job, answer_steps(job, slot.prompt, e.prefill_chunk, e.ctx, e.cfg.vocab_size)
+            slot.step = next(slot.steps)  # its first step, Keep: no engine work yet
             self.expires_at = None
             self.last_used = time.monotonic()
 
@@ -201,7 +204,8 @@ class ModelWorker(threading.Thread):
                 log.info("%s: a request was cancelled (its client went away) after %d tokens", self.key, job.made)
             else:
                 with COMPUTE:
-                    next(slot.steps)
+                    done = run_step(slot.engine, slot.step)
+                slot.step = slot.steps.send(done)
                 return
         except StopIteration:
             pass
@@ -213,7 +217,7 @@ class ModelWorker(threading.Thread):
             self._forget(slot)
             job.fail(ApiError(500, "internal server error (the server's log has the details)"))
         with self.cond:
-            slot.job = slot.steps = None
+            slot.job = slot.steps = slot.step = None
             self.keep_alive = job.keep_alive
             self.last_used = time.monotonic()
             self._set_expiry()
