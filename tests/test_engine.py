@@ -220,8 +220,10 @@ def test_q4_0_keeps_matrices_of_partial_blocks_exact(family, backend, precision,
     llama.cpp's quantiser falls back for it, and the conversion says how many did; every other
     matrix is Q4_0 (the token table Q8_0). Each plane runs each matrix by its own format, inside
     one layer: the logits are transformers' on the stored weights to the q4_1 test's bounds
-    (W4A16: its tolerance and the same greedy tokens; W4A8, whose activations are rounded to
-    int8 only where they meet a Q4_0 matrix: under 0.2)."""
+    (W4A16: its tolerance and the same greedy tokens, measured 1.8e-6 on qwen3-h80 and 2.8e-5 on
+    qwen3-hd48; W4A8, whose activations are rounded to int8 only where they meet a Q4_0 matrix,
+    the q4_1 test's band: measured 2.3e-2 and 4.3e-2). The cpu plane runs such a layer in its
+    compiled halves, as any other."""
     src = tiny_models(family)
     notes = []
     model = pull(str(src), variant="q4_0", out=tmp_path / "m", notes=notes)
@@ -233,13 +235,14 @@ def test_q4_0_keeps_matrices_of_partial_blocks_exact(family, backend, precision,
     table = model.meta["files"]["embed.bin"]["tensors"]
     assert ("embed" in table) == (family == "qwen3-h80") != ("embed.q8" in table)
     engine = Engine(model, backend=backend, precision=precision, ctx=256, kv_cache="f32")
+    assert len(engine.compiled_layers) == (model.config.num_layers if backend == "cpu" else 0)
     errs, got_tokens, want = errors_against(hf_on_stored_weights(src, model), engine)
     print(family, backend, precision, "largest logit error", max(errs))
     if precision == "w4a16":
         assert max(errs) < W4A16_RTOL, errs
         assert got_tokens == want
     else:
-        assert max(errs) < 0.2, errs
+        assert 0.001 < max(errs) < 0.2, errs
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma2", "gemma3"])  # gemma: chunks start inside the 8-position window
@@ -371,8 +374,9 @@ def test_q4_0_w4a8_differs_from_w4a16_but_little(tiny_models, tmp_path, rng):
     assert 0.005 < err < 0.2
 
 
-# plain, qkv bias, q/k norms; Gemma 3's GeGLU, post norms and windows (12 positions, 8 seen)
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
+# plain, qkv bias, q/k norms; Gemma 3's GeGLU, post norms and windows (12 positions, 8 seen); Q4
+# layers with f16 matrices among their Q4 ones (KEPT_EXACT)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3-hd48", "qwen3-h80"])
 @pytest.mark.parametrize("variant", ["q4_0", "q4_1", "f16", "bf16"])
 def test_compiled_layer_halves_equal_the_layer_kernel_by_kernel(family, variant, tiny_models, tmp_path, rng):
     """The cpu backend runs a resident Q4 or exact layer's decode step in a few compiled calls
