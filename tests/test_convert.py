@@ -102,6 +102,36 @@ def test_convert_q4_0_matches_llama_cpp_reference_quantiser(tiny_models, cli):
     assert stored["q_bias"].dtype == np.float32
 
 
+@pytest.mark.parametrize("variant", ["q4_0", "q4_1"])
+def test_convert_q4_keeps_matrices_of_partial_blocks_f16(variant, tiny_models, cli):
+    """A matrix whose rows are not whole 32-weight blocks (qwen3-h80's q, k, v, gate, up and token
+    table, 80 wide) is written f16, the source's values rounded once, as llama.cpp's quantiser
+    falls back to F16 for it; the layer's other matrices (o 192 wide, down 160) are its reference
+    quantiser's blocks. `convert` says so in one line, once, and exits 0."""
+    from gguf import GGMLQuantizationType, quants
+
+    src = tiny_models("qwen3-h80")
+    code, out, err = cli("convert", src, "--quant", variant, "--name", "h80")
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if "stay F16" in line]
+    assert len(lines) == 1 and "16 of 22 matrices" in lines[0] and "multiple of 32" in lines[0], err
+    model = find_model(f"h80:{variant}")
+    check_layout(model)
+    ref, stored = hf_tensors(src), model.read_file("layer_000.bin")
+    for name in ("q", "k", "v", "gate", "up", "o", "down"):
+        w = ref[f"model.layers.0.{HF_NAMES[name]}"].astype(np.float32)
+        if w.shape[1] % 32:
+            assert f"{name}.qs" not in stored and stored[name].dtype == np.float16, name
+            np.testing.assert_array_equal(stored[name], w.astype(np.float16))
+        else:
+            want = quants.quantize(w, GGMLQuantizationType[variant.upper()])
+            np.testing.assert_array_equal(join_blocks(stored[f"{name}.qs"], stored[f"{name}.d"],
+                                                      stored.get(f"{name}.m")), want)
+    table = model.read_file("embed.bin")
+    assert set(table) == {"embed"}
+    np.testing.assert_array_equal(table["embed"], ref["model.embed_tokens.weight"].astype(np.float16))
+
+
 def test_convert_q4_token_tables_are_q8_0(tiny_models, cli):
     """The Q4 variants keep the token table, and an untied lm_head, at Q8_0, quantised as
     llama.cpp's reference quantiser does; each weight within half a step of its block's scale."""
