@@ -130,6 +130,11 @@ def test_convert_q4_keeps_matrices_of_partial_blocks_f16(variant, tiny_models, c
     table = model.read_file("embed.bin")
     assert set(table) == {"embed"}
     np.testing.assert_array_equal(table["embed"], ref["model.embed_tokens.weight"].astype(np.float16))
+    code, out, err = cli("show", f"h80:{variant}")
+    assert code == 0 and (f"quantization: {variant.upper()} (layer matrices {variant.upper()} but q, k, v, gate, "
+                          "up F16 (rows not whole blocks), token table F16)") in out.splitlines(), out
+    assert json.loads(cli("show", f"h80:{variant}", "--json")[1])["quantization"] == {
+        "layer_matrices": variant, "f16_matrices": ["q", "k", "v", "gate", "up"], "token_table": "f16"}
 
 
 def test_convert_q4_token_tables_are_q8_0(tiny_models, cli):
