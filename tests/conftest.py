@@ -105,6 +105,11 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 32}),
     # YaRN as Qwen's model cards add it (factor 4 over a 128-token original context)
+    # matrices whose rows are not whole Q4_0 blocks (32 weights), which the Q4 variants keep in
+    # f16 (convert._kept_exact): three 48-wide heads make o's rows 144 wide; a hidden size of 80
+    # makes q, k, v, gate, up and the token table's rows 80 wide (o's 192 and down's 160 stay Q4)
+    "qwen3-hd48": ("Qwen3Config", {"head_dim": 48, "heads": 3, "kv_heads": 1}),
+    "qwen3-h80": ("Qwen3Config", {"head_dim": 48, "hidden": 80}),
     "qwen3-yarn": ("Qwen3Config", {"head_dim": 32, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                                                    "original_max_position_embeddings": 128}}),
     # fused q/k/v and gate/up; the second rotates half of each 16-wide head with LongRoPE's
@@ -162,9 +167,11 @@ def make_tiny_model(out_dir: Path, family: str, dtype: str = "float32", layers: 
     extra = dict(extra)
     tie = extra.pop("tie_word_embeddings", True)
     layers = extra.pop("layers", layers)
+    hidden = extra.pop("hidden", hidden)
     cfg = getattr(transformers, cls_name)(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        num_attention_heads=extra.pop("heads", 4), num_key_value_heads=extra.pop("kv_heads", 2),
+        max_position_embeddings=512,
         rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1, **extra)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg)

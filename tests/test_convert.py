@@ -102,6 +102,41 @@ def test_convert_q4_0_matches_llama_cpp_reference_quantiser(tiny_models, cli):
     assert stored["q_bias"].dtype == np.float32
 
 
+@pytest.mark.parametrize("variant", ["q4_0", "q4_1"])
+def test_convert_q4_keeps_matrices_of_partial_blocks_f16(variant, tiny_models, cli):
+    """A matrix whose rows are not whole 32-weight blocks (qwen3-h80's q, k, v, gate, up and token
+    table, 80 wide) is written f16, the source's values rounded once, as llama.cpp's quantiser
+    falls back to F16 for it; the layer's other matrices (o 192 wide, down 160) are its reference
+    quantiser's blocks. `convert` says so in one line, once, and exits 0."""
+    from gguf import GGMLQuantizationType, quants
+
+    src = tiny_models("qwen3-h80")
+    code, out, err = cli("convert", src, "--quant", variant, "--name", "h80")
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if "stay F16" in line]
+    assert len(lines) == 1 and "16 of 22 matrices" in lines[0] and "multiple of 32" in lines[0], err
+    model = find_model(f"h80:{variant}")
+    check_layout(model)
+    ref, stored = hf_tensors(src), model.read_file("layer_000.bin")
+    for name in ("q", "k", "v", "gate", "up", "o", "down"):
+        w = ref[f"model.layers.0.{HF_NAMES[name]}"].astype(np.float32)
+        if w.shape[1] % 32:
+            assert f"{name}.qs" not in stored and stored[name].dtype == np.float16, name
+            np.testing.assert_array_equal(stored[name], w.astype(np.float16))
+        else:
+            want = quants.quantize(w, GGMLQuantizationType[variant.upper()])
+            np.testing.assert_array_equal(join_blocks(stored[f"{name}.qs"], stored[f"{name}.d"],
+                                                      stored.get(f"{name}.m")), want)
+    table = model.read_file("embed.bin")
+    assert set(table) == {"embed"}
+    np.testing.assert_array_equal(table["embed"], ref["model.embed_tokens.weight"].astype(np.float16))
+    code, out, err = cli("show", f"h80:{variant}")
+    assert code == 0 and (f"quantization: {variant.upper()} (layer matrices {variant.upper()} but q, k, v, gate, "
+                          "up F16 (rows not whole blocks), token table F16)") in out.splitlines(), out
+    assert json.loads(cli("show", f"h80:{variant}", "--json")[1])["quantization"] == {
+        "layer_matrices": variant, "f16_matrices": ["q", "k", "v", "gate", "up"], "token_table": "f16"}
+
+
 def test_convert_q4_token_tables_are_q8_0(tiny_models, cli):
     """The Q4 variants keep the token table, and an untied lm_head, at Q8_0, quantised as
     llama.cpp's reference quantiser does; each weight within half a step of its block's scale."""
@@ -136,8 +171,10 @@ def test_a_store_with_a_q4_token_table_runs_and_says_how_to_convert_it_anew(tiny
     from nerva_cli.store import convert
 
     src = tiny_models("llama")
-    with monkeypatch.context() as m:
-        m.setattr(convert, "TABLES", ())  # the converter as it was: the table goes to Q4_0
+    as_now = convert.stored_format
+    with monkeypatch.context() as m:  # the converter as it was: the table goes to Q4_0
+        m.setattr(convert, "stored_format", lambda name, cols, variant:
+                  variant if name == "embed" else as_now(name, cols, variant))
         assert cli("pull", src, "--name", "tiny-old", "--quant", "q4_0")[0] == 0
     assert "embed.qs" in find_model("tiny-old:q4_0").read_file("embed.bin")
     code, out, err = cli("run", "tiny-old:q4_0", "-p", "hi", "-n", "2", "--no-profile")

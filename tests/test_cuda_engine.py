@@ -136,7 +136,8 @@ def test_a_short_prefill_after_a_long_one_splits_its_positions(stored, cuda_devi
     ("llama-untied", "q4_1", "w4a16"), ("qwen2", "q4_1", "w4a8"), ("llama", "q4_1", "mixed"),
     ("phi3-longrope", "q4_0", "mixed"), ("smollm3", "f16", None), ("gemma3", "q4_0", "w4a16"),
     ("gemma3-qpas", "q4_1", "mixed"), ("gemma2", "q4_0", "w4a16"), ("gemma2-qpas", "q4_1", "mixed"),
-    ("gemma", "q4_0", "w4a8")])
+    ("gemma", "q4_0", "w4a8"), ("qwen3-hd48", "q4_0", "w4a16"), ("qwen3-hd48", "q4_1", "mixed"),
+    ("qwen3-h80", "q4_0", "w4a8"), ("qwen3-h80", "q4_1", "w4a16")])
 def test_greedy_tokens_equal_the_cpu_plane(stored, cuda_device, family, variant, precision):
     model = stored(family, variant)
     per_layer = ["w4a8", "w4a16", "w4a8"] if precision == "mixed" else None
@@ -183,7 +184,8 @@ def test_sliding_window_caches_wrap_around_their_rows(stored, cuda_device, monke
 
 @pytest.mark.parametrize("family,variant,precision", [
     ("llama", "f16", None), ("llama-untied", "q4_0", "w4a16"), ("llama-untied", "q4_1", "w4a16"),
-    ("gemma2", "q4_0", "w4a16"), ("gemma3", "q4_0", "w4a16"), ("gemma", "f16", None)])
+    ("gemma2", "q4_0", "w4a16"), ("gemma3", "q4_0", "w4a16"), ("gemma", "f16", None),
+    ("qwen3-hd48", "q4_0", "w4a16"), ("qwen3-h80", "q4_0", "w4a16")])
 def test_decode_alone_agrees_closely(stored, cuda_device, family, variant, precision):
     """Without prefill's f16 GEMM operands the decode kernels are held to 1e-3 against the cpu
     plane (measured 4e-5 on llama f16, 1.6e-4 on q4_0 and 3.6e-4 on q4_1 at W4A16 over 21 steps,

@@ -38,7 +38,7 @@ def engine_with_counted_dispatch(monkeypatch, model, **kwargs):
 
 @pytest.mark.parametrize("family, variant, precision", [
     ("llama", "q4_0", "w4a8"), ("qwen2", "q4_1", "w4a16"), ("qwen3", "q4_0", "w4a8"), ("gemma3", "q4_0", "w4a16"),
-    ("gemma2", "f16", None)])
+    ("gemma2", "f16", None), ("qwen3-hd48", "q4_0", "w4a8"), ("qwen3-h80", "q4_1", "w4a8")])
 def test_the_ledger_counts_each_kernel_a_decode_step_runs(family, variant, precision, tiny_models, tmp_path,
                                                           monkeypatch):
     """The compiled decode halves run several kernels in one call each: the ledger counts every

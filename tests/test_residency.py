@@ -89,13 +89,16 @@ def greedy(engine, prompt, n):
     return toks
 
 
-@pytest.mark.parametrize("variant, precision", [("q4_0", "w4a8"), ("q4_1", "w4a16"), ("bf16", None)])
-def test_paged_layers_run_the_compiled_decode_layer_to_the_bit(variant, precision, deep_tiny, tmp_path, rng):
+@pytest.mark.parametrize("family, variant, precision", [
+    ("qwen3", "q4_0", "w4a8"), ("qwen3", "q4_1", "w4a16"), ("qwen3", "bf16", None),
+    ("qwen3-hd48", "q4_0", "w4a8"), ("qwen3-h80", "q4_1", "w4a8")])  # f16 matrices among Q4 ones
+def test_paged_layers_run_the_compiled_decode_layer_to_the_bit(family, variant, precision, deep_tiny, tmp_path,
+                                                               rng):
     """A staging slot's layer runs the cpu plane's one decode layer (decode_layer_halves, bound for
     each layer the slot may hold), its q, k, v and gate, up apart as its file keeps them: the
     logits equal the resident engine's to the bit, every step, and equal the paged engine's own
     kernel-by-kernel layer (the ref path) to the bit too."""
-    model = pull(str(deep_tiny("qwen3")), variant=variant, out=tmp_path / "m")
+    model = pull(str(deep_tiny(family)), variant=variant, out=tmp_path / "m")
     prompt = [int(t) for t in rng.integers(0, 384, size=9)]
     steps = [int(t) for t in rng.integers(0, 384, size=12)]
     full = Engine(model, precision=precision, ctx=64)

@@ -123,18 +123,20 @@ def show(
 
 def _summary(m) -> dict:
     """What `show` says of a model, as --json gives it beside metadata.json's fields."""
-    from nerva_cli.model.layout import parameter_count
+    from nerva_cli.model.layout import MATRICES, layer_file, parameter_count
     from nerva_cli.runtime import mcap
 
     cfg, q4 = m.config, m.variant in ("q4_0", "q4_1")
+    # a Q4 variant keeps a matrix whose rows are not whole blocks in f16 (layout.stored_format)
+    kept = [n for n in MATRICES if m.matrix_format(layer_file(0), n) != m.variant]
     template = (m.path / "tokenizer_config.json").exists() and \
         bool(read_json(m.path / "tokenizer_config.json").get("chat_template"))
     found = mcap.find_profile(m) if q4 else None  # mixed precision needs one: the first run makes it
     mixed = None if found is None else mcap.layer_precisions(found.profile, mcap.DEFAULT_TAU)
     return {"architecture": cfg.family, "parameters": parameter_count(cfg), "context_length": cfg.max_context,
             "embedding_length": cfg.hidden_size, "layers": cfg.num_layers,
-            "quantization": {"layer_matrices": m.variant,
-                             "token_table": (m.variant if m.q4_token_table else "q8_0") if q4 else m.variant},
+            "quantization": {"layer_matrices": m.variant, **({"f16_matrices": kept} if kept else {}),
+                             "token_table": m.matrix_format("embed.bin", "embed")},
             "chat_template": template, "license": None,  # the store keeps no license: the source has it
             "mixed_precision": None if mixed is None else {"tau": mcap.DEFAULT_TAU, "layers": mixed}}
 
@@ -146,9 +148,10 @@ def _print_show(m, summary: dict, verbose: bool) -> None:
     from nerva_cli.model.layout import parameter_size
     from nerva_cli.runtime import mcap
 
-    quant = {k: v.upper() for k, v in summary["quantization"].items()}
-    quantisation = (f"{m.variant.upper()} (layer matrices {quant['layer_matrices']}, token table "
-                    f"{quant['token_table']})" if m.variant in ("q4_0", "q4_1") else
+    quant = summary["quantization"]
+    kept = f" but {', '.join(quant['f16_matrices'])} F16 (rows not whole blocks)" if "f16_matrices" in quant else ""
+    quantisation = (f"{m.variant.upper()} (layer matrices {quant['layer_matrices'].upper()}{kept}, token table "
+                    f"{quant['token_table'].upper()})" if m.variant in ("q4_0", "q4_1") else
                     f"{m.variant.upper()} (as converted: runs exact)")
     source = m.meta["source"]
     output.out.print(f"[bold]{output.escape(f'{m.name}:{m.variant}')}[/bold]  {output.escape(str(m.path))}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from nerva_cli.model.config import ModelConfig
+from nerva_cli.model.quant import Q4_KINDS, QK, TABLE_KIND
 
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # Q4_0 or Q4_1 in the q4_0 and q4_1 variants
 TABLES = ("embed", "lm_head")  # Q8_0 in those variants (quant.TABLE_KIND)
@@ -56,3 +57,19 @@ def parameter_size(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f}".removesuffix(".0") + unit
     return str(n)
+
+
+def stored_format(name: str, cols: int, variant: str) -> str:
+    """The format a variant stores tensor `name`, whose rows are `cols` wide, in: norms and biases
+    f32; matrices f16 or bf16 in those variants; in the Q4 ones the variant's blocks (the token
+    table Q8_0), except a matrix whose rows are not whole blocks of QK, which stays f16, as
+    llama.cpp's quantiser falls back to F16 for it (Q8_0's blocks are QK wide too). The format is
+    per tensor, not per layer: a layer may hold both, and each plane runs each matrix by its own."""
+    if not quantised(name):
+        return "f32"
+    if variant not in Q4_KINDS:
+        return variant
+    if cols % QK:
+        return "f16"
+    return TABLE_KIND if name in TABLES else variant
+

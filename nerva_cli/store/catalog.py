@@ -154,6 +154,14 @@ class StoredModel:
         """Converted before the Q4 variants kept the token table at Q8_0 (it still loads)."""
         return "embed.qs" in self.meta["files"]["embed.bin"]["tensors"]
 
+    def matrix_format(self, fname: str, name: str) -> str:
+        """The format matrix `name` of file `fname` was written in (layout.stored_format's, per
+        tensor): q4_0, q4_1 or q8_0 by its planes, else its exact dtype."""
+        t = self.meta["files"][fname]["tensors"]
+        if f"{name}.qs" in t:
+            return "q4_1" if f"{name}.m" in t else "q4_0"
+        return "q8_0" if f"{name}.q8" in t else t[name]["dtype"]
+
     def read_file(self, fname: str, verify: bool = True) -> dict[str, np.ndarray]:
         """All tensors of one file as arrays over one buffer, after checking size and sha256."""
         return tensors_in(self.read_bytes(fname, verify), self.meta["files"][fname]["tensors"])

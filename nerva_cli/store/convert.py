@@ -14,8 +14,8 @@ import numpy as np
 
 from nerva_cli import __version__
 from nerva_cli.errors import BadInput
-from nerva_cli.model.layout import TABLES, global_files, layer_file, layer_shapes, quantised
-from nerva_cli.model.quant import Q4_KINDS, TABLE_KIND, quantize_blocks
+from nerva_cli.model.layout import global_files, layer_file, layer_shapes, quantised, stored_format
+from nerva_cli.model.quant import Q4_KINDS, QK, TABLE_KIND, quantize_blocks
 from nerva_cli.store.sources import Source, SourceTensor, row_order, scaled
 from nerva_cli.store.catalog import ALIGN, FORMAT, VARIANTS, LayerFileWriter, temp_dir
 from nerva_cli.store.locks import exclusive
@@ -60,27 +60,30 @@ def _planes(t: SourceTensor, kind: str) -> tuple:
     return qs, d, m
 
 
-def _exact(t: SourceTensor, variant: str) -> np.ndarray:
+def _exact(t: SourceTensor, fmt: str) -> np.ndarray:
     """Matrix t as f16, or as bf16 bits, converted a slice of rows at a time."""
-    out = np.empty(t.shape, dtype=np.float16 if variant == "f16" else np.uint16)
+    out = np.empty(t.shape, dtype=np.float16 if fmt == "f16" else np.uint16)
     for r0, r1, w in _row_slices(t):
-        out[r0:r1] = w.astype(np.float16) if variant == "f16" else to_bf16(w)
+        out[r0:r1] = w.astype(np.float16) if fmt == "f16" else to_bf16(w)
     return out
 
 
 def _write_tensor(writer: LayerFileWriter, name: str, t: SourceTensor, variant: str) -> None:
-    if variant in Q4_KINDS and name in TABLES:
+    """Tensor t in its format (layout.stored_format): block planes under name.qs/.q8, .d (.m), an
+    exact matrix or an f32 norm or bias under its name; metadata.json's dtypes say which."""
+    fmt = stored_format(name, t.shape[-1], variant)
+    if fmt == TABLE_KIND:
         q8, d, _ = _planes(t, TABLE_KIND)
         writer.add(f"{name}.q8", q8, "i8")
         writer.add(f"{name}.d", d, "f16")
-    elif variant in Q4_KINDS and quantised(name):
-        qs, d, m = _planes(t, variant)
+    elif fmt in Q4_KINDS:
+        qs, d, m = _planes(t, fmt)
         writer.add(f"{name}.qs", qs, "u8")
         writer.add(f"{name}.d", d, "f16")
         if m is not None:
             writer.add(f"{name}.m", m, "f16")
-    elif variant in ("f16", "bf16") and quantised(name):
-        writer.add(name, _exact(t, variant), variant)
+    elif fmt in ("f16", "bf16"):
+        writer.add(name, _exact(t, fmt), fmt)
     else:  # norms and biases stay f32 in every variant
         writer.add(name, t.read_f32(), "f32")
 
@@ -134,24 +137,34 @@ def _short(canon: str) -> str:
 
 def conversion_notes(source: Source, variant: str) -> list[str]:
     """What the conversion loses, said once: every stored type of the source's matrices that is
-    not exact and not what the variant keeps (a K-quant file holds several)."""
-    lossy = set()
-    for _, tensors in _plan(source.config):
-        for canon in tensors:
+    not exact and not what the variant keeps (a K-quant file holds several); and, in a Q4 variant,
+    how many matrices stay F16 because their rows are not whole blocks (as llama.cpp's quantiser
+    says how many tensors "required fallback quantization")."""
+    lossy, matrices, kept, widths = set(), 0, 0, {}
+    for _, shapes in _plan(source.config):
+        for canon, shape in shapes.items():
             name = _short(canon)
             if quantised(name):
+                matrices += 1
                 kind = source.tensors(canon).stored_dtype
-                keeps = (TABLE_KIND if name in TABLES else variant) if variant in Q4_KINDS else variant
+                keeps = stored_format(name, shape[-1], variant)
                 if kind not in EXACT_SOURCE_TYPES and kind != keeps:
                     lossy.add(kind)
+                if variant in Q4_KINDS and keeps == "f16":
+                    kept, widths[name] = kept + 1, shape[-1]
+    notes = []
     kinds = "/".join(sorted(k.upper() for k in lossy))
     if lossy and variant in Q4_KINDS:
-        return [f"source tensors are {kinds}: dequantised and requantised to {variant.upper()} (the token table "
-                f"to {TABLE_KIND.upper()}), which is lossy"]
-    if lossy:
-        return [f"source tensors are {kinds}: dequantised to {variant} (exact from here on, but the source was "
-                "already quantised)"]
-    return []
+        notes.append(f"source tensors are {kinds}: dequantised and requantised to {variant.upper()} (the token "
+                     f"table to {TABLE_KIND.upper()}), which is lossy")
+    elif lossy:
+        notes.append(f"source tensors are {kinds}: dequantised to {variant} (exact from here on, but the source "
+                     "was already quantised)")
+    if kept:
+        rows = ", ".join(f"{n} {w}" for n, w in widths.items())
+        notes.append(f"{kept} of {matrices} matrices stay F16: their rows ({rows} wide) are not a multiple of "
+                     f"{QK}, which {variant.upper()} blocks need (llama.cpp's quantiser falls back to F16 there too)")
+    return notes
 
 
 # Layer formats `--quant auto` turns into Q4_0: exact ones, and Q8_0, which is near them; every
@@ -176,9 +189,6 @@ def convert(source: Source, variant: str, target: Path, force: bool = False,
     cfg = source.config
     if (target.exists() or target.is_symlink()) and not force:
         raise BadInput(f"{target}: already exists (use --force to replace it)")
-    if cfg.hidden_size % 32 or cfg.intermediate_size % 32 or cfg.q_dim % 32:
-        if variant in Q4_KINDS:
-            raise BadInput(f"{source.origin['id']}: {variant.upper()} needs matrix widths that are multiples of 32")
     plan = _plan(cfg)
     for _, tensors in plan:  # every shape is checked before anything is written
         for canon, want in tensors.items():

@@ -165,6 +165,13 @@ class Layer:
     def nbytes(self) -> int:
         return sum(m.nbytes for m in self.mats.values())
 
+    def codes_in(self, *names: str) -> bool:
+        """Whether the first of `names` the layer has (its group: fused qkv, else q, k and v)
+        takes W4A8's int8 activation codes: a Q4 matrix of a W4A8 layer does; an exact one (a Q4
+        variant's matrix kept f16 for its width, layout.stored_format) takes the floats."""
+        lin = next(self.mats[n] for n in names if n in self.mats)
+        return self.precision == "w4a8" and lin.qs is not None
+
 
 class ResidentWeights:
     """Every layer in RAM: a pass is the list itself."""
@@ -278,10 +285,12 @@ class Engine(EngineBase):
         _decode_attention and _decode_mlp would dispatch for it (the tests hold the two equal):
         a staging slot's q, k, v and gate, up are three and two matrices where a resident
         layer's are one each."""
-        w4a8, apart = int(layer.precision == "w4a8"), int("qkv" not in layer.mats)
-        attention = (6 + 2 * w4a8 + 2 * apart + (layer.qkv_bias is not None) + 2 * (layer.q_norm is not None)
-                     + (layer.post_attn_norm is not None))  # norm, qkv, 2 ropes, attention, o
-        mlp = 4 + 2 * w4a8 + apart + (layer.post_mlp_norm is not None)  # add+norm, gate_up, glu, down
+        codes, apart = layer.codes_in, int("qkv" not in layer.mats)  # codes: a quantize_act_q8 before the group
+        # norm, qkv, 2 ropes, attention, o
+        attention = (6 + codes("qkv", "q") + codes("o") + 2 * apart + (layer.qkv_bias is not None)
+                     + 2 * (layer.q_norm is not None) + (layer.post_attn_norm is not None))
+        # add+norm, gate_up, glu, down
+        mlp = 4 + codes("gate_up", "gate") + codes("down") + apart + (layer.post_mlp_norm is not None)
         return attention, mlp
 
     # -- building blocks ---------------------------------------------------------------------
@@ -519,12 +528,14 @@ class Engine(EngineBase):
         layers = list(resident.items()) + [(p, slot) for p in {self.layer_precision[i] for i in paged}]
         for precision, layer in sorted(layers, key=lambda pl: pl[0]):
             m = layer.mats
-            short = self.k.short_prefill_rows("exact" if m["o"].w is not None else precision)
-            T = short + 1 if short < ws.rows else min(16, ws.rows)
-            xn, attn = ws.take("xn", T, cfg.hidden_size), ws.take("attn", T, cfg.q_dim)
-            self._dense([m["qkv"]] if "qkv" in m else [m["q"], m["k"], m["v"]], xn, precision,
-                        ws.take("qkv", T, cfg.q_dim + 2 * cfg.kv_dim), gcd(cfg.q_dim, cfg.kv_dim))
-            self._dense([m["o"]], attn, precision, ws.take("proj", T, cfg.hidden_size))
+            qkv = [m["qkv"]] if "qkv" in m else [m["q"], m["k"], m["v"]]
+            for mats, x, out, part_rows in ((qkv, ("xn", cfg.hidden_size), ("qkv", cfg.q_dim + 2 * cfg.kv_dim),
+                                             gcd(cfg.q_dim, cfg.kv_dim)),
+                                            ([m["o"]], ("attn", cfg.q_dim), ("proj", cfg.hidden_size), None)):
+                # each its own bound: a Q4 variant may keep one of them exact (layout.stored_format)
+                short = self.k.short_prefill_rows("exact" if mats[0].w is not None else precision)
+                T = short + 1 if short < ws.rows else min(16, ws.rows)
+                self._dense(mats, ws.take(x[0], T, x[1]), precision, ws.take(out[0], T, out[1]), part_rows)
 
     def compile_aside(self):
         """For warm_up: a forked process compiling, without running them, the attention halves of
@@ -619,9 +630,8 @@ class Engine(EngineBase):
     def _decode_attention(self, layer: Layer, pos: int) -> None:
         """Norm, q/k/v, RoPE, the KV cache's new row, attention and o, for any layer."""
         cfg, a, k, m = self.cfg, self.a, self.k, layer.mats
-        w4a8 = layer.precision == "w4a8"
         k.rmsnorm(a.x, layer.attn_norm, cfg.rms_eps, a.xn)
-        if w4a8:
+        if layer.codes_in("qkv", "q"):
             self._quantize_input(a.xn)
         if "qkv" in m:
             self._matvec(m["qkv"], a.xn, a.qkv, layer.precision)
@@ -645,7 +655,7 @@ class Engine(EngineBase):
         if first:  # a view per call only where a window has moved on
             kc, vc = kc[first:], vc[first:]
         k.attention_decode(a.q, kc, vc, row + 1 - first, a.attn, a.att_part, spec.softcap)
-        if w4a8:
+        if layer.codes_in("o"):
             self._quantize_input(a.attn_flat)
         self._matvec(m["o"], a.attn_flat, a.o, layer.precision)
         if layer.post_attn_norm is not None:
@@ -655,9 +665,8 @@ class Engine(EngineBase):
         """The residual add and norm, gate/up, SiLU (GeLU) * up, down and its residual add, for any
         layer."""
         a, k, m = self.a, self.k, layer.mats
-        w4a8 = layer.precision == "w4a8"
         k.add_rmsnorm(a.o, a.x, layer.mlp_norm, self.cfg.rms_eps, a.xn)
-        if w4a8:
+        if layer.codes_in("gate_up", "gate"):
             self._quantize_input(a.xn)
         if "gate_up" in m:
             self._matvec(m["gate_up"], a.xn, a.gate_up, layer.precision)
@@ -665,7 +674,7 @@ class Engine(EngineBase):
             self._matvec(m["gate"], a.xn, a.gate, layer.precision)
             self._matvec(m["up"], a.xn, a.up, layer.precision)
         (k.gelu_mul if self.specs[layer.index].gelu else k.silu_mul)(a.gate_up, a.act)
-        if w4a8:
+        if layer.codes_in("down"):
             self._quantize_input(a.act)
         self._matvec(m["down"], a.act, a.down, layer.precision)
         if layer.post_mlp_norm is not None:

@@ -31,6 +31,7 @@ PF_MAX_SPLITS = 32  # prefill attention: blocks dividing a row block's positions
 PF_MIN_SPLIT_TILES = 4  # prefill attention: fewest 32-position tiles a split takes
 SAMPLE_THREADS = 1024
 NORM_VEC = 4  # float4s a norm thread holds (norm.cu)
+EXACT_PER_LOAD = 8  # f16 or bf16 weights an exact matvec reads a 16-byte load (matvec.cu)
 MAX_HEAD_DIM = 256  # MAX_HEAD_DIM in common.cuh
 RECENT = 64  # tokens the repetition penalty looks back on (the CPU sampler's repeat_last_n)
 
@@ -67,14 +68,17 @@ def _planes(m: dict) -> tuple:
 
 
 def unsupported_shapes(cfg) -> str | None:
-    """Why kernels/*.cu cannot run a model of cfg's shapes, or None. Matvec rows are whole Q4_0
-    blocks of 32. Attention holds at most MAX_HEAD_DIM elements of a head, ceil(head_dim / 32) a
-    lane, and loads a lane's elements as one word when they are 2, 4 or 8: rows start head_dim
-    elements apart, so that word is aligned to its size (a misaligned load faults on a GPU) only
-    when the count divides head_dim, as it does for every head dim of the supported families."""
+    """Why kernels/*.cu cannot run a model of cfg's shapes, or None. Matvec rows are whole Q4
+    blocks of 32 (a Q4 variant keeps a matrix whose rows are not f16, layout.stored_format) or f16
+    or bf16 weights read EXACT_PER_LOAD to a 16-byte load, so every width is a multiple of that.
+    Attention holds at most MAX_HEAD_DIM elements of a head, ceil(head_dim / 32) a lane, and loads
+    a lane's elements as one word when they are 2, 4 or 8: rows start head_dim elements apart, so
+    that word is aligned to its size (a misaligned load faults on a GPU) only when the count
+    divides head_dim, as it does for every head dim of the supported families."""
     hd, widths = cfg.head_dim, (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim)
-    if any(w % QK for w in widths):
-        return f"the cuda kernels need widths that are multiples of {QK} (hidden, intermediate, q: {widths})"
+    if any(w % EXACT_PER_LOAD for w in widths):
+        return (f"the cuda kernels need widths that are multiples of {EXACT_PER_LOAD} (hidden, intermediate, "
+                f"q: {widths})")
     if hd > MAX_HEAD_DIM:
         return f"head_dim {hd}: the cuda attention kernels hold at most {MAX_HEAD_DIM}"
     per_lane = _cdiv(hd, 32)
@@ -256,7 +260,7 @@ class Kernels:
         w = mats[0][0]
         if exact:
             cols = w.shape[1]
-            self._go(f"{kind}_exact", (blocks,), (mv_threads(cols // 8),),
+            self._go(f"{kind}_exact", (blocks,), (mv_threads(cols // EXACT_PER_LOAD),),
                      (*flat, I32(is_bf16(w)), x, I32(cols), *tail))
             return
         cols, stem = _cols(ms[0]), _quant_kernel(ms[0])

@@ -56,9 +56,10 @@ def _cache_row(cache, p, rows):
 @njit(cache=True, nogil=True)
 def _layer_matvec(w, qs, d, m, x, xq, x_pairs, xd, xs, w4a8, quantize, out):
     """A matvec of the compiled halves, as the engine's _matvec picks it: an exact matrix (w its
-    stored bits, _exact_bits; qs, d, m None), or Q4 planes (w None), W4A8 (x quantised into xq,
-    xd, xs first where `quantize`: the second and third of a slot's q, k, v reuse the codes) or
-    W4A16. numba drops an `is None` branch only where the argument is None, so
+    stored bits, _exact_bits; qs, d, m None), whatever the layer's precision (a Q4 variant keeps
+    a matrix f16 where its rows are not whole blocks), or Q4 planes (w None), W4A8 (x quantised
+    into xq, xd, xs first where `quantize`: the second and third of a slot's q, k, v reuse the
+    codes) or W4A16. numba drops an `is None` branch only where the argument is None, so
     each case tests the argument that is None in the other: the exact kernel is never typed with
     Q4 codes, nor the Q4 ones with none (an overload picking the case cost 0.2-0.5 s more of a
     Q4 first run's compiling)."""
@@ -130,19 +131,22 @@ def _mlp(o, x, norm, eps, xn, xq, x_pairs, xd, xs, w4a8, gate_w, gate_qs, gate_d
 
 
 def decode_layer_halves(layer, spec, a, cfg, base=None):
-    """For a Q4 layer (W4A8 or W4A16) or exact one over the arena `a`, resident (fused qkv and
+    """For a layer of Q4 or exact matrices, or both (a Q4 variant's matrices kept f16 for their
+    width, each run by its own kernel), over the arena `a`, resident (fused qkv and
     gate/up) or a staging slot's (q, k, v and gate, up apart, as layer.index says now):
     (attention(n_ctx), mlp()), the two halves of its decode step, n_ctx counting this token's
     position, with the layer's RoPE tables, window, score cap and GLU (its LayerSpec), the cache's
     first row holding position base[0] (None: 0); None for any other layer. The arguments are made
     here, once: a slot's halves for each layer it may hold."""
     m = layer.mats  # resident: qkv, o, gate_up, down; a slot's: q, k, v, o, gate, up, down
-    if layer.precision == "exact" and all(m[n].w is not None for n in m):
-        planes = lambda lin: (_exact_bits(lin.w), None, None, None)  # noqa: E731
-    elif layer.precision in ("w4a8", "w4a16") and all(m[n].qs is not None for n in m):
-        planes = lambda lin: (None, lin.qs, _bits(lin.d), _bits(lin.m))  # noqa: E731
-    else:
+    if layer.precision not in ("exact", "w4a8", "w4a16") or any(lin.w is None and lin.qs is None for lin in m.values()):
         return None
+
+    def planes(lin):
+        if lin.w is not None:
+            return _exact_bits(lin.w), None, None, None
+        return None, lin.qs, _bits(lin.d), _bits(lin.m)
+
     w4a8 = layer.precision == "w4a8"
     k_cache, v_cache = _cache_operand(a.k_cache[layer.index]), _cache_operand(a.v_cache[layer.index])
     x_pairs = _pair_scratch(a.xq.shape[0])
