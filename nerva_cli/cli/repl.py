@@ -101,13 +101,19 @@ def _loop(session, write, runtime, verbose, stats_line, book, every, ready) -> N
             output.error(str(e))
             continue
         write("\n\n" if stats.stop_reason != "interrupted" else "\n^C\n\n")
-        if stats.stop_reason == "context":
-            output.note(session.context_note())
-        if verbose:
-            output.info(stats_line(stats))
-        if book is not None:
-            book.print_table(output.err, every)
-            book.records.clear()
+        after_answer(session, stats, verbose, stats_line, book, every)
+
+
+def after_answer(session, stats, verbose: bool, stats_line, book, every: int) -> None:
+    """What follows an answer on stderr: why it stopped where that is the context, its rates
+    (--verbose), its ledger (--ledger)."""
+    if stats.stop_reason == "context":
+        output.note(session.context_note())
+    if verbose:
+        output.info(stats_line(stats))
+    if book is not None:
+        book.print_table(output.err, every)
+        book.records.clear()
 
 
 def command(session, line: str, write, runtime: str = "") -> str | None:

@@ -132,22 +132,15 @@ def _converse(session, prompt: str | None, verbose: bool, runtime: str, book=Non
               warm_up=lambda: None) -> None:
     """One prompt's answer, or the chat, on a ChatSession (this process's engine) or a RemoteChat
     (a running server's)."""
-    from nerva_cli.cli import output
+    from nerva_cli.cli.repl import after_answer, chat_loop
 
     if prompt is not None:
         stats = session.answer(prompt, write=_write_stdout)
         _write_stdout("\n")
-        if stats.stop_reason == "context":
-            output.note(session.context_note())
-        if verbose:
-            output.info(_stats_line(stats))
-        if book is not None:
-            book.print_table(output.err, ledger_every)
+        after_answer(session, stats, verbose, _stats_line, book, ledger_every)
         if stats.stop_reason == "interrupted":  # Ctrl-C: a script must not take half an answer for one
             raise typer.Exit(130)
         return
-    from nerva_cli.cli.repl import chat_loop
-
     chat_loop(session, _write_stdout, runtime, verbose, _stats_line, book, ledger_every, ready=warm_up())
 
 

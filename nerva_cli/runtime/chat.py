@@ -26,7 +26,25 @@ def fit_turns(messages: list[dict], render, ctx: int, room: int) -> tuple[list[d
     return messages, ids, dropped
 
 
-class ChatSession:
+class Conversation:
+    """The messages of a chat and its system message, whoever runs it (ChatSession here, a
+    server's RemoteChat)."""
+
+    system: str | None = None
+
+    def set_system(self, text: str | None) -> None:
+        """The system message from the next turn on; the conversation so far stays."""
+        self.system = text
+        if self.messages and self.messages[0]["role"] == "system":
+            self.messages.pop(0)
+        if text:
+            self.messages.insert(0, {"role": "system", "content": text})
+
+    def clear(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+
+class ChatSession(Conversation):
     def __init__(self, engine, tokenizer, opts: SamplingOptions, max_tokens: int, raw: bool = False,
                  system: str | None = None, stops: list[str] = (), ledger=None, note=None):
         self.engine, self.tok = engine, tokenizer
@@ -46,16 +64,8 @@ class ChatSession:
         self.opts = opts
         self.sampler = Sampler(opts, self.engine.cfg.vocab_size)
 
-    def set_system(self, text: str | None) -> None:
-        """The system message from the next turn on; the conversation so far stays."""
-        self.system = text
-        if self.messages and self.messages[0]["role"] == "system":
-            self.messages.pop(0)
-        if text:
-            self.messages.insert(0, {"role": "system", "content": text})
-
     def clear(self) -> None:
-        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        super().clear()
         self.cached: list[int] = []  # the tokens whose K/V the engine holds, in order
         self.engine.reset()
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import time
 
+from nerva_cli.runtime.chat import Conversation
 from nerva_cli.runtime.generate import GenerationStats
 from nerva_cli.runtime.sampling import SamplingOptions
 
 
-class RemoteChat:
+class RemoteChat(Conversation):
     engine = None  # no engine in this process (the chat's /show info asks info_rows instead)
 
     def __init__(self, client, model: str, described: dict, opts: SamplingOptions, max_tokens: int,
@@ -29,15 +30,8 @@ class RemoteChat:
     def set_options(self, opts: SamplingOptions) -> None:
         self.opts = opts
 
-    def set_system(self, text: str | None) -> None:
-        self.system = text
-        if self.messages and self.messages[0]["role"] == "system":
-            self.messages.pop(0)
-        if text:
-            self.messages.insert(0, {"role": "system", "content": text})
-
     def clear(self) -> None:
-        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        super().clear()
         self.text = ""  # --raw: the conversation so far, as one text
 
     def _options(self) -> dict:
