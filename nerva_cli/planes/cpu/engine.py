@@ -21,6 +21,7 @@ from nerva_cli.model.layout import MATRICES, layer_file
 from nerva_cli.model.quant import QK
 from nerva_cli.errors import NervaError
 from nerva_cli.planes.base import Counters, EngineBase, context_length
+from nerva_cli.planes.cpu.batch_decode import BatchDecode
 from nerva_cli.store.catalog import StoredModel
 
 PHASES = ("embed", "attention", "mlp", "lm_head")
@@ -202,7 +203,7 @@ def residency_plan(model: StoredModel, ctx: int | None, ram_budget: int | None,
     return plan_model(model, context_length(cfg, ctx), ram_budget, importance, active_layers, workspace_at)
 
 
-class Engine(EngineBase):
+class Engine(BatchDecode, EngineBase):
     def __init__(self, model: StoredModel, backend: str = "cpu", precision: str | None = None,
                  ctx: int | None = None, layer_precisions: list[str] | None = None,
                  active_layers: list[int] | None = None, ram_budget: int | None = None,
@@ -212,7 +213,8 @@ class Engine(EngineBase):
         active_layers: the layers that run (hot-only mode), the others pass the residual on;
         kv_cache: f16 or f32 (exact: what the tests against transformers hold to float32's noise);
         prefill_rows: the prompt tokens a prefill pass takes (its workspace's size); seq_slots:
-        the sequences it holds at once, each with its own KV cache and position (select)."""
+        the sequences it holds at once, each with its own KV cache and position (select,
+        decode_batch)."""
         from nerva_cli.planes import get_backend
 
         if seq_slots < 1:
