@@ -181,7 +181,7 @@ def test_run_refuses_an_out_of_range_option(tiny_models, cli, tmp_path, option, 
 @pytest.mark.parametrize("option,needle", [
     (["--ppl-ctx", "1", "--ppl", "TEXT"], "--ppl-ctx must be >= 2"),
     (["--ppl", "MISSING"], "No such file"), (["--ppl", "EMPTY"], "no text for a perplexity"),
-    (["--repeat", "0"], "must be >= 1")])
+    (["--repeat", "0"], "must be >= 1"), (["--concurrency", "0"], "--concurrency must be >= 1")])
 def test_bench_refuses_bad_options_before_it_runs(tiny_models, cli, tmp_path, option, needle):
     from nerva_cli.store.pull import pull
 

@@ -189,3 +189,23 @@ def test_batched_decode_allocates_nothing_after_warmup(variant, precision, tiny_
                 logits = engine.decode_batch(tokens, slots)
                 tokens = [int(t) for t in logits.argmax(axis=1)]
     assert counter.count == 0
+
+
+def test_bench_concurrency_reports_aggregate_and_per_sequence_rates(tiny_models, tmp_path, cli):
+    """`nerva bench --concurrency N`: N sequences decoded together; the JSON line says N, the
+    aggregate rate (N tokens a step) and a sequence's time per token (a step's)."""
+    import json
+
+    model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+    code, out, err = cli("bench", model.path, "--concurrency", "3", "--prompt-tokens", "12", "--gen-tokens", "5",
+                         "--repeat", "2", "--no-profile", "--precision", "w4a8", "--backend", "cpu")
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["concurrency"] == 3 and got["hot_path_allocations"] == 0 and "3 sequences" in err
+    assert got["aggregate_decode_tok_s"] == pytest.approx(3 * got["decode_tok_s"], rel=0.01)
+    assert got["per_sequence_token_ms_p50"] == got["token_ms_p50"] > 0
+    assert got["kv_cache_bytes"] == 3 * Engine(model, precision="w4a8", ctx=32).a.kv_bytes  # bench picks 32
+    code, out, err = cli("bench", model.path, "--prompt-tokens", "12", "--gen-tokens", "5", "--repeat", "1",
+                         "--no-profile", "--backend", "cpu")
+    plain = json.loads(out)
+    assert plain["concurrency"] == 1 and plain["aggregate_decode_tok_s"] == plain["decode_tok_s"]
