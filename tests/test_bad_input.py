@@ -224,7 +224,7 @@ def test_other_commands_refuse_a_bad_flag_value_with_2(cli, args, needle):
 @pytest.mark.parametrize("option,needle", [
     (["--ppl-ctx", "1", "--ppl", "TEXT"], "--ppl-ctx must be >= 2"),
     (["--ppl", "MISSING"], "No such file"), (["--ppl", "EMPTY"], "no text for a perplexity"),
-    (["--repeat", "0"], "must be >= 1")])
+    (["--repeat", "0"], "must be >= 1"), (["--concurrency", "0"], "--concurrency must be >= 1")])
 def test_bench_refuses_bad_options_before_it_runs(tiny_models, cli, tmp_path, option, needle):
     """A bad value exits 2, a file that is missing or holds no text 1."""
     from nerva_cli.store.pull import pull

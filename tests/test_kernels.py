@@ -618,6 +618,31 @@ def test_matvec_q8_w8a8(rng, rows, cols):
 
 
 @pytest.mark.parametrize("bits", (8, 16))
+@pytest.mark.parametrize("acts", (1, 2, 3, 8, 13, 32))  # the cpu's tiles of 8, 4 and 1
+@pytest.mark.parametrize("cols", (32, 352, 576))  # blocks: one; 8 + a pair + one; 16 + a pair
+def test_matmul_q8_is_the_matvec_of_each_activation(rng, acts, cols, bits):
+    # A batched decode step's Q8_0 lm_head: activation t's outputs are the backend's own matvec
+    # of it, bit for bit, written into a column slice of a wider array and nowhere else. The
+    # matvecs are held to ref above.
+    rows = 37
+    q8, d = random_q8(rng, rows, cols)
+    x = randn(rng, acts, cols)
+    for backend in (cpu, ref):
+        matmul, matvec = (backend.matmul_q8_w8a8, backend.matvec_q8_w8a8) if bits == 8 else \
+            (backend.matmul_q8_w8a16, backend.matvec_q8_w8a16)
+        codes = [act_q8(backend, x[t])[:2] if bits == 8 else act_q16(backend, x[t]) for t in range(acts)]
+        xq, xd = np.stack([c[0] for c in codes]), np.stack([c[1] for c in codes])
+        wide = np.full((acts, rows + 7), np.nan, np.float32)
+        matmul(q8, d, xq, xd, wide[:, 3:3 + rows])
+        for t in range(acts):
+            want = np.empty(rows, np.float32)
+            matvec(q8, d, xq[t], xd[t], want)
+            assert np.array_equal(wide[t, 3:3 + rows], want), (backend.__name__, t)
+        assert np.isnan(wide[:, :3]).all() and np.isnan(wide[:, 3 + rows:]).all()
+    assert cpu.batch_matches_matvec("q8", "w4a16") and cpu.batch_matches_matvec("q8", "w4a8")
+
+
+@pytest.mark.parametrize("bits", (8, 16))
 @pytest.mark.parametrize("rows", (1, 5, 37, 1536))
 @pytest.mark.parametrize("cols", (32, 352, 576, 1536))
 def test_matvec_q8_integer_dot_exact(rng, rows, cols, bits):

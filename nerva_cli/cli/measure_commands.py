@@ -14,7 +14,8 @@ from nerva_cli.errors import UsageError
 from nerva_cli.hardware.machine import configure_threads
 
 
-@app.command(epilog="Example: nerva bench smollm2-135m --gen-tokens 128 | jq .decode_tok_s")
+@app.command(epilog="Examples: nerva bench smollm2-135m --gen-tokens 128 | jq .decode_tok_s ; "
+                     "nerva bench smollm2-135m:q4_0 --concurrency 8 | jq .aggregate_decode_tok_s")
 def bench(
     model: Annotated[str, typer.Argument(help="name[:variant] in the store, or a model directory.")],
     prompt_tokens: Annotated[int, typer.Option(help="Prompt length for the prefill figure.")] = 256,
@@ -23,6 +24,9 @@ def bench(
     repeat: Annotated[int, typer.Option(help="Measured runs after the warm-up (the median is reported).")] = 3,
     ppl: Annotated[Optional[Path], typer.Option("--ppl", help="Also report perplexity over this text file.")] = None,
     ppl_ctx: Annotated[int, typer.Option(help="Window for --ppl, in tokens.")] = 512,
+    concurrency: Annotated[Optional[int], typer.Option(
+        help="Decode N sequences together (each its own prompt and KV cache, one batched step a token "
+             "for all): reports the aggregate and per-sequence rates. cpu and ref backends.")] = None,
     ctx: Ctx = None,
     threads: Threads = None,
     precision: Precision = None,
@@ -47,13 +51,16 @@ def bench(
         raise UsageError("--prompt-tokens, --gen-tokens and --repeat must be >= 1")
     if ppl_ctx < 2:
         raise UsageError(f"--ppl-ctx must be >= 2 (a window's first token is context only), got {ppl_ctx}")
-    opts = BenchOptions(prompt_tokens, gen_tokens, repeat, ppl, ppl_ctx)  # reads --ppl's file
+    if concurrency is not None and concurrency < 1:
+        raise UsageError(f"--concurrency must be >= 1 (sequences), got {concurrency}")
+    opts = BenchOptions(prompt_tokens, gen_tokens, repeat, ppl, ppl_ctx, concurrency)  # reads --ppl's file
     chosen = ctx is None
     if chosen:  # room for the runs, the allocation check's 26 positions, and --ppl's window
         ctx = max(prompt_tokens + gen_tokens + 1, 32, ppl_ctx if ppl else 0)
     options = EngineOptions(backend=backend, precision=precision, tau=tau, use_profile=not no_profile, mode=mode,
                             active_fraction=active_fraction, ctx=ctx, ctx_given=not chosen, threads=threads,
-                            ram_budget=ram_budget, vram_budget=vram_budget, policy=policy, kv_cache=kv_cache)
+                            ram_budget=ram_budget, vram_budget=vram_budget, policy=policy, kv_cache=kv_cache,
+                            seq_slots=concurrency or 1)
     engine, tokenizer = open_engine(model, options, output.CliReporter(), building=long_lived_objects)
     try:  # closed: the model's lock is released (a `nerva rm` meanwhile waits for it)
         result = run_bench(engine, tokenizer, opts, threads, log=output.info)

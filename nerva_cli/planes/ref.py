@@ -20,7 +20,7 @@ F32 = np.float32
 # run: planes/base.py's Counters); the other functions here are sizes and helpers
 KERNELS = ("rmsnorm", "add_rmsnorm", "add_rows", "rope", "quantize_act_q8", "quantize_act_q16", "fake_quantize_q8",
            "matvec_q4_w4a16", "matmul_q4_w4a16", "matvec_q4_w4a8", "matmul_q4_w4a8", "matvec_q8_w8a8",
-           "matvec_q8_w8a16", "matvec_exact", "matmul_exact", "widen_exact", "silu_mul", "gelu_mul",
+           "matmul_q8_w8a8", "matvec_q8_w8a16", "matmul_q8_w8a16", "matvec_exact", "matmul_exact", "widen_exact", "silu_mul", "gelu_mul",
            "attention_decode", "attention_prefill", "dequantize_q4", "dequantize_q8", "embed_q4", "embed_q8",
            "embed_exact", "gemm_q4", "gemm_q8", "gemm_exact")
 
@@ -163,6 +163,26 @@ def matvec_q8_w8a16(q8, d, xq, xd, out):
     """W8A8's sum with the Q16 activation of quantize_act_q16 (xq int16): per block, the integer
     dot (at most 32 * 128 * 32767, exact in int32) times d_w d_x, summed over blocks in f32."""
     matvec_q8_w8a8(q8, d, xq, xd, out)
+
+
+def matmul_q8_w8a8(q8, d, xq, xd, out):
+    """out[t] = matvec_q8_w8a8 of activation t, the rows of xq [T, cols] and xd [T, cols / 32]
+    (a batched decode step's Q8_0 lm_head; out [T, rows] may be a column slice)."""
+    for t in range(xq.shape[0]):
+        matvec_q8_w8a8(q8, d, xq[t], xd[t], out[t])
+
+
+def matmul_q8_w8a16(q8, d, xq, xd, out):
+    """out[t] = matvec_q8_w8a16 of activation t (xq int16 [T, cols]), as matmul_q8_w8a8."""
+    for t in range(xq.shape[0]):
+        matvec_q8_w8a16(q8, d, xq[t], xd[t], out[t])
+
+
+def batch_matches_matvec(matrix: str, precision: str) -> bool:
+    """Whether the batch kernel (matmul_*) for a `matrix` ("q4", "q8" or "exact") at `precision`
+    gives each activation's output row bit for bit as its matvec does, so that a batched decode
+    step may take it (else it runs a matvec a row). Here always: each loops over the matvec."""
+    return True
 
 
 def matmul_exact(w, x, out):

@@ -43,9 +43,15 @@ def kv_cache_type(kv_cache: str):
 class Arena:
     """Every buffer decode touches, allocated once (llama2.c's RunState). The KV cache is f16 by
     default, as llama.cpp's and the GPU plane's: half the bytes that long-context decode streams
-    and that a RAM budget must hold, for one rounding (2^-11 relative) of each cached value."""
+    and that a RAM budget must hold, for one rounding (2^-11 relative) of each cached value.
 
-    def __init__(self, cfg: ModelConfig, ctx: int, kv_cache: str = "f16", chunk: int = 0):
+    `seq_slots` sequences each have a KV cache of their own: a layer's caches are one array
+    [seq_slots, rows, kv_heads, head_dim], slot s's its [s] (contiguous, as one sequence's was),
+    with its own sliding-window base (kv_bases[s]). k_cache, v_cache and kv_base are the selected
+    slot's (select), which decode and prefill read; a batched decode step reads each row's own.
+    With more than one slot the arena also holds the batch's logits and positions."""
+
+    def __init__(self, cfg: ModelConfig, ctx: int, kv_cache: str = "f16", chunk: int = 0, seq_slots: int = 1):
         h, f = cfg.hidden_size, cfg.intermediate_size
         z = lambda *shape: np.zeros(shape, dtype=np.float32)  # noqa: E731
         self.x, self.xn = z(h), z(h)
@@ -64,7 +70,9 @@ class Arena:
         self.xd = z(widest // QK)
         self.xs = np.zeros(widest // QK, dtype=np.int32)
         self.pos = np.zeros(1, dtype=np.int64)
-        self.kv_base = np.zeros(1, dtype=np.int64)  # the position in the first row of a sliding layer's cache
+        # per slot, the position in the first row of a sliding layer's cache; views made once
+        self.kv_bases = np.zeros(seq_slots, dtype=np.int64)
+        self.kv_base_slots = [self.kv_bases[s:s + 1] for s in range(seq_slots)]
         # views made once: a view made per call is a Python object per call on the hot path
         self.attn_flat = self.attn.reshape(-1)
         self.q_rows = self.q.reshape(1, cfg.num_heads, cfg.head_dim)
@@ -77,12 +85,27 @@ class Arena:
         self.att_part = z(*attention_decode_partials(ctx, cfg.num_heads, cfg.head_dim))
         kv_type = kv_cache_type(kv_cache)
         rows = cache_rows(cfg, ctx, chunk)
-        self.k_cache = [np.zeros((n, cfg.num_kv_heads, cfg.head_dim), kv_type) for n in rows]
-        self.v_cache = [np.zeros((n, cfg.num_kv_heads, cfg.head_dim), kv_type) for n in rows]
+        self.k_all = [np.zeros((seq_slots, n, cfg.num_kv_heads, cfg.head_dim), kv_type) for n in rows]
+        self.v_all = [np.zeros((seq_slots, n, cfg.num_kv_heads, cfg.head_dim), kv_type) for n in rows]
+        self.k_slots = [[c[s] for c in self.k_all] for s in range(seq_slots)]  # slot -> layer -> its cache
+        self.v_slots = [[c[s] for c in self.v_all] for s in range(seq_slots)]
+        if seq_slots > 1:  # a batched decode step's (its other buffers are the prefill workspace's)
+            self.batch_logits = z(seq_slots, cfg.vocab_size)
+            self.batch_pos = np.zeros(seq_slots, dtype=np.int64)
+        self.select(0)
+
+    def select(self, slot: int) -> None:
+        """Makes slot `slot`'s KV cache and base the ones k_cache, v_cache and kv_base name."""
+        self.k_cache, self.v_cache = self.k_slots[slot], self.v_slots[slot]
+        self.kv_base = self.kv_base_slots[slot]
+
+    @property
+    def seq_slots(self) -> int:
+        return self.kv_bases.shape[0]
 
     @property
     def kv_bytes(self) -> int:
-        return sum(a.nbytes for a in self.k_cache + self.v_cache)
+        return sum(a.nbytes for a in self.k_all + self.v_all)
 
     @property
     def nbytes(self) -> int:
@@ -90,17 +113,18 @@ class Arena:
             + self.kv_bytes
 
     @staticmethod
-    def sizes(cfg: ModelConfig, ctx: int, kv_cache: str = "f16", chunk: int = 0) -> tuple[int, int]:
+    def sizes(cfg: ModelConfig, ctx: int, kv_cache: str = "f16", chunk: int = 0, seq_slots: int = 1) -> tuple[int, int]:
         """(kv_bytes, nbytes) of the arena __init__ would make, without making it."""
         h, f = cfg.hidden_size, cfg.intermediate_size
         widest = max(h, f, cfg.q_dim)
         f32 = (2 * h + cfg.q_dim + 2 * cfg.kv_dim + cfg.num_heads * cfg.head_dim + h + 3 * f + h
                + cfg.vocab_size + widest // QK + h // QK)  # ... xd, xd16
-        kv = sum(cache_rows(cfg, ctx, chunk)) * 2 * cfg.num_kv_heads * cfg.head_dim * \
+        kv = seq_slots * sum(cache_rows(cfg, ctx, chunk)) * 2 * cfg.num_kv_heads * cfg.head_dim * \
             np.dtype(kv_cache_type(kv_cache)).itemsize
         f32 += prod(attention_decode_partials(ctx, cfg.num_heads, cfg.head_dim))
-        # + xq (int8), xs (int32), xq16 (int16), pos and kv_base (int64)
-        return kv, 4 * f32 + widest + 4 * (widest // QK) + 2 * h + 16 + kv
+        batch = seq_slots * (4 * cfg.vocab_size + 8) if seq_slots > 1 else 0  # batch_logits, batch_pos
+        # + xq (int8), xs (int32), xq16 (int16), pos and kv_bases (int64)
+        return kv, 4 * f32 + widest + 4 * (widest // QK) + 2 * h + 8 + 8 * seq_slots + batch + kv
 
 
 # Prefill's GEMMs dequantise weight rows into f32 in this scratch, a slice a thread (at most the
@@ -125,31 +149,35 @@ class PrefillWorkspace:
     fake-quantised activations (or, for a short chunk, their codes), attention_prefill's work,
     and the slice of weight rows each GEMM reads, dequantised (scratch_elements). A prompt then
     allocates nothing per layer, and its memory is in the plan; pages a short prompt never
-    reaches are never touched."""
+    reaches are never touched. A batched decode step of up to `batch` sequences takes its rows'
+    hidden states, projections and activation codes from the same buffers (the two never run at
+    once), so they hold max(rows, batch) rows, and with batch > 1 the int16 codes of the W8A16
+    lm_head's activations too."""
 
-    def __init__(self, cfg: ModelConfig, rows: int, ctx: int):
+    def __init__(self, cfg: ModelConfig, rows: int, ctx: int, batch: int = 1):
         self.rows = rows
-        self.bufs = {name: np.empty(n, dtype) for name, (n, dtype) in self.layout(cfg, rows, ctx).items()}
+        self.bufs = {name: np.empty(n, dtype) for name, (n, dtype) in self.layout(cfg, rows, ctx, batch).items()}
         self.iota = self.bufs["iota"]  # 0..rows-1: a chunk's positions are start + these
         self.iota[:] = np.arange(rows)
 
     @staticmethod
-    def layout(cfg: ModelConfig, rows: int, ctx: int) -> dict[str, tuple[int, type]]:
-        h, f, q, kv, R = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim, rows
+    def layout(cfg: ModelConfig, rows: int, ctx: int, batch: int = 1) -> dict[str, tuple[int, type]]:
+        h, f, q, kv, R = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim, max(rows, batch)
         f32 = {"x": R * h, "xn": R * h, "qkv": R * (q + 2 * kv), "q": R * q, "k": R * kv, "attn": R * q,
                "proj": R * h,  # o's and down's outputs, before the residual add
                "gate_up": 2 * R * f, "act": R * f,
-               "xq": R * max(h, q, f),
-               "attention": attention_prefill_work(R, ctx, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+               "xq": rows * max(h, q, f),
+               "attention": attention_prefill_work(rows, ctx, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
                "dequant": scratch_elements(cfg)}
         widest = max(h, q, f)  # the integer kernels' activations (W4A8 takes them for a whole chunk)
-        return {**{k: (n, np.float32) for k, n in f32.items()}, "pos": (R, np.int64), "iota": (R, np.int64),
+        codes16 = {"codes16": (batch * h, np.int16), "code16_scales": (batch * h // QK, np.float32)} if batch > 1 else {}
+        return {**{k: (n, np.float32) for k, n in f32.items()}, "pos": (R, np.int64), "iota": (rows, np.int64),
                 "codes": (R * widest, np.int8), "code_scales": (R * widest // QK, np.float32),
-                "code_sums": (R * widest // QK, np.int32)}
+                "code_sums": (R * widest // QK, np.int32), **codes16}
 
     @classmethod
-    def size(cls, cfg: ModelConfig, rows: int, ctx: int) -> int:
-        return sum(n * np.dtype(t).itemsize for n, t in cls.layout(cfg, rows, ctx).values())
+    def size(cls, cfg: ModelConfig, rows: int, ctx: int, batch: int = 1) -> int:
+        return sum(n * np.dtype(t).itemsize for n, t in cls.layout(cfg, rows, ctx, batch).values())
 
     @property
     def nbytes(self) -> int:

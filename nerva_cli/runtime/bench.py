@@ -28,6 +28,7 @@ class BenchOptions:
     repeat: int = 3
     ppl_file: Path | None = None
     ppl_ctx: int = 512
+    concurrency: int | None = None  # N sequences decoded together (decode_batch); None: generate()'s one
 
     def __post_init__(self):
         self.ppl_text = None if self.ppl_file is None else read_ppl_text(self.ppl_file)  # before any run
@@ -48,6 +49,119 @@ def synthetic_prompt(tokenizer, n: int) -> list[int]:
     if len(ids) < n:
         raise NervaError(f"could not build a prompt of {n} tokens")
     return ids[:n]
+
+
+PROMPT_SHIFT = 7  # tokens between the starts of --concurrency's prompts in the synthetic text
+
+
+def concurrent_prompts(tokenizer, n: int, count: int) -> list[list[int]]:
+    """`count` fixed prompts of n tokens, each the synthetic text from a different start."""
+    ids = synthetic_prompt(tokenizer, n + PROMPT_SHIFT * (count - 1))
+    return [ids[PROMPT_SHIFT * s:PROMPT_SHIFT * s + n] for s in range(count)]
+
+
+@dataclass
+class ConcurrentRun:
+    prefill_ns: list[int]  # each sequence's prefill and first token
+    step_ns: list[int]  # each batched step's wall time, sampling included
+
+    @property
+    def aggregate_tok_s(self) -> float:
+        return len(self.prefill_ns) * len(self.step_ns) / sum(self.step_ns) * 1e9
+
+    @property
+    def sequence_tok_s(self) -> float:
+        return len(self.step_ns) / sum(self.step_ns) * 1e9
+
+
+def run_concurrent(engine, prompts: list[list[int]], gen_tokens: int) -> ConcurrentRun:
+    """Each prompt prefilled into a sequence slot of its own, one after another, then the
+    sequences decoded greedily together by decode_batch until each has gen_tokens tokens."""
+    slots = list(range(len(prompts)))
+    samplers = [Sampler(SamplingOptions(temperature=0.0), engine.cfg.vocab_size) for _ in slots]
+    prefill_ns, step_ns, tokens = [], [], []
+    for s in slots:
+        engine.select(s)
+        engine.reset()
+        t0 = time.perf_counter_ns()
+        tokens.append(samplers[s](engine.prefill(prompts[s])))
+        prefill_ns.append(time.perf_counter_ns() - t0)
+    for _ in range(gen_tokens - 1):
+        t0 = time.perf_counter_ns()
+        logits = engine.decode_batch(tokens, slots)
+        tokens = [samplers[s](logits[s]) for s in slots]
+        step_ns.append(time.perf_counter_ns() - t0)
+    return ConcurrentRun(prefill_ns, step_ns)
+
+
+def concurrent_figures(engine, tokenizer, opts: BenchOptions, log) -> tuple[dict, int]:
+    """--concurrency N: the warm-up and the measured runs (run_concurrent); -> (the figures of the
+    JSON line, layer passes made), the per-sequence ones of a sequence's view: a step gives each
+    one token."""
+    n = opts.concurrency
+    prompts = concurrent_prompts(tokenizer, opts.prompt_tokens, n)
+    log(f"warm-up: {n} sequences (compiles kernels on first use)")
+    run_concurrent(engine, [p[:16] for p in prompts], 4)
+    runs = []
+    for r in range(opts.repeat):
+        runs.append(run_concurrent(engine, prompts, opts.gen_tokens))
+        if runs[-1].step_ns:
+            log(f"run {r + 1}/{opts.repeat}: {n} sequences, decode {runs[-1].aggregate_tok_s:.1f} tok/s in all, "
+                f"{runs[-1].sequence_tok_s:.1f} each")
+    for s in range(n):
+        engine.select(s)
+        engine.reset()
+    engine.select(0)
+    step_ms = np.array([t for r in runs for t in r.step_ns]) / 1e6
+    prefill_s = [sum(r.prefill_ns) / 1e9 for r in runs]
+    decoded = step_ms.size > 0
+    figures = {
+        "prefill_tok_s": round(float(np.median([n * opts.prompt_tokens / s for s in prefill_s])), 2),
+        "decode_tok_s": round(float(np.median([r.sequence_tok_s for r in runs])), 2) if decoded else None,
+        "decode_tok_s_best": round(max(r.sequence_tok_s for r in runs), 2) if decoded else None,
+        "ttft_ms": round(float(np.median([t for r in runs for t in r.prefill_ns])) / 1e6, 2),
+        "token_ms_p50": round(float(np.percentile(step_ms, 50)), 3) if decoded else None,
+        "token_ms_p99": round(float(np.percentile(step_ms, 99)), 3) if decoded else None,
+        "concurrency": n,
+        "aggregate_decode_tok_s": round(float(np.median([r.aggregate_tok_s for r in runs])), 2) if decoded else None,
+        "per_sequence_token_ms_p50": round(float(np.percentile(step_ms, 50)), 3) if decoded else None,
+    }
+    passes = opts.repeat * (n * math.ceil(opts.prompt_tokens / engine.prefill_chunk) + opts.gen_tokens - 1)
+    return figures, passes
+
+
+def single_figures(engine, prompt: list[int], opts: BenchOptions, log) -> tuple[dict, int]:
+    """One sequence through generate(): the warm-up and the measured runs; -> (figures, layer
+    passes made)."""
+    greedy = SamplingOptions(temperature=0.0)
+    log("warm-up (compiles kernels on first use)")
+    engine.reset()
+    generate(engine, prompt[:16], Sampler(greedy, engine.cfg.vocab_size), max_tokens=4)
+    runs = []
+    for r in range(opts.repeat):
+        engine.reset()
+        _, stats = generate(engine, prompt, Sampler(greedy, engine.cfg.vocab_size), max_tokens=opts.gen_tokens)
+        if stats.stop_reason == "interrupted":
+            raise KeyboardInterrupt
+        runs.append(stats)
+        log(f"run {r + 1}/{opts.repeat}: prefill {stats.prefill_tok_s:.1f} tok/s, "
+            f"decode {stats.decode_tok_s:.1f} tok/s")
+    token_ms = np.array([t for s in runs for t in s.token_s]) * 1000
+    passes = sum(s.gen_tokens - 1 + math.ceil(s.prompt_tokens / engine.prefill_chunk) for s in runs)  # layer passes
+    best = max(runs, key=lambda s: s.decode_tok_s)
+    decode = round(float(np.median([s.decode_tok_s for s in runs])), 2) if token_ms.size else None
+    p50 = round(float(np.percentile(token_ms, 50)), 3) if token_ms.size else None
+    figures = {
+        "prefill_tok_s": round(float(np.median([s.prefill_tok_s for s in runs])), 2),
+        # --gen-tokens 1 times prefill alone (its token is the first): no decode step, no figure
+        "decode_tok_s": decode,
+        "decode_tok_s_best": round(best.decode_tok_s, 2) if token_ms.size else None,
+        "ttft_ms": round(float(np.median([s.ttft_s for s in runs])) * 1000, 2),
+        "token_ms_p50": p50,
+        "token_ms_p99": round(float(np.percentile(token_ms, 99)), 3) if token_ms.size else None,
+        "concurrency": 1, "aggregate_decode_tok_s": decode, "per_sequence_token_ms_p50": p50,
+    }
+    return figures, passes
 
 
 def perplexity(engine, ids: list[int], window: int) -> tuple[float, int]:
@@ -80,25 +194,13 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
         if len(ppl_ids) < 2:
             raise NervaError(f"{opts.ppl_file}: too little text for a perplexity ({len(ppl_ids)} token)")
     prompt = synthetic_prompt(tokenizer, opts.prompt_tokens)
-    greedy = SamplingOptions(temperature=0.0)
-    log("warm-up (compiles kernels on first use)")
-    engine.reset()
-    generate(engine, prompt[:16], Sampler(greedy, engine.cfg.vocab_size), max_tokens=4)
-    runs = []
     pager0 = _pager_counters(engine)
-    for r in range(opts.repeat):
-        engine.reset()
-        _, stats = generate(engine, prompt, Sampler(greedy, engine.cfg.vocab_size), max_tokens=opts.gen_tokens)
-        if stats.stop_reason == "interrupted":
-            raise KeyboardInterrupt
-        runs.append(stats)
-        log(f"run {r + 1}/{opts.repeat}: prefill {stats.prefill_tok_s:.1f} tok/s, "
-            f"decode {stats.decode_tok_s:.1f} tok/s")
-    token_ms = np.array([t for s in runs for t in s.token_s]) * 1000
+    if opts.concurrency is None:
+        figures, passes = single_figures(engine, prompt, opts, log)
+    else:
+        figures, passes = concurrent_figures(engine, tokenizer, opts, log)
     pager = [b - a for a, b in zip(pager0, _pager_counters(engine))]
-    passes = sum(s.gen_tokens - 1 + math.ceil(s.prompt_tokens / engine.prefill_chunk) for s in runs)  # layer passes
     allocs = engine.count_hot_path_allocations(prompt[:8], steps=16)
-    best = max(runs, key=lambda s: s.decode_tok_s)
     # the disk's rate while the pager read (open to close), and the decode rate it allows if every
     # paged byte came at it: a shared, bursty disk is judged against itself, in the same run
     read_rate = pager[0] / pager[5] * 1e9 if pager[5] else None
@@ -119,13 +221,7 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
         "token_table_aside": engine.plan.table_aside,  # in its file (cpu) or pinned RAM (cuda), not the budget's
         **engine.plane_facts(),
         "prompt_tokens": opts.prompt_tokens, "gen_tokens": opts.gen_tokens, "repeat": opts.repeat,
-        "prefill_tok_s": round(float(np.median([s.prefill_tok_s for s in runs])), 2),
-        # --gen-tokens 1 times prefill alone (its token is the first): no decode step, no figure
-        "decode_tok_s": round(float(np.median([s.decode_tok_s for s in runs])), 2) if token_ms.size else None,
-        "decode_tok_s_best": round(best.decode_tok_s, 2) if token_ms.size else None,
-        "ttft_ms": round(float(np.median([s.ttft_s for s in runs])) * 1000, 2),
-        "token_ms_p50": round(float(np.percentile(token_ms, 50)), 3) if token_ms.size else None,
-        "token_ms_p99": round(float(np.percentile(token_ms, 99)), 3) if token_ms.size else None,
+        **figures,
         "w4a8_layers": engine.precision_counts["w4a8"], "w4a16_layers": engine.precision_counts["w4a16"],
         "exact_layers": engine.precision_counts["exact"], "active_layers": len(engine.active),
         "weight_bytes": engine.weight_bytes, "kv_cache_bytes": engine.a.kv_bytes, "kv_cache": engine.kv_cache,

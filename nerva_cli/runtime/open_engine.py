@@ -114,20 +114,20 @@ def ram_budget(model, backend: str, options: EngineOptions, report: Reporter = S
     from nerva_cli.planes.cpu.engine import residency_plan
     from nerva_cli.residency import planner
 
-    ctx, kv_cache = options.ctx, options.kv_cache
+    ctx, kv_cache, seqs = options.ctx, options.kv_cache, options.seq_slots
     if budget is None:
         try:
             room = int(planner.available_ram() * 0.9)
         except (OSError, ValueError):  # no MemAvailable and no SC_AVPHYS_PAGES (macOS): no default
             return None
-        need = residency_plan(model, ctx, None, kv_cache=kv_cache).used_bytes
+        need = residency_plan(model, ctx, None, kv_cache=kv_cache, seq_slots=seqs).used_bytes
         if need <= room:
             return None
         report.note(f"{model.name} needs {human_bytes(need)} of RAM here and {human_bytes(room)} is available: "
                     "layers that do not fit stream from disk (--ram-budget sets the budget)")
         budget = room
     if options.mode == "full":
-        residency_plan(model, ctx, budget, kv_cache=kv_cache)
+        residency_plan(model, ctx, budget, kv_cache=kv_cache, seq_slots=seqs)
     return budget
 
 
@@ -157,6 +157,9 @@ def _open(model, backend: str, options: EngineOptions, report: Reporter, buildin
                     f"(its training context, or its attention window where smaller); using {model.config.max_context}")
     if options.vram_budget is not None and backend != "cuda":
         report.note(f"--vram-budget {options.vram_budget} is ignored: the {backend} backend holds everything in RAM")
+    if options.seq_slots > 1 and backend == "cuda":
+        raise NervaError("the cuda backend decodes one sequence at a time (batched decode is built on the cpu "
+                         "plane so far): --backend cpu")
     if options.kv_cache != "f16" and backend == "cuda":
         raise NervaError(f"--kv-cache {options.kv_cache}: the cuda backend keeps its KV cache in f16 "
                          "(--backend cpu for f32)")
@@ -178,7 +181,7 @@ def _open(model, backend: str, options: EngineOptions, report: Reporter, buildin
             engine = Engine(model, backend=backend, precision=plan.precision, ctx=ctx,
                             layer_precisions=plan.layer_precisions, active_layers=plan.active_layers,
                             ram_budget=budget, policy=options.policy, importance=importance,
-                            kv_cache=options.kv_cache)
+                            kv_cache=options.kv_cache, seq_slots=options.seq_slots)
     for line in engine.residency_lines():
         report.info(line)
     engine.prepare(options.threads, options.decodes, say=report.info, working=report.working)

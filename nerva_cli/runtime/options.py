@@ -35,6 +35,7 @@ class EngineOptions:
     policy: str = "ring"
     kv_cache: str = "f16"
     decodes: bool = True  # whether the caller will decode (not a one-token run): what compiles ahead
+    seq_slots: int = 1  # sequences the engine holds at once, each its own KV cache (bench --concurrency)
 
     def __post_init__(self) -> None:
         from nerva_cli.residency.planner import parse_budget
@@ -58,3 +59,5 @@ class EngineOptions:
                                                                                         "vram-budget")
         _one_of("--policy", self.policy, POLICIES)
         _one_of("--kv-cache", self.kv_cache, KV_CACHES)
+        if self.seq_slots < 1:
+            raise UsageError(f"--concurrency must be >= 1 (sequences), got {self.seq_slots}")

@@ -9,7 +9,7 @@ come from a `PrefillWorkspace` made with them (arena.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import gcd
 from time import perf_counter_ns
 
@@ -19,7 +19,9 @@ from nerva_cli.residency.arena import Arena, PrefillWorkspace
 from nerva_cli.model.layer_spec import layer_specs
 from nerva_cli.model.layout import MATRICES, layer_file
 from nerva_cli.model.quant import QK
+from nerva_cli.errors import NervaError
 from nerva_cli.planes.base import Counters, EngineBase, context_length
+from nerva_cli.planes.cpu.batch_decode import BatchDecode
 from nerva_cli.store.catalog import StoredModel
 
 PHASES = ("embed", "attention", "mlp", "lm_head")
@@ -134,6 +136,7 @@ class Layer:
     post_attn_norm: np.ndarray | None = None  # Gemma 3: on attention's and the MLP's outputs
     post_mlp_norm: np.ndarray | None = None
     slot_halves: dict | None = None  # a staging slot's: layer index -> its compiled decode halves
+    seq_halves: dict = field(default_factory=dict)  # a staging slot's: sequence slot -> its slot_halves
 
     @classmethod
     def from_stored(cls, index: int, t: dict, precision: str) -> "Layer":
@@ -190,34 +193,41 @@ class ResidentWeights:
 
 def residency_plan(model: StoredModel, ctx: int | None, ram_budget: int | None,
                    importance: dict[int, float] | None = None, active_layers: list[int] | None = None,
-                   kv_cache: str = "f16", prefill_rows: int = PREFILL_CHUNK):
+                   kv_cache: str = "f16", prefill_rows: int = PREFILL_CHUNK, seq_slots: int = 1):
     """The residency plan that Engine uses, computed from sizes alone: nothing is allocated or
     read, so `nerva topology --model` shows exactly what `run` will do. An untied token table
-    left out of RAM is mapped from its file: a token's row is read in place."""
+    left out of RAM is mapped from its file: a token's row is read in place. seq_slots: the
+    sequences the engine holds at once, each its own KV cache (all of them in the plan)."""
     from nerva_cli.residency.planner import plan_model
 
     cfg = model.config
 
     def workspace_at(n: int) -> dict:
-        kv, arena = Arena.sizes(cfg, n, kv_cache, min(prefill_rows, n))
-        prefill = PrefillWorkspace.size(cfg, min(prefill_rows, n), n)
+        kv, arena = Arena.sizes(cfg, n, kv_cache, min(prefill_rows, n), seq_slots)
+        prefill = PrefillWorkspace.size(cfg, min(prefill_rows, n), n, seq_slots)
         return {"kv_cache": ("kv_cache", kv), "workspace": ("workspace", arena - kv + prefill)}
 
     return plan_model(model, context_length(cfg, ctx), ram_budget, importance, active_layers, workspace_at)
 
 
-class Engine(EngineBase):
+class Engine(BatchDecode, EngineBase):
     def __init__(self, model: StoredModel, backend: str = "cpu", precision: str | None = None,
                  ctx: int | None = None, layer_precisions: list[str] | None = None,
                  active_layers: list[int] | None = None, ram_budget: int | None = None,
                  policy: str = "ring", importance: dict[int, float] | None = None, kv_cache: str = "f16",
-                 prefill_rows: int = PREFILL_CHUNK):
+                 prefill_rows: int = PREFILL_CHUNK, seq_slots: int = 1):
         """layer_precisions: per-layer w4a16/w4a8 (MCAP's mixed dispatch) for a q4_0 or q4_1 model;
         active_layers: the layers that run (hot-only mode), the others pass the residual on;
         kv_cache: f16 or f32 (exact: what the tests against transformers hold to float32's noise);
-        prefill_rows: the prompt tokens a prefill pass takes (its workspace's size)."""
+        prefill_rows: the prompt tokens a prefill pass takes (its workspace's size); seq_slots:
+        the sequences it holds at once, each with its own KV cache and position (select,
+        decode_batch)."""
         from nerva_cli.planes import get_backend
 
+        if seq_slots < 1:
+            raise NervaError(f"sequence slots must be >= 1, got {seq_slots}")
+        self.seq_slots, self.slot = seq_slots, 0
+        self.slot_n_past = [0] * seq_slots
         self.model = model
         self.cfg = cfg = model.config
         self.counters = Counters()
@@ -227,7 +237,8 @@ class Engine(EngineBase):
         self.ctx = context_length(cfg, ctx)
         self.specs = layer_specs(cfg, self.ctx)  # each layer's RoPE tables, window, score cap and GLU
         self.embed_scale = None if cfg.embed_scale is None else np.float32(cfg.embed_scale)
-        self.plan = residency_plan(model, self.ctx, ram_budget, importance, self.active, kv_cache, prefill_rows)
+        self.plan = residency_plan(model, self.ctx, ram_budget, importance, self.active, kv_cache, prefill_rows,
+                                   seq_slots)
         g = {}
         for fname in ("embed.bin", "final_norm.bin", "lm_head.bin"):
             if fname == "embed.bin" and self.plan.table_aside:
@@ -238,8 +249,9 @@ class Engine(EngineBase):
         self.final_norm = as_f32(g["final_norm"])
         self.lm_head = Linear.from_stored(g, "lm_head") if any(n.startswith("lm_head") for n in g) else self.embed
         self.kv_cache = kv_cache
-        self.a = Arena(cfg, self.ctx, kv_cache, min(prefill_rows, self.ctx))  # refuses an unknown kv_cache in one line
-        self.pw = PrefillWorkspace(cfg, min(prefill_rows, self.ctx), self.ctx)
+        # refuses an unknown kv_cache in one line
+        self.a = Arena(cfg, self.ctx, kv_cache, min(prefill_rows, self.ctx), seq_slots)
+        self.pw = PrefillWorkspace(cfg, min(prefill_rows, self.ctx), self.ctx, seq_slots)
         # the sliding-window layers whose caches hold fewer rows than the context (arena.cache_rows):
         # row r holds position kv_base + r
         self.ring = [i for i, c in enumerate(self.a.k_cache) if c.shape[0] < self.ctx]
@@ -258,16 +270,58 @@ class Engine(EngineBase):
             self.weights = ResidentWeights([resident[i] for i in self.active])
         # the cpu backend's decode layer: each layer's step in a few compiled calls bound once
         # (decode_layer_halves), a resident layer's by its index, a staging slot's for every
-        # layer the slot may hold; the ref backend runs the layer kernel by kernel
+        # layer the slot may hold; the ref backend runs the layer kernel by kernel. They are bound
+        # to one sequence slot's KV cache: slot 0's here, another's when select() first takes it.
         self.compiled_layers = {}
-        if hasattr(self.k, "decode_layer_halves"):
-            for i, layer in resident.items():
-                self._compile_layer(layer, i, self.compiled_layers)
-            for view in self.weights.views() if self.plan.paged_layers else ():
-                view.slot_halves = {}
-                for i in self.plan.paged_layers:
-                    view.index, view.precision = i, self.layer_precision[i]
-                    self._compile_layer(view, i, view.slot_halves)
+        self.slot_compiled = {0: self.compiled_layers}  # sequence slot -> its compiled_layers
+        self._bind_halves()
+
+    def _bind_halves(self) -> None:
+        """Binds the compiled decode halves to the selected sequence slot's KV cache: a resident
+        layer's into compiled_layers, a staging slot's (for each paged layer it may hold) into
+        its view's seq_halves[slot], which becomes its slot_halves."""
+        if not hasattr(self.k, "decode_layer_halves"):
+            return
+        for layer in self._resident_layers():
+            self._compile_layer(layer, layer.index, self.compiled_layers)
+        for view in self._views():
+            held = view.index, view.precision  # the pager sets them at each acquire; kept all the same
+            view.slot_halves = view.seq_halves[self.slot] = {}
+            for i in self.plan.paged_layers:
+                view.index, view.precision = i, self.layer_precision[i]
+                self._compile_layer(view, i, view.slot_halves)
+            view.index, view.precision = held
+
+    def _views(self) -> list:
+        """The staging slots' Layers (none where every layer is resident)."""
+        return self.weights.views() if self.plan.paged_layers else []
+
+    # -- sequence slots ----------------------------------------------------------------------
+    @property
+    def n_past(self) -> int:
+        """The selected sequence slot's position count."""
+        return self.slot_n_past[self.slot]
+
+    @n_past.setter
+    def n_past(self, n: int) -> None:
+        self.slot_n_past[self.slot] = n
+
+    def select(self, slot: int) -> None:
+        """Makes sequence slot `slot` the one prefill, decode, reset and truncate act on (its KV
+        cache, sliding-window base and position); slot 0 at first."""
+        if slot == self.slot:
+            return
+        if not 0 <= slot < self.seq_slots:
+            raise NervaError(f"sequence slot {slot} does not exist (this engine holds {self.seq_slots})")
+        self.slot = slot
+        self.a.select(slot)
+        if slot in self.slot_compiled:
+            self.compiled_layers = self.slot_compiled[slot]
+            for view in self._views():
+                view.slot_halves = view.seq_halves.get(slot, {})
+        else:  # the first time: bind its halves (a few tuples a layer; nothing compiles)
+            self.compiled_layers = self.slot_compiled[slot] = {}
+            self._bind_halves()
 
     def _compile_layer(self, layer: Layer, i: int, into: dict) -> None:
         halves = self.k.decode_layer_halves(layer, self.specs[i], self.a, self.cfg,

@@ -18,9 +18,9 @@ This package is the contract (what get_backend("cpu") returns); the kernels live
   q4_w4a8            W4A8 rows, short prompts' batches and the rows-in-lanes prompt GEMM
   q4                 the Q4 matvecs, matmuls, dequantisation and token lookup of the contract
   quantize_act       activation quantisation (Q8, Q16, prefill's fake-quantised rows)
-  q8                 Q8_0 matvecs, dequantisation and token lookup
+  q8                 Q8_0 matvecs and their batch forms, dequantisation and token lookup
   exact              f16 / bf16 matrices as stored
-  gemm               prefill's GEMMs and short_prefill_rows
+  gemm               prefill's GEMMs, short_prefill_rows and batch_matches_matvec
   glu                SiLU and GeLU gates and their exp
   decode_attention   decode attention
   prefill_attention  prefill attention
@@ -48,14 +48,15 @@ from nerva_cli.planes.cpu.kernels.decode_attention import (
 from nerva_cli.planes.cpu.kernels.disk_cache import compiled_before, counting_compiles, warm_marker
 from nerva_cli.planes.cpu.kernels.exact import embed_exact, matmul_exact, matvec_exact, widen_exact
 from nerva_cli.planes.cpu.kernels.gemm import (
-    GEMM_MIN_ROWS, GEMM_SLICE_BYTES, gemm_exact, gemm_q4, gemm_q8, short_prefill_rows)
+    GEMM_MIN_ROWS, GEMM_SLICE_BYTES, batch_matches_matvec, gemm_exact, gemm_q4, gemm_q8, short_prefill_rows)
 from nerva_cli.planes.cpu.kernels.glu import gelu_mul, silu_mul
 from nerva_cli.planes.cpu.kernels.layer import decode_layer_halves
 from nerva_cli.planes.cpu.kernels.norms import add_rmsnorm, add_rows, rmsnorm, rope
 from nerva_cli.planes.cpu.kernels.prefill_attention import attention_prefill
 from nerva_cli.planes.cpu.kernels.q4 import (
     dequantize_q4, embed_q4, matmul_q4_w4a8, matmul_q4_w4a16, matvec_q4_w4a8, matvec_q4_w4a16)
-from nerva_cli.planes.cpu.kernels.q8 import dequantize_q8, embed_q8, matvec_q8_w8a8, matvec_q8_w8a16
+from nerva_cli.planes.cpu.kernels.q8 import (
+    dequantize_q8, embed_q8, matmul_q8_w8a8, matmul_q8_w8a16, matvec_q8_w8a8, matvec_q8_w8a16)
 from nerva_cli.planes.cpu.kernels.quantize_act import fake_quantize_q8, quantize_act_q8, quantize_act_q16
 from nerva_cli.planes.cpu.kernels.sampling import penalise, sample_logits
 
@@ -64,9 +65,9 @@ __all__ = [
     "rmsnorm", "add_rmsnorm", "add_rows", "rope", "silu_mul", "gelu_mul",
     "quantize_act_q8", "quantize_act_q16", "fake_quantize_q8",
     "matvec_q4_w4a16", "matmul_q4_w4a16", "matvec_q4_w4a8", "matmul_q4_w4a8", "dequantize_q4", "embed_q4",
-    "matvec_q8_w8a16", "matvec_q8_w8a8", "dequantize_q8", "embed_q8",
+    "matvec_q8_w8a16", "matvec_q8_w8a8", "matmul_q8_w8a16", "matmul_q8_w8a8", "dequantize_q8", "embed_q8",
     "matvec_exact", "matmul_exact", "widen_exact", "embed_exact",
-    "short_prefill_rows", "GEMM_SLICE_BYTES", "GEMM_MIN_ROWS", "gemm_q4", "gemm_q8", "gemm_exact",
+    "short_prefill_rows", "batch_matches_matvec", "GEMM_SLICE_BYTES", "GEMM_MIN_ROWS", "gemm_q4", "gemm_q8", "gemm_exact",
     "attention_decode", "attention_geometry", "attention_kernel", "decode_splits", "pack_sizes", "attention_prefill",
     "decode_layer_halves", "penalise", "sample_logits",
 ]

@@ -201,3 +201,15 @@ def short_prefill_rows(precision: str) -> int:
         return sys.maxsize
     per_thread = {"w4a8": 16, "w4a16": 16 if _AVX512F else 0, "exact": 12}.get(precision, 0)
     return min(per_thread * _threads[0], SHORT_PREFILL_MOST)
+
+
+def batch_matches_matvec(matrix: str, precision: str) -> bool:
+    """Whether the batch kernel for a `matrix` ("q4", "q8" or "exact") at `precision` gives each
+    activation's output row bit for bit as its matvec does, so that a batched decode step may
+    take it (else it runs a matvec a row, reading the weights once a row): the integer ones
+    (W4A8, Q8_0's W8A8 and W8A16) by construction (_integer_row); W4A16's where AVX-512F runs
+    _w4a16_row's kernel (the matvec's four-row kernel elsewhere has no batch form); the exact
+    one never (its four activations' sums vectorise apart from the matvec's one)."""
+    if matrix == "exact":
+        return False
+    return matrix == "q8" or precision == "w4a8" or _AVX512F

@@ -1,5 +1,5 @@
-"""Q8_0 matrices (the Q4 variants' token table as lm_head): W8A8 and W8A16 matvecs, the
-dequantisation and token lookup."""
+"""Q8_0 matrices (the Q4 variants' token table as lm_head): W8A8 and W8A16 matvecs and their batch
+forms, the dequantisation and token lookup."""
 
 from __future__ import annotations
 
@@ -22,27 +22,36 @@ from nerva_cli.planes.cpu.kernels.numba_setup import F32
 # four-row float kernel before, bound by converting every code to float.
 
 
-def _q8_row_codegen(dot, code_bytes):
+def _q8_row_codegen(dot, code_bytes, acts=1):
     """A Q8_0 row's dot with an integer activation x = xd xq (codes of code_bytes each): per
     block, dot(weight codes, activation codes) as 8 int32 partials, reduced exactly, times
-    d_w d_x."""
+    d_w d_x. One activation (1-D xq, xd), or `acts` rows t0.. of 2-D ones, each with the one
+    activation's arithmetic (_integer_row), the row's codes loaded once for them all."""
     def codegen(context, builder, sig, args):
         a = _Operands(context, builder, sig.args[:4], args[:4])
         q_row, d_row = a.row(0, args[4]), a.row(1, args[4])
-        xq, xd = a.data(2), a.data(3)
+        if sig.args[2].ndim == 1:
+            xq, xd = [a.data(2)], [a.data(3)]
+        else:
+            t0 = context.cast(builder, args[5], sig.args[5], types.intp)
+            at = [builder.add(t0, ir.Constant(_I64, t)) for t in range(acts)]
+            xq, xd = [a.row(2, t) for t in at], [a.row(3, t) for t in at]
         x_type = _vec(ir.IntType(8 * code_bytes), 32)
 
-        def block_dot(b, _t):
+        def block_dot(b, t):
             at = builder.mul(b, ir.Constant(_I64, 32))
-            x = _load(builder, xq, builder.mul(at, ir.Constant(_I64, code_bytes)), x_type)
+            x = _load(builder, xq[t], builder.mul(at, ir.Constant(_I64, code_bytes)), x_type)
             return dot(builder, _load(builder, q_row, at, _vec(_I8, 32)), x)
 
-        def block_terms(b, n, dots, acc, _t):
+        def block_terms(b, n, dots, acc, t):
             dw = _planes_at(builder, d_row, b, n, ir.HalfType(), 2)
-            scale = builder.fmul(dw, _planes_at(builder, xd, b, n, _F32, 4))
+            scale = builder.fmul(dw, _planes_at(builder, xd[t], b, n, _F32, 4))
             return _fmuladd(builder, scale, builder.sitofp(dots, _vec(_F32, n)), acc)
 
-        return _integer_row(builder, a.cols(1), q_row, 32, block_dot, block_terms)[0]
+        dots = _integer_row(builder, a.cols(1), q_row, 32, block_dot, block_terms, acts=acts)
+        if sig.args[2].ndim == 1:
+            return dots[0]
+        return context.make_tuple(builder, sig.return_type, dots)
 
     return codegen
 
@@ -67,6 +76,25 @@ def _w8a8_row(typingctx, q8, d, xq, xd, r):
     return types.float32(q8, d, xq, xd, r), _q8_row_codegen(_dot_s8_s8, 1)
 
 
+@intrinsic
+def _w8a16_row_batch(typingctx, q8, d, xq, xd, r, t0, acts):
+    """(row r . x_t0, ..., row r . x_{t0 + acts - 1}) for the Q16 activations x_t, the rows of
+    2-D xq and xd: each equal to _w8a16_row's, the row's codes loaded once for `acts` (a literal)."""
+    if not (isinstance(acts, types.IntegerLiteral) and _c_arrays(q8, d, xq, xd)):
+        return None
+    n = acts.literal_value
+    return types.UniTuple(types.float32, n)(q8, d, xq, xd, r, t0, acts), _q8_row_codegen(_dot_s8_s16, 2, n)
+
+
+@intrinsic
+def _w8a8_row_batch(typingctx, q8, d, xq, xd, r, t0, acts):
+    """_w8a16_row_batch for Q8 activations (_w8a8_row's dots)."""
+    if not (isinstance(acts, types.IntegerLiteral) and _c_arrays(q8, d, xq, xd)):
+        return None
+    n = acts.literal_value
+    return types.UniTuple(types.float32, n)(q8, d, xq, xd, r, t0, acts), _q8_row_codegen(_dot_s8_s8, 1, n)
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _w8a16(q8, d, xq, xd, out):
     for r in prange(d.shape[0]):
@@ -79,12 +107,60 @@ def _w8a8(q8, d, xq, xd, out):
         out[r] = _w8a8_row(q8, d, xq, xd, r)
 
 
+# A batched decode step's lm_head over a Q8_0 table: each thread's rows against every activation,
+# eight at a time (then four, then one), as _w4a8_batch, so a row's codes are read from memory once
+# for the batch; every output equals the matvec's bit for bit.
+@njit(cache=True, nogil=True, parallel=True)
+def _w8a16_batch(q8, d, xq, xd, out):
+    acts = xq.shape[0]
+    eights, fours = acts - acts % 8, acts - acts % 4
+    for r in prange(d.shape[0]):
+        for t in range(0, eights, 8):
+            v = _w8a16_row_batch(q8, d, xq, xd, r, t, 8)
+            for j in range(8):
+                out[t + j, r] = v[j]
+        for t in range(eights, fours, 4):
+            w = _w8a16_row_batch(q8, d, xq, xd, r, t, 4)
+            for j in range(4):
+                out[t + j, r] = w[j]
+        for t in range(fours, acts):
+            out[t, r] = _w8a16_row_batch(q8, d, xq, xd, r, t, 1)[0]
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _w8a8_batch(q8, d, xq, xd, out):
+    acts = xq.shape[0]
+    eights, fours = acts - acts % 8, acts - acts % 4
+    for r in prange(d.shape[0]):
+        for t in range(0, eights, 8):
+            v = _w8a8_row_batch(q8, d, xq, xd, r, t, 8)
+            for j in range(8):
+                out[t + j, r] = v[j]
+        for t in range(eights, fours, 4):
+            w = _w8a8_row_batch(q8, d, xq, xd, r, t, 4)
+            for j in range(4):
+                out[t + j, r] = w[j]
+        for t in range(fours, acts):
+            out[t, r] = _w8a8_row_batch(q8, d, xq, xd, r, t, 1)[0]
+
+
 def matvec_q8_w8a16(q8, d, xq, xd, out):
     _w8a16(q8, d.view(np.uint16), xq, xd, out)
 
 
 def matvec_q8_w8a8(q8, d, xq, xd, out):
     _w8a8(q8, d.view(np.uint16), xq, xd, out)
+
+
+def matmul_q8_w8a16(q8, d, xq, xd, out):
+    """out[t] = matvec_q8_w8a16 of activation t, the rows of xq [T, cols] (int16) and xd
+    [T, cols / 32], bit for bit; out [T, rows] may be a column slice of a wider array."""
+    _w8a16_batch(q8, d.view(np.uint16), xq, xd, out)
+
+
+def matmul_q8_w8a8(q8, d, xq, xd, out):
+    """matmul_q8_w8a16 for Q8 activations (int8 xq)."""
+    _w8a8_batch(q8, d.view(np.uint16), xq, xd, out)
 
 
 @njit(cache=True, nogil=True)

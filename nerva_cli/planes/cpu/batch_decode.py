@@ -1,0 +1,153 @@
+"""The cpu and ref Engine's batched decode step: B sequences, each in a sequence slot of its own
+(its KV cache and position), advanced one token each in one pass over the weights.
+
+A row of the batch computes what Engine.decode computes for its sequence alone, bit for bit, so a
+sequence's logits do not depend on what it is batched with: the norms, RoPE, biases, the GLU and
+the activations' quantisation loop over rows with the one-row arithmetic; the dense products
+take the matvecs' batch kernels (each weight block read once for the B rows) only where the
+backend says each of their rows is the matvec's (batch_matches_matvec), else a matvec a row; and
+attention runs decode's kernel a row at a time over that row's own slot's cache. The buffers are
+the prefill workspace's (the two never run at once) and the arena's batch logits.
+"""
+
+from __future__ import annotations
+
+from time import perf_counter_ns
+
+import numpy as np
+
+from nerva_cli.errors import NervaError
+from nerva_cli.model.quant import QK
+
+
+class BatchDecode:
+    """Engine's decode_batch (a mixin: it reads the engine's kernels `k`, arena `a`, prefill
+    workspace `pw`, weights and slots)."""
+
+    def decode_batch(self, tokens: list[int], slots: list[int]) -> np.ndarray:
+        """tokens[b] decoded into sequence slot slots[b], every slot one position on; -> logits
+        [B, vocab], row b slot slots[b]'s, a view into the arena that the caller may keep until
+        the next call. The slots must differ; the last of them is left selected."""
+        B = len(tokens)
+        if B != len(slots) or not 1 <= B <= self.seq_slots:
+            raise NervaError(f"decode_batch takes 1 to {self.seq_slots} tokens, one a slot "
+                             f"(got {B} tokens for {len(slots)} slots)")
+        if B == 1:  # decode's compiled step: the same logits, fewer calls
+            self.select(slots[0])
+            return self.decode(tokens[0]).reshape(1, -1)
+        if len(set(slots)) != B:
+            raise NervaError(f"decode_batch: a sequence slot appears twice in {list(slots)}")
+        for b in range(B):  # every check before any slot moves
+            self.select(slots[b])
+            self.check_decode(tokens[b])
+        a, pw, cfg = self.a, self.pw, self.cfg
+        pos, x = a.batch_pos[:B], pw.take("x", B, cfg.hidden_size)
+        t0 = perf_counter_ns()
+        for b in range(B):
+            self.select(slots[b])
+            pos[b] = self.n_past
+            self._make_room(self.n_past + 1)
+            self._embed_row(tokens[b], x[b])
+        self.phase_ns["embed"] += perf_counter_ns() - t0
+        for layer in self.weights.layers():
+            self._batch_layer(layer, x, pos, slots)
+        t1 = perf_counter_ns()
+        xn = pw.take("xn", B, cfg.hidden_size)
+        self.k.rmsnorm(x, self.final_norm, cfg.rms_eps, xn)
+        logits = a.batch_logits[:B]
+        self._rows_dense([self.lm_head], xn, self.head_precision, logits)
+        self._cap_logits(logits)
+        self.phase_ns["lm_head"] += perf_counter_ns() - t1
+        for s in slots:
+            self.slot_n_past[s] += 1
+        return logits
+
+    def _batch_layer(self, layer, x: np.ndarray, pos: np.ndarray, slots: list[int]) -> None:
+        """One layer of a batched step over x [B, hidden] at positions pos [B], in place: decode's
+        _decode_attention and _decode_mlp, a row each, the dense products over all rows."""
+        cfg, a, k, pw, m, p = self.cfg, self.a, self.k, self.pw, layer.mats, layer.precision
+        B, i, spec = x.shape[0], layer.index, self.specs[layer.index]
+        qd, kvd, h, f = cfg.q_dim, cfg.kv_dim, cfg.hidden_size, cfg.intermediate_size
+        t0 = perf_counter_ns()
+        xn = pw.take("xn", B, h)
+        k.rmsnorm(x, layer.attn_norm, cfg.rms_eps, xn)
+        qkv = pw.take("qkv", B, qd + 2 * kvd)
+        self._rows_dense([m["qkv"]] if "qkv" in m else [m["q"], m["k"], m["v"]], xn, p, qkv)
+        if layer.qkv_bias is not None:
+            k.add_rows(qkv, layer.qkv_bias)
+        q, kk = pw.take("q", B, cfg.num_heads, cfg.head_dim), pw.take("k", B, cfg.num_kv_heads, cfg.head_dim)
+        np.copyto(q, qkv[:, :qd].reshape(q.shape))
+        np.copyto(kk, qkv[:, qd:qd + kvd].reshape(kk.shape))
+        if layer.q_norm is not None:
+            k.rmsnorm(q, layer.q_norm, cfg.rms_eps, q)
+            k.rmsnorm(kk, layer.k_norm, cfg.rms_eps, kk)
+        k.rope(q, pos, spec.cos, spec.sin)
+        k.rope(kk, pos, spec.cos, spec.sin)
+        attn, window, ring = pw.take("attn", B, cfg.num_heads, cfg.head_dim), spec.window, i in self.ring
+        for b in range(B):
+            s = slots[b]
+            kc, vc = a.k_slots[s][i], a.v_slots[s][i]
+            row = int(pos[b] - a.kv_bases[s]) if ring else int(pos[b])  # the cache row of this position
+            kc[row] = kk[b]
+            vc[row] = qkv[b, qd + kvd:].reshape(kk.shape[1:])
+            first = max(0, row + 1 - window) if window else 0
+            if first:
+                kc, vc = kc[first:], vc[first:]
+            k.attention_decode(q[b], kc, vc, row + 1 - first, attn[b], a.att_part, spec.softcap)
+        o = pw.take("proj", B, h)
+        self._rows_dense([m["o"]], attn.reshape(B, -1), p, o)
+        if layer.post_attn_norm is not None:
+            k.rmsnorm(o, layer.post_attn_norm, cfg.rms_eps, o)
+        t1 = perf_counter_ns()
+        k.add_rmsnorm(o, x, layer.mlp_norm, cfg.rms_eps, xn)
+        gate_up, act = pw.take("gate_up", B, 2 * f), pw.take("act", B, f)
+        self._rows_dense([m["gate_up"]] if "gate_up" in m else [m["gate"], m["up"]], xn, p, gate_up)
+        (k.gelu_mul if spec.gelu else k.silu_mul)(gate_up, act)
+        down = o  # o is in x now
+        self._rows_dense([m["down"]], act, p, down)
+        if layer.post_mlp_norm is not None:
+            k.rmsnorm(down, layer.post_mlp_norm, cfg.rms_eps, down)
+        x += down
+        self.phase_ns["attention"] += t1 - t0
+        self.phase_ns["mlp"] += perf_counter_ns() - t1
+
+    def _rows_dense(self, mats: list, x: np.ndarray, precision: str, out: np.ndarray) -> None:
+        """out [B, rows] = x [B, cols] times the matrices `mats` stacked by rows, each row what
+        decode's _matvec gives for that row of x: W4A8 (and a Q8_0 table's W8A8) on the rows'
+        Q8 codes, a Q8_0 table at W4A16 on Q16 codes, as decode quantises them; the batch
+        kernels where batch_matches_matvec, else a matvec a row."""
+        k, pw = self.k, self.pw
+        B, cols = x.shape
+        first = mats[0]
+        matrix = "exact" if first.w is not None else "q8" if first.q8 is not None else "q4"
+        integer = precision == "w4a8" and matrix != "exact"
+        if integer:
+            xq, xd = pw.take("codes", B, cols), pw.take("code_scales", B, cols // QK)
+            xs = pw.take("code_sums", B, cols // QK)
+            k.quantize_act_q8(x.reshape(-1), xq.reshape(-1), xd.reshape(-1), xs.reshape(-1))
+        elif matrix == "q8":
+            xq, xd = pw.take("codes16", B, cols), pw.take("code16_scales", B, cols // QK)
+            k.quantize_act_q16(x.reshape(-1), xq.reshape(-1), xd.reshape(-1))
+        batched = k.batch_matches_matvec(matrix, precision)
+        lo = 0
+        for lin in mats:
+            hi = lo + lin.rows
+            if not batched:
+                for b in range(B):
+                    if matrix == "exact":
+                        k.matvec_exact(lin.w, x[b], out[b, lo:hi])
+                    elif matrix == "q8":
+                        (k.matvec_q8_w8a8 if integer else k.matvec_q8_w8a16)(lin.q8, lin.d, xq[b], xd[b], out[b, lo:hi])
+                    elif integer:
+                        k.matvec_q4_w4a8(lin.qs, lin.d, lin.m, xq[b], xd[b], xs[b], out[b, lo:hi])
+                    else:
+                        k.matvec_q4_w4a16(lin.qs, lin.d, lin.m, x[b], out[b, lo:hi])
+            elif matrix == "exact":
+                k.matmul_exact(lin.w, x, out[:, lo:hi])
+            elif matrix == "q8":
+                (k.matmul_q8_w8a8 if integer else k.matmul_q8_w8a16)(lin.q8, lin.d, xq, xd, out[:, lo:hi])
+            elif integer:
+                k.matmul_q4_w4a8(lin.qs, lin.d, lin.m, xq, xd, xs, out[:, lo:hi])
+            else:
+                k.matmul_q4_w4a16(lin.qs, lin.d, lin.m, x, out[:, lo:hi])
+            lo = hi
