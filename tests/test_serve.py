@@ -330,6 +330,28 @@ def test_parallel_requests_make_progress_together(a):
     assert first[0] < second[-1] and second[0] < first[-1]
 
 
+def test_an_answer_is_the_same_alone_and_batched(a):
+    """A's model is one engine of two sequence slots whose decode steps run batched: a greedy
+    answer beside another is the one it gives alone, token for token."""
+    assert "2 sequence slots on 1 engine" in a.text()
+    body = {"model": MODEL, "raw": True, "stream": False, "options": {"num_predict": 24, **LONG}}
+    prompts = ("The sky is", "Here is a list of fruits: apple,")
+    alone = [httpx.post(f"{a.url}/api/generate", json={**body, "prompt": p}, headers=AUTH, timeout=60).json()["response"]
+             for p in prompts]
+    together: dict[str, str] = {}
+
+    def ask(p: str) -> None:
+        together[p] = httpx.post(f"{a.url}/api/generate", json={**body, "prompt": p}, headers=AUTH,
+                                 timeout=60).json()["response"]
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [together[p] for p in prompts] == alone
+
+
 def test_disconnect_cancels_the_request(a):
     made = metric(a, "nerva_generated_tokens_total")
     body = {"model": MODEL, "prompt": COUNTING, "raw": True, "options": {"num_predict": 400, **LONG}}
@@ -393,7 +415,7 @@ def test_the_least_recently_used_model_makes_room(store_home, request, tmp_path_
     from nerva_cli.serve.scheduler import planned_bytes
     from nerva_cli.store.catalog import find_model
 
-    need = planned_bytes(find_model(str(store_home / "models" / "smollm2-135m" / "q4_1")), EngineOptions(ctx=256))
+    need = planned_bytes(find_model(str(store_home / "models" / "smollm2-135m" / "q4_1")), EngineOptions(ctx=256), 1)
     c = _server(request, store_home, tmp_path_factory, "c", "--ctx", "256", "--ram-budget", str(int(need * 2.5)))
     client = ollama.Client(host=c.url, timeout=START_TIMEOUT_S)
 

@@ -21,7 +21,7 @@ def serve(
     models: Annotated[Optional[list[str]], typer.Argument(metavar="[MODEL]...", show_default=False, help="Models of the store to load at start (/health answers 503 until they are loaded); any other loads on its first request.")] = None,
     host: Annotated[Optional[str], typer.Option("--host", help="Address to listen on (default: NERVA_HOST's, else 127.0.0.1). Anything but loopback wants --api-key.")] = None,
     port: Annotated[Optional[int], typer.Option("--port", help="Port (default: NERVA_HOST's, else 11435, beside ollama's 11434; 0: any free one).")] = None,
-    parallel: Annotated[int, typer.Option("--parallel", help="Requests per model that run at once, each on its own engine (its own weights and KV cache).")] = 1,
+    parallel: Annotated[int, typer.Option("--parallel", help="Requests per model that run at once, each with its own KV cache; on the CPU their tokens are computed together in one pass over the weights (on a GPU, one engine each).")] = 1,
     max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait for a slot, over all models; past them a request gets 503 with Retry-After.")] = 512,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Key every request but /health must carry (Authorization: Bearer KEY or X-Api-Key: KEY); default NERVA_API_KEY's.")] = None,
     keep_alive: Annotated[str, typer.Option("--keep-alive", help="How long an idle model stays loaded, as ollama writes it (5m, 1h, 30s; 0: unload at once; -1: never). A request's keep_alive overrides it.")] = "5m",

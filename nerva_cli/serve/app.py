@@ -112,6 +112,9 @@ def bind(host: str, port: int) -> socket.socket:
         if e.errno == errno.EADDRINUSE:
             raise NervaError(f"{host}:{port} is in use (another server?); --port or NERVA_HOST picks another") from None
         raise NervaError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    # listening now: a client that reads "listening on" and connects at once waits in the
+    # backlog until uvicorn accepts, rather than being refused while the app starts
+    sock.listen(2048)
     return sock
 
 

@@ -78,7 +78,7 @@ def is_loopback(host: str) -> bool:
 class ServeOptions:
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
-    parallel: int = 1  # requests of one model that run at once (one engine each: scheduler.py)
+    parallel: int = 1  # requests of one model that run at once (a sequence slot each: scheduler.py)
     max_queue: int = 512  # requests that may wait for a slot, over all models (ollama's default)
     api_key: str | None = None
     keep_alive: float | None = 300.0  # seconds an idle model stays loaded; None: for ever

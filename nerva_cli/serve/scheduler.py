@@ -2,16 +2,16 @@
 
 Engines are not thread-safe, so each loaded model has a worker thread that owns its engines:
 it opens them (open_engine, the budgets `run` uses), takes the model's waiting requests onto
-free engines, and steps its running requests in turn, one engine step each (steps.py), until
-the model has been idle for its keep_alive.
+free slots, and steps its running requests in rounds (steps.py) until the model has been idle
+for its keep_alive.
 
---parallel N gives a model N engines, each with its own KV cache, rather than N slots over one
-engine: the cpu plane binds its compiled decode steps to the arena that holds its KV cache, so
-slots sharing one set of weights need the batching issue's work in the planes. The price is N
-copies of the weights in memory; the gain is that N requests make progress together, none
-waiting for another's whole answer. Steps of different requests (and models) never overlap:
-one compute lock, as one engine step at a time is all the planes offer until batching lands
-(and numba's OpenMP pool and the cores are shared anyway).
+On the cpu and ref planes --parallel N gives a model one engine of N sequence slots: one copy
+of the weights, a KV cache a slot, and each round's decode steps run as one batched step
+(Engine.decode_batch, whose rows are each sequence's decode alone, bit for bit), prefill
+chunks one by one between them. On cuda, whose engines hold one sequence, N engines (N copies
+of the weights), their steps one at a time. Either way N requests make progress together,
+none waiting for another's whole answer. Steps of different models never overlap: one compute
+lock (numba's thread pool and the cores are shared anyway).
 """
 
 from __future__ import annotations
@@ -28,20 +28,25 @@ from nerva_cli.errors import NervaError
 from nerva_cli.runtime.report import Reporter
 from nerva_cli.runtime.generate import common_prefix
 from nerva_cli.serve.errors import RETRY_AFTER_S, ApiError, overloaded
-from nerva_cli.serve.steps import answer_steps, run_step
+from nerva_cli.serve.steps import Decode, answer_steps, run_step
 
 log = logging.getLogger("nerva.serve")
 COMPUTE = threading.Lock()
+
+
+def resolve_backend(backend: str) -> str:
+    from nerva_cli.planes import resolve
+
+    return resolve(backend)
 
 
 def server_ram_budget(opts) -> int | None:
     """The RAM the loaded models share on the cpu plane: --ram-budget, else 90% of what is
     available when the server starts. None on cuda, where each engine plans its own VRAM (as
     `run`'s) and the models are not counted against one another."""
-    from nerva_cli.planes import resolve
     from nerva_cli.residency.planner import available_ram
 
-    if resolve(opts.backend) == "cuda":
+    if resolve_backend(opts.backend) == "cuda":
         return None
     if opts.ram_bytes is not None:
         return opts.ram_bytes
@@ -51,11 +56,12 @@ def server_ram_budget(opts) -> int | None:
         return None
 
 
-def planned_bytes(model, opts) -> int:
-    """What one engine of `model` plans to hold in RAM when all of it fits, from sizes alone."""
+def planned_bytes(model, opts, sequences: int) -> int:
+    """What the engine of `sequences` slots (the cpu plane's) plans to hold in RAM when all of
+    it fits, from sizes alone: the weights once, a KV cache a sequence."""
     from nerva_cli.planes.cpu.engine import residency_plan
 
-    return residency_plan(model, opts.ctx, None, kv_cache=opts.kv_cache).used_bytes
+    return residency_plan(model, opts.ctx, None, kv_cache=opts.kv_cache, seq_slots=sequences).used_bytes
 
 
 class LogReporter(Reporter):
@@ -75,13 +81,18 @@ class LogReporter(Reporter):
 
 
 class Slot:
-    """One engine, the request on it, and the prompt its KV cache holds (steps.answer_steps),
-    which the next request may start from."""
+    """A sequence an engine holds (its sequence slot `seq`, or None for an engine of one), the
+    request on it, and the prompt its KV cache holds (steps.answer_steps), which the next
+    request may start from."""
 
-    def __init__(self, engine):
-        self.engine, self.job, self.steps = engine, None, None
+    def __init__(self, engine, seq: int | None = None):
+        self.engine, self.seq, self.job, self.steps = engine, seq, None, None
         self.step = None  # the step its request waits for (steps.py)
         self.prompt: list[int] = []
+
+
+def engines_of(slots: list[Slot]) -> list:
+    return list({id(s.engine): s.engine for s in slots}.values())
 
 
 class ModelWorker(threading.Thread):
@@ -118,7 +129,7 @@ class ModelWorker(threading.Thread):
             if not self.ready or not self.slots:
                 return None
             engine = self.slots[0].engine
-            size = sum(s.engine.plan.used_bytes for s in self.slots)
+            size = sum(e.plan.used_bytes for e in engines_of(self.slots))
             expires = self.expires_at
             if expires is None and self.keep_alive is not None:  # busy: its keep_alive counts from the end
                 expires = time.monotonic() + self.keep_alive
@@ -149,35 +160,44 @@ class ModelWorker(threading.Thread):
                     timeout = None if self.expires_at is None else max(0.0, self.expires_at - time.monotonic())
                     self.cond.wait(timeout)
                     continue
-            for slot in busy:  # round robin: one step of each running request
-                self._step(slot)
+            # a round: one step of each running request, the decode steps of one engine together
+            for slot in busy:
+                if slot.job.cancelled or not isinstance(slot.step, Decode):
+                    self._step(slot)
+            decoding = [s for s in busy if s.job is not None and isinstance(s.step, Decode)]
+            for engine in engines_of(decoding):
+                self._decode_together([s for s in decoding if s.engine is engine])
         log.info("%s: unloaded", self.key)
         self._close(None)
 
     def _load(self) -> None:
         from nerva_cli.runtime.open_engine import SILENT, open_engine
 
-        opts = self.registry.engine_options
+        opts, n = self.registry.engine_options, self.registry.parallel
+        engines = 1 if self.registry.batching else n
+        if self.registry.batching:
+            opts = replace(opts, seq_slots=n)
         if self.room is not None:  # its share of the server's RAM budget, split between its engines
-            opts = replace(opts, ram_budget=str(self.room // self.registry.parallel))
+            opts = replace(opts, ram_budget=str(self.room // engines))
         started = time.perf_counter()
         # not in cli.app's long_lived_objects: its gc.freeze would keep, for the server's life, the
         # cyclic garbage of the requests in flight
-        for i in range(self.registry.parallel):
+        for i in range(engines):
             engine, _ = open_engine(str(self.model.path), opts, LogReporter(self.key) if i == 0 else SILENT)
-            self.slots.append(Slot(engine))
+            self.slots += [Slot(engine, seq) for seq in range(n)] if self.registry.batching else [Slot(engine)]
         ready = self.slots[0].engine.load_kernels_aside(opts.threads)
         if ready is not None:  # numba's cached kernels and the sampler's, before the first request
             ready()
         with self.cond:
             self.ready = True
             if self.registry.ram_budget is not None:  # what they planned, paged or not
-                self.bytes = sum(s.engine.plan.used_bytes for s in self.slots)
+                self.bytes = sum(e.plan.used_bytes for e in engines_of(self.slots))
             self.load_ns = perf_counter_ns() - self.load_started_ns
             self._set_expiry()
         self.loaded.set()
-        log.info("%s: loaded in %.2f s (%d engine%s, context %d)", self.key, time.perf_counter() - started,
-                 len(self.slots), "s" * (len(self.slots) > 1), self.slots[0].engine.ctx)
+        log.info("%s: loaded in %.2f s (%d sequence slot%s on %d engine%s, context %d)", self.key,
+                 time.perf_counter() - started, len(self.slots), "s" * (len(self.slots) > 1), engines,
+                 "s" * (engines > 1), self.slots[0].engine.ctx)
 
     def _take_waiting(self) -> None:
         """The waiting requests, first come first served, each onto the free engine whose cache
@@ -197,25 +217,59 @@ class ModelWorker(threading.Thread):
             self.last_used = time.monotonic()
 
     def _step(self, slot: Slot) -> None:
-        job = slot.job
+        """One step of the slot's request (a cancelled one is dropped instead)."""
+        if slot.job.cancelled:
+            slot.steps.close()
+            log.info("%s: a request was cancelled (its client went away) after %d tokens", self.key, slot.job.made)
+            self._release(slot)
+            return
         try:
-            if job.cancelled:
-                slot.steps.close()
-                log.info("%s: a request was cancelled (its client went away) after %d tokens", self.key, job.made)
-            else:
-                with COMPUTE:
-                    done = run_step(slot.engine, slot.step)
-                slot.step = slot.steps.send(done)
-                return
+            with COMPUTE:
+                done = run_step(slot.engine, slot.seq, slot.step)
+        except Exception as e:  # noqa: BLE001  (that request fails alone; _failed says how)
+            self._failed(slot, e)
+            return
+        self._send(slot, done)
+
+    def _decode_together(self, group: list[Slot]) -> None:
+        """The decode steps of requests on one engine, as one batched step where it has slots."""
+        engine = group[0].engine
+        try:
+            with COMPUTE:
+                if group[0].seq is None:
+                    rows = [engine.decode(group[0].step.token)]
+                else:
+                    rows = engine.decode_batch([s.step.token for s in group], [s.seq for s in group])
+        except Exception as e:  # noqa: BLE001
+            for slot in group:
+                self._failed(slot, e)
+            return
+        for slot, logits in zip(group, rows):  # each samples its row before the next engine call
+            self._send(slot, logits)
+
+    def _send(self, slot: Slot, result) -> None:
+        """The step's result to the request's coroutine, which names its next step or ends."""
+        try:
+            slot.step = slot.steps.send(result)
+            return
         except StopIteration:
             pass
-        except NervaError as e:  # a request the engine refused (its checks): that request fails alone
-            self._forget(slot)
-            job.fail(ApiError(400, str(e)))
-        except Exception:  # noqa: BLE001  (a bug: logged with its traceback, the other requests go on)
-            log.exception("%s: a request failed", self.key)
-            self._forget(slot)
-            job.fail(ApiError(500, "internal server error (the server's log has the details)"))
+        except Exception as e:  # noqa: BLE001
+            self._failed(slot, e)
+            return
+        self._release(slot)
+
+    def _failed(self, slot: Slot, e: Exception) -> None:
+        if isinstance(e, NervaError):  # a request the engine refused (its checks): that request fails alone
+            slot.job.fail(ApiError(400, str(e)))
+        else:  # a bug: logged with its traceback, the other requests go on
+            log.error("%s: a request failed", self.key, exc_info=e)
+            slot.job.fail(ApiError(500, "internal server error (the server's log has the details)"))
+        self._forget(slot)
+        self._release(slot)
+
+    def _release(self, slot: Slot) -> None:
+        job = slot.job
         with self.cond:
             slot.job = slot.steps = slot.step = None
             self.keep_alive = job.keep_alive
@@ -226,6 +280,8 @@ class ModelWorker(threading.Thread):
     def _forget(slot: Slot) -> None:
         """After a step that failed, what the cache holds is not known: the next request starts afresh."""
         slot.prompt.clear()
+        if slot.seq is not None:
+            slot.engine.select(slot.seq)
         slot.engine.reset()
 
     def _set_expiry(self) -> None:
@@ -277,6 +333,8 @@ class Registry:
         self.workers: dict[str, ModelWorker] = {}
         self.metrics = None  # set by the app (metrics read this registry's counts)
         self.ram_budget = server_ram_budget(engine_options)
+        # the cpu and ref engines hold several sequences (one engine of --parallel slots)
+        self.batching = resolve_backend(engine_options.backend) != "cuda"
 
     def running(self) -> int:
         with self.lock:
@@ -296,7 +354,7 @@ class Registry:
         if w is None:
             need = room = None
             if self.ram_budget is not None:
-                need = self.parallel * planned_bytes(model, self.engine_options)
+                need = planned_bytes(model, self.engine_options, self.parallel)
                 room = self._make_room(key, need)
             w = self.workers[key] = ModelWorker(self, key, model, need, room)
             log.info("%s: loading", key)

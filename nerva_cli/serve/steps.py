@@ -90,8 +90,10 @@ def answer_steps(job, prompt: list[int], chunk: int, ctx: int, vocab: int) -> Ge
     job.finish(reason)
 
 
-def run_step(engine, step: Step):
-    """One step on an engine of one sequence."""
+def run_step(engine, seq: int | None, step: Step):
+    """One step on sequence slot `seq` of an engine (None: an engine of one sequence)."""
+    if seq is not None:
+        engine.select(seq)
     if isinstance(step, Decode):
         return engine.decode(step.token)
     if isinstance(step, Prefill):
