@@ -55,12 +55,17 @@ class Server:
         with open(log, "wb") as f:
             self.proc = subprocess.Popen([sys.executable, "-m", "nerva_cli", "serve", "--port", "0", "--threads", "1",
                                           *args], env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        self.url = self._wait_for(r"listening on (http://127\.0\.0\.1:\d+)", START_TIMEOUT_S)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while httpx.get(f"{self.url}/health", timeout=5).status_code != 200:
-            assert self.proc.poll() is None, self.text()
-            assert time.monotonic() < deadline, "the server did not become ready:\n" + self.text()
-            time.sleep(0.2)
+        try:
+            self.url = self._wait_for(r"listening on (http://127\.0\.0\.1:\d+)", START_TIMEOUT_S)
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while httpx.get(f"{self.url}/health", timeout=5).status_code != 200:
+                assert self.proc.poll() is None, self.text()
+                assert time.monotonic() < deadline, "the server did not become ready:\n" + self.text()
+                time.sleep(0.2)
+        except BaseException:  # no finaliser is registered yet: the server must not outlive the test
+            self.proc.kill()
+            self.proc.wait(5)
+            raise
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
