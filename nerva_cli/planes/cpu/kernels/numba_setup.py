@@ -18,6 +18,26 @@ if "NUMBA_CACHE_DIR" not in os.environ:
     if "numba" in sys.modules:  # numba reads its environment once, when first imported
         sys.modules["numba"].core.config.reload_config()
 
+
+def _import_numba_without_optional_imports() -> None:
+    """Imports numba with two of its import-time imports failing fast, as
+    _refresh_without_optional_imports does for its registries: scipy, which numba imports only to
+    refuse a version before 1.0 (0.04 s where scipy is installed), and PyYAML, which it uses only
+    to read a `.numba_config.yaml` in the working directory (0.05 s), hidden only where there is
+    none, so numba's configuration is what it would have been (docs/perf/startup_epyc_zen3.md)."""
+    optional = ("scipy",) if os.path.isfile(".numba_config.yaml") else ("scipy", "yaml")
+    hidden = [name for name in optional if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # `import scipy` raises ImportError at once
+    try:
+        import numba  # noqa: F401
+    finally:
+        for name in hidden:
+            del sys.modules[name]
+
+
+_import_numba_without_optional_imports()
+
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
