@@ -136,8 +136,8 @@ def test_read_beside_returns_the_read_and_raises_what_either_raised():
 
 def test_a_one_prompt_run_imports_only_what_it_uses_and_reads_beside_numba(q4_model, cli, tmp_path):
     """In a fresh process (this one has imported everything): `run -p` with --raw and
-    --no-server imports neither rich (it prints nothing on stderr), jinja2 (no template), nor
-    the server's modules, and its engine, the process's first, reads the weights on a thread
+    --no-server imports neither rich (it prints nothing on stderr), jinja2 (no template), the
+    server's modules nor the ledger's, and its engine, the process's first, reads the weights on a thread
     while numba imports; the answer is the in-process one."""
     args = [str(q4_model.path), "-p", "the quick brown fox", "-n", "4", "--temperature", "0", "--raw",
             "--no-server", "--ctx", "64"]
@@ -154,7 +154,7 @@ try:
     main()
 except SystemExit as e:
     assert not e.code, e.code
-loaded = [m for m in ("rich", "jinja2", "nerva_cli.serve") if any(n == m or n.startswith(m + ".") for n in sys.modules)]
+loaded = [m for m in ("rich", "jinja2", "nerva_cli.serve", "nerva_cli.runtime.ledger") if any(n == m or n.startswith(m + ".") for n in sys.modules)]
 print("|", started, loaded)
 """)
     said, _, facts = out.rpartition("|")
