@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 """Start-up to the first token: `nerva run MODEL -p Hi -n 1 --no-server` timed as a user runs it,
 from one or more checkouts alternated run by run (a shared machine's load then falls on all of
-them alike), after a run each that compiles what a first run compiles.
+them alike), each checkout's modules compiled to bytecode first as an install's are, and after a
+run each that compiles what a first run compiles.
 
     python3 scripts/startup_bench.py [--tree DIR ...] [--runs 7] [--threads N] [--out FILE.json]
 
 Per checkout, one JSON line: the wall time and CPU time (user + sys) of each run and their
 medians; then, from one more run each with `-X importtime` and a tracing driver, what it spent
-where: the import time of each big package (the self times of its modules), the tokenizer's build, the weights' read,
-numba's cache loads (how many and how long), the prefill, all wall-clock (the breakdown's own
-run is one run: read it beside the medians, not for them).
+where: the import time of each big package (the self times of its modules), the tokenizer's
+build, the weights' read, numba's cache loads (how many, how long), the prefill, all wall-clock
+(one run: read it beside the medians, not for them).
 """
 
 from __future__ import annotations
@@ -112,7 +113,9 @@ def main() -> None:
     trees = [t.resolve() for t in a.tree or [Path(__file__).resolve().parent.parent]]
     nerva = ["run", a.model, "-p", "Hi", "-n", "1", "--no-server"] + (["--threads", str(a.threads)] if a.threads else [])
     cmd = ["-m", "nerva_cli", *nerva]
-    for tree in trees:  # a first run compiles the kernels for this checkout's sources
+    for tree in trees:  # its modules as bytecode, as an install has them (PYTHONDONTWRITEBYTECODE may be
+        # set), then a first run that compiles the kernels for this checkout's sources
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree / "nerva_cli")], check=True)
         run_once(tree, cmd)
     times = {t: [] for t in trees}
     for _ in range(a.runs):
