@@ -109,14 +109,16 @@ def run(
     engine, tokenizer = open_engine(model, options, output.CliReporter(verbose), building=long_lived_objects)
     if verbose:  # ollama's "load duration": model, profile, tokenizer, arena, any kernels compiled ahead
         output.info(f"loaded in {time.perf_counter() - started:.2f} s")
-    from nerva_cli.runtime.ledger import Ledger
-
     if not raw and not tokenizer.template:  # a base model: ollama sends its prompt as is too
         if system is not None:
             raise NervaError(f"{engine.model.name} has no chat template, so --system has nowhere to go")
         output.note(f"{engine.model.name} has no chat template: prompts go to it as they are (--raw)")
         raw = True
-    book = Ledger(engine, tokenizer, ledger_file) if ledger or ledger_file else None
+    book = None
+    if ledger or ledger_file:
+        from nerva_cli.runtime.ledger import Ledger
+
+        book = Ledger(engine, tokenizer, ledger_file)
     session = ChatSession(engine, tokenizer, opts, max_tokens=max_tokens, raw=raw, system=system,
                           stops=stop or [], ledger=book, note=output.note)
     try:

@@ -18,6 +18,26 @@ if "NUMBA_CACHE_DIR" not in os.environ:
     if "numba" in sys.modules:  # numba reads its environment once, when first imported
         sys.modules["numba"].core.config.reload_config()
 
+
+def _import_numba_without_optional_imports() -> None:
+    """Imports numba with two of its import-time imports failing fast, as
+    _refresh_without_optional_imports does for its registries: scipy, which numba imports only to
+    refuse a version before 1.0 (0.04 s where scipy is installed), and PyYAML, which it uses only
+    to read a `.numba_config.yaml` in the working directory (0.05 s), hidden only where there is
+    none, so numba's configuration is what it would have been (docs/perf/startup_epyc_zen3.md)."""
+    optional = ("scipy",) if os.path.isfile(".numba_config.yaml") else ("scipy", "yaml")
+    hidden = [name for name in optional if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # `import scipy` raises ImportError at once
+    try:
+        import numba  # noqa: F401
+    finally:
+        for name in hidden:
+            del sys.modules[name]
+
+
+_import_numba_without_optional_imports()
+
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -131,16 +151,27 @@ def folder_stamp(folder: str) -> str:
 _STAMPED_FOLDERS: set = set()
 
 
+_WRITABLE: set = set()  # cache directories a locator found writable in this process
+
+
 class _FolderStamped:
     """Mixed in before one of numba's cache locators (which says where the cache lives): takes
     only the functions of a folder given to stamp_caches_by_folder, and stamps them with the whole
-    folder's sources (folder_stamp) in place of their own file's."""
+    folder's sources (folder_stamp) in place of their own file's. A folder's functions share one
+    cache directory, which numba checks for each (makedirs and a temporary file written: 0.7 ms
+    a function, 49 of them at import); here the first check stands for the rest."""
 
     @classmethod
     def from_function(cls, py_func, py_file):
         if os.path.dirname(os.path.abspath(py_file)) not in _STAMPED_FOLDERS:
             return None
         return super().from_function(py_func, py_file)
+
+    def ensure_cache_path(self):
+        path = self.get_cache_path()
+        if path not in _WRITABLE:
+            super().ensure_cache_path()  # raises OSError where it is not: numba then tries the next locator
+            _WRITABLE.add(path)
 
     def get_source_stamp(self):
         return folder_stamp(os.path.dirname(os.path.abspath(self._py_file)))
