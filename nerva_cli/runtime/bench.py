@@ -96,12 +96,13 @@ def run_concurrent(engine, prompts: list[list[int]], gen_tokens: int) -> Concurr
 
 def concurrent_figures(engine, tokenizer, opts: BenchOptions, log) -> tuple[dict, int]:
     """--concurrency N: the warm-up and the measured runs (run_concurrent); -> (the figures of the
-    JSON line, layer passes made), the per-sequence ones of a sequence's view: a step gives each
-    one token."""
+    JSON line, layer passes made, the pager's counters over them), the per-sequence ones of a
+    sequence's view: a step gives each one token."""
     n = opts.concurrency
     prompts = concurrent_prompts(tokenizer, opts.prompt_tokens, n)
     log(f"warm-up: {n} sequences (compiles kernels on first use)")
     run_concurrent(engine, [p[:16] for p in prompts], 4)
+    pager0 = _pager_counters(engine)  # the measured runs' reads, not the warm-up's
     runs = []
     for r in range(opts.repeat):
         runs.append(run_concurrent(engine, prompts, opts.gen_tokens))
@@ -127,16 +128,17 @@ def concurrent_figures(engine, tokenizer, opts: BenchOptions, log) -> tuple[dict
         "per_sequence_token_ms_p50": round(float(np.percentile(step_ms, 50)), 3) if decoded else None,
     }
     passes = opts.repeat * (n * math.ceil(opts.prompt_tokens / engine.prefill_chunk) + opts.gen_tokens - 1)
-    return figures, passes
+    return figures, passes, [b - a for a, b in zip(pager0, _pager_counters(engine))]
 
 
 def single_figures(engine, prompt: list[int], opts: BenchOptions, log) -> tuple[dict, int]:
     """One sequence through generate(): the warm-up and the measured runs; -> (figures, layer
-    passes made)."""
+    passes made, the pager's counters over them)."""
     greedy = SamplingOptions(temperature=0.0)
     log("warm-up (compiles kernels on first use)")
     engine.reset()
     generate(engine, prompt[:16], Sampler(greedy, engine.cfg.vocab_size), max_tokens=4)
+    pager0 = _pager_counters(engine)  # the measured runs' reads, not the warm-up's
     runs = []
     for r in range(opts.repeat):
         engine.reset()
@@ -161,7 +163,7 @@ def single_figures(engine, prompt: list[int], opts: BenchOptions, log) -> tuple[
         "token_ms_p99": round(float(np.percentile(token_ms, 99)), 3) if token_ms.size else None,
         "concurrency": 1, "aggregate_decode_tok_s": decode, "per_sequence_token_ms_p50": p50,
     }
-    return figures, passes
+    return figures, passes, [b - a for a, b in zip(pager0, _pager_counters(engine))]
 
 
 def perplexity(engine, ids: list[int], window: int) -> tuple[float, int]:
@@ -194,12 +196,10 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
         if len(ppl_ids) < 2:
             raise NervaError(f"{opts.ppl_file}: too little text for a perplexity ({len(ppl_ids)} token)")
     prompt = synthetic_prompt(tokenizer, opts.prompt_tokens)
-    pager0 = _pager_counters(engine)
     if opts.concurrency is None:
-        figures, passes = single_figures(engine, prompt, opts, log)
+        figures, passes, pager = single_figures(engine, prompt, opts, log)
     else:
-        figures, passes = concurrent_figures(engine, tokenizer, opts, log)
-    pager = [b - a for a, b in zip(pager0, _pager_counters(engine))]
+        figures, passes, pager = concurrent_figures(engine, tokenizer, opts, log)
     allocs = engine.count_hot_path_allocations(prompt[:8], steps=16)
     # the disk's rate while the pager read (open to close), and the decode rate it allows if every
     # paged byte came at it: a shared, bursty disk is judged against itself, in the same run
