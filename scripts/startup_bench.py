@@ -6,8 +6,8 @@ run each that compiles what a first run compiles.
 
     python3 scripts/startup_bench.py [--tree DIR ...] [--runs 7] [--threads N] [--out FILE.json]
 
-Per checkout, one JSON line: the wall time and CPU time (user + sys) of each run and their
-medians; then, from one more run each with `-X importtime` and a tracing driver, what it spent
+Per checkout, one JSON line: the time to the answer's first byte, the wall time to the process's
+end and the CPU time (user + sys) of each run, and their medians; then, from one more run each with `-X importtime` and a tracing driver, what it spent
 where: the import time of each big package (the self times of its modules), the tokenizer's
 build, the weights' read, numba's cache loads (how many, how long), the prefill, all wall-clock
 (one run: read it beside the medians, not for them).
@@ -23,6 +23,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -74,23 +75,32 @@ main()
 """
 
 
-def run_once(tree: Path, args: list[str], extra: list[str] = ()) -> tuple[float, float, str]:
-    """(wall s, CPU s of the child, its stderr)."""
+def run_once(tree: Path, args: list[str], extra: list[str] = ()) -> tuple[float, float, float, str]:
+    """(s to the answer's first byte on stdout, wall s, CPU s of the child, its stderr)."""
     env = dict(os.environ, PYTHONPATH=str(tree))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
-    done = subprocess.run([sys.executable, *extra, *args], cwd=tree, env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, *extra, *args], cwd=tree, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    err: list[str] = []  # drained meanwhile: -X importtime writes more than a pipe holds before the answer
+    drain = threading.Thread(target=lambda: err.append(child.stderr.read()))
+    drain.start()
+    child.stdout.read(1)
+    first = time.perf_counter() - t
+    child.stdout.read()
+    child.wait()
+    drain.join()
+    err = err[0]
     wall = time.perf_counter() - t
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if done.returncode:
-        sys.exit(f"{tree}: exit {done.returncode}: {done.stderr[-2000:]}")
+    if child.returncode:
+        sys.exit(f"{tree}: exit {child.returncode}: {err[-2000:]}")
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
-    return wall, cpu, done.stderr
+    return first, wall, cpu, err
 
 
 def breakdown(tree: Path, nerva_args: list[str]) -> dict:
-    _, _, err = run_once(tree, ["-X", "importtime", "-c", DRIVER, *nerva_args])
+    *_, err = run_once(tree, ["-X", "importtime", "-c", DRIVER, *nerva_args])
     imports: dict[str, float] = {}
     for line in err.splitlines():
         m = re.match(r"import time:\s+(\d+) \|\s+\d+ \| *(\S+)", line)
@@ -120,16 +130,17 @@ def main() -> None:
     times = {t: [] for t in trees}
     for _ in range(a.runs):
         for tree in trees:
-            wall, cpu, _ = run_once(tree, cmd)
-            times[tree].append((round(wall, 3), round(cpu, 3)))
+            first, wall, cpu, _ = run_once(tree, cmd)
+            times[tree].append((round(first, 3), round(wall, 3), round(cpu, 3)))
     from nerva_cli.hardware.machine import cpu_name
 
     for tree in trees:
         head = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True).stdout.strip()
-        walls, cpus = [w for w, _ in times[tree]], [c for _, c in times[tree]]
+        firsts, walls, cpus = ([run[i] for run in times[tree]] for i in range(3))
         line = {"tree": str(tree), "commit": head or None, "cpu": cpu_name(), "command": "nerva " + " ".join(nerva),
-                "load_avg": os.getloadavg()[0], "wall_s": walls, "wall_median_s": statistics.median(walls),
+                "load_avg": os.getloadavg()[0], "first_byte_s": firsts, "first_byte_median_s": statistics.median(firsts),
+                "wall_s": walls, "wall_median_s": statistics.median(walls),
                 "cpu_s": cpus, "cpu_median_s": round(statistics.median(cpus), 3),
                 "breakdown": breakdown(tree, nerva)}
         print(json.dumps(line))

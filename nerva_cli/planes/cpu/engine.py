@@ -210,36 +210,6 @@ def residency_plan(model: StoredModel, ctx: int | None, ram_budget: int | None,
     return plan_model(model, context_length(cfg, ctx), ram_budget, importance, active_layers, workspace_at)
 
 
-def read_beside(read, meanwhile, aside: bool = True):
-    """read() on a thread while meanwhile() runs on this one (in turn where not `aside`); ->
-    read()'s result, once both are done, raising what either raised (meanwhile's first). Reading
-    a model's files runs partly outside the GIL (the reads, the page faults of new buffers,
-    NumPy's copies), which numba's import, Python throughout, leaves to the other core
-    (docs/perf/startup_epyc_zen3.md)."""
-    if not aside:
-        meanwhile()
-        return read()
-    import threading
-
-    result: list = []
-
-    def run() -> None:
-        try:
-            result.append(read())
-        except BaseException as e:  # noqa: BLE001  (raised in the caller's thread, below)
-            result.append(e)
-
-    thread = threading.Thread(target=run, name="nerva-read-weights", daemon=True)
-    thread.start()
-    try:
-        meanwhile()
-    finally:
-        thread.join()
-    if isinstance(result[0], BaseException):
-        raise result[0]
-    return result[0]
-
-
 class Engine(BatchDecode, EngineBase):
     def __init__(self, model: StoredModel, backend: str = "cpu", precision: str | None = None,
                  ctx: int | None = None, layer_precisions: list[str] | None = None,
@@ -252,9 +222,7 @@ class Engine(BatchDecode, EngineBase):
         prefill_rows: the prompt tokens a prefill pass takes (its workspace's size); seq_slots:
         the sequences it holds at once, each with its own KV cache and position (select,
         decode_batch)."""
-        import sys
-
-        from nerva_cli.planes import BACKENDS, get_backend
+        from nerva_cli.planes import get_backend
 
         if seq_slots < 1:
             raise NervaError(f"sequence slots must be >= 1, got {seq_slots}")
@@ -263,6 +231,7 @@ class Engine(BatchDecode, EngineBase):
         self.model = model
         self.cfg = cfg = model.config
         self.counters = Counters()
+        self.k = CountedKernels(get_backend(backend), self.counters)
         self.backend = backend
         self.set_precisions(model, precision, layer_precisions, active_layers)
         self.ctx = context_length(cfg, ctx)
@@ -270,26 +239,27 @@ class Engine(BatchDecode, EngineBase):
         self.embed_scale = None if cfg.embed_scale is None else np.float32(cfg.embed_scale)
         self.plan = residency_plan(model, self.ctx, ram_budget, importance, self.active, kv_cache, prefill_rows,
                                    seq_slots)
-        self.kv_cache = kv_cache
-
-        def kernels_and_arena() -> None:
-            self.k = CountedKernels(get_backend(backend), self.counters)
-            # refuses an unknown kv_cache in one line
-            self.a = Arena(cfg, self.ctx, kv_cache, min(prefill_rows, self.ctx), seq_slots)
-            self.pw = PrefillWorkspace(cfg, min(prefill_rows, self.ctx), self.ctx, seq_slots)
-
-        # a process's first engine reads its weights on a thread while numba imports here
-        g, resident = read_beside(self._read_weights, kernels_and_arena,
-                                  aside=BACKENDS.get(backend) not in sys.modules)
+        g = {}
+        for fname in ("embed.bin", "final_norm.bin", "lm_head.bin"):
+            if fname == "embed.bin" and self.plan.table_aside:
+                g.update(model.map_file(fname))  # the RAM budget left it out: rows come from the page cache
+            elif fname in model.meta["files"]:
+                g.update(model.read_file(fname))
         self.embed = Linear.from_stored(g, "embed")
         self.final_norm = as_f32(g["final_norm"])
         self.lm_head = Linear.from_stored(g, "lm_head") if any(n.startswith("lm_head") for n in g) else self.embed
+        self.kv_cache = kv_cache
+        # refuses an unknown kv_cache in one line
+        self.a = Arena(cfg, self.ctx, kv_cache, min(prefill_rows, self.ctx), seq_slots)
+        self.pw = PrefillWorkspace(cfg, min(prefill_rows, self.ctx), self.ctx, seq_slots)
         # the sliding-window layers whose caches hold fewer rows than the context (arena.cache_rows):
         # row r holds position kv_base + r
         self.ring = [i for i, c in enumerate(self.a.k_cache) if c.shape[0] < self.ctx]
         self.n_past = 0
         self.phase_ns = dict.fromkeys(PHASES, 0)
         self.policy = policy
+        resident = {i: Layer.from_stored(i, model.read_file(layer_file(i)), self.layer_precision[i])
+                    for i in self.plan.resident_layers}
         if self.plan.paged_layers:
             from nerva_cli.residency.pager import PagedWeights
 
@@ -352,18 +322,6 @@ class Engine(BatchDecode, EngineBase):
         else:  # the first time: bind its halves (a few tuples a layer; nothing compiles)
             self.compiled_layers = self.slot_compiled[slot] = {}
             self._bind_halves()
-
-    def _read_weights(self) -> tuple[dict, dict]:
-        """(the tensors of the token table, final norm and lm_head, {index: Layer} of the layers
-        the plan holds in RAM)."""
-        model, g = self.model, {}
-        for fname in ("embed.bin", "final_norm.bin", "lm_head.bin"):
-            if fname == "embed.bin" and self.plan.table_aside:
-                g.update(model.map_file(fname))  # the RAM budget left it out: rows come from the page cache
-            elif fname in model.meta["files"]:
-                g.update(model.read_file(fname))
-        return g, {i: Layer.from_stored(i, model.read_file(layer_file(i)), self.layer_precision[i])
-                   for i in self.plan.resident_layers}
 
     def _compile_layer(self, layer: Layer, i: int, into: dict) -> None:
         halves = self.k.decode_layer_halves(layer, self.specs[i], self.a, self.cfg,
