@@ -23,21 +23,16 @@ from collections import deque
 from dataclasses import replace
 from time import perf_counter_ns
 
-from nerva_cli.units import human_bytes
 from nerva_cli.errors import NervaError
-from nerva_cli.runtime.report import Reporter
+from nerva_cli.planes import resolve
 from nerva_cli.runtime.generate import common_prefix
+from nerva_cli.runtime.report import Reporter
 from nerva_cli.serve.errors import RETRY_AFTER_S, ApiError, overloaded
 from nerva_cli.serve.steps import Decode, answer_steps, run_step
+from nerva_cli.units import human_bytes
 
 log = logging.getLogger("nerva.serve")
 COMPUTE = threading.Lock()
-
-
-def resolve_backend(backend: str) -> str:
-    from nerva_cli.planes import resolve
-
-    return resolve(backend)
 
 
 def server_ram_budget(opts) -> int | None:
@@ -46,7 +41,7 @@ def server_ram_budget(opts) -> int | None:
     `run`'s) and the models are not counted against one another."""
     from nerva_cli.residency.planner import available_ram
 
-    if resolve_backend(opts.backend) == "cuda":
+    if resolve(opts.backend) == "cuda":
         return None
     if opts.ram_bytes is not None:
         return opts.ram_bytes
@@ -334,7 +329,7 @@ class Registry:
         self.metrics = None  # set by the app (metrics read this registry's counts)
         self.ram_budget = server_ram_budget(engine_options)
         # the cpu and ref engines hold several sequences (one engine of --parallel slots)
-        self.batching = resolve_backend(engine_options.backend) != "cuda"
+        self.batching = resolve(engine_options.backend) != "cuda"
 
     def running(self) -> int:
         with self.lock:
