@@ -461,11 +461,46 @@ def test_tools_reach_a_template_that_takes_them(b):
     assert after.usage.prompt_tokens > offered.usage.prompt_tokens
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
         client.chat.completions.create(**ask, tools=[WEATHER], tool_choice="required")
+    with pytest.raises(openai.BadRequestError, match="leaves no way to call the tools offered"):
+        client.chat.completions.create(**ask, tools=[WEATHER], response_format={"type": "json_object"})
     native = ollama.Client(host=b.url, timeout=START_TIMEOUT_S)
     r = native.chat(model=TOOLBOX, messages=messages, tools=[WEATHER], options={"num_predict": 3, "temperature": 0})
     assert r.done and r.prompt_eval_count > plain.usage.prompt_tokens + 20  # (its client reshapes the schema)
     assert "tools" in native.show(TOOLBOX).capabilities and "tools" not in native.show(MODEL).capabilities
     assert native.generate(model=TOOLBOX, keep_alive=0).done_reason == "unload"
+
+
+# -- structured output --------------------------------------------------------------------------
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]},
+                                                    "maxItems": 3}},
+          "required": ["name", "age", "pets"], "additionalProperties": False}
+
+
+def test_answers_held_to_a_schema_validate_through_both_clients(a):
+    """ollama's `format` and OpenAI's `response_format`, through their own client packages, at
+    several seeds, checked with jsonschema; streamed too; cut by max_tokens is finish_reason length."""
+    jsonschema = pytest.importorskip("jsonschema")
+    ask = [{"role": "user", "content": "Describe a person as JSON."}]
+    for seed in (1, 2, 3):
+        r = ol(a).chat(model=MODEL, messages=ask, format=PERSON, options={"seed": seed})
+        assert r.done_reason == "stop"
+        jsonschema.validate(json.loads(r.message.content), PERSON)
+        r = oa(a).chat.completions.create(model=MODEL, messages=ask, seed=seed, response_format={
+            "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    assert isinstance(json.loads(ol(a).generate(model=MODEL, prompt="A cat as JSON", format="json",
+                                                options={"seed": 1, "num_predict": 200}).response), dict)
+    chunks = oa(a).chat.completions.create(model=MODEL, messages=ask, seed=4, stream=True,
+                                           response_format={"type": "json_object"}, max_tokens=200)
+    assert isinstance(json.loads("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)), dict)
+    story = {"type": "object", "properties": {"story": {"type": "string", "minLength": 300}}, "required": ["story"]}
+    r = oa(a).chat.completions.create(model=MODEL, messages=ask, max_tokens=8, response_format={
+        "type": "json_schema", "json_schema": {"name": "story", "schema": story}})
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.content.startswith('{"story": "')
 
 
 # -- security -----------------------------------------------------------------------------------
@@ -531,6 +566,16 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": PAST_CONTEXT}, 400, "context holds 512"),
     ("/api/chat", {**CHAT, "messages": [{"role": "user", "content": PAST_CONTEXT}]}, 400, "context holds 512"),
     ("/v1/embeddings", {"model": MODEL, "input": "Hi"}, 404, "no such endpoint"),
+    # structured output fails closed: what the grammar engine cannot hold to is a 400, never ignored
+    ("/api/chat", {**CHAT, "format": "xml"}, 400, "'format' must be \"json\" or a JSON Schema"),
+    ("/api/generate", {**GEN, "format": {"type": "strnig"}}, 400, "'format': the JSON Schema cannot be held to: "
+                                                                  "Invalid type: strnig"),
+    ("/api/chat", {**CHAT, "format": {"type": "array", "uniqueItems": True}}, 400, "uniqueItems"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "pattern": "(["}}}}, 400, "unclosed character class"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "yaml"}}, 400, "'response_format.type' must be"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, 400,
+     "'response_format.json_schema' is required"),
 ]
 
 
@@ -616,6 +661,11 @@ def test_run_ps_and_stop_talk_to_a_running_server(a, store_home, cli, monkeypatc
     code, local, err = cli(*ask, "--no-server", "--threads", "1")
     assert code == 0 and "answered by" not in err
     assert served == local and served.strip()
+    held = ("run", MODEL, "-p", "A person as JSON.", "--format", json.dumps(PERSON), "--seed", "2")
+    code, served, err = cli(*held, "--verbose")  # the schema goes as ollama's `format`
+    assert code == 0 and "answered by the nerva server" in err and json.loads(served).keys() == PERSON["properties"].keys()
+    code, cut, err = cli(*held, "-n", "3")
+    assert code == 1 and "stopped at --max-tokens (3) before its JSON Schema was complete" in err
     pexpect = pytest.importorskip("pexpect")  # the chat, in a terminal, as a person types it
     chat = pexpect.spawn(sys.executable, ["-m", "nerva_cli", "run", "smollm2-135m", "--temperature", "0", "-n", "4"],
                          env=dict(os.environ, PYTHONPATH=str(REPO)), encoding="utf-8", timeout=60)

@@ -107,7 +107,9 @@ def _loop(session, write, runtime, verbose, stats_line, book, every, ready) -> N
 def after_answer(session, stats, verbose: bool, stats_line, book, every: int) -> None:
     """What follows an answer on stderr: why it stopped where that is the context, its rates
     (--verbose), its ledger (--ledger)."""
-    if stats.stop_reason == "context":
+    if stats.cut_short:
+        output.note(session.cut_short_note(stats))
+    elif stats.stop_reason == "context":
         output.note(session.context_note())
     if verbose:
         output.info(stats_line(stats))

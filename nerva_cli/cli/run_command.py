@@ -33,6 +33,8 @@ def run(
     repeat_last_n: Annotated[int, typer.Option(help="The tokens --repeat-penalty looks back over (0: none).")] = 64,
     seed: Annotated[Optional[int], typer.Option(help="Random seed for sampling.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop when this text appears (repeatable).")] = None,
+    answer_format: Annotated[Optional[str], typer.Option("--format", help="Hold every answer to JSON: `json` (any object), a JSON Schema file, or a schema inline ('{...}'). A schema nerva cannot hold to is an error before any token.")] = None,
+    grammar: Annotated[Optional[Path], typer.Option("--grammar", help="Hold every answer to a grammar file: Lark (as llguidance reads it) or GBNF (llama.cpp's, rules written `name ::= ...`).")] = None,
     ctx: Ctx = None,
     threads: Threads = None,
     precision: Precision = None,
@@ -71,6 +73,9 @@ def run(
         raise UsageError("--system goes into the chat template, which --raw leaves out")
     if ledger_file is not None:
         ledger_file = writable_file(ledger_file, "--ledger-file")
+    from nerva_cli.structured.formats import from_flags
+
+    fmt = from_flags(answer_format, grammar)  # refused here, before a model loads, where it is wrong
     options = EngineOptions(backend=backend, precision=precision, tau=tau, use_profile=not no_profile, mode=mode,
                             active_fraction=active_fraction, ctx=ctx, threads=threads, ram_budget=ram_budget,
                             vram_budget=vram_budget, policy=policy, kv_cache=kv_cache, decodes=max_tokens > 1)
@@ -89,7 +94,8 @@ def run(
                     "--threads": threads_given, "--precision": precision is not None, "--tau": tau != 0.7,
                     "--no-profile": no_profile, "--mode": mode != "full", "--active-fraction": active_fraction != 0.75,
                     "--ram-budget": ram_budget is not None, "--vram-budget": vram_budget is not None,
-                    "--policy": policy != "ring", "--kv-cache": kv_cache != "f16", "--backend": backend != "auto"}
+                    "--policy": policy != "ring", "--kv-cache": kv_cache != "f16", "--backend": backend != "auto",
+                    "--grammar": grammar is not None}  # ollama's API, the server's, takes no grammar
     remote = None if no_server or any(engine_flags.values()) else _through_server(model, raw, system)
     if remote is not None:
         client, described = remote
@@ -103,7 +109,8 @@ def run(
                 raise NervaError(f"{model} has no chat template, so --system has nowhere to go")
             output.note(f"{model} has no chat template: prompts go to it as they are (--raw)")
             raw = True
-        session = RemoteChat(client, model, described, opts, max_tokens, raw=raw, system=system, stops=stop or [])
+        session = RemoteChat(client, model, described, opts, max_tokens, raw=raw, system=system, stops=stop or [],
+                             fmt=fmt)
         _converse(session, prompt, verbose, f"the nerva server at {client.url}")
         return
     engine, tokenizer = open_engine(model, options, output.CliReporter(verbose), building=long_lived_objects)
@@ -120,7 +127,7 @@ def run(
 
         book = Ledger(engine, tokenizer, ledger_file)
     session = ChatSession(engine, tokenizer, opts, max_tokens=max_tokens, raw=raw, system=system,
-                          stops=stop or [], ledger=book, note=output.note)
+                          stops=stop or [], ledger=book, note=output.note, fmt=fmt)
     try:
         _converse(session, prompt, verbose, engine.runtime_line(threads), book if ledger else None, ledger_every,
                   lambda: _warm_up_while_typing(engine, tokenizer, threads, not raw))
@@ -142,6 +149,8 @@ def _converse(session, prompt: str | None, verbose: bool, runtime: str, book=Non
         after_answer(session, stats, verbose, _stats_line, book, ledger_every)
         if stats.stop_reason == "interrupted":  # Ctrl-C: a script must not take half an answer for one
             raise typer.Exit(130)
+        if stats.cut_short:  # nor a cut JSON for JSON: the note said why
+            raise typer.Exit(1)
         return
     chat_loop(session, _write_stdout, runtime, verbose, _stats_line, book, ledger_every, ready=warm_up())
 

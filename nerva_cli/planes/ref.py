@@ -347,10 +347,11 @@ def sampling_candidates(logits, temperature, top_k, top_p, min_p=0.0):
     when min_p > 0, those whose weight is at least min_p (of the largest's, which is 1): ollama's
     order, temperature first. A draw with u uniform in [0, 1) takes the first token whose running
     weight exceeds u times the kept sum, walking them in this order when top_p < 1 and in token
-    order otherwise."""
+    order otherwise. A logit of -inf (a token structured output's mask forbids) is never a
+    candidate."""
     order = np.argsort(-logits, kind="stable")
     kth = logits[order[top_k - 1]] if 0 < top_k < len(logits) else -np.inf
-    top = order[logits[order] >= kth]
+    top = order[(logits[order] >= kth) & (logits[order] > -np.inf)]
     w = np.exp((logits[top].astype(np.float64) - logits[top[0]]) / temperature)
     keep = w >= min_p
     if top_p < 1:

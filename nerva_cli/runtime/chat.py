@@ -31,6 +31,13 @@ class Conversation:
     server's RemoteChat)."""
 
     system: str | None = None
+    format = None  # structured.Format every answer is held to, or None
+
+    def cut_short_note(self, stats: GenerationStats) -> str:
+        """What an answer cut before its grammar was complete is: not the format asked for."""
+        why = {"context": "the end of the context (--ctx sets a longer one)", "interrupted": "Ctrl-C"}.get(
+            stats.stop_reason, f"--max-tokens ({self.max_tokens})")
+        return f"the answer stopped at {why} before its {self.format.kind} was complete: it is not valid output"
 
     def set_system(self, text: str | None) -> None:
         """The system message from the next turn on; the conversation so far stays."""
@@ -46,9 +53,10 @@ class Conversation:
 
 class ChatSession(Conversation):
     def __init__(self, engine, tokenizer, opts: SamplingOptions, max_tokens: int, raw: bool = False,
-                 system: str | None = None, stops: list[str] = (), ledger=None, note=None):
+                 system: str | None = None, stops: list[str] = (), ledger=None, note=None, fmt=None):
         self.engine, self.tok = engine, tokenizer
         self.max_tokens, self.raw, self.stops = max_tokens, raw, list(stops)
+        self.format = fmt  # structured.Format every answer is held to, or None
         self.system = system
         self.ledger = ledger
         self.note = note  # told, in one line, when old turns are dropped to fit the context
@@ -96,6 +104,10 @@ class ChatSession(Conversation):
         return ids
 
     def answer(self, user_text: str, write) -> GenerationStats:
+        if self.format is not None:  # each answer starts the grammar again
+            from nerva_cli.structured.constraint import Constraint
+
+            self.sampler.hold_to(Constraint(self.format, self.tok, self.engine.cfg.vocab_size))
         ids = self._prompt_ids(user_text)
         common = self.engine.truncate(reusable_prefix(self.cached, ids))
         decoder = self.tok.stream_decoder()

@@ -17,6 +17,7 @@ class GenerationStats:
     ttft_s: float = 0.0
     token_s: list[float] = field(default_factory=list)  # wall time of each decode step
     stop_reason: str = ""  # eos / stop / length / interrupted (ChatSession: context)
+    cut_short: bool = False  # structured output stopped (length, context, Ctrl-C) before its grammar was complete
 
     @property
     def decode_s(self) -> float:
@@ -104,7 +105,8 @@ def generate(engine, prompt_ids: list[int], sampler: Sampler, max_tokens: int,
     matcher = StopMatcher(list(stops))
     out: list[int] = []
     emit = on_text or (lambda s: None)
-    on_device = engine.device_sampling and ledger is None
+    # the device samples without the host's structured-output mask
+    on_device = engine.device_sampling and ledger is None and sampler.constraint is None
     tokens = (engine.stream(prompt_ids, sampler.o, max_tokens) if on_device
               else _host_tokens(engine, prompt_ids, sampler, stats, ledger))
     t0 = time.perf_counter()
@@ -145,4 +147,6 @@ def generate(engine, prompt_ids: list[int], sampler: Sampler, max_tokens: int,
     if decoder is not None and stats.stop_reason != "stop":
         emit(matcher.feed(decoder.flush())[0] + matcher.flush())
     stats.gen_tokens = len(out)
+    if sampler.constraint is not None:
+        stats.cut_short = stats.stop_reason in ("length", "interrupted") and not sampler.constraint.complete
     return out, stats

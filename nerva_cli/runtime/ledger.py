@@ -22,7 +22,8 @@ class TokenRecord:
     attention_us: float | None
     mlp_us: float | None
     lm_head_us: float | None
-    sample_us: float
+    sample_us: float  # the mask included
+    mask_us: float | None  # structured output's mask (None: no format)
     stall_us: float
     kernel_launches: int  # kernels run, each counted (a fused call's and a graph's too)
     dispatches: int  # calls the host made to run them (a fused call or a graph replay: one)
@@ -73,6 +74,7 @@ class Ledger:
             index=len(self.records), token_id=nxt, piece=self.tok.decode([nxt]) if self.tok else "",
             wall_us=(t2 - t0) / 1000, embed_us=d["embed"], attention_us=d["attention"], mlp_us=d["mlp"],
             lm_head_us=d["lm_head"], sample_us=(t2 - t1) / 1000, stall_us=p[3] / 1000,
+            mask_us=None if sampler.constraint is None else sampler.constraint.mask_ns / 1000,
             kernel_launches=kernels - before[1][0], dispatches=dispatches - before[1][1],
             syncs={k: v - before[1][2].get(k, 0) for k, v in syncs.items() if v > before[1][2].get(k, 0)},
             disk_bytes=p[0],
@@ -105,7 +107,7 @@ class Ledger:
             "wall_us_mean": wall.mean(), "wall_us_p50": float(np.percentile(wall, 50)),
             "wall_us_p99": float(np.percentile(wall, 99)),
             **{f"{k}_us_mean": self._mean(f"{k}_us") for k in ("embed", "attention", "mlp", "lm_head",
-                                                               "sample", "stall")},
+                                                               "sample", "mask", "stall")},
             "kernel_launches_per_token": col("kernel_launches").mean(),
             "dispatches_per_token": col("dispatches").mean(),
             "syncs_per_token": float(np.mean([sum(r.syncs.values()) for r in self.records])),
@@ -129,7 +131,7 @@ class Ledger:
         values = [getattr(r, name) for r in self.records]
         return None if None in values else float(np.mean(values))
 
-    COLUMNS = ("#", "token", "piece", "wall", "embed", "attn", "mlp", "lm_head", "sample", "stall",
+    COLUMNS = ("#", "token", "piece", "wall", "embed", "attn", "mlp", "lm_head", "sample", "mask", "stall",
                "launches", "syncs", "disk", "h2d", "hits/faults", "w4a8/w4a16/exact", "allocs")
     ALWAYS = {"#", "token", "piece", "wall", "attn", "mlp", "lm_head"}  # shown even when constant
     MINOR = {"embed", "sample", "launches", "syncs", "allocs", "h2d"}  # the first to go where space is short
@@ -140,7 +142,7 @@ class Ledger:
         us = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
         return [str(r.index), str(r.token_id), repr(r.piece)[1:-1][:12], f"{r.wall_us:.0f}",
                 us(r.embed_us), us(r.attention_us), us(r.mlp_us), us(r.lm_head_us),
-                f"{r.sample_us:.0f}", f"{r.stall_us:.0f}", str(r.kernel_launches), str(sum(r.syncs.values())),
+                f"{r.sample_us:.0f}", us(r.mask_us), f"{r.stall_us:.0f}", str(r.kernel_launches), str(sum(r.syncs.values())),
                 human_bytes(r.disk_bytes), human_bytes(r.h2d_bytes), f"{r.hits}/{r.faults}",
                 f"{r.w4a8_layers}/{r.w4a16_layers}/{r.exact_layers}", str(r.hot_path_allocations)]
 
@@ -166,21 +168,26 @@ class Ledger:
         """The table, a token a row; on a terminal too narrow for all of it, the columns that hold
         one value on every row shown are said once under it instead (an 80-column terminal
         squeezed all seventeen into ellipses)."""
-        rows = [self._cells(r) for r in self.records[::max(1, every)]]
-        table, same = self._table(self.COLUMNS, rows), ""
+        shown = self.records[::max(1, every)]
+        cols = self.COLUMNS
+        rows = [self._cells(r) for r in shown]
+        if all(r.mask_us is None for r in shown):  # no format: no mask column
+            at = cols.index("mask")
+            cols, rows = cols[:at] + cols[at + 1:], [r[:at] + r[at + 1:] for r in rows]
+        table, same = self._table(cols, rows), ""
         narrow = console.width
         if not console.is_terminal:
             console.width = max(narrow, 200)  # piped: one line per token, not a squeezed table
         elif rows and self._width(console, table) > narrow:
-            keep = [i for i, c in enumerate(self.COLUMNS) if c in self.ALWAYS or len({r[i] for r in rows}) > 1]
+            keep = [i for i, c in enumerate(cols) if c in self.ALWAYS or len({r[i] for r in rows}) > 1]
             same = "the same on every token: " + ", ".join(
-                f"{c} {rows[0][i]}" for i, c in enumerate(self.COLUMNS) if i not in keep)
-            table = self._table([self.COLUMNS[i] for i in keep], [[r[i] for i in keep] for r in rows])
+                f"{c} {rows[0][i]}" for i, c in enumerate(cols) if i not in keep)
+            table = self._table([cols[i] for i in keep], [[r[i] for i in keep] for r in rows])
             if self._width(console, table) > narrow:  # still too wide (a paged run's): the minor ones go
-                left = [self.COLUMNS[i] for i in keep if self.COLUMNS[i] in self.MINOR]
-                keep = [i for i in keep if self.COLUMNS[i] not in self.MINOR]
+                left = [cols[i] for i in keep if cols[i] in self.MINOR]
+                keep = [i for i in keep if cols[i] not in self.MINOR]
                 same += f"; not shown at this width: {', '.join(left)} (--ledger-file has every column)"
-                table = self._table([self.COLUMNS[i] for i in keep], [[r[i] for i in keep] for r in rows])
+                table = self._table([cols[i] for i in keep], [[r[i] for i in keep] for r in rows])
         try:
             self._print(console, table, same)
         finally:
@@ -201,10 +208,11 @@ class Ledger:
             phases = ("per phase: inside CUDA graphs" if s["attention_us_mean"] is None else
                       f"attention {s['attention_us_mean']:.0f}, mlp {s['mlp_us_mean']:.0f}, "
                       f"lm_head {s['lm_head_us_mean']:.0f}")
+            mask = "" if s["mask_us_mean"] is None else f" (the format's mask {s['mask_us_mean']:.0f})"
             console.print(
                 f"[bold]summary[/bold] {s['tokens']} tokens, {s['wall_ms_total']:.1f} ms; wall p50 "
                 f"{s['wall_us_p50']:.0f} µs, p99 {s['wall_us_p99']:.0f} µs; {phases}, sample "
-                f"{s['sample_us_mean']:.0f}, stall {s['stall_us_mean']:.0f} µs/token; "
+                f"{s['sample_us_mean']:.0f}{mask}, stall {s['stall_us_mean']:.0f} µs/token; "
                 f"{s['kernel_launches_per_token']:.0f} kernels in {s['dispatches_per_token']:.0f} calls (fused "
                 f"calls and graph replays count once) and {s['syncs_per_token']:.1f} syncs/token"
                 f"{self._sync_kinds(s)}\n"

@@ -42,19 +42,34 @@ class SamplingOptions:
 
 
 class Sampler:
-    def __init__(self, opts: SamplingOptions, vocab: int):
+    """Draws each token from a step's logits. With a `constraint` (structured output), the
+    tokens its grammar forbids are masked out first and each token drawn is told to it."""
+
+    def __init__(self, opts: SamplingOptions, vocab: int, constraint=None):
         self.o = opts
         self.rng = np.random.default_rng(opts.seed)
         self.penalising = opts.repeat_penalty != 1.0 and opts.repeat_last_n > 0
         self.recent = np.zeros(max(opts.repeat_last_n, 1), np.int32)  # a ring of the last tokens
         self.n_recent = 0  # tokens remembered so far
+        self.vocab, self.work = vocab, None
+        self.hold_to(constraint)
         if self.penalising or opts.temperature > 0:
+            self._buffers()
+
+    def _buffers(self) -> None:
+        if self.work is None:
             from nerva_cli.planes.cpu import kernels as cpu
             self.cpu = cpu
-            self.work = np.empty(vocab, np.float32)  # the penalised logits
-            self.seen = np.zeros(vocab, np.bool_)
-            self.cand = np.empty(vocab, np.int32)
-            self.scratch = np.empty(vocab, np.float64)
+            self.work = np.empty(self.vocab, np.float32)  # the penalised (and masked) logits
+            self.seen = np.zeros(self.vocab, np.bool_)
+            self.cand = np.empty(self.vocab, np.int32)
+            self.scratch = np.empty(self.vocab, np.float64)
+
+    def hold_to(self, constraint) -> None:
+        """Masks the draws from now on with `constraint` (structured.Constraint; None: none)."""
+        self.constraint = constraint
+        if constraint is not None:
+            self._buffers()
 
     def remember(self, token: int) -> None:
         self.recent[self.n_recent % len(self.recent)] = token
@@ -70,12 +85,16 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray) -> int:
         logits = self.penalised(logits)
+        if self.constraint is not None:
+            logits = self.constraint.apply(logits, self.work)
         if self.o.temperature == 0:
             token = int(np.argmax(logits))
         else:
             token = int(self.cpu.sample_logits(logits, self.o.temperature, self.o.top_k, self.o.top_p,
                                                self.o.min_p, self.rng.random(), self.cand, self.scratch))
         self.remember(token)
+        if self.constraint is not None:
+            self.constraint.take(token)
         return token
 
 

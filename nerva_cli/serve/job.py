@@ -49,6 +49,7 @@ class Job:
     cached_tokens: int = 0
     tool_style: str | None = None  # the template's way of writing tool calls, where the request has tools
     top_logprobs: int | None = None  # None: no log-probabilities; n: each token's and the n likeliest's
+    constraint: object = None  # structured.Constraint the answer is held to, or None
     # (token id, its log-probability, [(id, log-probability)] of the likeliest), appended by the
     # worker before the token's text event is sent (the handler reads what the events announced)
     logprobs: list = field(default_factory=list)

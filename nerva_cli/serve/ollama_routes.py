@@ -16,8 +16,8 @@ from nerva_cli.serve import models, tools
 from nerva_cli.serve.errors import ApiError, bad
 from nerva_cli.serve.fields import Fields, json_type
 from nerva_cli.serve.options import parse_duration
-from nerva_cli.serve.pipeline import (GenRequest, message_list, read_json, sampling, streamed_answer, submit,
-                                      whole_answer)
+from nerva_cli.serve.pipeline import (GenRequest, answer_format, message_list, read_json, sampling, streamed_answer,
+                                      submit, whole_answer)
 
 # ollama's defaults for the options a request leaves out (its api.DefaultOptions)
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.1, "repeat_last_n": 64}
@@ -56,7 +56,19 @@ def _request(state, body: Fields, **prompt) -> GenRequest:
     return GenRequest(model=model, sampling=opts, keep_alive=_keep_alive(body, state.options.keep_alive),
                       max_tokens=None if num_predict in (None, -1, -2) else num_predict,
                       num_ctx=o.integer("num_ctx", low=1), stops=o.stops("stop"),
-                      truncate=body.boolean("truncate", False), **prompt)
+                      truncate=body.boolean("truncate", False), format=_format(body), **prompt)
+
+
+def _format(body: Fields):
+    """ollama's `format`: "json" (any JSON object) or a JSON Schema; "" or absent: free text."""
+    value = body.data.get("format")
+    if value in (None, ""):
+        return None
+    if value == "json":
+        return answer_format("format")
+    if isinstance(value, dict):
+        return answer_format("format", value)
+    raise bad(f"'format' must be \"json\" or a JSON Schema (an object), got {json.dumps(value)[:60]}", param="format")
 
 
 def _done_fields(result) -> dict:
@@ -121,7 +133,6 @@ async def generate(request: Request):
     prompt = body.string("prompt", "")
     body.refuse("suffix", "fill-in-the-middle needs a template that takes it", allowed=(None, ""))
     body.refuse("template", "the model's own chat template is used", allowed=(None, ""))
-    body.refuse("format", "structured (JSON) output", allowed=(None, ""))
     body.refuse("images", "images", allowed=(None, []))
     body.refuse("context", "ollama's deprecated context tokens: send the conversation to /api/chat", allowed=(None, []))
     raw, stream, system = body.boolean("raw", False), body.boolean("stream", True), body.string("system")
@@ -144,7 +155,6 @@ def _content(value, where: str) -> str:
 async def chat(request: Request):
     state = request.app.state.nerva
     body = Fields(await read_json(request, state.options.max_body))
-    body.refuse("format", "structured (JSON) output", allowed=(None, ""))
     body.refuse("think", "thinking output", allowed=(None, False))
     stream = body.boolean("stream", True)
 

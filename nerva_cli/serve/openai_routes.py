@@ -16,8 +16,8 @@ from starlette.routing import Route
 from nerva_cli.serve import models, tools
 from nerva_cli.serve.errors import ApiError, bad
 from nerva_cli.serve.fields import Fields, json_type
-from nerva_cli.serve.pipeline import (GenRequest, message_list, read_json, sampling, streamed_answer, submit,
-                                      whole_answer)
+from nerva_cli.serve.pipeline import (GenRequest, answer_format, message_list, read_json, sampling, streamed_answer,
+                                      submit, whole_answer)
 
 
 def _request(state, body: Fields, top_logprobs: int | None = None, **prompt) -> tuple[GenRequest, bool, bool]:
@@ -32,7 +32,6 @@ def _request(state, body: Fields, top_logprobs: int | None = None, **prompt) -> 
     body.refuse("functions", "the deprecated form of 'tools': send 'tools'", allowed=(None, []))
     body.refuse("tool_choice", "a call the model must make needs constrained decoding; \"auto\" and \"none\" "
                                "are taken", allowed=(None, "auto", "none"))
-    body.refuse("response_format", "structured (JSON) output", allowed=(None, {"type": "text"}))
     model = body.string("model")
     if model is None:
         raise bad("'model' is required", param="model")
@@ -51,8 +50,34 @@ def _request(state, body: Fields, top_logprobs: int | None = None, **prompt) -> 
     elif body.has("tools") and "messages" not in prompt:
         raise bad("'tools' are for /v1/chat/completions", param="tools")
     req = GenRequest(model=model, sampling=opts, keep_alive=state.options.keep_alive, max_tokens=limit,
-                     stops=body.stops("stop"), top_logprobs=top_logprobs, tools=offered, **prompt)
+                     stops=body.stops("stop"), top_logprobs=top_logprobs, tools=offered,
+                     format=_response_format(body), **prompt)
     return req, stream, stream_options.boolean("include_usage", False)
+
+
+def _response_format(body: Fields):
+    """OpenAI's response_format: {"type": "text"} (free text), "json_object" (any JSON object) or
+    "json_schema" with {"name", "schema", "strict"} (the schema held to whatever `strict` says:
+    nerva has no loose mode)."""
+    rf = body.object("response_format")
+    if rf is None:
+        return None
+    kind = rf.string("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return answer_format("response_format")
+    if kind == "json_schema":
+        spec = rf.object("json_schema")
+        if spec is None:
+            raise bad("'response_format.json_schema' is required with type json_schema", param="response_format")
+        spec.string("name")
+        spec.boolean("strict", True)
+        schema = spec.data.get("schema")
+        return answer_format("response_format.json_schema.schema", schema) if schema is not None else \
+            answer_format("response_format.json_schema")
+    raise bad(f"'response_format.type' must be text, json_object or json_schema, got "
+              f"{json.dumps(kind) if kind is not None else 'nothing'}", param="response_format.type")
 
 
 def _usage(result) -> dict:

@@ -101,6 +101,19 @@ class GenRequest:
     tools: list[dict] | None = None  # for the chat template (tools.tool_list's shape)
     top_logprobs: int | None = None  # None: no log-probabilities; n: each token's and the n likeliest's
     truncate: bool = False  # ollama's: past the context, drop the oldest turns (the prompt's start) instead of a 400
+    format: object = None  # structured.Format the answer is held to (ollama's format, OpenAI's response_format)
+
+
+def answer_format(param: str, schema=None):
+    """The structured.Format of JSON held to `schema` (None: any JSON object), from the request's
+    field `param`; a 400 naming it with what the grammar engine refused: an answer is never left
+    unconstrained."""
+    from nerva_cli.structured.formats import json_object, json_schema
+
+    try:
+        return json_object(f"'{param}'") if schema is None else json_schema(schema, f"'{param}'")
+    except NervaError as e:
+        raise bad(str(e), param=param) from None
 
 
 def sampling(**given) -> SamplingOptions:
@@ -142,7 +155,8 @@ def _prompt_ids(tokenizer, req: GenRequest, ctx: int) -> list[int]:
 
 def _prepare(req: GenRequest, engine_ctx: int | None):
     """On a thread (a template and a tokenizer run here): -> (key, model, tokenizer, ids,
-    max_tokens, the template's tool call style where the request uses tools)."""
+    max_tokens, the template's tool call style where the request uses tools, the answer's
+    structured.Constraint or None)."""
     from nerva_cli.planes.base import context_length
     from nerva_cli.serve.models import resolve
     from nerva_cli.store.tokenizer import open_tokenizer
@@ -150,6 +164,9 @@ def _prepare(req: GenRequest, engine_ctx: int | None):
     key, model = resolve(req.model)
     tokenizer = open_tokenizer(model.path)
     style = tools.check(key, tokenizer.template) if uses_tools(req) else None
+    if req.tools and req.format is not None:
+        raise bad(f"{req.format.where} holds the whole answer to JSON, which leaves no way to call the tools "
+                  "offered: send one or the other", param=req.format.where.strip("'"))
     ctx = context_length(model.config, engine_ctx)  # what the engine will have: --ctx within the model's
     if req.num_ctx is not None:
         if req.num_ctx > ctx:
@@ -166,15 +183,24 @@ def _prepare(req: GenRequest, engine_ctx: int | None):
         raise bad(f"at most {req.max_tokens} tokens were asked for, past the context of {ctx} tokens",
                   param="max_tokens")
     room = ctx - len(ids)
-    return key, model, tokenizer, ids, min(req.max_tokens or room, room), style
+    constraint = None
+    if req.format is not None:  # its grammar against this model's tokens: a 400 before any token
+        from nerva_cli.structured.constraint import Constraint
+
+        try:
+            constraint = Constraint(req.format, tokenizer, model.config.vocab_size)
+        except NervaError as e:
+            raise bad(str(e), param=req.format.where.strip("'")) from None
+    return key, model, tokenizer, ids, min(req.max_tokens or room, room), style, constraint
 
 
 async def submit(state, req: GenRequest) -> Job:
     """The request queued on its model (loaded first where it is not); 4xx for what is wrong with
     it, 503 when the queue is full."""
-    key, model, tokenizer, ids, max_tokens, style = await asyncio.to_thread(_prepare, req, state.options.engine.ctx)
+    key, model, tokenizer, ids, max_tokens, style, constraint = await asyncio.to_thread(
+        _prepare, req, state.options.engine.ctx)
     job = Job(key, ids, req.sampling, max_tokens, req.stops, req.keep_alive, tokenizer, state.metrics,
-              asyncio.get_running_loop(), top_logprobs=req.top_logprobs, tool_style=style)
+              asyncio.get_running_loop(), top_logprobs=req.top_logprobs, tool_style=style, constraint=constraint)
     state.registry.submit(job, model)
     return job
 

@@ -15,9 +15,11 @@ class RemoteChat(Conversation):
     engine = None  # no engine in this process (the chat's /show info asks info_rows instead)
 
     def __init__(self, client, model: str, described: dict, opts: SamplingOptions, max_tokens: int,
-                 raw: bool = False, system: str | None = None, stops: list[str] = ()):
-        """described: the server's /api/show of `model`."""
+                 raw: bool = False, system: str | None = None, stops: list[str] = (), fmt=None):
+        """described: the server's /api/show of `model`; fmt: a JSON structured.Format (ollama's
+        API takes JSON and schemas, no grammars)."""
         self.client, self.model, self.described = client, model, described
+        self.format = fmt
         self.max_tokens, self.raw, self.stops = max_tokens, raw, list(stops)
         self.system = system
         self.opts = opts
@@ -55,6 +57,8 @@ class RemoteChat(Conversation):
             # the oldest turns go where the conversation outgrows the context, as in this process
             path, body = "/api/chat", {"model": self.model, "messages": messages, "truncate": True}
         body["options"] = self._options()
+        if self.format is not None:
+            body["format"] = "json" if self.format.kind == "JSON" else self.format.schema
         stats, parts, last = GenerationStats(), [], None
         started = time.perf_counter()
         stream = self.client.stream(path, body)
@@ -70,6 +74,7 @@ class RemoteChat(Conversation):
                     last = line
         except KeyboardInterrupt:
             stats.stop_reason = "interrupted"
+            stats.cut_short = self.format is not None
         finally:
             stream.close()
         answer = "".join(parts)
@@ -91,6 +96,8 @@ class RemoteChat(Conversation):
         reason = done.get("done_reason")
         stats.stop_reason = ("context" if reason == "length" and n < self.max_tokens else
                              "length" if reason == "length" else "stop")
+        # the server ends a held answer on its own only where the grammar is complete
+        stats.cut_short = self.format is not None and reason == "length"
 
     def context_note(self) -> str:
         return (f"the answer stopped at the end of the context the server runs {self.model} with "

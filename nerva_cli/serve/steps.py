@@ -52,7 +52,7 @@ def answer_steps(job, prompt: list[int], chunk: int, ctx: int, vocab: int) -> Ge
     kept = yield Keep(reusable_prefix(prompt, ids, unit=chunk))
     del prompt[kept:]
     job.reused(kept)
-    sampler = Sampler(job.sampling, vocab)
+    sampler = Sampler(job.sampling, vocab, job.constraint)
     scored = None  # the last token's log-probabilities, when the request asks for them
 
     def pick(logits) -> int:

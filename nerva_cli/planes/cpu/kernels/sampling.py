@@ -83,7 +83,7 @@ def sample_logits(logits, temperature, top_k, top_p, min_p, u, cand, scratch):
     n = 0
     best = -np.inf
     for i in range(vocab):
-        if logits[i] >= kth:
+        if logits[i] >= kth and logits[i] > -np.inf:
             cand[n] = i
             n += 1
             best = max(best, np.float64(logits[i]))
@@ -126,3 +126,11 @@ def sample_logits(logits, temperature, top_k, top_p, min_p, u, cand, scratch):
         if run > target:
             return cand[j]
     return cand[end]
+
+
+@njit(cache=True, nogil=True)
+def allow_only(logits, allowed, out):
+    """out = logits where token t's bit (bit t % 32 of the uint32 allowed[t // 32]) is set, -inf
+    elsewhere: structured output's mask (structured.constraint). out may be logits."""
+    for i in range(logits.shape[0]):
+        out[i] = logits[i] if (allowed[i >> 5] >> (i & 31)) & 1 else -np.inf
