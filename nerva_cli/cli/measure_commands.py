@@ -27,6 +27,11 @@ def bench(
     concurrency: Annotated[Optional[int], typer.Option(
         help="Decode N sequences together (each its own prompt and KV cache, one batched step a token "
              "for all): reports the aggregate and per-sequence rates. cpu and ref backends.")] = None,
+    answer_format: Annotated[Optional[str], typer.Option(
+        "--format", help="Hold each run's answer to JSON as `run --format` does (json, a JSON Schema file or "
+                         "'{...}'): the decode rate with the mask's cost, and the mask's time per token.")] = None,
+    grammar: Annotated[Optional[Path], typer.Option(
+        "--grammar", help="Hold each run's answer to a Lark or GBNF grammar file, as `run --grammar` does.")] = None,
     ctx: Ctx = None,
     threads: Threads = None,
     precision: Precision = None,
@@ -53,7 +58,12 @@ def bench(
         raise UsageError(f"--ppl-ctx must be >= 2 (a window's first token is context only), got {ppl_ctx}")
     if concurrency is not None and concurrency < 1:
         raise UsageError(f"--concurrency must be >= 1 (sequences), got {concurrency}")
-    opts = BenchOptions(prompt_tokens, gen_tokens, repeat, ppl, ppl_ctx, concurrency)  # reads --ppl's file
+    from nerva_cli.structured.formats import from_flags
+
+    fmt = from_flags(answer_format, grammar)
+    if fmt is not None and concurrency is not None:
+        raise UsageError("--format and --grammar measure one sequence: leave out --concurrency")
+    opts = BenchOptions(prompt_tokens, gen_tokens, repeat, ppl, ppl_ctx, concurrency, fmt)  # reads --ppl's file
     chosen = ctx is None
     if chosen:  # room for the runs, the allocation check's 26 positions, and --ppl's window
         ctx = max(prompt_tokens + gen_tokens + 1, 32, ppl_ctx if ppl else 0)

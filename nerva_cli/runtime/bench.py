@@ -29,6 +29,7 @@ class BenchOptions:
     ppl_file: Path | None = None
     ppl_ctx: int = 512
     concurrency: int | None = None  # N sequences decoded together (decode_batch); None: generate()'s one
+    format: object = None  # structured.Format the answers are held to (--format, --grammar), or None
 
     def __post_init__(self):
         self.ppl_text = None if self.ppl_file is None else read_ppl_text(self.ppl_file)  # before any run
@@ -131,18 +132,31 @@ def concurrent_figures(engine, tokenizer, opts: BenchOptions, log) -> tuple[dict
     return figures, passes, [b - a for a, b in zip(pager0, _pager_counters(engine))]
 
 
-def single_figures(engine, prompt: list[int], opts: BenchOptions, log) -> tuple[dict, int]:
+def single_figures(engine, tokenizer, prompt: list[int], opts: BenchOptions, log) -> tuple[dict, int]:
     """One sequence through generate(): the warm-up and the measured runs; -> (figures, layer
-    passes made, the pager's counters over them)."""
+    passes made, the pager's counters over them). With a format, each run is held to it and ends
+    where its grammar does (at the end of sequence it then allows)."""
     greedy = SamplingOptions(temperature=0.0)
+    masks = []  # with a format: each run's constraint, for its mask times
+
+    def sampler() -> Sampler:
+        if opts.format is None:
+            return Sampler(greedy, engine.cfg.vocab_size)
+        from nerva_cli.structured.constraint import Constraint
+
+        masks.append(Constraint(opts.format, tokenizer, engine.cfg.vocab_size))
+        return Sampler(greedy, engine.cfg.vocab_size, masks[-1])
+
+    eos = tokenizer.eos_ids if opts.format is not None else frozenset()
     log("warm-up (compiles kernels on first use)")
     engine.reset()
-    generate(engine, prompt[:16], Sampler(greedy, engine.cfg.vocab_size), max_tokens=4)
+    generate(engine, prompt[:16], sampler(), max_tokens=4, eos_ids=eos)
+    masks.clear()
     pager0 = _pager_counters(engine)  # the measured runs' reads, not the warm-up's
     runs = []
     for r in range(opts.repeat):
         engine.reset()
-        _, stats = generate(engine, prompt, Sampler(greedy, engine.cfg.vocab_size), max_tokens=opts.gen_tokens)
+        _, stats = generate(engine, prompt, sampler(), max_tokens=opts.gen_tokens, eos_ids=eos)
         if stats.stop_reason == "interrupted":
             raise KeyboardInterrupt
         runs.append(stats)
@@ -163,6 +177,10 @@ def single_figures(engine, prompt: list[int], opts: BenchOptions, log) -> tuple[
         "token_ms_p99": round(float(np.percentile(token_ms, 99)), 3) if token_ms.size else None,
         "concurrency": 1, "aggregate_decode_tok_s": decode, "per_sequence_token_ms_p50": p50,
     }
+    if opts.format is not None:
+        figures.update({"format": opts.format.describe(), "answer_tokens": [s.gen_tokens for s in runs],
+                        "mask_us_mean": round(sum(m.mask_ns_total for m in masks) / 1000 /
+                                              max(1, sum(m.masks for m in masks)), 1)})
     return figures, passes, [b - a for a, b in zip(pager0, _pager_counters(engine))]
 
 
@@ -197,7 +215,7 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
             raise NervaError(f"{opts.ppl_file}: too little text for a perplexity ({len(ppl_ids)} token)")
     prompt = synthetic_prompt(tokenizer, opts.prompt_tokens)
     if opts.concurrency is None:
-        figures, passes, pager = single_figures(engine, prompt, opts, log)
+        figures, passes, pager = single_figures(engine, tokenizer, prompt, opts, log)
     else:
         figures, passes, pager = concurrent_figures(engine, tokenizer, opts, log)
     allocs = engine.count_hot_path_allocations(prompt[:8], steps=16)

@@ -45,6 +45,7 @@ class Constraint:
         words = (_tokens(tokenizer, vocab) + 31) // 32
         self.allowed = np.zeros(words, np.uint32)  # bit t % 32 of word t // 32: token t may come next
         self.mask_ns = 0  # the last mask's time (the ledger's column)
+        self.mask_ns_total, self.masks = 0, 0  # all of them (bench's mean)
         from nerva_cli.planes.cpu.kernels import sampling
 
         self._allow_only = sampling.allow_only
@@ -57,6 +58,8 @@ class Constraint:
             raise NervaError(f"structured output ({self.format.describe()}): {self.matcher.get_error()}")
         self._allow_only(logits, self.allowed, out)
         self.mask_ns = perf_counter_ns() - t0
+        self.mask_ns_total += self.mask_ns
+        self.masks += 1
         return out
 
     def take(self, token: int) -> None:
