@@ -229,6 +229,20 @@ def smollm2_gguf() -> Path:
         pytest.skip(str(e))
 
 
+@pytest.fixture(scope="session")
+def smol_tokenizer(tmp_path_factory):
+    """SmolLM2's TextTokenizer, from the bundled GGUF's vocabulary."""
+    from nerva_cli.store.gguf_tokenizer import tokenizer_files_from_gguf
+    from nerva_cli.store.sources.gguf_header import read_header
+    from nerva_cli.store.tokenizer import TextTokenizer
+
+    path = smollm2_gguf()
+    out = tmp_path_factory.mktemp("smol-tokenizer")
+    for name, text in tokenizer_files_from_gguf(read_header(path).fields, str(path)).items():
+        (out / name).write_text(text)
+    return TextTokenizer(out)
+
+
 @pytest.fixture(scope="module")
 def hf_smollm2():
     """transformers' SmolLM2 from the bundled GGUF, its matrices rounded to f16 as the f16

@@ -37,7 +37,7 @@ OTHER = "smollm2-135m:f16"
 TWINS = ("twin:q4_1", "triplet:q4_1")
 TOOLBOX = "toolbox:f16"
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"city": "string"}}}  # a tiny
-# vocabulary writes a schema in some 100 tokens: a short one, for server B's context of 256
+# vocabulary writes a schema in some 100 tokens: a short one, for server B's context of 512
 COUNTING = "1, 2, 3, 4, 5,"  # SmolLM2 counts on from here, for hundreds of tokens with LONG's options
 LONG = {"temperature": 0, "repeat_penalty": 1.0}  # (ollama's default penalty, 1.1, ends it in some 50)
 # a first start on a machine compiles the CPU kernels (a minute or more on 2 busy cores); later
@@ -148,7 +148,7 @@ def a(request, store_home, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def b(request, store_home, tmp_path_factory):
-    return _server(request, store_home, tmp_path_factory, "b", "--parallel", "1", "--max-queue", "1", "--ctx", "256")
+    return _server(request, store_home, tmp_path_factory, "b", "--parallel", "1", "--max-queue", "1", "--ctx", "512")
 
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -459,8 +459,21 @@ def test_tools_reach_a_template_that_takes_them(b):
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C, clear"}]
     after = client.chat.completions.create(**{**ask, "messages": follow}, tools=[WEATHER])
     assert after.usage.prompt_tokens > offered.usage.prompt_tokens
-    with pytest.raises(openai.BadRequestError, match="tool_choice"):
-        client.chat.completions.create(**ask, tools=[WEATHER], tool_choice="required")
+    # a call the answer must be (tool_choice "required" or by name): held to the tool's schema
+    pick = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": {"const": 1}}, "required": ["n"], "additionalProperties": False}}}
+    for choice in ("required", {"type": "function", "function": {"name": "pick"}}):
+        r = client.chat.completions.create(**{**ask, "max_tokens": None, "temperature": 1.0}, tools=[pick, WEATHER] if choice != "required"
+                                           else [pick], tool_choice=choice, seed=1)
+        calls = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and [c.function.name for c in calls] == ["pick"], \
+            (r.choices[0].message.content, r.usage.completion_tokens)
+        assert json.loads(calls[0].function.arguments) == {"n": 1}
+    with pytest.raises(openai.BadRequestError, match="'tool_choice' must name one of the tools given"):
+        client.chat.completions.create(**ask, tools=[WEATHER], tool_choice={"type": "function",
+                                                                             "function": {"name": "nope"}})
+    with pytest.raises(openai.BadRequestError, match="no 'tools' were given"):
+        client.chat.completions.create(**ask, tool_choice="required")
     with pytest.raises(openai.BadRequestError, match="leaves no way to call the tools offered"):
         client.chat.completions.create(**ask, tools=[WEATHER], response_format={"type": "json_object"})
     native = ollama.Client(host=b.url, timeout=START_TIMEOUT_S)

@@ -10,7 +10,6 @@ import json
 import numpy as np
 import pytest
 
-from conftest import smollm2_gguf
 from nerva_cli.errors import BadInput, UsageError
 from nerva_cli.planes import ref
 from nerva_cli.runtime.sampling import Sampler, SamplingOptions
@@ -58,19 +57,6 @@ REFUSED = {
     "a reference to nothing": ({"$ref": "#/$defs/nope"}, "/$defs/nope"),
     "not an object": ([1, 2], "a JSON Schema is an object"),
 }
-
-
-@pytest.fixture(scope="module")
-def smol_tokenizer(tmp_path_factory):
-    from nerva_cli.store.gguf_tokenizer import tokenizer_files_from_gguf
-    from nerva_cli.store.sources.gguf_header import read_header
-    from nerva_cli.store.tokenizer import TextTokenizer
-
-    path = smollm2_gguf()
-    out = tmp_path_factory.mktemp("smol-tokenizer")
-    for name, text in tokenizer_files_from_gguf(read_header(path).fields, str(path)).items():
-        (out / name).write_text(text)
-    return TextTokenizer(out)
 
 
 @pytest.mark.parametrize("case", list(REFUSED))

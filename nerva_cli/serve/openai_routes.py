@@ -30,8 +30,6 @@ def _request(state, body: Fields, top_logprobs: int | None = None, **prompt) -> 
         body.refuse(name, "it does not map onto nerva's penalty; repeat_penalty (llama.cpp's) does it the "
                           "way nerva samples", allowed=(None, 0, 0.0))
     body.refuse("functions", "the deprecated form of 'tools': send 'tools'", allowed=(None, []))
-    body.refuse("tool_choice", "a call the model must make needs constrained decoding; \"auto\" and \"none\" "
-                               "are taken", allowed=(None, "auto", "none"))
     model = body.string("model")
     if model is None:
         raise bad("'model' is required", param="model")
@@ -45,14 +43,36 @@ def _request(state, body: Fields, top_logprobs: int | None = None, **prompt) -> 
     stream = body.boolean("stream", False)
     stream_options = body.object("stream_options") or Fields({}, "stream_options")
     offered = tools.tool_list(body.data.get("tools")) if "messages" in prompt else None
-    if offered and body.data.get("tool_choice") == "none":
+    choice = _tool_choice(body, offered)
+    if offered and choice == "none":
         offered = None  # the template is not told of them: no call can come back
     elif body.has("tools") and "messages" not in prompt:
         raise bad("'tools' are for /v1/chat/completions", param="tools")
     req = GenRequest(model=model, sampling=opts, keep_alive=state.options.keep_alive, max_tokens=limit,
                      stops=body.stops("stop"), top_logprobs=top_logprobs, tools=offered,
-                     format=_response_format(body), **prompt)
+                     call=None if choice in ("auto", "none") else choice, format=_response_format(body), **prompt)
     return req, stream, stream_options.boolean("include_usage", False)
+
+
+def _tool_choice(body: Fields, offered: list[dict] | None) -> str:
+    """OpenAI's tool_choice: "auto" (the default), "none", "required" (a call, to any of the tools)
+    or {"type": "function", "function": {"name": ...}} (a call to that one) -> that name."""
+    value = body.data.get("tool_choice")
+    if value is None or value in ("auto", "none"):
+        return value or "auto"
+    if value == "required" or isinstance(value, dict):
+        if not offered:
+            raise bad("'tool_choice' asks for a call, and no 'tools' were given", param="tool_choice")
+        if value == "required":
+            return value
+        name = (value.get("function") or {}).get("name") if value.get("type") == "function" else None
+        names = [t["function"]["name"] for t in offered]
+        if name not in names:
+            raise bad(f"'tool_choice' must name one of the tools given ({', '.join(names)}): "
+                      f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", param="tool_choice")
+        return name
+    raise bad(f"'tool_choice' must be \"auto\", \"none\", \"required\" or a function by name, got "
+              f"{json.dumps(value)[:60]}", param="tool_choice")
 
 
 def _response_format(body: Fields):

@@ -99,6 +99,7 @@ class GenRequest:
     num_ctx: int | None = None  # a smaller context for this request (ollama's option)
     stops: list[str] = field(default_factory=list)
     tools: list[dict] | None = None  # for the chat template (tools.tool_list's shape)
+    call: str | None = None  # a call the answer must be: "required" (to any tool) or a tool's name
     top_logprobs: int | None = None  # None: no log-probabilities; n: each token's and the n likeliest's
     truncate: bool = False  # ollama's: past the context, drop the oldest turns (the prompt's start) instead of a 400
     format: object = None  # structured.Format the answer is held to (ollama's format, OpenAI's response_format)
@@ -184,13 +185,19 @@ def _prepare(req: GenRequest, engine_ctx: int | None):
                   param="max_tokens")
     room = ctx - len(ids)
     constraint = None
-    if req.format is not None:  # its grammar against this model's tokens: a 400 before any token
+    # the format asked for, or the calls to the tools offered: against this model's tokens, a 400
+    # before any token where it cannot be held to
+    held = req.format
+    if held is None and style and req.tools:
+        callable_ = [t for t in req.tools if req.call in (None, "required", t["function"]["name"])]
+        held = tools.held_calls(callable_, style, tokenizer, required=req.call is not None)
+    if held is not None:
         from nerva_cli.structured.constraint import Constraint
 
         try:
-            constraint = Constraint(req.format, tokenizer, model.config.vocab_size)
+            constraint = Constraint(held, tokenizer, model.config.vocab_size)
         except NervaError as e:
-            raise bad(str(e), param=req.format.where.strip("'")) from None
+            raise bad(str(e), param=held.where.strip("'")) from None
     return key, model, tokenizer, ids, min(req.max_tokens or room, room), style, constraint
 
 

@@ -100,6 +100,34 @@ def _call(body: str) -> ToolCall | None:
     return ToolCall(obj["name"], args) if isinstance(args, dict) else None
 
 
+def held_calls(offered: list[dict], style: str, tokenizer, required: bool = False):
+    """The answer's structured.Format where tools are offered: text as the model likes, in which a
+    call, once begun, names one of the tools and holds its arguments to that tool's parameter
+    schema, written the way `style` reads them back (parse); `required`: one call and nothing
+    else. A schema nerva cannot hold to is a 400 naming the tool: never a call left unchecked."""
+    from nerva_cli.errors import NervaError
+    from nerva_cli.structured.formats import tool_calls
+
+    # Hermes' block, or Llama 3's bare object (its trigger the object's start up to the name)
+    trigger = "<tool_call>" if style == HERMES else '{"name": '
+    calls = []
+    for i, t in enumerate(offered):
+        f = t["function"]
+        name, schema = json.dumps(f["name"]), f.get("parameters")
+        schema = {"type": "object"} if schema is None else schema
+        if style == HERMES:
+            begin, end = f'<tool_call>\n{{"name": {name}, "arguments": ', "}\n</tool_call>"
+        else:
+            begin, end = f'{{"name": {name}, "parameters": ', "}"
+        calls.append((f"'tools[{i}].function.parameters'", schema, begin, end))
+    special = tokenizer.tok.token_to_id(trigger) in tokenizer.special_ids
+    try:
+        return tool_calls(calls, trigger, special, required)
+    except NervaError as e:
+        where = str(e).split(":", 1)[0].strip("'")
+        raise bad(str(e), param=where if where.startswith("tools[") else "tools") from None
+
+
 def tool_list(value, where: str = "tools") -> list[dict] | None:
     """The request's tools as the templates take them (OpenAI's shape, which ollama's shares):
     [{"type": "function", "function": {"name", "description", "parameters"}}]."""

@@ -81,6 +81,35 @@ def grammar_text(text: str, where: str) -> Format:
     return _checked(LLMatcher.grammar_from_lark(text), "Lark grammar", where)
 
 
+def tool_calls(calls: list[tuple[str, object, str, str]], trigger: str, trigger_is_special: bool,
+               required: bool = False) -> Format:
+    """Free text in which a tool call, once its `trigger` is written, is held whole: `calls` holds
+    (where, the tool's parameter schema, what the call starts with, what ends it) for each tool,
+    every start beginning with the trigger (llguidance's structural tags: the trigger is matched
+    lazily in the text, or as the one token it is where the tokenizer has it as a special token).
+    `required`: no text, one call to one of them (OpenAI's tool_choice "required" or a named
+    tool). A schema the engine cannot hold to is refused by its `where`."""
+    from llguidance import LLMatcher, StructTag
+
+    tags = []
+    for where, schema, begin, end in calls:
+        json_schema(schema, where)  # refused here, by name, rather than as the whole grammar
+        if isinstance(schema, dict):
+            schema = {**schema, "x-guidance": {**JSON_STYLE, **(schema.get("x-guidance") or {})}}
+        tags.append(StructTag(trigger=trigger, begin=begin, grammar=schema, end=end))
+    if not required:
+        lark = StructTag.to_grammar(tags, assume_special=trigger_is_special)
+    else:
+        def text(s: str) -> str:
+            return json.dumps(s) if s else ""
+
+        opening = trigger if trigger_is_special else ""
+        rules = [f"call_{i}: {opening} {text(t.begin[len(opening):])} %json {json.dumps(t.grammar)} {text(t.end)}"
+                 for i, t in enumerate(tags)]
+        lark = "%llguidance {}\nstart: " + " | ".join(f"call_{i}" for i in range(len(tags))) + "\n" + "\n".join(rules)
+    return _checked(LLMatcher.grammar_from_lark(lark), "tool-call grammar", "'tools'")
+
+
 def from_flags(format_value: str | None, grammar_path: Path | None) -> Format | None:
     """`run`'s and `bench`'s --format (json, a schema file, or a schema inline) and --grammar
     (a Lark or GBNF file); None when neither is given."""
