@@ -436,6 +436,25 @@ def test_ledger_on_the_cuda_backend(stored, cuda_device):
     assert "per phase: inside CUDA graphs" in text and "(logits 5, state 5)" in text
 
 
+def test_an_answer_held_to_a_schema_samples_on_the_host(stored, cuda_device):
+    """Structured output on the cuda backend: the mask needs the logits on the host, so a held
+    answer takes the host's sampler (not the graph's); it ends, as the cpu plane's does, in one
+    of the values the schema allows."""
+    from nerva_cli.runtime.generate import generate
+    from nerva_cli.runtime.sampling import Sampler
+    from nerva_cli.store.tokenizer import TextTokenizer
+    from nerva_cli.structured import formats
+    from nerva_cli.structured.constraint import Constraint
+
+    model = stored("llama", "q4_0")
+    tok, vocab = TextTokenizer(model.path), model.config.vocab_size
+    fmt = formats.json_schema({"enum": ["yes", "no", "maybe"]}, "test")
+    for engine in (CudaEngine(model, device=cuda_device, ctx=96), Engine(model, backend="cpu", ctx=96)):
+        sampler = Sampler(SamplingOptions(temperature=0.0), vocab, Constraint(fmt, tok, vocab))
+        out, stats = generate(engine, PROMPT, sampler, 30, eos_ids=tok.eos_ids)
+        assert stats.stop_reason == "eos" and json.loads(tok.decode(out)) in ("yes", "no", "maybe")
+
+
 def test_arena_sizes_are_what_the_arena_allocates(stored):
     """The planner counts the device arena from sizes alone; it must be the arena's real size."""
     from cuda_emu.device import EmuDevice
