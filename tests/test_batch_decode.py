@@ -86,6 +86,41 @@ def test_a_sequence_decodes_the_same_alone_and_in_a_batch(family, variant, preci
         assert batched.ring and (batched.a.kv_bases > 0).sum() >= 3  # the rings moved, each slot its own
 
 
+@pytest.mark.parametrize("family, variant, precision, backend", [
+    ("llama", "q4_0", "w4a8", "cpu"), ("qwen3", "f16", None, "cpu"), ("gemma2", "q4_0", "w4a8", "cpu"),
+    ("llama", "q4_1", "w4a16", "ref")])
+def test_a_prefix_copied_from_another_slot_answers_as_if_prefilled(family, variant, precision, backend,
+                                                                    tiny_models, tmp_path):
+    """copy_prefix: slot 1 takes slot 0's first whole prefill chunks of a shared prompt start
+    (a system prompt another request read), prefills only the rest, and its logits, at the
+    prefill and at every decode step after, equal bit for bit those of the same prompt prefilled
+    whole in a fresh slot with the same chunk boundaries. A sliding layer whose ring has moved
+    past the start gives nothing to copy (0), never a wrong row."""
+    model = pull(str(tiny_models(family)), variant=variant, out=tmp_path / "m")
+    engine = Engine(model, backend=backend, precision=precision, ctx=64, prefill_rows=4, seq_slots=3)
+    shared = [5, 17, 99, 3, 250, 11, 42, 7]  # two chunks of 4
+    first, second = shared + [300, 12, 9], shared + [44, 45, 46, 47, 48]
+    engine.select(0)
+    engine.prefill(first)
+    engine.decode(8)  # the donor goes on decoding past the copied rows
+    engine.select(1)
+    assert engine.copy_prefix(0, len(shared)) == len(shared) and engine.n_past == len(shared)
+    copied = [engine.prefill(second[len(shared):]).copy()]
+    engine.select(2)
+    whole = [engine.prefill(second).copy()]
+    for t in (3, 1, 4, 1, 5):
+        for slot, out in ((1, copied), (2, whole)):
+            engine.select(slot)
+            out.append(engine.decode(t).copy())
+    assert all(np.array_equal(c, w) for c, w in zip(copied, whole)), largest_difference(copied, whole)
+    if engine.ring:  # a donor whose window moved on (64 positions through 8-position windows)
+        engine.select(0)
+        engine.prefill(list(range(20, 60)))
+        assert engine.a.kv_bases[0] > 0
+        engine.select(1)
+        assert engine.copy_prefix(0, 8) == 0
+
+
 def test_a_paged_engine_decodes_a_batch_to_the_bit(tmp_path, rng):
     """Layers streamed from disk through staging slots (q, k, v and gate, up apart, as their
     files keep them) in a batched step: the same logits as the resident engine's decode()."""

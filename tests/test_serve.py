@@ -229,6 +229,26 @@ def test_a_long_prompt_start_is_reused_and_answers_do_not_change(a):
     assert metric(a, "nerva_prefix_cache_hit_tokens_total") - hits == 512
 
 
+def test_a_prompt_start_another_slot_holds_is_copied_not_prefilled(a):
+    """With the slot whose cache holds a prompt's start busy, the request runs in the other slot
+    and takes those whole chunks from it (copied, not prefilled: cached_tokens), and its answer
+    is the one the cold request got."""
+    client = oa(a)
+    story = "The baker rose before dawn, lit the ovens and shaped the loaves by hand. " * 20  # some 300 tokens
+    ask = dict(model=MODEL, max_tokens=8, temperature=1.0, seed=5)
+    cold = client.completions.create(prompt=story + "One morning", **ask)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0 and cold.usage.prompt_tokens > 256
+    busy = client.completions.create(model=MODEL, prompt=story + "Later", max_tokens=200, temperature=0,
+                                     stream=True, extra_body={"repeat_penalty": 1.0})
+    try:
+        next(iter(busy))  # running, in the slot that holds the story (the one its start picks)
+        again = client.completions.create(prompt=story + "One morning", **ask)
+    finally:
+        busy.close()
+    assert again.usage.prompt_tokens_details.cached_tokens == 256
+    assert again.choices[0].text == cold.choices[0].text
+
+
 def test_logprobs_are_the_models_own(a, hf_smollm2):
     """OpenAI's logprobs: the model's log-probabilities (transformers' on the same f16 weights),
     the chosen token's and the likeliest's, in both endpoints' shapes, streamed or not."""

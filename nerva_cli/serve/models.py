@@ -63,8 +63,17 @@ def iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
+_this_second = (0, "")  # (a second, its ISO text): now_iso runs once a streamed token
+
+
 def now_iso() -> str:
-    return iso(time.time())
+    """The time as ollama writes created_at (UTC, microseconds), the date's text made once a second."""
+    global _this_second
+    t = time.time()
+    second = int(t)
+    if second != _this_second[0]:
+        _this_second = (second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second)))
+    return f"{_this_second[1]}.{int((t - second) * 1e6):06d}Z"
 
 
 def details(model) -> dict:

@@ -232,9 +232,11 @@ class Listener:
     def __init__(self, state, job: Job, request: Request):
         self.registry, self.job = state.registry, job
         self.finished = False
+        self.watching = True
         self.gone = asyncio.ensure_future(_disconnect(request))
 
     def stop_watching(self) -> None:
+        self.watching = False
         self.gone.cancel()
 
     def cancel(self) -> None:
@@ -245,14 +247,16 @@ class Listener:
             self.registry.cancel(self.job)
 
     async def next(self) -> tuple[str, object]:
-        get = asyncio.ensure_future(self.job.events.get())
-        if not self.gone.cancelled():  # watching (or the client already gone: then this returns at once)
+        if not self.watching:  # a stream after its first event (Starlette watches then): no task a token
+            kind, payload = await self.job.events.get()
+        else:  # (the client already gone: this returns at once)
+            get = asyncio.ensure_future(self.job.events.get())
             await asyncio.wait({get, self.gone}, return_when=asyncio.FIRST_COMPLETED)
             if not get.done():
                 get.cancel()
                 self.cancel()
                 raise ClientGone()
-        kind, payload = await get
+            kind, payload = await get
         if kind in ("done", "error"):
             self.finished = True
             self.stop_watching()

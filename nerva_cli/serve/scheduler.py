@@ -25,7 +25,7 @@ from time import perf_counter_ns
 
 from nerva_cli.errors import NervaError
 from nerva_cli.planes import resolve
-from nerva_cli.runtime.generate import common_prefix
+from nerva_cli.runtime.generate import common_prefix, reusable_prefix
 from nerva_cli.runtime.report import Reporter
 from nerva_cli.serve.errors import RETRY_AFTER_S, ApiError, overloaded
 from nerva_cli.serve.steps import Decode, answer_steps, run_step
@@ -204,12 +204,30 @@ class ModelWorker(threading.Thread):
                 return
             job = self.pending.popleft()
             slot = max(free, key=lambda s: common_prefix(s.prompt, job.prompt_ids) // s.engine.prefill_chunk)
+            if slot.seq is not None:
+                self._share_prefix(slot, job.prompt_ids)
             job.started(max(0, self.load_started_ns + self.load_ns - job.arrived_ns))  # 0 where it was loaded
             e = slot.engine
             slot.job, slot.steps = job, answer_steps(job, slot.prompt, e.prefill_chunk, e.ctx, e.cfg.vocab_size)
             slot.step = next(slot.steps)  # its first step, Keep: no engine work yet
             self.expires_at = None
             self.last_used = time.monotonic()
+
+    def _share_prefix(self, slot: Slot, ids: list[int]) -> None:
+        """Where another slot of the engine holds more whole prefill chunks of `ids`' start than
+        `slot` does (a system prompt another request, running or done, read), they are copied
+        into `slot` (Engine.copy_prefix) rather than prefilled again: the same rows the chunks
+        would make, so the answer does not change."""
+        engine, chunk = slot.engine, slot.engine.prefill_chunk
+        held = {s: reusable_prefix(s.prompt, ids, unit=chunk) for s in self.slots if s.engine is engine}
+        donor = max(held, key=held.get)
+        if held[donor] <= held[slot]:
+            return
+        with COMPUTE:
+            engine.select(slot.seq)
+            copied = engine.copy_prefix(donor.seq, held[donor])
+        if copied:
+            slot.prompt[:] = donor.prompt[:copied]
 
     def _step(self, slot: Slot) -> None:
         """One step of the slot's request (a cancelled one is dropped instead)."""

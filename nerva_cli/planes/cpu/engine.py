@@ -400,6 +400,22 @@ class Engine(BatchDecode, EngineBase):
         self.n_past = n
         return n
 
+    def copy_prefix(self, src: int, n: int) -> int:
+        """The selected slot's cache becomes sequence slot `src`'s first n positions, every layer's
+        K and V rows copied (a prompt start another request prefilled: a prefix shared between
+        slots), the slot then n positions on. -> the positions copied: 0 where a sliding layer's
+        cache in `src` has moved past its start (those rows are gone)."""
+        a = self.a
+        n = min(n, self.slot_n_past[src])
+        if src == self.slot or n <= 0 or (self.ring and a.kv_bases[src] != 0):
+            return 0
+        for k, v in zip(a.k_all, a.v_all):  # a sliding layer's rows start at position 0 too (base 0)
+            k[self.slot, :n] = k[src, :n]
+            v[self.slot, :n] = v[src, :n]
+        a.kv_base[0] = 0
+        self.n_past = n
+        return n
+
     def _make_room(self, end: int) -> None:
         """Positions up to `end` (exclusive) about to be written: where they pass a sliding
         layer's last row, the positions still attended over (the window before n_past) and
