@@ -112,6 +112,28 @@ def test_set_system_replaces_the_system_message_and_show_tells_it(session):
     assert command(s, "/bye", quiet) == "bye"
 
 
+def test_set_format_holds_the_next_answers_and_noformat_frees_them(session):
+    """ollama's /set format json (here any --format value) and /set noformat: each answer after
+    the command, and only those, held to the format; a bad one is refused and changes nothing."""
+    import json
+
+    s, _ = session(max_tokens=40)
+    command(s, '/set format {"enum": ["yes", "no"]}', quiet)
+    out = []
+    stats = s.answer("the quick brown fox", out.append)
+    assert stats.stop_reason == "eos" and json.loads("".join(out)) in ("yes", "no")
+    shown = []
+    command(s, "/show parameters", shown.append)
+    assert "format          JSON Schema from --format" in shown[0]
+    with pytest.raises(NervaError, match="the JSON Schema cannot be held to"):
+        command(s, '/set format {"type": "strnig"}', quiet)
+    assert s.format is not None and s.format.schema == {"enum": ["yes", "no"]}
+    command(s, "/set noformat", quiet)
+    out.clear()
+    s.answer("the quick brown fox", out.append)
+    assert s.format is None and s.sampler.constraint is None
+
+
 @pytest.mark.parametrize("lines,want", [
     (['"""one', "two", 'three"""'], "one\ntwo\nthree"),
     (['"""', "a", '"""'], "a"),

@@ -19,6 +19,7 @@ PARAMETERS = {"temperature": float, "top_k": int, "top_p": float, "min_p": float
 COMMANDS = (
     ("/set parameter NAME VALUE", f"change a sampling parameter ({', '.join(PARAMETERS)})"),
     ("/set system TEXT", "the system message from the next message on (no TEXT: none)"),
+    ("/set format json", "hold answers to JSON: json, a JSON Schema file or '{...}', as --format (/set noformat: not)"),
     ("/set verbose", "the prompt and answer rates, TTFT and stop reason after each answer (/set quiet: not)"),
     ("/show info", "the model, each layer's precision, the context, the backend"),
     ("/show parameters", "the sampling parameters in force"),
@@ -138,6 +139,14 @@ def command(session, line: str, write, runtime: str = "") -> str | None:
         output.info("system message set" if text else "system message removed")
     elif head == "/set" and len(words) >= 3 and words[1] == "parameter":
         _set_parameter(session, words[2], words[3:])
+    elif head == "/set" and len(words) >= 3 and words[1] == "format":
+        from nerva_cli.structured.formats import from_flags
+
+        session.format = from_flags(line.split(None, 2)[2].strip(), None)  # refused whole where it is wrong
+        output.info(f"answers held to {session.format.describe()}")
+    elif head == "/set" and words[1:] == ["noformat"]:
+        session.format = None
+        output.info("answers free")
     elif head == "/set" and words[1:] in (["verbose"], ["quiet"]):
         output.info("stats after each answer" if words[1] == "verbose" else "no stats after answers")
         return words[1]
@@ -153,7 +162,8 @@ def command(session, line: str, write, runtime: str = "") -> str | None:
     elif head == "/show":
         raise NervaError(f"{line!r}: /show info, parameters, system or template")
     elif head == "/set":
-        raise NervaError(f"{line!r}: /set parameter NAME VALUE, /set system TEXT, /set verbose or /set quiet")
+        raise NervaError(f"{line!r}: /set parameter NAME VALUE, /set system TEXT, /set format json, /set noformat, "
+                         "/set verbose or /set quiet")
     else:
         raise NervaError(f"unknown command {line!r}: /? lists the commands")
     return None
@@ -198,7 +208,8 @@ def parameters(session) -> list[tuple[str, str]]:
     return [("temperature", f"{o.temperature:g}"), ("top_k", str(o.top_k)), ("top_p", f"{o.top_p:g}"),
             ("min_p", f"{o.min_p:g}"), ("repeat_penalty", f"{o.repeat_penalty:g}"), ("repeat_last_n", str(o.repeat_last_n)),
             ("seed", "random" if o.seed is None else str(o.seed)), ("num_predict", str(session.max_tokens)),
-            ("stop", ", ".join(map(repr, session.stops)) or "none")]
+            ("stop", ", ".join(map(repr, session.stops)) or "none"),
+            ("format", session.format.describe() if session.format is not None else "none")]
 
 
 def info(session, runtime: str) -> list[tuple[str, str]]:

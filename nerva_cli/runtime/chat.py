@@ -104,10 +104,12 @@ class ChatSession(Conversation):
         return ids
 
     def answer(self, user_text: str, write) -> GenerationStats:
+        constraint = None
         if self.format is not None:  # each answer starts the grammar again
             from nerva_cli.structured.constraint import Constraint
 
-            self.sampler.hold_to(Constraint(self.format, self.tok, self.engine.cfg.vocab_size))
+            constraint = Constraint(self.format, self.tok, self.engine.cfg.vocab_size)
+        self.sampler.hold_to(constraint)
         ids = self._prompt_ids(user_text)
         common = self.engine.truncate(reusable_prefix(self.cached, ids))
         decoder = self.tok.stream_decoder()
