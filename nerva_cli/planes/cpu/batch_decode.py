@@ -62,9 +62,76 @@ class BatchDecode:
             self.slot_n_past[s] += 1
         return logits
 
+    def _fused_planes(self, layer, rows: int):
+        """The layer's matrices for the compiled batch calls (kernels.layer.batch_layer_planes,
+        made once a resident layer), or None where this step runs it kernel by kernel (the ref
+        backend, a staging slot's layer, and see batch_layer_planes and batch_rows_fused)."""
+        if self.backend != "cpu":
+            return None
+        from nerva_cli.planes.cpu.kernels import layer as fused
+        from nerva_cli.planes.cpu.kernels.decode_attention import _cache_operand
+
+        made = self.__dict__.setdefault("_batch_planes", {})
+        if layer.index not in made or made[layer.index][0] is not layer:
+            planes = fused.batch_layer_planes(layer, self.k.batch_matches_matvec("q4", "w4a16"))
+            caches = (_cache_operand(self.a.k_all[layer.index]), _cache_operand(self.a.v_all[layer.index]))
+            made[layer.index] = (layer, planes, caches)
+        _, planes, caches = made[layer.index]
+        return None if planes is None or not fused.batch_rows_fused(rows) else (planes, caches)
+
+    def _batch_layer_fused(self, layer, planes, caches, x: np.ndarray, pos: np.ndarray, slots: list[int]) -> None:
+        """_batch_layer in three compiled calls and the attention a row (kernels.layer's batch
+        calls: the same kernels on the same buffers, so the same rows to the bit)."""
+        from nerva_cli.planes.cpu.kernels import layer as fused
+        from nerva_cli.planes.cpu.kernels.q4 import _pair_scratch
+
+        cfg, a, k, pw = self.cfg, self.a, self.k, self.pw
+        B, i, spec = x.shape[0], layer.index, self.specs[layer.index]
+        qd, h = cfg.q_dim, cfg.hidden_size
+        qkv_planes, o_planes, gate_up_planes, down_planes = planes
+        w4a8 = layer.precision == "w4a8"
+        codes, scales, sums = pw.bufs["codes"], pw.bufs["code_scales"], pw.bufs["code_sums"]
+        pairs = _pair_scratch(codes.shape[0])
+        window, ring = spec.window, i in self.ring
+        t0 = perf_counter_ns()
+        xn, qkv = pw.take("xn", B, h), pw.take("qkv", B, qd + 2 * cfg.kv_dim)
+        q, kk = pw.take("q", B, cfg.num_heads, cfg.head_dim), pw.take("k", B, cfg.num_kv_heads, cfg.head_dim)
+        slot_rows = pw.take("pos", B)  # the prefill workspace's positions, free during a batched step
+        for b in range(B):
+            slot_rows[b] = slots[b]
+        fused._batch_attention_inputs(x, layer.attn_norm, cfg.rms_eps, xn, codes, scales, sums, pairs, w4a8,
+                                      *qkv_planes, layer.qkv_bias, layer.q_norm, layer.k_norm, qkv, q, kk, pos,
+                                      spec.cos, spec.sin, caches[0], caches[1], slot_rows, a.kv_bases, ring)
+        attn = pw.take("attn", B, cfg.num_heads, cfg.head_dim)
+        for b in range(B):
+            s = slots[b]
+            kc, vc = a.k_slots[s][i], a.v_slots[s][i]
+            row = int(pos[b] - a.kv_bases[s]) if ring else int(pos[b])
+            first = max(0, row + 1 - window) if window else 0
+            if first:
+                kc, vc = kc[first:], vc[first:]
+            k.attention_decode(q[b], kc, vc, row + 1 - first, attn[b], a.att_part, spec.softcap)
+        o = pw.take("proj", B, h)
+        fused._batch_o(pw.take("attn", B, qd), *o_planes, codes, scales, sums, pairs, w4a8, o,
+                       layer.post_attn_norm, cfg.rms_eps)
+        t1 = perf_counter_ns()
+        fused._batch_mlp(o, x, layer.mlp_norm, cfg.rms_eps, xn, codes, scales, sums, pairs, w4a8, *gate_up_planes,
+                         pw.take("gate_up", B, 2 * cfg.intermediate_size), pw.take("act", B, cfg.intermediate_size),
+                         *down_planes, spec.gelu, layer.post_mlp_norm)
+        attention, mlp = self._fused_kernels(layer)
+        self.counters.kernels += attention + mlp + B - 1  # the attention a row
+        self.counters.dispatches += 3 + B
+        self.phase_ns["attention"] += t1 - t0
+        self.phase_ns["mlp"] += perf_counter_ns() - t1
+
     def _batch_layer(self, layer, x: np.ndarray, pos: np.ndarray, slots: list[int]) -> None:
         """One layer of a batched step over x [B, hidden] at positions pos [B], in place: decode's
-        _decode_attention and _decode_mlp, a row each, the dense products over all rows."""
+        _decode_attention and _decode_mlp, a row each, the dense products over all rows (in a
+        few compiled calls where _fused_planes gives the layer's matrices)."""
+        fused = self._fused_planes(layer, x.shape[0])
+        if fused is not None:
+            self._batch_layer_fused(layer, *fused, x, pos, slots)
+            return
         cfg, a, k, pw, m, p = self.cfg, self.a, self.k, self.pw, layer.mats, layer.precision
         B, i, spec = x.shape[0], layer.index, self.specs[layer.index]
         qd, kvd, h, f = cfg.q_dim, cfg.kv_dim, cfg.hidden_size, cfg.intermediate_size

@@ -15,7 +15,8 @@ from nerva_cli.planes.cpu.kernels.ir_helpers import _I16
 from nerva_cli.planes.cpu.kernels.norms import add_rmsnorm, add_rows, rmsnorm, rope
 from nerva_cli.planes.cpu.kernels.numba_setup import F32, _threads
 from nerva_cli.planes.cpu.kernels.q4 import _bits, _pair_scratch, _w4a16_kernel
-from nerva_cli.planes.cpu.kernels.q4_w4a8 import _w4a8
+from nerva_cli.planes.cpu.kernels.q4_w4a8 import _LANES_FROM, _w4a8, _w4a8_batch
+from nerva_cli.planes.cpu.kernels.target import _AVX512BW
 from nerva_cli.planes.cpu.kernels.quantize_act import quantize_act_q8
 
 
@@ -179,3 +180,126 @@ def decode_layer_halves(layer, spec, a, cfg, base=None):
 
 
 _NO_BASE = np.zeros(1, dtype=np.int64)  # a full-context cache's: row r holds position r
+
+
+# -- a batched decode step's layer in a few calls -----------------------------------------------
+#
+# What batch_decode's layer runs kernel by kernel for B rows (each row in its own sequence slot),
+# in three calls: the attention's inputs (norm, QKV, RoPE, each row's K and V into its slot's
+# cache), the o projection, and the MLP half. The same kernels on the same buffers in the same
+# order, so every row stays its decode()'s bit for bit (tests/test_batch_decode.py); what goes
+# is some 600 Python calls a step at B = 4. The attention itself stays a call a row.
+
+@njit(cache=True, nogil=True)
+def _rows_matmul(w, qs, d, m, x, codes, scales, sums, pairs, w4a8, out):
+    """out [B, rows] = the matrix times each row of x [B, cols], as a batched step's _rows_dense
+    runs it: W4A8 in the batch kernel on the rows' Q8 codes (quantised here into the fronts of
+    the flat code buffers, where pw.take lays them), W4A16 and exact a matvec a row."""
+    B, n = x.shape
+    if qs is None:
+        if w is not None:
+            for b in range(B):
+                _matvec_exact(w, x[b], out[b])
+    elif w4a8:
+        g = B * n // 32
+        quantize_act_q8(x.reshape(-1), codes[:B * n], scales[:g], sums[:g])
+        _w4a8_batch(qs, d, m, codes[:B * n].reshape(B, n), pairs[:B * n].reshape(B, n),
+                    scales[:g].reshape(B, n // 32), sums[:g].reshape(B, n // 32), out)
+    else:
+        for b in range(B):
+            _w4a16_kernel(qs, d, m, x[b], out[b])
+
+
+@njit(cache=True, nogil=True)
+def _flat_cache_row(cache, p, flat, start):
+    """_cache_row of the rows [heads, dim] held flat in flat[start:]."""
+    heads, dim = cache.shape[1], cache.shape[2]
+    if cache.itemsize == 2:
+        for h in range(heads):
+            for i in range(dim):
+                cache[p, h, i] = _f32_to_half_bits(flat[start + h * dim + i])
+    else:
+        for h in range(heads):
+            for i in range(dim):
+                cache[p, h, i] = flat[start + h * dim + i]
+
+
+@njit(cache=True, nogil=True)
+def _batch_attention_inputs(x, norm, eps, xn, codes, scales, sums, pairs, w4a8, qkv_w, qkv_qs, qkv_d, qkv_m,
+                            qkv_bias, q_norm, k_norm, qkv, q, k, pos, cos, sin, k_all, v_all, slots, bases, ring):
+    """Norm, QKV, bias, q/k norms, RoPE for the rows of x, and row b's K and V into sequence slot
+    slots[b]'s cache (k_all [slots, rows, kv_heads, dim]) at row pos[b] (minus the slot's base
+    where `ring`: a sliding-window layer's cache)."""
+    B = x.shape[0]
+    rmsnorm(x, norm, eps, xn)
+    _rows_matmul(qkv_w, qkv_qs, qkv_d, qkv_m, xn, codes, scales, sums, pairs, w4a8, qkv)
+    if qkv_bias is not None:
+        add_rows(qkv, qkv_bias)
+    qd, kvd = q.shape[1] * q.shape[2], k.shape[1] * k.shape[2]
+    qf, kf = q.reshape(B, qd), k.reshape(B, kvd)
+    for b in range(B):
+        for i in range(qd):
+            qf[b, i] = qkv[b, i]
+        for i in range(kvd):
+            kf[b, i] = qkv[b, qd + i]
+    if q_norm is not None:
+        rmsnorm(q, q_norm, eps, q)
+        rmsnorm(k, k_norm, eps, k)
+    rope(q, pos, cos, sin)
+    rope(k, pos, cos, sin)
+    for b in range(B):
+        s = slots[b]
+        row = pos[b] - bases[s] if ring else pos[b]
+        _cache_row(k_all[s], row, k[b])
+        _flat_cache_row(v_all[s], row, qkv[b], qd + kvd)
+
+
+@njit(cache=True, nogil=True)
+def _batch_o(attn, o_w, o_qs, o_d, o_m, codes, scales, sums, pairs, w4a8, out, post_norm, eps):
+    _rows_matmul(o_w, o_qs, o_d, o_m, attn, codes, scales, sums, pairs, w4a8, out)
+    if post_norm is not None:
+        rmsnorm(out, post_norm, eps, out)
+
+
+@njit(cache=True, nogil=True)
+def _batch_mlp(o, x, norm, eps, xn, codes, scales, sums, pairs, w4a8, gu_w, gu_qs, gu_d, gu_m, gate_up, act,
+               down_w, down_qs, down_d, down_m, gelu, post_norm):
+    """The residual add and norm, gate/up, the GLU, down (into o), its norm and the residual add,
+    for the rows of x."""
+    add_rmsnorm(o, x, norm, eps, xn)
+    _rows_matmul(gu_w, gu_qs, gu_d, gu_m, xn, codes, scales, sums, pairs, w4a8, gate_up)
+    if gelu:
+        gelu_mul(gate_up, act)
+    else:
+        silu_mul(gate_up, act)
+    _rows_matmul(down_w, down_qs, down_d, down_m, act, codes, scales, sums, pairs, w4a8, o)
+    if post_norm is not None:
+        rmsnorm(o, post_norm, eps, o)
+    for b in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            x[b, i] += o[b, i]
+
+
+def batch_layer_planes(layer, w4a16_batches: bool):
+    """For a resident layer (fused qkv and gate/up) of Q4 or exact matrices: its matrices as
+    _batch_attention_inputs, _batch_o and _batch_mlp take them ((w, qs, d, m) for qkv, o, gate_up
+    and down), or None where its batched step stays kernel by kernel: a staging slot's layer, or
+    W4A16 where the batch kernel is W4A16's own (`w4a16_batches`: AVX-512F)."""
+    m = layer.mats
+    if "qkv" not in m or "gate_up" not in m or layer.precision not in ("exact", "w4a8", "w4a16"):
+        return None
+    if any(lin.w is None and lin.qs is None for lin in m.values()) or (layer.precision == "w4a16" and w4a16_batches):
+        return None
+
+    def planes(lin):
+        if lin.w is not None:
+            return _exact_bits(lin.w), None, None, None
+        return None, lin.qs, _bits(lin.d), _bits(lin.m)
+
+    return planes(m["qkv"]), planes(m["o"]), planes(m["gate_up"]), planes(m["down"])
+
+
+def batch_rows_fused(rows: int) -> bool:
+    """Whether a batched step of `rows` rows takes the W4A8 batch kernel (_rows_matmul's): below
+    _LANES_FROM rows, or without AVX-512BW (whose rows-in-lanes GEMM takes more)."""
+    return not (_AVX512BW and rows >= _LANES_FROM)
