@@ -13,22 +13,19 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from nerva_cli.hardware.machine import cpu_name
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_line import bench_line  # noqa: E402
+
+from nerva_cli.hardware.machine import cpu_name  # noqa: E402
 
 
 def bench(model: str, n: int, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, "-m", "nerva_cli", "bench", model, "--concurrency", str(n), "--threads", str(args.threads),
-           "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens), "--repeat", "1",
-           *args.flags.split()]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr}")
-    return json.loads(done.stdout)
+    return bench_line(model, "--concurrency", str(n), "--threads", str(args.threads), "--prompt-tokens",
+                      str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens), "--repeat", "1", *args.flags.split())
 
 
 def main() -> None:

@@ -14,12 +14,15 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-from nerva_cli.hardware.machine import cpu_name
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_line import bench_line  # noqa: E402
+
+from nerva_cli.hardware.machine import cpu_name  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"facts": {"type": "array", "items": {"type": "string", "maxLength": 60},
                                                      "minItems": 30}},
@@ -27,14 +30,9 @@ SCHEMA = {"type": "object", "properties": {"facts": {"type": "array", "items": {
 
 
 def bench(model: str, args: argparse.Namespace, extra: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "nerva_cli", "bench", model, "--gen-tokens", str(args.gen_tokens),
-           "--prompt-tokens", "64", "--repeat", "1", *extra]
-    if args.threads:
-        cmd += ["--threads", str(args.threads)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr}")
-    return json.loads(done.stdout)
+    threads = ["--threads", str(args.threads)] if args.threads else []
+    return bench_line(model, "--gen-tokens", str(args.gen_tokens), "--prompt-tokens", "64", "--repeat", "1",
+                      *threads, *extra)
 
 
 def main() -> None:
