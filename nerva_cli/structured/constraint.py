@@ -44,6 +44,7 @@ class Constraint:
                            f"{' '.join(self.matcher.get_error().split())}")
         words = (_tokens(tokenizer, vocab) + 31) // 32
         self.allowed = np.zeros(words, np.uint32)  # bit t % 32 of word t // 32: token t may come next
+        self._allowed_at = self.allowed.ctypes.data  # its address, for llguidance to write into
         self.mask_ns = 0  # the last mask's time (the ledger's column)
         self.mask_ns_total, self.masks = 0, 0  # all of them (bench's mean)
         from nerva_cli.planes.cpu.kernels import sampling
@@ -53,7 +54,7 @@ class Constraint:
     def apply(self, logits: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out = logits where the grammar allows the token next, -inf elsewhere (out may be logits)."""
         t0 = perf_counter_ns()
-        self.matcher.unsafe_compute_mask_ptr(self.allowed.ctypes.data, self.allowed.nbytes)
+        self.matcher.unsafe_compute_mask_ptr(self._allowed_at, self.allowed.nbytes)
         if self.matcher.is_error():
             raise NervaError(f"structured output ({self.format.describe()}): {self.matcher.get_error()}")
         self._allow_only(logits, self.allowed, out)
