@@ -14,3 +14,12 @@ def bench_line(*args: str) -> dict:
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr}")
     return json.loads(done.stdout)
+
+
+def write_line(result: dict, out=None) -> None:
+    """`result` as the scripts' one JSON line on stdout, and in the file `out` where given."""
+    text = json.dumps(result)
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")

@@ -10,7 +10,6 @@ at 4 sequences, >= 3.0 at 8). One JSON line on stdout (and in --out).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -18,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_line import bench_line  # noqa: E402
+from bench_line import bench_line, write_line  # noqa: E402
 
 from nerva_cli.hardware.machine import cpu_name  # noqa: E402
 
@@ -59,10 +58,7 @@ def main() -> None:
                                                for n, v in runs.items()},
               "ratio_to_one": {str(n): round(m / one, 3) for n, m in median.items()} if one else None,
               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    text = json.dumps(result)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    write_line(result, args.out)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_line import write_line  # noqa: E402
 from serve_bench import start_server  # noqa: E402  (the same server start as serve_bench's)
 
 from nerva_cli.hardware.machine import cpu_name  # noqa: E402
@@ -85,10 +86,7 @@ def main() -> None:
             "same_to_cold": round(median["same"] / median["cold"], 3),
             "other_to_cold": round(median["other"] / median["cold"], 3),
             "date": time.strftime("%Y-%m-%d")}
-    text = json.dumps(line)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    write_line(line, args.out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_line import bench_line  # noqa: E402
+from bench_line import bench_line, write_line  # noqa: E402
 
 from nerva_cli.hardware.machine import cpu_name  # noqa: E402
 
@@ -69,11 +69,7 @@ def main() -> None:
                                                              for h, f in zip(held, free)), 3),
             "mask_us_mean": round(statistics.mean(r["mask_us_mean"] for r in held), 1),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    text = json.dumps(line)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as out:
-            out.write(text + "\n")
+    write_line(line, args.out)
 
 
 if __name__ == "__main__":
