@@ -26,9 +26,14 @@ window from one batch. docs/perf's figures score gpl3.txt, made by
 (4,774 tokens, 4,764 scored in 512-token windows).
 
 With --gguf FILE it compares on that file instead, converted into the store as compare-<file stem>
-(in its own format, no requantised q4_0; `nerva rm` it after) and run with --no-profile at W4A16 and at W4A8 on every layer: for a bigger
-model of random weights from `scripts/synthetic_model.py SHAPE FILE --gguf --quant q4_1`, whose
-MCAP profile would mean nothing (decode and prefill speed do not depend on weight values). An F16
+(in its own format, no requantised q4_0; `nerva rm` it after; a later run on the same file
+keeps that conversion) and run with --no-profile at W4A16 and at W4A8 on every layer: for a
+bigger model of random weights from `scripts/synthetic_model.py SHAPE FILE --gguf [--vocab
+VOCAB.gguf]`, whose MCAP profile would mean nothing (decode and prefill speed do not depend on
+weight values). At 8B shapes on two cores, e.g.
+
+    python3 scripts/compare_llamacpp.py --gguf llama3-8b.gguf --threads 2 --prompt-tokens 128 512 \
+        --gen-tokens 32 --rounds 1 --repeat 1 --out docs/perf/cpu_vs_llamacpp_<cpu>_llama3_8b_shape.json An F16
 or BF16 GGUF (`--quant f16` there) is pulled as that exact variant and run exact: llama.cpp's
 f16 path against nerva's.
 """
@@ -48,7 +53,8 @@ LLAMA_CPP = r"""
 import json, sys, time
 import numpy as np
 from llama_cpp import Llama
-path, threads, n_prompt, n_gen, text = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+path, threads, n_prompt, n_gen, text, repeat = (sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
+                                                sys.argv[5], int(sys.argv[6]))
 llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_prompt + n_gen + 64,
             n_batch=512, verbose=False)
 prompt = llm.tokenize(text.encode(), add_bos=False)[:n_prompt]
@@ -69,7 +75,7 @@ def once():
         steps.append(time.perf_counter() - t)
     return len(prompt) / (t1 - t0), len(steps) / sum(steps)
 once()  # warm-up
-runs = [once() for _ in range(3)]
+runs = [once() for _ in range(repeat)]
 print(json.dumps({"prefill_tok_s": float(np.median([r[0] for r in runs])),
                   "decode_tok_s": float(np.median([r[1] for r in runs])), "prompt_tokens": len(prompt)}))
 """
@@ -78,11 +84,12 @@ print(json.dumps({"prefill_tok_s": float(np.median([r[0] for r in runs])),
 VARIANTS = ("q4_1", "q4_0")
 
 
-def nerva(model: str, threads: int, precision: str, n_prompt: int, n_gen: int, profile: bool = True) -> dict:
+def nerva(model: str, threads: int, precision: str, n_prompt: int, n_gen: int, repeat: int,
+          profile: bool = True) -> dict:
     env = dict(os.environ, NUMBA_NUM_THREADS=str(threads))
     out = subprocess.run([sys.executable, "-m", "nerva_cli", "bench", model, "--threads", str(threads),
                           "--precision", precision, "--prompt-tokens", str(n_prompt),
-                          "--gen-tokens", str(n_gen), "--repeat", "3", *([] if profile else ["--no-profile"])],
+                          "--gen-tokens", str(n_gen), "--repeat", str(repeat), *([] if profile else ["--no-profile"])],
                          capture_output=True, text=True, env=env)
     if out.returncode:
         sys.exit(f"nerva bench failed: {out.stderr.strip().splitlines()[-1]}")
@@ -139,9 +146,9 @@ def nerva_perplexity(model: str, threads: int, precision: str, ppl: Path, window
     return {"perplexity": r["perplexity"], "ppl_tokens": r["ppl_tokens"]}
 
 
-def llama_cpp(gguf: Path, threads: int, n_prompt: int, n_gen: int, text: str) -> dict:
+def llama_cpp(gguf: Path, threads: int, n_prompt: int, n_gen: int, text: str, repeat: int) -> dict:
     out = subprocess.run([sys.executable, "-c", LLAMA_CPP, str(gguf), str(threads), str(n_prompt),
-                          str(n_gen), text], capture_output=True, text=True)
+                          str(n_gen), text, str(repeat)], capture_output=True, text=True)
     if out.returncode:
         sys.exit(f"llama.cpp run failed: {out.stderr.strip()[-500:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -156,9 +163,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("docs/perf/cpu_vs_llamacpp.json"))
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--prompt-tokens", type=int, default=250)
+    ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[250],
+                    help="prompt lengths: prefill is timed over each, decode after each")
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds per configuration")
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs inside each engine's process (median)")
     ap.add_argument("--ppl", type=Path, help="also score this text file's perplexity with both engines")
     ap.add_argument("--ppl-ctx", type=int, default=512, help="perplexity window, in tokens")
     ap.add_argument("--gguf", type=Path, help="compare on this GGUF (random weights: W4A16 and W4A8, or exact for "
@@ -181,29 +190,29 @@ def main() -> None:
         layers = open_source(str(gguf)).tensors("layers.0.q").stored_dtype
         exact = layers in ("f16", "bf16")  # `pull` would make q4_0 of these: ask for the exact variant
         precisions = ("exact",) if exact else ("w4a16", "w4a8")
-        pulled = subprocess.run([sys.executable, "-m", "nerva_cli", "pull", str(gguf), "--name", name, "--force",
+        again = ["--force"] if converted_before(name, gguf) is None else []  # an 8B file converts in minutes
+        pulled = subprocess.run([sys.executable, "-m", "nerva_cli", "pull", str(gguf), "--name", name, *again,
                                  *(["--quant", layers] if exact else [])], capture_output=True, text=True)
         if pulled.returncode:
             sys.exit(f"nerva pull {gguf} failed: {pulled.stderr.strip().splitlines()[-1]}")
         variants = (pulled.stdout.split()[0].split(":")[1],)  # "name:variant  ...": the GGUF's own format
-    text = PROMPT_SEED_TEXT * (args.prompt_tokens // 40 + 2)
+    text = PROMPT_SEED_TEXT * (max(args.prompt_tokens) // 40 + 2)
     configs = [(v, p) for v in variants for p in precisions]
     rows = []
-    for threads in args.threads:
+    for threads, n_prompt in ((t, n) for t in args.threads for n in args.prompt_tokens):
         samples: dict = {"llama.cpp": [], **{c: [] for c in configs}}
         for _ in range(args.rounds):
-            samples["llama.cpp"].append(llama_cpp(gguf, threads, args.prompt_tokens, args.gen_tokens, text))
+            samples["llama.cpp"].append(llama_cpp(gguf, threads, n_prompt, args.gen_tokens, text, args.repeat))
             for variant, precision in configs:
-                samples[variant, precision].append(nerva(f"{name}:{variant}", threads, precision,
-                                                         args.prompt_tokens, args.gen_tokens,
-                                                         profile=args.gguf is None))
+                samples[variant, precision].append(nerva(f"{name}:{variant}", threads, precision, n_prompt,
+                                                         args.gen_tokens, args.repeat, profile=args.gguf is None))
         med = {k: {f: statistics.median(s[f] for s in v) for f in ("prefill_tok_s", "decode_tok_s")}
                for k, v in samples.items()}
         peer = med["llama.cpp"]
         for variant, precision in configs:
             ours = med[variant, precision]
             rows.append({
-                "threads": threads, "variant": variant, "precision": precision,
+                "threads": threads, "prompt_tokens": n_prompt, "variant": variant, "precision": precision,
                 "nerva_decode_tok_s": round(ours["decode_tok_s"], 2),
                 "llamacpp_decode_tok_s": round(peer["decode_tok_s"], 2),
                 "decode_ratio": round(ours["decode_tok_s"] / peer["decode_tok_s"], 3),
@@ -223,7 +232,7 @@ def main() -> None:
         "machine": {"cpu": cpu_name(), "logical_cpus": os.cpu_count(), "simd": topology.cpu()["simd"]},
         "llama_cpp_python": lc.__version__, "llama_cpp_features": lc.llama_print_system_info().decode().strip(),
         "prompt_tokens": args.prompt_tokens,
-        "gen_tokens": args.gen_tokens, "rounds": args.rounds,
+        "gen_tokens": args.gen_tokens, "rounds": args.rounds, "repeat": args.repeat,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows,
     }
     if args.ppl is not None:
@@ -231,6 +240,20 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
+
+
+def converted_before(name: str, gguf: Path):
+    """The store's model `name` where it was converted from this very file (its fingerprint
+    unchanged), else None."""
+    from nerva_cli.errors import NervaError
+    from nerva_cli.store.catalog import find_model
+    from nerva_cli.store.pull import source_changed
+
+    try:
+        model = find_model(name)
+    except NervaError:
+        return None
+    return None if source_changed(model, str(gguf)) else model
 
 
 def nerva_commit() -> str | None:

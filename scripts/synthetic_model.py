@@ -9,10 +9,13 @@ benchmarks run where a real 8B checkpoint cannot be downloaded. Written by nerva
 
 With --gguf it writes the same kind of weights as a GGUF file instead, which both nerva (`pull`)
 and llama.cpp read, for the CPU comparison at a bigger size (scripts/compare_llamacpp.py --gguf).
-The file carries the bundled SmolLM2 GGUF's tokenizer, so only the shapes with its 49152-token
-vocabulary (the smollm2-* ones) can be written that way:
+The file carries a real tokenizer: by default the bundled SmolLM2 GGUF's (the shapes with its
+49152-token vocabulary), or with --vocab that of any GGUF holding one of the shape's size, such
+as llama.cpp's vocabulary files (`models/ggml-vocab-*.gguf` in llama-cpp-python's sdist:
+llama-bpe for the llama3* shapes, qwen2 for qwen2.5-*):
 
     python3 scripts/synthetic_model.py smollm2-1.7b /tmp/smollm2-1.7b.gguf --gguf --quant q4_1
+    python3 scripts/synthetic_model.py llama3-8b /tmp/llama3-8b.gguf --gguf --vocab ggml-vocab-llama-bpe.gguf
 
 gemma3-* shapes are Gemma 3's (GeGLU, post norms, q/k norms, 512-token windows in five layers of
 six); gemma3-1b-v49k is the 1B's layers under that 49152-token vocabulary, which --gguf writes.
@@ -35,6 +38,8 @@ import numpy as np
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads, head dim, vocab, rope theta, tied
     "llama3-8b": (4096, 14336, 32, 32, 8, 128, 128256, 500000.0, False),
+    "llama3.2-3b": (3072, 8192, 28, 24, 8, 128, 128256, 500000.0, True),
+    "qwen2.5-3b": (2048, 11008, 36, 16, 2, 128, 151936, 1e6, True),  # q/k/v biases (qwen2)
     "smollm2-135m": (576, 1536, 30, 9, 3, 64, 49152, 100000.0, True),
     "smollm2-360m": (960, 2560, 32, 15, 5, 64, 49152, 100000.0, True),
     "smollm2-1.7b": (2048, 8192, 24, 32, 32, 64, 49152, 130000.0, True),
@@ -65,6 +70,8 @@ def family_fields(shape: str, hidden: int, layers: int) -> dict:
                 "attn_softcap": GEMMA2_CAPS[0], "final_softcap": GEMMA2_CAPS[1]}
     if shape.startswith("gemma-"):
         return {"family": "gemma", **geglu_fields(hidden)}
+    if shape.startswith("qwen2"):
+        return {"family": "qwen2", "qkv_bias": True}
     return {"family": "llama"}
 
 
@@ -99,8 +106,9 @@ def source(shape: str, seed: int = 0, kind: str = "q4_0"):
         base = name.rsplit(".", 1)[-1]
         shapes = {**{k: v for g in global_files(cfg).values() for k, v in g.items()}, **layer_shapes(cfg)}
         shape = shapes[base]
-        if len(shape) == 1:  # norms near 1
-            return SourceTensor(shape, lambda: (1 + 0.05 * rng.standard_normal(shape)).astype(np.float32))
+        if len(shape) == 1:  # norms near 1, biases near 0
+            centre = 0.0 if base.endswith("_bias") else 1.0
+            return SourceTensor(shape, lambda: (centre + 0.05 * rng.standard_normal(shape)).astype(np.float32))
 
         rows, cols = shape
         if kind == "f16":
@@ -140,17 +148,21 @@ def gguf_blocks(qs, d, m) -> np.ndarray:
     return np.concatenate([*parts, codes], axis=2).reshape(rows, -1)
 
 
-def write_gguf(shape: str, out: Path, kind: str) -> None:
-    """source(shape)'s weights as a llama (or gemma, gemma2, gemma3) GGUF (written to a temporary name, then
-    renamed)."""
+def write_gguf(shape: str, out: Path, kind: str, vocab_file: Path | None = None) -> None:
+    """source(shape)'s weights as a llama (or qwen2, gemma, gemma2, gemma3) GGUF with the tokenizer
+    of vocab_file (a GGUF; by default the bundled SmolLM2's), written to a temporary name, then
+    renamed."""
     import gguf
     from nerva_cli.store.sources.resolve import bundled_gguf
 
     h, f, n, heads, kvh, hd, vocab, theta, tied = SHAPES[shape]
-    vocab_from = gguf.GGUFReader(str(bundled_gguf("smollm2-135m")))
-    if len(vocab_from.fields["tokenizer.ggml.tokens"].data) != vocab or not tied:
-        sys.exit(f"{shape}: --gguf copies SmolLM2's tokenizer (49152 tokens, tied embeddings); this shape has "
-                 f"{vocab} (for Llama 3's vocabulary see shared/gpu-peers/make_gguf.py)")
+    vocab_from = gguf.GGUFReader(str(vocab_file or bundled_gguf("smollm2-135m")))
+    if "tokenizer.ggml.tokens" not in vocab_from.fields:
+        sys.exit(f"--vocab {vocab_file}: holds no tokenizer (no tokenizer.ggml.tokens)")
+    tokens = len(vocab_from.fields["tokenizer.ggml.tokens"].data)
+    if tokens != vocab:
+        where = f"--vocab {vocab_file}" if vocab_file else "SmolLM2's tokenizer (the default; see --vocab)"
+        sys.exit(f"{shape}: {where} has {tokens} tokens, the shape {vocab}")
     tmp = out.with_name(out.name + ".tmp")
     src = source(shape, kind=kind)
     family = src.config.family
@@ -200,11 +212,16 @@ def write_gguf(shape: str, out: Path, kind: str) -> None:
 
     add("token_embd.weight", "embed")
     add("output_norm.weight", "final_norm")
+    if not tied:
+        add("output.weight", "lm_head")
     from nerva_cli.model.layout import layer_shapes
 
     for i in range(n):
         for base in layer_shapes(src.config):
-            add(f"blk.{i}.{GGUF_NAMES[base]}.weight", f"layers.{i}.{base}")
+            if base.endswith("_bias"):
+                add(f"blk.{i}.{GGUF_NAMES[base[:-len('_bias')]]}.bias", f"layers.{i}.{base}")
+            else:
+                add(f"blk.{i}.{GGUF_NAMES[base]}.weight", f"layers.{i}.{base}")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -218,11 +235,17 @@ def main() -> None:
     ap.add_argument("out", type=Path, help="model directory to write (the store's <name>/<variant> layout), "
                                             "or with --gguf the .gguf file")
     ap.add_argument("--quant", choices=("q4_0", "q4_1", "f16"), default="q4_0")
-    ap.add_argument("--gguf", action="store_true", help="write a GGUF file (smollm2-* shapes) instead")
+    ap.add_argument("--gguf", action="store_true", help="write a GGUF file instead")
+    ap.add_argument("--vocab", type=Path, help="with --gguf: the GGUF whose tokenizer the file carries (default: "
+                                               "the bundled SmolLM2's, 49152 tokens)")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    if args.vocab is not None and not args.gguf:
+        ap.error("--vocab goes with --gguf (the store format carries a small BPE trained here)")
+    if args.vocab is not None and not args.vocab.is_file():
+        ap.error(f"--vocab {args.vocab}: no such file")
     if args.gguf:
-        write_gguf(args.shape, args.out, args.quant)
+        write_gguf(args.shape, args.out, args.quant, args.vocab)
         print(args.out)
         return
     from nerva_cli.store.convert import convert
