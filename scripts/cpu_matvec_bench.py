@@ -9,7 +9,7 @@ The figures in planes/cpu/kernels's comments come from this.
 --dram writes a 64 MB buffer between calls, so a matrix smaller than the L3 is read from DRAM as
 in a real decode step (SmolLM2's 98 MB of weights do not stay in a 32 MB L3); without it, a
 matrix the caches hold is timed from them. --lowering avx2 compiles the kernels as if the host
-had no AVX-512 (the 256-bit integer dots, the four-row W4A16), and --lowering avx512 as if it had
+had no AVX-512 (the 256-bit integer dots, W4A16 on Q16 codes), and --lowering avx512 as if it had
 AVX-512 but not AVX512-BF16 (W4A16's row tables instead of its bf16 dots), into a scratch numba
 cache, so they can be compared on one machine.
 """
@@ -58,14 +58,14 @@ def main() -> None:
         if not cpu_target._AVX512F:  # the row tables' lookups are AVX-512 instructions
             sys.exit("--lowering avx512 needs a host with AVX-512F; this one has none")
         cpu_q4._AVX512BF16 = False
-        cpu_q4._w4a16_kernel = cpu_q4_float._w4a16_by_row  # the row tables, chosen at import as well
+        cpu_q4._w4a16_float_kernel = cpu_q4_float._w4a16_by_row  # the row tables, chosen at import as well
     if args.lowering == "avx2":
         for module in (cpu_target, cpu_integer_dots, cpu_q4_w4a8, cpu_q4, cpu_gemm):
             for name in ("_AVX512F", "_AVX512BW", "_AVX512VNNI", "_AVX512BF16"):
                 if hasattr(module, name):
                     setattr(module, name, False)
         cpu_q4_float._LANES = 8  # the float kernels' width, set at import from the host
-        cpu_q4._w4a16_kernel = cpu_q4_float._w4a16  # the four-row W4A16 kernel, chosen at import as well
+        cpu_q4._w4a16_kernel = cpu_q4_w4a8._w4a16_q16  # W4A16 on Q16 codes, chosen at import as well
 
     rng = np.random.default_rng()
     evict = np.ones(64 << 20, np.uint8)

@@ -28,13 +28,18 @@ N_TOKENS = 64
 # f32 KV cache, which computes what transformers does; the default f16 cache rounds each cached
 # value once more (test_f16_kv_cache_follows_transformers holds it to its own bound).
 LOGIT_RTOL = 1e-4
-# W4A16 where the cpu multiplies in bf16 dot products (AVX512-BF16): each activation is split into
-# two bf16 parts, 16 significant bits, rounded at most 2^-16 relative (32 times finer than an
-# f16 activation), and every matvec's input carries that. Measured against exact-activation
+# W4A16 where the cpu rounds its activations: in bf16 dot products (AVX512-BF16) each is split
+# into two bf16 parts, 16 significant bits, rounded at most 2^-16 relative (32 times finer than
+# an f16 activation); without AVX-512F each becomes a Q16 code, rounded at most 2^-16 of its
+# 32-group's largest value. Every matvec's input carries that. Measured against exact-activation
 # logits (ref's decode against the cpu's prefill, test_q4_decode_matches_prefill_and_ref's
-# sequences, 8 seeds): 4.5e-5 to 1.3e-4; against transformers (the q4_1 test below) 2.5e-4. So
-# 1e-3 there: a wiring fault still moves logits by their own size.
-W4A16_RTOL = 1e-3 if cpu_target._AVX512BF16 else LOGIT_RTOL
+# sequences, 8 seeds), bf16: 4.5e-5 to 1.3e-4; against transformers (the q4_1 test below) bf16
+# 2.5e-4, Q16 3.5e-4. Q16 is coarser where a group holds an outlier: over 6 such sequences per
+# family and variant (Zen 3), at most 5.3e-4 for llama and qwen2, 8.1e-4 for gemma3, 1.8e-3 for
+# gemma2 (these models' weights are wide, std 0.25); SmolLM2 q4_1's decode against ref's f32
+# activations 6.2e-5 median, 1.4e-4 at most over 16 positions. So 1e-3 with bf16, 3e-3 with
+# Q16: a wiring fault still moves logits by their own size.
+W4A16_RTOL = 1e-3 if cpu_target._AVX512BF16 else 3e-3 if not cpu_target._AVX512F else LOGIT_RTOL
 
 
 def hf_model(src):
@@ -502,7 +507,7 @@ def test_short_prompts_take_the_batch_kernels(precision, variant, tiny_models, t
 
     model = pull(str(tiny_models("llama-untied")), variant=variant, out=tmp_path / "m")
     engine = Engine(model, precision=precision, ctx=80, kv_cache="f32")
-    most = min(cpu.short_prefill_rows(precision), engine.pw.rows)  # W4A8 on AVX-512BW: any chunk
+    most = min(cpu.short_prefill_rows(precision), engine.pw.rows)  # W4A8 on AVX2 or AVX-512BW: any chunk
     assert most > 0 if precision == "w4a8" or cpu_target._AVX512F else most == 0
     T = int(rng.integers(2, max(most, 16) + 1))
     layer = next(iter(engine.weights.layers()))

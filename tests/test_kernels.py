@@ -25,7 +25,7 @@ from nerva_cli.planes.cpu.kernels import (  # the kernels' modules: the names an
     decode_attention as cpu_decode_attention, prefill_attention as cpu_prefill_attention, exact as cpu_exact,
     gemm as cpu_gemm, glu as cpu_glu, integer_dots as cpu_integer_dots, ir_helpers as cpu_ir_helpers,
     numba_setup as cpu_numba_setup, q4 as cpu_q4, q4_bf16 as cpu_q4_bf16, q4_float as cpu_q4_float,
-    q4_w4a8 as cpu_q4_w4a8, q8 as cpu_q8, target as cpu_target)
+    q4_w4a8 as cpu_q4_w4a8, q8 as cpu_q8, quantize_act as cpu_quantize_act, target as cpu_target)
 
 EPS = float(np.finfo(np.float32).eps)
 ROWS = (1, 3, 5, 37, 1536)
@@ -351,7 +351,7 @@ def test_matvec_q4_w4a16(rng, rows, cols, kind):
     x = randn(rng, cols)
     got = np.empty(rows, np.float32)
     cpu.matvec_q4_w4a16(qs, d, m, x, got)
-    assert_w4a16_close(got, qs, d, m, x, split=cpu_target._AVX512BF16)
+    assert_w4a16_close(got, qs, d, m, x, split=cpu_target._AVX512BF16, q16=not cpu_target._AVX512F)
 
 
 # The bf16 lowering's activations: hi = bf16(x) and lo = bf16(x - hi). Rounding to bf16's 8
@@ -360,9 +360,10 @@ def test_matvec_q4_w4a16(rng, rows, cols, kind):
 SPLIT_ERROR = 2.0 ** -16
 
 
-def assert_w4a16_close(got, qs, d, m, x, split=False):
+def assert_w4a16_close(got, qs, d, m, x, split=False, q16=False):
     """got within ref's bound of ref's matvec (and ref of the f64 product); `split`: got comes
-    from the bf16 lowering, whose activations carry SPLIT_ERROR."""
+    from the bf16 lowering, whose activations carry SPLIT_ERROR; `q16`: from the integer one on
+    Q16 codes, each activation within half its group's step d_x (the W8A16 bound below)."""
     want = np.empty_like(got)
     ref.matvec_q4_w4a16(qs, d, m, x, want)
     w64 = dequant_f64(qs, d, m)
@@ -370,13 +371,19 @@ def assert_w4a16_close(got, qs, d, m, x, split=False):
     if m is not None:  # one lowering sums d q x and m x apart: their magnitudes, not the weight's
         magnitude = np.abs(w64 - np.repeat(m.astype(np.float64), 32, axis=1)) @ np.abs(x) + \
             np.abs(np.repeat(m.astype(np.float64), 32, axis=1)) @ np.abs(x)
-    assert_dots_close(got, want, magnitude, x.shape[0], SPLIT_ERROR if split else 0.0)
+    step = 0.0
+    if q16:
+        xd = act_q16(ref, x)[1].astype(np.float64)
+        step = np.abs(w64) @ np.repeat(xd * (0.5 + 1e-3), 32)
+    assert np.all(np.abs(got.astype(np.float64) - want)
+                  <= (sum_tol(x.shape[0]) + (SPLIT_ERROR if split else 0.0)) * magnitude + step)
     assert_dots_close(want, w64 @ x, magnitude, x.shape[0])
 
 
 def _serial_w4a16(lowering):
     """A fresh, uncached serial driver of one of the W4A16 intrinsics (inspect_asm needs one):
-    "bf16-dots" (_w4a16_bf16_row, after _bf16_split), "row-table" or "four-row"."""
+    "bf16-dots" (_w4a16_bf16_row, after _bf16_split), "row-table" or "q16-codes" (W4A8's row
+    intrinsic on the Q16 codes of _quantize_q16)."""
     from numba import njit
 
     @njit
@@ -394,19 +401,20 @@ def _serial_w4a16(lowering):
             out[r] = cpu_q4_float._w4a16_row(qs, d, m, x, r)
 
     @njit
-    def four_rows(qs, d, m, x, out):
-        rows = d.shape[0]
-        for g in range((rows + 3) // 4):
-            r0, r1, r2, r3 = cpu_q4_float._row_group(g, rows)
-            out[r0], out[r1], out[r2], out[r3] = cpu_q4_float._w4a16_rows(qs, d, m, x, r0, r1, r2, r3)
-    return {"bf16-dots": bf16_dots, "row-table": row_table, "four-row": four_rows}[lowering]
+    def q16_codes(qs, d, m, x, out):
+        n = x.shape[0]
+        xq, xd, xs = np.empty(n, np.int16), np.empty(n // 32, np.float32), np.empty(n // 32, np.int32)
+        cpu_quantize_act._quantize_q16(x, xq, xd, xs)
+        for r in range(d.shape[0]):
+            out[r] = cpu_q4_w4a8._w4a8_row(qs, d, m, xq, xq, xd, xs, r)
+    return {"bf16-dots": bf16_dots, "row-table": row_table, "q16-codes": q16_codes}[lowering]
 
 
-W4A16_LOWERINGS = {"bf16-dots": "avx512bf16", "row-table": "avx512f", "four-row": None}  # -> the feature it needs
+W4A16_LOWERINGS = {"bf16-dots": "avx512bf16", "row-table": "avx512f", "q16-codes": None}  # -> the feature it needs
 
 
 def host_w4a16_lowering() -> str:
-    return "bf16-dots" if cpu_target._AVX512BF16 else "row-table" if cpu_target._AVX512F else "four-row"
+    return "bf16-dots" if cpu_target._AVX512BF16 else "row-table" if cpu_target._AVX512F else "q16-codes"
 
 
 @pytest.mark.parametrize("lowering", W4A16_LOWERINGS)
@@ -425,9 +433,10 @@ def test_matvec_q4_w4a16_kernels(rng, kind, lowering):
     kernel = _serial_w4a16(lowering)
     kernel(qs, d.view(np.uint16), None if m is None else m.view(np.uint16), x, got)
     asm = next(iter(kernel.inspect_asm().values()))
-    assert ("vcvtdq2ps" in asm) == (lowering == "four-row")  # the lookups (vpermd/vpermps/vpermw) convert nothing
+    if cpu_target._AVX2:  # the Q16 codes' dots are vpmaddwd's; the lookups and bf16 dots take none
+        assert ("vpmaddwd" in asm) == (lowering == "q16-codes")
     assert ("vdpbf16ps" in asm) == (lowering == "bf16-dots")
-    assert_w4a16_close(got, qs, d, m, x, split=lowering == "bf16-dots")
+    assert_w4a16_close(got, qs, d, m, x, split=lowering == "bf16-dots", q16=lowering == "q16-codes")
     if lowering == host_w4a16_lowering():
         cpu.matvec_q4_w4a16(qs, d, m, x, host)
         assert np.array_equal(host, got)
@@ -482,9 +491,10 @@ def test_matvec_q4_w4a8_integer_dot_exact(rng, rows, cols, kind):
 @pytest.mark.parametrize("cols", (32, 352, 576))  # blocks: one; 8 + a pair + one; 16 + a pair
 def test_matmul_q4_w4a8_is_the_matvec_of_each_activation(rng, acts, cols, kind):
     # A prompt's W4A8 GEMM: activation t's outputs are the backend's own matvec of it, bit for bit
-    # (the same arithmetic a row; the cpu unpacks a row's codes once for a tile of them: with
-    # AVX-512BW 16 rows in lanes, 37 rows leaving a tile of 5), written into a column slice of a
-    # wider array and nowhere else. The matvecs are held to ref above.
+    # (the same arithmetic a row; the cpu unpacks a row's codes once for a tile of them: rows in
+    # lanes from 12 activations, 16 a tile with AVX-512BW and 8 with AVX2, 37 rows leaving a tile
+    # of 5), written into a column slice of a wider array and nowhere else. The matvecs are held
+    # to ref above.
     rows = 37
     qs, d, m = random_q4(rng, rows, cols, kind)
     x = randn(rng, acts, cols)
@@ -505,14 +515,12 @@ def test_matmul_q4_w4a8_is_the_matvec_of_each_activation(rng, acts, cols, kind):
 @pytest.mark.parametrize("acts", (1, 3, 4, 9))  # the cpu's tiles of four and one
 @pytest.mark.parametrize("cols", (32, 352 + 576, 576))  # 29 blocks: a span of 16 and 13 left over
 def test_matmul_q4_w4a16_is_the_matvec_of_each_activation(rng, acts, cols, kind):
-    # As the W4A8 test above, for the float kernel's batch form; the cpu's runs only where the
-    # row kernel does (AVX-512F), and prefill takes BLAS elsewhere.
+    # As the W4A8 test above, for W4A16's batch form: the row tables' or bf16 dots' (AVX-512F),
+    # else the integer walk on each row's Q16 codes.
     rows = 37
     qs, d, m = random_q4(rng, rows, cols, kind)
     x = randn(rng, acts, cols)
-    if not cpu_target._AVX512F:
-        assert cpu.short_prefill_rows("w4a16") == 0  # prefill never calls it there
-    for backend in (cpu, ref) if cpu_target._AVX512F else (ref,):
+    for backend in (cpu, ref):
         wide = np.full((acts, rows + 7), np.nan, np.float32)
         backend.matmul_q4_w4a16(qs, d, m, x, wide[:, 3:3 + rows])
         for t in range(acts):
@@ -573,16 +581,14 @@ def test_matvec_q8_w8a16(rng, rows, cols):
 
 @pytest.mark.parametrize("lanes", (8, 16))
 @pytest.mark.parametrize("kind", KINDS)
-def test_float_kernels_at_either_width(rng, monkeypatch, kind, lanes):
-    """The four-row W4A16 and the Q4 dequantisation at the width a host without AVX-512
-    compiles (8 floats) and the one a host with it does (16), built here fresh whatever the host
-    (16-lane IR lowers to two AVX2 registers); the same bounds as the host's kernels."""
+def test_dequantize_q4_at_either_width(rng, monkeypatch, kind, lanes):
+    """The Q4 dequantisation at the width a host without AVX-512 compiles (8 floats) and the one
+    a host with it does (16), built here fresh whatever the host (16-lane IR lowers to two AVX2
+    registers): ref's values bit for bit."""
     from numba import njit
 
     monkeypatch.setattr(cpu_q4_float, "_LANES", lanes)
-    rows, cols = 13, 352  # 11 blocks; 13 rows: a last group of four that repeats a row
-    x = randn(rng, cols)
-    got = np.empty(rows, np.float32)
+    rows, cols = 13, 352  # 11 blocks
 
     @njit
     def dequantize(qs, d, m, out):
@@ -590,13 +596,10 @@ def test_float_kernels_at_either_width(rng, monkeypatch, kind, lanes):
             cpu_q4_float._dequantize_q4_row(qs, d, m, out, r)
     qs, d, m = random_q4(rng, rows, cols, kind)
     bits = (d.view(np.uint16), None if m is None else m.view(np.uint16))
-    kernel = _serial_w4a16("four-row")
-    kernel(qs, *bits, x, got)
-    llvm = next(iter(kernel.inspect_llvm().values()))
-    assert f"load <{lanes} x i8>" in llvm and f"load <{24 - lanes} x i8>" not in llvm  # the codes, a vector a load
-    assert_w4a16_close(got, qs, d, m, x)
     dense, want = np.empty((rows, cols), np.float32), np.empty((rows, cols), np.float32)
     dequantize(qs, *bits, dense)
+    llvm = next(iter(dequantize.inspect_llvm().values()))
+    assert f"load <{lanes} x i8>" in llvm and f"load <{24 - lanes} x i8>" not in llvm  # the codes, a vector a load
     ref.dequantize_q4(qs, d, m, want)
     assert np.array_equal(dense, want)
 
@@ -740,13 +743,13 @@ def _serial_w4a8_row_batch():
 
 
 def _serial_w4a8_lanes():
-    """As _serial_w4a8, for the prompt GEMM's rows-in-lanes tile (AVX-512BW), every tile of 16
-    rows and eight activations in turn."""
+    """As _serial_w4a8, for the prompt GEMM's rows-in-lanes tile (AVX2 or AVX-512BW), every tile
+    of rows (as many as codes' lanes) and eight activations in turn."""
     from numba import njit
 
     @njit
     def matmul(qs32, d, m, xq, xd, xs, out, codes, scales, offsets):
-        for r0 in range(0, d.shape[0], cpu_q4_w4a8._LANE_ROWS):
+        for r0 in range(0, d.shape[0], codes.shape[2]):
             cpu_q4_w4a8._pack_lane_rows(qs32, d, m, r0, codes, scales, offsets)
             for t0 in range(0, xq.shape[0], cpu_q4_w4a8._LANE_ACTS):
                 cpu_q4_w4a8._w4a8_lane_tile(codes, scales, offsets, xq, xd, xs, out, r0, t0)
@@ -832,11 +835,12 @@ def test_matvec_q4_w4a8_lowerings(rng, monkeypatch, kind, lowering):
     for t in range(4):
         cpu.matvec_q4_w4a8(qs, d, m, xq4[t], xd4[t], xs4[t], host)
         assert np.array_equal(got4[t], host), t
-    if not flags[1]:  # the prompt GEMM's lane tile needs AVX-512BW
+    if not flags[2]:  # the prompt GEMM's lane tile needs AVX2 (8 rows in lanes) or AVX-512BW (16)
         return
-    blocks = cols // 32
-    codes = np.empty((blocks, 4, cpu_q4_w4a8._LANE_ROWS), np.uint32)
-    scales, offsets = (np.empty((blocks, cpu_q4_w4a8._LANE_ROWS), np.uint16) for _ in range(2))
+    blocks, lanes = cols // 32, cpu_q4_w4a8._lane_rows()
+    assert lanes == (16 if flags[1] else 8)
+    codes = np.empty((blocks, 4, lanes), np.uint32)
+    scales, offsets = (np.empty((blocks, lanes), np.uint16) for _ in range(2))
     lanes = _serial_w4a8_lanes()
     lanes(qs.view(np.uint32), *args[1:3], xq4, xd4, xs4, got4, codes, scales, None if m is None else offsets)
     assert re.search(pattern, next(iter(lanes.inspect_asm().values())))
@@ -1304,6 +1308,7 @@ def test_decode_kernels_do_not_allocate(rng):
     q8, d8 = random_q8(rng, 37, n)
     d8 = d8.view(np.uint16)
     xq, xd, xs = act_q8(cpu, x)
+    q16 = (np.empty(n, np.int16), np.empty(n // 32, np.float32), np.empty(n // 32, np.int32))  # W4A16's scratch
     mv = np.empty(37, np.float32)
     # exact matrices as _exact_bits passes them on: f16 as int16, bf16 as uint16
     h16, b16 = exact_matrix(rng, 37, n, "f16")[0].view(np.int16), exact_matrix(rng, 37, n, "bf16")[0]
@@ -1318,14 +1323,17 @@ def test_decode_kernels_do_not_allocate(rng):
         (cpu.add_rmsnorm, (x, res, w, 1e-5, out)),
         (cpu.rope, (q, pos, cos, sin)),
         (cpu.quantize_act_q8, (x, xq, xd, xs)),
-        (cpu_q4_float._w4a16, (qs, d16, None, x, mv)),
+        (cpu_q4._w4a16_kernel, (qs, d16, None, x, *q16, True, mv)),
         (cpu_q4_w4a8._w4a8, (qs, d16, None, xq, np.empty_like(xq), xd, xs, mv)),
-        (cpu_q4_float._w4a16, (qs, d16, m16, x, mv)),
+        (cpu_q4._w4a16_kernel, (qs, d16, m16, x, *q16, True, mv)),
         (cpu_q4_w4a8._w4a8, (qs, d16, m16, xq, np.empty_like(xq), xd, xs, mv)),
         (cpu_q4_w4a8._w4a8_batch, (qs, d16, m16, np.stack([xq] * 5), np.empty((5, n), np.int8), np.stack([xd] * 5),
                            np.stack([xs] * 5), np.empty((5, 40), np.float32)[:, 2:39])),
         *([(cpu_q4_float._w4a16_batch, (qs, d16, m16, np.stack([x] * 5), np.empty((5, 40), np.float32)[:, 2:39]))]
-          if cpu_target._AVX512F else []),
+          if cpu_target._AVX512F else
+          [(cpu_q4_w4a8._w4a16_q16_batch, (qs, d16, m16, np.stack([x] * 5), np.empty((5, n), np.int16),
+                                           np.empty((5, n // 32), np.float32), np.empty((5, n // 32), np.int32),
+                                           np.empty((5, 40), np.float32)[:, 2:39]))]),
         *([(cpu_q4_bf16._w4a16_bf16, (qs, d16, None, x, mv)), (cpu_q4_bf16._w4a16_bf16, (qs, d16, m16, x, mv)),
            (cpu_q4_bf16._w4a16_bf16_batch, (qs, d16, m16, np.stack([x] * 5),
                                             np.empty((5, (n // 32 + 1) // 2 * 128), np.uint16),

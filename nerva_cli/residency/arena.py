@@ -79,9 +79,10 @@ class Arena:
         self.k_rows = self.k.reshape(1, cfg.num_kv_heads, cfg.head_dim)
         self.act_q8 = {n: (self.xq[:n], self.xd[: n // QK], self.xs[: n // QK])
                        for n in {h, f, cfg.q_dim}}
-        # the W8A16 lm_head's activation (hidden wide), codes and per-group scales
-        self.xq16, self.xd16 = np.zeros(h, dtype=np.int16), z(h // QK)
-        self.act_q16 = {h: (self.xq16, self.xd16)}
+        # Q16 codes and per-group scales: the W8A16 lm_head's activation (hidden wide) and, where
+        # the cpu's W4A16 takes Q16 codes, every layer matvec's (their sums in xs, as W4A8's)
+        self.xq16, self.xd16 = np.zeros(widest, dtype=np.int16), z(widest // QK)
+        self.act_q16 = {n: (self.xq16[:n], self.xd16[: n // QK]) for n in {h, f, cfg.q_dim}}
         self.att_part = z(*attention_decode_partials(ctx, cfg.num_heads, cfg.head_dim))
         kv_type = kv_cache_type(kv_cache)
         rows = cache_rows(cfg, ctx, chunk)
@@ -118,13 +119,13 @@ class Arena:
         h, f = cfg.hidden_size, cfg.intermediate_size
         widest = max(h, f, cfg.q_dim)
         f32 = (2 * h + cfg.q_dim + 2 * cfg.kv_dim + cfg.num_heads * cfg.head_dim + h + 3 * f + h
-               + cfg.vocab_size + widest // QK + h // QK)  # ... xd, xd16
+               + cfg.vocab_size + 2 * (widest // QK))  # ... xd, xd16
         kv = seq_slots * sum(cache_rows(cfg, ctx, chunk)) * 2 * cfg.num_kv_heads * cfg.head_dim * \
             np.dtype(kv_cache_type(kv_cache)).itemsize
         f32 += prod(attention_decode_partials(ctx, cfg.num_heads, cfg.head_dim))
         batch = seq_slots * (4 * cfg.vocab_size + 8) if seq_slots > 1 else 0  # batch_logits, batch_pos
         # + xq (int8), xs (int32), xq16 (int16), pos and kv_bases (int64)
-        return kv, 4 * f32 + widest + 4 * (widest // QK) + 2 * h + 8 + 8 * seq_slots + batch + kv
+        return kv, 4 * f32 + widest + 4 * (widest // QK) + 2 * widest + 8 + 8 * seq_slots + batch + kv
 
 
 # Prefill's GEMMs dequantise weight rows into f32 in this scratch, a slice a thread (at most the

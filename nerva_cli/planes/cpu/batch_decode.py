@@ -73,7 +73,7 @@ class BatchDecode:
 
         made = self.__dict__.setdefault("_batch_planes", {})
         if layer.index not in made or made[layer.index][0] is not layer:
-            planes = fused.batch_layer_planes(layer, self.k.batch_matches_matvec("q4", "w4a16"))
+            planes = fused.batch_layer_planes(layer)
             caches = (_cache_operand(self.a.k_all[layer.index]), _cache_operand(self.a.v_all[layer.index]))
             made[layer.index] = (layer, planes, caches)
         _, planes, caches = made[layer.index]

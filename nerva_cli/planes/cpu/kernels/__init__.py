@@ -13,9 +13,10 @@ This package is the contract (what get_backend("cpu") returns); the kernels live
   ir_helpers         LLVM IR helpers and small intrinsics
   norms              rmsnorm, add_rmsnorm, add_rows, rope
   integer_dots       the integer dots and row walk of W4A8, W8A8 and W8A16
-  q4_float           W4A16 in float lanes (four-row and table lowerings), Q4 dequantisation
+  q4_float           W4A16 in float lanes (AVX-512F's table lowering), Q4 dequantisation
   q4_bf16            W4A16 in bf16 dot products (AVX512-BF16)
-  q4_w4a8            W4A8 rows, short prompts' batches and the rows-in-lanes prompt GEMM
+  q4_w4a8            W4A8 rows, short prompts' batches and the rows-in-lanes prompt GEMM; W4A16 on
+                     Q16 codes (no AVX-512F)
   q4                 the Q4 matvecs, matmuls, dequantisation and token lookup of the contract
   quantize_act       activation quantisation (Q8, Q16, prefill's fake-quantised rows)
   q8                 Q8_0 matvecs and their batch forms, dequantisation and token lookup

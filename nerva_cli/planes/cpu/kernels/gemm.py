@@ -17,7 +17,8 @@ from nerva_cli.planes.cpu.kernels.numba_setup import F32, _threads
 from nerva_cli.planes.cpu.kernels.q4 import _bits
 from nerva_cli.planes.cpu.kernels.q4_float import _dequantize_q4
 from nerva_cli.planes.cpu.kernels.q8 import _dequantize_q8
-from nerva_cli.planes.cpu.kernels.target import _AVX512BW, _AVX512F
+from nerva_cli.planes.cpu.kernels.q4_w4a8 import _lane_rows
+from nerva_cli.planes.cpu.kernels.target import _AVX512F
 from nerva_cli.planes.ref import SHORT_PREFILL_MOST
 
 
@@ -195,9 +196,9 @@ def short_prefill_rows(precision: str) -> int:
     kernel's time. The crossing points per thread, measured on SmolLM2 (docs/perf/code_figures.md):
     W4A8 32 tokens (16 compiled for AVX2), W4A16 16, exact 12, up to SHORT_PREFILL_MOST; W4A16's
     bf16 dots (AVX512-BF16) are no faster in a batch than its tables, so the same threshold.
-    W4A8 on AVX-512BW has no bound: matmul_q4_w4a8's rows-in-lanes kernel is faster than the
-    GEMM at every length (see _LANE_ROWS), so every W4A8 chunk takes it."""
-    if precision == "w4a8" and _AVX512BW:
+    W4A8 on AVX2 or AVX-512BW has no bound: matmul_q4_w4a8's rows-in-lanes kernel is faster
+    than the GEMM at every length (see q4_w4a8._LANE_ACTS), so every W4A8 chunk takes it."""
+    if precision == "w4a8" and _lane_rows():
         return sys.maxsize
     per_thread = {"w4a8": 16, "w4a16": 16 if _AVX512F else 0, "exact": 12}.get(precision, 0)
     return min(per_thread * _threads[0], SHORT_PREFILL_MOST)
@@ -207,9 +208,7 @@ def batch_matches_matvec(matrix: str, precision: str) -> bool:
     """Whether the batch kernel for a `matrix` ("q4", "q8" or "exact") at `precision` gives each
     activation's output row bit for bit as its matvec does, so that a batched decode step may
     take it (else it runs a matvec a row, reading the weights once a row): the integer ones
-    (W4A8, Q8_0's W8A8 and W8A16) by construction (_integer_row); W4A16's where AVX-512F runs
-    _w4a16_row's kernel (the matvec's four-row kernel elsewhere has no batch form); the exact
-    one never (its four activations' sums vectorise apart from the matvec's one)."""
-    if matrix == "exact":
-        return False
-    return matrix == "q8" or precision == "w4a8" or _AVX512F
+    (W4A8, W4A16 on Q16 codes without AVX-512F, Q8_0's W8A8 and W8A16) by construction
+    (_integer_row), W4A16's row tables and bf16 dots (AVX-512F) as they share the matvec's
+    code; the exact one never (its four activations' sums vectorise apart from the matvec's)."""
+    return matrix != "exact"

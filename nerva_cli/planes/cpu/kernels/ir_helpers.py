@@ -101,23 +101,6 @@ class _Operands:
     def cols(self, i):
         return self.builder.extract_value(self.arrays[i].shape, 1)
 
-    def weight_rows(self, rows):
-        """The given rows of operands 0, 1, 2 (qs, d, m): three lists, the last None for Q4_0."""
-        return [None if self.arrays[i] is None else [self.row(i, r) for r in rows] for i in range(3)]
-
-    def prefetch_codes_ahead(self, q_rows, b):
-        """Asks the cache for block b (16 bytes of Q4 codes) of the code rows PREFETCH_BYTES
-        further on, at least PREFETCH_ROWS (the rows a thread takes next: its row groups are
-        consecutive)."""
-        builder = self.builder
-        stride = builder.extract_value(self.arrays[0].strides, 0)
-        rows = builder.udiv(ir.Constant(_I64, PREFETCH_BYTES), stride)
-        rows = builder.select(builder.icmp_unsigned("<", rows, ir.Constant(_I64, PREFETCH_ROWS)),
-                              ir.Constant(_I64, PREFETCH_ROWS), rows)
-        at = builder.add(builder.mul(stride, rows), builder.mul(b, ir.Constant(_I64, 16)))
-        for row in q_rows:
-            _prefetch(builder, row, at)
-
 
 def _prefetch(builder, base, offset, locality=3):
     """A read prefetch of data; locality 3 (prefetcht0) keeps it in every cache level, 1
@@ -133,14 +116,9 @@ def _prefetch(builder, base, offset, locality=3):
 # the short streams a thread walks (rows of a few hundred bytes, SmolLM2's 288 and 768; the float
 # kernels take four at a time).
 #
-# The float kernels prefetch block b of the rows PREFETCH_ROWS further on, or more where rows are
-# short: as many as PREFETCH_BYTES spans. On SmolLM2's matrices 8 rows ahead were as fast as 12
-# to 24, and much faster than none (docs/perf/code_figures.md).
-#
 # The integer kernels (a row at a time) prefetch PREFETCH_BYTES ahead in the row's codes, which
 # runs on into the thread's next rows. 8192 bytes were about the fastest distance tried;
 # prefetching the scale planes as well was slower (docs/perf/code_figures.md).
-PREFETCH_ROWS = 8
 PREFETCH_BYTES = 8192
 
 

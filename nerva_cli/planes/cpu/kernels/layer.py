@@ -15,8 +15,7 @@ from nerva_cli.planes.cpu.kernels.ir_helpers import _I16
 from nerva_cli.planes.cpu.kernels.norms import add_rmsnorm, add_rows, rmsnorm, rope
 from nerva_cli.planes.cpu.kernels.numba_setup import F32, _threads
 from nerva_cli.planes.cpu.kernels.q4 import _bits, _pair_scratch, _w4a16_kernel
-from nerva_cli.planes.cpu.kernels.q4_w4a8 import _LANES_FROM, _w4a8, _w4a8_batch
-from nerva_cli.planes.cpu.kernels.target import _AVX512BW
+from nerva_cli.planes.cpu.kernels.q4_w4a8 import _LANES_FROM, _lane_rows, _w4a8, _w4a8_batch
 from nerva_cli.planes.cpu.kernels.quantize_act import quantize_act_q8
 
 
@@ -55,15 +54,15 @@ def _cache_row(cache, p, rows):
 
 
 @njit(cache=True, nogil=True)
-def _layer_matvec(w, qs, d, m, x, xq, x_pairs, xd, xs, w4a8, quantize, out):
+def _layer_matvec(w, qs, d, m, x, xq, x_pairs, xd, xs, xq16, w4a8, quantize, out):
     """A matvec of the compiled halves, as the engine's _matvec picks it: an exact matrix (w its
     stored bits, _exact_bits; qs, d, m None), whatever the layer's precision (a Q4 variant keeps
     a matrix f16 where its rows are not whole blocks), or Q4 planes (w None), W4A8 (x quantised
     into xq, xd, xs first where `quantize`: the second and third of a slot's q, k, v reuse the
-    codes) or W4A16. numba drops an `is None` branch only where the argument is None, so
-    each case tests the argument that is None in the other: the exact kernel is never typed with
-    Q4 codes, nor the Q4 ones with none (an overload picking the case cost 0.2-0.5 s more of a
-    Q4 first run's compiling)."""
+    codes) or W4A16 (where its kernel takes Q16 codes, into xq16, xd, xs likewise). numba drops
+    an `is None` branch only where the argument is None, so each case tests the argument that is
+    None in the other: the exact kernel is never typed with Q4 codes, nor the Q4 ones with none
+    (an overload picking the case cost 0.2-0.5 s more of a Q4 first run's compiling)."""
     if qs is None:
         if w is not None:
             _matvec_exact(w, x, out)
@@ -73,11 +72,11 @@ def _layer_matvec(w, qs, d, m, x, xq, x_pairs, xd, xs, w4a8, quantize, out):
             quantize_act_q8(x, xq[:n], xd[:n // 32], xs[:n // 32])
         _w4a8(qs, d, m, xq[:n], x_pairs, xd[:n // 32], xs[:n // 32], out)
     else:
-        _w4a16_kernel(qs, d, m, x, out)
+        _w4a16_kernel(qs, d, m, x, xq16, xd, xs, quantize, out)
 
 
 @njit(cache=True, nogil=True)
-def _attention_inputs(x, norm, eps, xn, xq, x_pairs, xd, xs, w4a8, q_w, q_qs, q_d, q_m, k_w, k_qs, k_d, k_m,
+def _attention_inputs(x, norm, eps, xn, xq, x_pairs, xd, xs, xq16, w4a8, q_w, q_qs, q_d, q_m, k_w, k_qs, k_d, k_m,
                       v_w, v_qs, v_d, v_m, qkv_bias, q_norm, k_norm, qkv, heads, kv_heads, pos, cos, sin, k_cache,
                       v_cache, base):
     """Norm, QKV, bias, q/k norms, RoPE, and this position's K and V rows into the cache (row
@@ -88,11 +87,11 @@ def _attention_inputs(x, norm, eps, xn, xq, x_pairs, xd, xs, w4a8, q_w, q_qs, q_
     dim = k_cache.shape[2]
     qd, kvd = heads * dim, kv_heads * dim
     if k_qs is None and k_w is None:
-        _layer_matvec(q_w, q_qs, q_d, q_m, xn, xq, x_pairs, xd, xs, w4a8, True, qkv)
+        _layer_matvec(q_w, q_qs, q_d, q_m, xn, xq, x_pairs, xd, xs, xq16, w4a8, True, qkv)
     else:
-        _layer_matvec(q_w, q_qs, q_d, q_m, xn, xq, x_pairs, xd, xs, w4a8, True, qkv[:qd])
-        _layer_matvec(k_w, k_qs, k_d, k_m, xn, xq, x_pairs, xd, xs, w4a8, False, qkv[qd:qd + kvd])
-        _layer_matvec(v_w, v_qs, v_d, v_m, xn, xq, x_pairs, xd, xs, w4a8, False, qkv[qd + kvd:])
+        _layer_matvec(q_w, q_qs, q_d, q_m, xn, xq, x_pairs, xd, xs, xq16, w4a8, True, qkv[:qd])
+        _layer_matvec(k_w, k_qs, k_d, k_m, xn, xq, x_pairs, xd, xs, xq16, w4a8, False, qkv[qd:qd + kvd])
+        _layer_matvec(v_w, v_qs, v_d, v_m, xn, xq, x_pairs, xd, xs, xq16, w4a8, False, qkv[qd + kvd:])
     if qkv_bias is not None:
         add_rows(qkv, qkv_bias)
     q = qkv[:heads * dim].reshape(heads, dim)
@@ -108,23 +107,23 @@ def _attention_inputs(x, norm, eps, xn, xq, x_pairs, xd, xs, w4a8, q_w, q_qs, q_
 
 
 @njit(cache=True, nogil=True)
-def _mlp(o, x, norm, eps, xn, xq, x_pairs, xd, xs, w4a8, gate_w, gate_qs, gate_d, gate_m, up_w, up_qs, up_d, up_m,
+def _mlp(o, x, norm, eps, xn, xq, x_pairs, xd, xs, xq16, w4a8, gate_w, gate_qs, gate_d, gate_m, up_w, up_qs, up_d, up_m,
          gate_up, act, down_w, down_qs, down_d, down_m, down, gelu, post_norm):
     """Residual add and norm, gate/up (a resident layer's fused matrix as gate_*, up_* None; a
     staging slot's two apart), SiLU (GeLU: gelu) * up, down, its norm (post_norm, where not
     None) and the residual add."""
     add_rmsnorm(o, x, norm, eps, xn)
     if up_qs is None and up_w is None:
-        _layer_matvec(gate_w, gate_qs, gate_d, gate_m, xn, xq, x_pairs, xd, xs, w4a8, True, gate_up)
+        _layer_matvec(gate_w, gate_qs, gate_d, gate_m, xn, xq, x_pairs, xd, xs, xq16, w4a8, True, gate_up)
     else:
         f = act.shape[0]
-        _layer_matvec(gate_w, gate_qs, gate_d, gate_m, xn, xq, x_pairs, xd, xs, w4a8, True, gate_up[:f])
-        _layer_matvec(up_w, up_qs, up_d, up_m, xn, xq, x_pairs, xd, xs, w4a8, False, gate_up[f:])
+        _layer_matvec(gate_w, gate_qs, gate_d, gate_m, xn, xq, x_pairs, xd, xs, xq16, w4a8, True, gate_up[:f])
+        _layer_matvec(up_w, up_qs, up_d, up_m, xn, xq, x_pairs, xd, xs, xq16, w4a8, False, gate_up[f:])
     if gelu:
         gelu_mul(gate_up, act)
     else:
         silu_mul(gate_up, act)
-    _layer_matvec(down_w, down_qs, down_d, down_m, act, xq, x_pairs, xd, xs, w4a8, True, down)
+    _layer_matvec(down_w, down_qs, down_d, down_m, act, xq, x_pairs, xd, xs, xq16, w4a8, True, down)
     if post_norm is not None:
         rmsnorm(down, post_norm, eps, down)
     for i in range(x.shape[0]):
@@ -155,12 +154,12 @@ def decode_layer_halves(layer, spec, a, cfg, base=None):
     qkv = (*planes(m["qkv"]), *nothing, *nothing) if "qkv" in m else \
         (*planes(m["q"]), *planes(m["k"]), *planes(m["v"]))
     gate_up = (*planes(m["gate_up"]), *nothing) if "gate_up" in m else (*planes(m["gate"]), *planes(m["up"]))
-    inputs = (a.x, layer.attn_norm, cfg.rms_eps, a.xn, a.xq, x_pairs, a.xd, a.xs, w4a8, *qkv,
+    inputs = (a.x, layer.attn_norm, cfg.rms_eps, a.xn, a.xq, x_pairs, a.xd, a.xs, a.xq16, w4a8, *qkv,
               layer.qkv_bias, layer.q_norm, layer.k_norm, a.qkv, cfg.num_heads, cfg.num_kv_heads, a.pos,
               spec.cos, spec.sin, k_cache, v_cache, _NO_BASE if base is None else base)
     attend = attention_kernel(cfg.num_heads, cfg.num_kv_heads)
-    o = (*planes(m["o"]), a.attn_flat, a.xq, x_pairs, a.xd, a.xs, w4a8, True, a.o)
-    mlp = (a.o, a.x, layer.mlp_norm, cfg.rms_eps, a.xn, a.xq, x_pairs, a.xd, a.xs, w4a8, *gate_up,
+    o = (*planes(m["o"]), a.attn_flat, a.xq, x_pairs, a.xd, a.xs, a.xq16, w4a8, True, a.o)
+    mlp = (a.o, a.x, layer.mlp_norm, cfg.rms_eps, a.xn, a.xq, x_pairs, a.xd, a.xs, a.xq16, w4a8, *gate_up,
            a.gate_up, a.act, *planes(m["down"]), a.down, spec.gelu, layer.post_mlp_norm)
     post_norm, softcap, window = layer.post_attn_norm, F32(spec.softcap), spec.window
 
@@ -194,7 +193,8 @@ _NO_BASE = np.zeros(1, dtype=np.int64)  # a full-context cache's: row r holds po
 def _rows_matmul(w, qs, d, m, x, codes, scales, sums, pairs, w4a8, out):
     """out [B, rows] = the matrix times each row of x [B, cols], as a batched step's _rows_dense
     runs it: W4A8 in the batch kernel on the rows' Q8 codes (quantised here into the fronts of
-    the flat code buffers, where pw.take lays them), W4A16 and exact a matvec a row."""
+    the flat code buffers, where pw.take lays them), exact a matvec a row. W4A16 layers do not
+    come here (batch_layer_planes): their batch kernel is _rows_dense's."""
     B, n = x.shape
     if qs is None:
         if w is not None:
@@ -206,8 +206,7 @@ def _rows_matmul(w, qs, d, m, x, codes, scales, sums, pairs, w4a8, out):
         _w4a8_batch(qs, d, m, codes[:B * n].reshape(B, n), pairs[:B * n].reshape(B, n),
                     scales[:g].reshape(B, n // 32), sums[:g].reshape(B, n // 32), out)
     else:
-        for b in range(B):
-            _w4a16_kernel(qs, d, m, x[b], out[b])
+        raise ValueError("_rows_matmul: a W4A16 layer's batched step is batch_decode's _rows_dense")
 
 
 @njit(cache=True, nogil=True)
@@ -280,15 +279,16 @@ def _batch_mlp(o, x, norm, eps, xn, codes, scales, sums, pairs, w4a8, gu_w, gu_q
             x[b, i] += o[b, i]
 
 
-def batch_layer_planes(layer, w4a16_batches: bool):
-    """For a resident layer (fused qkv and gate/up) of Q4 or exact matrices: its matrices as
-    _batch_attention_inputs, _batch_o and _batch_mlp take them ((w, qs, d, m) for qkv, o, gate_up
-    and down), or None where its batched step stays kernel by kernel: a staging slot's layer, or
-    W4A16 where the batch kernel is W4A16's own (`w4a16_batches`: AVX-512F)."""
+def batch_layer_planes(layer):
+    """For a resident layer (fused qkv and gate/up) of Q4 or exact matrices at W4A8 or exact: its
+    matrices as _batch_attention_inputs, _batch_o and _batch_mlp take them ((w, qs, d, m) for
+    qkv, o, gate_up and down), or None where its batched step stays kernel by kernel: a staging
+    slot's layer, or W4A16, whose own batch kernel (matmul_q4_w4a16) reads the weights once for
+    every row."""
     m = layer.mats
-    if "qkv" not in m or "gate_up" not in m or layer.precision not in ("exact", "w4a8", "w4a16"):
+    if "qkv" not in m or "gate_up" not in m or layer.precision not in ("exact", "w4a8"):
         return None
-    if any(lin.w is None and lin.qs is None for lin in m.values()) or (layer.precision == "w4a16" and w4a16_batches):
+    if any(lin.w is None and lin.qs is None for lin in m.values()):
         return None
 
     def planes(lin):
@@ -301,5 +301,5 @@ def batch_layer_planes(layer, w4a16_batches: bool):
 
 def batch_rows_fused(rows: int) -> bool:
     """Whether a batched step of `rows` rows takes the W4A8 batch kernel (_rows_matmul's): below
-    _LANES_FROM rows, or without AVX-512BW (whose rows-in-lanes GEMM takes more)."""
-    return not (_AVX512BW and rows >= _LANES_FROM)
+    _LANES_FROM rows, or where there is no rows-in-lanes GEMM (which takes more: AVX2, AVX-512BW)."""
+    return not (_lane_rows() and rows >= _LANES_FROM)

@@ -8,9 +8,10 @@ from numba import njit
 
 from nerva_cli.planes.cpu.kernels.numba_setup import _threads
 from nerva_cli.planes.cpu.kernels.q4_bf16 import _BF16_WORDS_A_PAIR, _w4a16_bf16, _w4a16_bf16_batch
-from nerva_cli.planes.cpu.kernels.q4_float import _dequantize_q4, _w4a16, _w4a16_batch, _w4a16_by_row
-from nerva_cli.planes.cpu.kernels.q4_w4a8 import _LANE_ROWS, _LANES_FROM, _w4a8, _w4a8_batch, _w4a8_lanes
-from nerva_cli.planes.cpu.kernels.target import _AVX512BF16, _AVX512BW, _AVX512F
+from nerva_cli.planes.cpu.kernels.q4_float import _dequantize_q4, _w4a16_batch, _w4a16_by_row
+from nerva_cli.planes.cpu.kernels.q4_w4a8 import (
+    _LANES_FROM, _lane_rows, _w4a16_q16, _w4a16_q16_batch, _w4a8, _w4a8_batch, _w4a8_lanes)
+from nerva_cli.planes.cpu.kernels.target import _AVX512BF16, _AVX512F
 
 
 # -- Q4_0 / Q4_1 matvecs --------------------------------------------------------------------
@@ -36,12 +37,30 @@ def _bits(a):
     return None if a is None else a.view(np.uint16)
 
 
-# a global, so compiled callers type one of the three
-_w4a16_kernel = _w4a16_bf16 if _AVX512BF16 else (_w4a16_by_row if _AVX512F else _w4a16)
+@njit(cache=True, nogil=True)
+def _w4a16_float(qs, d, m, x, xq16, xd, xs, quantize, out):
+    # AVX-512F's W4A16 kernels take x as it is: _w4a16_kernel's signature, the Q16 scratch unread
+    _w4a16_float_kernel(qs, d, m, x, out)
+
+
+# Globals, so compiled callers type the one this host runs, through one signature (qs, d, m, x,
+# xq16, xd, xs, quantize, out): bf16 dot products (AVX512-BF16), row tables (AVX-512F), else
+# the integer kernel on Q16 codes (q4_w4a8._w4a16_q16), whose scratch the others leave alone
+_w4a16_float_kernel = _w4a16_bf16 if _AVX512BF16 else _w4a16_by_row
+_w4a16_kernel = _w4a16_float if _AVX512F else _w4a16_q16
+_q16_buffers = [np.empty(0, np.int16), np.empty(0, np.float32), np.empty(0, np.int32)]
+
+
+def _q16_scratch(n):
+    """Buffers for n Q16 codes and their groups' scales and sums, made again only when a wider
+    one is needed: a decode step allocates nothing."""
+    if _q16_buffers[0].shape[0] < n:
+        _q16_buffers[:] = np.empty(n, np.int16), np.empty(n // 32, np.float32), np.empty(n // 32, np.int32)
+    return _q16_buffers
 
 
 def matvec_q4_w4a16(qs, d, m, x, out):
-    _w4a16_kernel(qs, d.view(np.uint16), _bits(m), x, out)
+    _w4a16_kernel(qs, d.view(np.uint16), _bits(m), x, *_q16_scratch(x.shape[0]), True, out)
 
 
 _bf16_scratch = [np.empty(0, np.uint16), np.empty(0, np.float32)]  # the batch's split activations
@@ -49,9 +68,16 @@ _bf16_scratch = [np.empty(0, np.uint16), np.empty(0, np.float32)]  # the batch's
 
 def matmul_q4_w4a16(qs, d, m, x, out):
     """out[t] = matvec_q4_w4a16 of activation t, the rows of x [T, cols], bit for bit; out [T, rows]
-    may be a column slice of a wider array. It compiles only where AVX-512F runs _w4a16_row's
-    tables (or AVX512-BF16 its dots): elsewhere short_prefill_rows keeps prefill off it."""
-    if not _AVX512BF16:  # as the matvec picks its kernel
+    may be a column slice of a wider array: each row's Q16 codes in the integer batch walk
+    without AVX-512F, else _w4a16_row's tables or (AVX512-BF16) its dots, as the matvec picks."""
+    if not _AVX512F:
+        acts, cols = x.shape
+        xq16, xd, xs = _q16_scratch(acts * cols)
+        groups = acts * cols // 32
+        _w4a16_q16_batch(qs, d.view(np.uint16), _bits(m), np.ascontiguousarray(x), xq16[:acts * cols].reshape(acts, cols),
+                         xd[:groups].reshape(acts, -1), xs[:groups].reshape(acts, -1), out)
+        return
+    if not _AVX512BF16:
         _w4a16_batch(qs, d.view(np.uint16), _bits(m), x, out)
         return
     acts, cols = x.shape
@@ -83,27 +109,28 @@ def matvec_q4_w4a8(qs, d, m, xq, xd, xs, out):
 _lane_buffers = [np.empty(0, np.uint32), np.empty(0, np.uint16)]  # _w4a8_lanes's packed rows, a worker each
 
 
-def _lane_scratch(workers, blocks):
-    """(codes [workers, blocks, 4, 16] uint32, scales and offsets [workers, blocks, 16] uint16),
-    over buffers made again only when a wider matrix needs more."""
-    words, halves = workers * blocks * 4 * _LANE_ROWS, 2 * workers * blocks * _LANE_ROWS
+def _lane_scratch(workers, blocks, lanes):
+    """(codes [workers, blocks, 4, lanes] uint32, scales and offsets [workers, blocks, lanes]
+    uint16), over buffers made again only when a wider matrix needs more."""
+    words, halves = workers * blocks * 4 * lanes, 2 * workers * blocks * lanes
     if _lane_buffers[0].size < words:
         _lane_buffers[0] = np.empty(words, np.uint32)
     if _lane_buffers[1].size < halves:
         _lane_buffers[1] = np.empty(halves, np.uint16)
-    planes = _lane_buffers[1][:halves].reshape(2, workers, blocks, _LANE_ROWS)
-    return _lane_buffers[0][:words].reshape(workers, blocks, 4, _LANE_ROWS), planes[0], planes[1]
+    planes = _lane_buffers[1][:halves].reshape(2, workers, blocks, lanes)
+    return _lane_buffers[0][:words].reshape(workers, blocks, 4, lanes), planes[0], planes[1]
 
 
 def matmul_q4_w4a8(qs, d, m, xq, xd, xs, out):
     """out[t] = matvec_q4_w4a8 of activation t, the rows of xq [T, cols] and xd, xs [T, cols / 32],
-    bit for bit; out [T, rows] may be a column slice of a wider array. With AVX-512BW and at
-    least _LANES_FROM activations, rows in lanes (_LANE_ROWS); else each row
+    bit for bit; out [T, rows] may be a column slice of a wider array. With AVX2 or AVX-512BW
+    and at least _LANES_FROM activations, rows in lanes (q4_w4a8._LANE_ACTS); else each row
     against eight activations at a time (and four, and one)."""
-    if _AVX512BW and xq.shape[0] >= _LANES_FROM:
+    lanes = _lane_rows()
+    if lanes and xq.shape[0] >= _LANES_FROM:
         rows, blocks = d.shape
-        workers = max(1, min(_threads[0], (rows + _LANE_ROWS - 1) // _LANE_ROWS))
-        codes, scales, offsets = _lane_scratch(workers, blocks)
+        workers = max(1, min(_threads[0], (rows + lanes - 1) // lanes))
+        codes, scales, offsets = _lane_scratch(workers, blocks, lanes)
         _w4a8_lanes(qs.view(np.uint32), d.view(np.uint16), _bits(m), xq, xd, xs, out, codes, scales, offsets)
         return
     acts, cols = xq.shape

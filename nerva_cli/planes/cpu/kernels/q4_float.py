@@ -1,6 +1,6 @@
-"""Q4 codes as floats: W4A16's row intrinsics (four rows a call through every block, or with
-AVX-512F a row a call that looks its weights up in a table) and its kernels, and the Q4
-dequantisation, in vectors of _LANES floats."""
+"""Q4 codes as floats: W4A16's row intrinsic with AVX-512F (a row a call that looks its weights up
+in a table) and its kernels, and the Q4 dequantisation, in vectors of _LANES floats. Without
+AVX-512F, W4A16 runs on integer codes (q4_w4a8._w4a16_q16)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,10 @@ from nerva_cli.planes.cpu.kernels.ir_helpers import (
 from nerva_cli.planes.cpu.kernels.target import _AVX512F
 
 
-# The float kernels (W4A16, the Q4 dequantisation; W8A16 too, until it took int16 activations)
-# work in <_LANES x float>: one AVX-512 register where the target has them, one AVX2 register
-# where it has not: 16 lanes beat the <8 x float> IR before where AVX-512 is. Without it, <8 x
-# float> and a block's sum as one chain of multiply-adds (so one scale multiply-add a row and
-# block, not one a register) beat the split <16 x float> of two chains each in W4A16. Not kept
-# without AVX-512: scales of eight blocks loaded at once and broadcast from that vector (as
-# _w4a16_row does), slower from DRAM for W8A16; vpshufb in place of vpmovzxbd (which llvm-mca
-# -mcpu=znver3 models as three times a shuffle's issue), slower too (docs/perf/code_figures.md).
+# The float kernels (W4A16 with AVX-512F, the Q4 dequantisation; W8A16 and W4A16 elsewhere too,
+# until they took int16 activations) work in <_LANES x float>: one AVX-512 register where the
+# target has them, one AVX2 register where it has not: 16 lanes beat the <8 x float> IR before
+# where AVX-512 is (docs/perf/code_figures.md).
 _LANES = 16 if _AVX512F else 8
 
 
@@ -40,18 +36,6 @@ def _codes_i32(builder, row, b):
 
 def _codes_f32(builder, row, b):
     return [builder.sitofp(v, _vec(_F32, _LANES)) for v in _codes_i32(builder, row, b)]
-
-
-def _lane_chunks(builder, base, b):
-    """Floats 32 b to 32 b + 31 of base (f32) as 32 / _LANES <_LANES x float>: block b's."""
-    at = builder.mul(b, ir.Constant(_I64, 32))
-    return [_f32_at(builder, base, at, _LANES, _LANES * k) for k in range(32 // _LANES)]
-
-
-def _tree_sum(builder, vectors):
-    while len(vectors) > 1:
-        vectors = [builder.fadd(vectors[k], vectors[k + 1]) for k in range(0, len(vectors), 2)]
-    return vectors[0]
 
 
 _SCALE_SPAN = 16  # blocks whose scales the W4A16 row codegens load as one vector
@@ -88,42 +72,6 @@ def _dot_operands(context, builder, sig, args, n, acts):
         at = [builder.add(t0, ir.Constant(_I64, t)) for t in range(acts)]
         activations = [[a.row(i, t) for t in at] for i in range(3, n)]
     return a, a.row(0, r), a.row(1, r), m_row, activations
-
-
-@intrinsic
-def _w4a16_rows(typingctx, qs, d, m, x, r0, r1, r2, r3):
-    """(row r0 . x, ..., row r3 . x) for Q4 rows and f32 x (the kernel a host without AVX-512F
-    runs). Per block and row, with q the codes: t = sum q x (+ sum -8 x for Q4_0),
-    acc += d t (+ m sum x for Q4_1): the -8 or the offset enters through the block's activation
-    sum (the deferred bias), computed once for all four rows. t is one chain of multiply-adds
-    (the four rows' chains overlap), so a block costs a row one multiply-add by its scale."""
-    if not _c_arrays(qs, d, m, x):
-        return None
-    q4_1 = not isinstance(m, types.NoneType)
-
-    def codegen(context, builder, sig, args):
-        a = _Operands(context, builder, sig.args[:4], args[:4])
-        q_rows, d_rows, m_rows = a.weight_rows(args[4:])
-        x = a.data(3)
-        acc = [cgutils.alloca_once_value(builder, _splat(_F32, _LANES, 0.0)) for _ in q_rows]
-        with cgutils.for_range(builder, a.cols(1)) as loop:
-            b = loop.index
-            a.prefetch_codes_ahead(q_rows, b)
-            xs = _lane_chunks(builder, x, b)
-            x_sum = _tree_sum(builder, xs)
-            start = _splat(_F32, _LANES, 0.0) if q4_1 else builder.fmul(x_sum, _splat(_F32, _LANES, -8.0))
-            for i in range(4):
-                t = start
-                for q, xk in zip(_codes_f32(builder, q_rows[i], b), xs):
-                    t = _fmuladd(builder, q, xk, t)
-                scale = _broadcast(builder, _half_at(builder, d_rows[i], b), _LANES)
-                s = _fmuladd(builder, scale, t, builder.load(acc[i]))
-                if q4_1:
-                    s = _fmuladd(builder, _broadcast(builder, _half_at(builder, m_rows[i], b), _LANES), x_sum, s)
-                builder.store(s, acc[i])
-        return context.make_tuple(builder, sig.return_type, [_hsum(builder, builder.load(v)) for v in acc])
-
-    return types.UniTuple(types.float32, 4)(qs, d, m, x, r0, r1, r2, r3), codegen
 
 
 def _w4a16_codegen(acts):
@@ -190,8 +138,8 @@ def _w4a16_row(typingctx, qs, d, m, x, r):
     int-to-float conversion; acc += w x, over four accumulators (a block's two halves, even and
     odd blocks) so that no multiply-add waits on the one before. A row's scales load 16 blocks at
     a time and are broadcast from that vector; codes are prefetched PREFETCH_BYTES ahead in the
-    row stream, as the integer kernels do. As fast as the four-row _w4a16_rows from L3, faster
-    from DRAM (docs/perf/code_figures.md)."""
+    row stream, as the integer kernels do. As fast as the four-row float kernel before it from
+    L3, faster from DRAM (docs/perf/code_figures.md)."""
     if not _c_arrays(qs, d, m, x):
         return None
     return types.float32(qs, d, m, x, r), _w4a16_codegen(1)
@@ -206,25 +154,6 @@ def _w4a16_row_batch(typingctx, qs, d, m, x, r, t0, acts):
         return None
     n = acts.literal_value
     return types.UniTuple(types.float32, n)(qs, d, m, x, r, t0, acts), _w4a16_codegen(n)
-
-
-@njit(cache=True, inline="always")
-def _row_group(g, rows):
-    # Rows 4g..4g+3, the ones past the end repeated (they recompute and rewrite the last row,
-    # with the same value): no tail loop.
-    r0 = 4 * g
-    r1 = r0 + 1 if r0 + 1 < rows else r0
-    r2 = r0 + 2 if r0 + 2 < rows else r1
-    r3 = r0 + 3 if r0 + 3 < rows else r2
-    return r0, r1, r2, r3
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _w4a16(qs, d, m, x, out):
-    rows = d.shape[0]
-    for g in prange((rows + 3) // 4):
-        r0, r1, r2, r3 = _row_group(g, rows)
-        out[r0], out[r1], out[r2], out[r3] = _w4a16_rows(qs, d, m, x, r0, r1, r2, r3)
 
 
 @njit(cache=True, nogil=True, parallel=True)

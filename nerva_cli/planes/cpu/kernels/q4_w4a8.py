@@ -1,5 +1,6 @@
-"""W4A8: Q4 rows against Q8 activations in integer dots (integer_dots), a row at a time for
-decode and short prompts, and with AVX-512BW rows in lanes for a prompt's GEMM."""
+"""Q4 rows against integer activations: W4A8 (Q8 codes) in integer dots (integer_dots), a row at a
+time for decode and short prompts, and with AVX2 or AVX-512BW rows in lanes for a prompt's GEMM;
+and W4A16 on Q16 codes, the same row walk, on hosts without AVX-512F."""
 
 from __future__ import annotations
 
@@ -8,23 +9,30 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from nerva_cli.planes.cpu.kernels.integer_dots import _codes, _dot_u4_s8, _dot_u4_s8_pair, _integer_row
+from nerva_cli.planes.cpu.kernels.integer_dots import _codes, _dot_s8_s16, _dot_u4_s8, _dot_u4_s8_pair, _integer_row
 from nerva_cli.planes.cpu.kernels.ir_helpers import (
     _F32, _I8, _I16, _I32, _I64, _Operands, _broadcast, _c_arrays, _fmuladd, _intp, _load, _planes_at, _splat, _vec)
 from nerva_cli.planes.cpu.kernels.q4_float import _dot_operands
-from nerva_cli.planes.cpu.kernels.target import _AVX512BW, _AVX512VNNI
+from nerva_cli.planes.cpu.kernels.quantize_act import _quantize_q16
+from nerva_cli.planes.cpu.kernels.target import _AVX2, _AVX512BW, _AVX512VNNI
 
 
 def _w4a8_codegen(acts):
     """Rows . activations for Q4 rows and Q8 activations x = xd xq (block code sums xs; x_pairs,
     the codes in _pair_order, for the 512-bit pair dots): one activation (1-D operands) or `acts`
     rows t0.. of 2-D ones. Per block, as ref: the integer dot of the codes with xq (exact in
-    int32), minus 8 xs for Q4_0, times d_w d_x, plus m_w d_x xs for Q4_1."""
+    int32), minus 8 xs for Q4_0, times d_w d_x, plus m_w d_x xs for Q4_1. With int16 xq (Q16
+    codes: W4A16's kernel, _w4a16_q16) the same, the dots vpmaddwd's (_dot_s8_s16), no pair
+    dots (x_pairs unread)."""
     def codegen(context, builder, sig, args):
         a, q_row, d_row, m_row, (xq, x_pairs, xd, xs) = _dot_operands(context, builder, sig, args, 7, acts)
         q4_1 = m_row is not None
+        q16 = sig.args[3].dtype == types.int16
 
         def block_dot(b, t):
+            if q16:
+                x = _load(builder, xq[t], builder.mul(b, ir.Constant(_I64, 64)), _vec(_I16, 32))
+                return _dot_s8_s16(builder, _codes(builder, q_row, b), x)
             x = _load(builder, xq[t], builder.mul(b, ir.Constant(_I64, 32)), _vec(_I8, 32))
             return _dot_u4_s8(builder, _codes(builder, q_row, b), x)
 
@@ -40,8 +48,8 @@ def _w4a8_codegen(acts):
                 acc = _fmuladd(builder, _planes_at(builder, m_row, b, n, ir.HalfType(), 2), offset_x, acc)
             return acc
 
-        dots = _integer_row(builder, a.cols(1), q_row, 16, block_dot, block_terms,
-                            lambda b, t: _dot_u4_s8_pair(builder, q_row, x_pairs[t], b), acts)
+        pair_dot = None if q16 else (lambda b, t: _dot_u4_s8_pair(builder, q_row, x_pairs[t], b))
+        dots = _integer_row(builder, a.cols(1), q_row, 16, block_dot, block_terms, pair_dot, acts)
         if sig.args[3].ndim == 1:
             return dots[0]
         return context.make_tuple(builder, sig.return_type, dots)
@@ -90,6 +98,33 @@ def _w4a8(qs, d, m, xq, x_pairs, xd, xs, out):
         out[r] = _w4a8_row(qs, d, m, xq, x_pairs, xd, xs, r)
 
 
+# W4A16 on hosts without AVX-512F: the activation as Q16 codes (int16 per 32-group, quantize_act_q16's
+# rounding, at most half of 2^-15 of a group's largest value) in W4A8's row walk, the dots
+# vpmaddwd's against the codes widened to 16 bits. The four-row float kernel before it converted
+# every code to float and was bound by that (docs/perf/code_figures.md); the integer row also gives
+# W4A16 a batch form equal to its matvec bit for bit (_w4a16_q16_batch).
+@njit(cache=True, nogil=True, parallel=True)
+def _w4a16_q16(qs, d, m, x, xq16, xd, xs, quantize, out):
+    """out = the Q4 rows times x at W4A16, on x's Q16 codes in the fronts of xq16, xd, xs: made
+    there first where `quantize`, else already x's (q, k and v of one input)."""
+    n = x.shape[0]
+    codes, scales, sums = xq16[:n], xd[:n // 32], xs[:n // 32]
+    if quantize:
+        _quantize_q16(x, codes, scales, sums)
+    for r in prange(d.shape[0]):
+        out[r] = _w4a8_row(qs, d, m, codes, codes, scales, sums, r)
+
+
+@njit(cache=True, nogil=True)
+def _w4a16_q16_batch(qs, d, m, x, xq16, xd, xs, out):
+    """out[t] = _w4a16_q16 of row t of x [T, cols], bit for bit: each row's Q16 codes into xq16
+    [T, cols], xd and xs [T, cols / 32], then W4A8's batch walk over them (no AVX-512BW where
+    this runs, so no pair order is written)."""
+    for t in range(x.shape[0]):
+        _quantize_q16(x[t], xq16[t], xd[t], xs[t])
+    _w4a8_batch(qs, d, m, xq16, xq16, xd, xs, out)
+
+
 # A short prompt's W4A8 GEMM: each thread's rows against every activation, eight of them a row at
 # once (then four, then one), so a row's codes are read from memory and unpacked once a tile.
 @njit(cache=True, nogil=True, parallel=True)
@@ -113,31 +148,39 @@ def _w4a8_batch(qs, d, m, xq, x_pairs, xd, xs, out):
             out[t, r] = _w4a8_row_batch(qs, d, m, xq, x_pairs, xd, xs, r, t, 1)[0]
 
 
-# W4A8 prompt GEMM with a row in each int32 lane (AVX-512BW): a thread copies 16 rows' codes into
-# _LANE_ROWS-wide quads (quad j of block b: bytes 4j..4j+3 of each row's block, row after row, so
-# one 64-byte load holds 16 rows' four code bytes, low nibbles the weights 4j.. and high ones
-# 16 + 4j..), then for _LANE_ACTS activations at a time one vpdpbusd (vpmaddubsw + vpmaddwd
-# without VNNI) multiplies those 16 rows by four broadcast activation codes: no horizontal sums,
-# and the rows' codes are unpacked once for eight activations. Each row's arithmetic is the
-# decode kernel's (_integer_row) step for step: the same integer dots, the same scale products
-# and fused multiply-adds, into the same eight, two and one partial sums (blocks j, j + 8, ...;
-# then the pairs; then the last), added in _hsum's order, so every output equals
+# W4A8 prompt GEMM with a row in each int32 lane (AVX-512BW: 16 rows in a 512-bit register;
+# AVX2: 8 in a 256-bit one): a thread copies a tile of rows' codes into lane-wide quads (quad j of
+# block b: bytes 4j..4j+3 of each row's block, row after row, so one load holds the tile's four
+# code bytes of each row, low nibbles the weights 4j.. and high ones 16 + 4j..), then for
+# _LANE_ACTS activations at a time multiplies those rows by four broadcast activation codes: one
+# vpdpbusd with VNNI; else vpmaddubsw, whose 16-bit pair sums a block's eight products add up in
+# 16 bits (16 products of at most 15 * 128: 30720, no overflow) before one vpmaddwd widens them.
+# No horizontal sums, and the rows' codes are unpacked once for eight activations. Each row's
+# arithmetic is the decode kernel's (_integer_row) step for step: the same integer dots, the same
+# scale products and fused multiply-adds, into the same eight, two and one partial sums (blocks
+# j, j + 8, ...; then the pairs; then the last), added in _hsum's order, so every output equals
 # matvec_q4_w4a8's bit for bit, for any prompt length. It is about three times as fast as
-# dequantise + OpenBLAS sgemm (gemm_q4) at 256 activations. Below _LANES_FROM activations the row
-# kernel (_w4a8_batch) is faster: a tile's packing and its eight activations cost the same for
-# fewer, and the row kernel takes one activation at a time (docs/perf/code_figures.md).
-_LANE_ROWS = 16
+# dequantise + OpenBLAS sgemm (gemm_q4) at 256 activations on AVX-512. Below _LANES_FROM
+# activations the row kernel (_w4a8_batch) is faster: a tile's packing and its eight activations
+# cost the same for fewer, and the row kernel takes one activation at a time
+# (docs/perf/code_figures.md).
 _LANE_ACTS = 8
 _LANES_FROM = 12
 
 
+def _lane_rows():
+    """Rows a lane tile holds at the target: an int32 lane each of a 512-bit register with
+    AVX-512BW, of a 256-bit one with AVX2; 0 without AVX2 (no lane kernel: the row kernel)."""
+    return 16 if _AVX512BW else (8 if _AVX2 else 0)
+
+
 @njit(cache=True, nogil=True)
 def _pack_lane_rows(qs32, d, m, r0, codes, scales, offsets):
-    """Rows r0 .. r0 + 15 of Q4 planes (qs as uint32 words; rows past the end repeat the last)
-    into codes [blocks, 4, 16] (word j of block b, row after row) and scales, offsets [blocks, 16]
-    (f16 bits; offsets only for Q4_1, m not None)."""
+    """Rows r0 .. r0 + lanes - 1 of Q4 planes (qs as uint32 words; rows past the end repeat the
+    last) into codes [blocks, 4, lanes] (word j of block b, row after row) and scales, offsets
+    [blocks, lanes] (f16 bits; offsets only for Q4_1, m not None)."""
     rows, blocks = d.shape
-    for i in range(_LANE_ROWS):
+    for i in range(codes.shape[2]):
         r = min(r0 + i, rows - 1)
         for b in range(blocks):
             for j in range(4):
@@ -149,13 +192,14 @@ def _pack_lane_rows(qs32, d, m, r0, codes, scales, offsets):
 
 @intrinsic
 def _w4a8_lane_tile(typingctx, codes, scales, offsets, xq, xd, xs, out, r0, t0):
-    """out[t, r0 + i] for the _LANE_ROWS rows packed by _pack_lane_rows (those below out's row
+    """out[t, r0 + i] for the _lane_rows() rows packed by _pack_lane_rows (those below out's row
     count) and the activations t0 .. t0 + _LANE_ACTS - 1 (those below xq's count; the rest read
-    the last one's and are not stored): see _LANE_ROWS."""
-    if not (_c_arrays(codes, scales, offsets, xq, xd, xs) and isinstance(out, types.Array)):
+    the last one's and are not stored): see _LANE_ACTS."""
+    lanes, acts_n = _lane_rows(), _LANE_ACTS
+    if not (lanes and _c_arrays(codes, scales, offsets, xq, xd, xs) and isinstance(out, types.Array)):
         return None
     q4_1 = not isinstance(offsets, types.NoneType)
-    lanes, acts_n = _LANE_ROWS, _LANE_ACTS
+    width = 4 * lanes  # bytes of a register: a quad of each row
     v_i32, v_f32 = _vec(_I32, lanes), _vec(_F32, lanes)
 
     def codegen(context, builder, sig, args):
@@ -172,24 +216,18 @@ def _w4a8_lane_tile(typingctx, codes, scales, offsets, xq, xd, xs, out, r0, t0):
         codes_p, scales_p = a.data(0), a.data(1)
         offsets_p = a.data(2) if q4_1 else None
         module = builder.module
+        v_i8, v_i16 = _vec(_I8, width), _vec(_I16, 2 * lanes)
         if _AVX512VNNI:
             dpbusd = cgutils.get_or_insert_function(module, ir.FunctionType(v_i32, [v_i32] * 3),
                                                     "llvm.x86.avx512.vpdpbusd.512")
-
-            def dot(acc, w, x):
-                return builder.call(dpbusd, [acc, w, x])
         else:
-            pmaddubsw = cgutils.get_or_insert_function(
-                module, ir.FunctionType(_vec(_I16, 32), [_vec(_I8, 64)] * 2), "llvm.x86.avx512.pmaddubs.w.512")
-            pmaddwd = cgutils.get_or_insert_function(
-                module, ir.FunctionType(v_i32, [_vec(_I16, 32)] * 2), "llvm.x86.avx512.pmaddw.d.512")
-
-            def dot(acc, w, x):
-                pairs = builder.call(pmaddubsw, [builder.bitcast(w, _vec(_I8, 64)), builder.bitcast(x, _vec(_I8, 64))])
-                return builder.add(acc, builder.call(pmaddwd, [pairs, _splat(_I16, 32, 1)]))
+            names = ("llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512") if _AVX512BW else \
+                ("llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd")
+            pmaddubsw = cgutils.get_or_insert_function(module, ir.FunctionType(v_i16, [v_i8] * 2), names[0])
+            pmaddwd = cgutils.get_or_insert_function(module, ir.FunctionType(v_i32, [v_i16] * 2), names[1])
 
         def block(b, sums):
-            """Block b's terms added to the activations' partial sums (allocas of <16 x float>)."""
+            """Block b's terms added to the activations' partial sums (allocas of <lanes x float>)."""
             x_at = builder.mul(b, ir.Constant(_I64, 32))
             four = ir.Constant(_I64, 4)
             xs_b = [_load(builder, xs_rows[t], builder.mul(b, four), _I32) for t in range(acts_n)]
@@ -197,21 +235,31 @@ def _w4a8_lane_tile(typingctx, codes, scales, offsets, xq, xd, xs, out, r0, t0):
                 acc = [_splat(_I32, lanes, 0)] * acts_n
             else:  # Q4_0's -8 sum q_x, which the decode kernel subtracts from the dot: the same integer
                 acc = [_broadcast(builder, builder.mul(s, ir.Constant(_I32, -8)), lanes) for s in xs_b]
+            pairs = [None] * acts_n  # without VNNI: the block's 16-bit pair sums
             for j in range(4):
-                w = _load(builder, codes_p, builder.add(builder.mul(b, ir.Constant(_I64, 256)),
-                                                        ir.Constant(_I64, 64 * j)), _vec(_I8, 64))
-                low = builder.bitcast(builder.and_(w, _splat(_I8, 64, 15)), v_i32)
-                high = builder.lshr(builder.bitcast(w, _vec(_I16, 32)), _splat(_I16, 32, 4))
-                high = builder.bitcast(builder.and_(high, _splat(_I16, 32, 0x0F0F)), v_i32)
+                w = _load(builder, codes_p, builder.add(builder.mul(b, ir.Constant(_I64, 4 * width)),
+                                                        ir.Constant(_I64, width * j)), v_i8)
+                low = builder.and_(w, _splat(_I8, width, 15))
+                high = builder.lshr(builder.bitcast(w, v_i16), _splat(_I16, 2 * lanes, 4))
+                high = builder.bitcast(builder.and_(high, _splat(_I16, 2 * lanes, 0x0F0F)), v_i8)
                 for t in range(acts_n):
-                    x_lo = _broadcast(builder, _load(builder, x_rows[t], builder.add(x_at, ir.Constant(_I64, 4 * j)),
-                                                     _I32), lanes)
-                    x_hi = _broadcast(builder, _load(builder, x_rows[t],
-                                                     builder.add(x_at, ir.Constant(_I64, 16 + 4 * j)), _I32), lanes)
-                    acc[t] = dot(dot(acc[t], low, x_lo), high, x_hi)
-            # a block's 16 scales (and offsets) are 32 bytes, as its activation codes are
-            d = builder.fpext(_load(builder, scales_p, x_at, _vec(ir.HalfType(), lanes)), v_f32)
-            m = builder.fpext(_load(builder, offsets_p, x_at, _vec(ir.HalfType(), lanes)), v_f32) if q4_1 else None
+                    x_lo, x_hi = (builder.bitcast(_broadcast(builder, _load(
+                        builder, x_rows[t], builder.add(x_at, ir.Constant(_I64, half + 4 * j)), _I32), lanes), v_i8)
+                        for half in (0, 16))
+                    if _AVX512VNNI:
+                        acc[t] = builder.call(dpbusd, [builder.call(dpbusd, [acc[t], builder.bitcast(low, v_i32),
+                                                                             builder.bitcast(x_lo, v_i32)]),
+                                                       builder.bitcast(high, v_i32), builder.bitcast(x_hi, v_i32)])
+                        continue
+                    both = builder.add(builder.call(pmaddubsw, [low, x_lo]), builder.call(pmaddubsw, [high, x_hi]))
+                    pairs[t] = both if pairs[t] is None else builder.add(pairs[t], both)
+            if not _AVX512VNNI:
+                acc = [builder.add(acc[t], builder.call(pmaddwd, [pairs[t], _splat(_I16, 2 * lanes, 1)]))
+                       for t in range(acts_n)]
+            # a block's scales (and offsets) are lanes f16s
+            at = builder.mul(b, ir.Constant(_I64, 2 * lanes))
+            d = builder.fpext(_load(builder, scales_p, at, _vec(ir.HalfType(), lanes)), v_f32)
+            m = builder.fpext(_load(builder, offsets_p, at, _vec(ir.HalfType(), lanes)), v_f32) if q4_1 else None
             for t in range(acts_n):
                 dx = _load(builder, xd_rows[t], builder.mul(b, four), _F32)
                 scale = builder.fmul(d, _broadcast(builder, dx, lanes))
@@ -270,11 +318,11 @@ def _w4a8_lane_tile(typingctx, codes, scales, offsets, xq, xd, xs, out, r0, t0):
 
 @njit(cache=True, nogil=True, parallel=True)
 def _w4a8_lanes(qs32, d, m, xq, xd, xs, out, codes, scales, offsets):
-    rows, acts, workers = d.shape[0], xq.shape[0], codes.shape[0]
-    groups = (rows + _LANE_ROWS - 1) // _LANE_ROWS
+    rows, acts, workers, lanes = d.shape[0], xq.shape[0], codes.shape[0], codes.shape[3]
+    groups = (rows + lanes - 1) // lanes
     for w in prange(workers):
         for g in range(w, groups, workers):
-            r0 = g * _LANE_ROWS
+            r0 = g * lanes
             if m is None:
                 _pack_lane_rows(qs32, d, None, r0, codes[w], scales[w], None)
                 for t0 in range(0, acts, _LANE_ACTS):

@@ -1,5 +1,5 @@
-"""The activations' quantisation: Q8 and Q16 codes per 32-group for the integer matvecs, and
-prefill's fake-quantised rows for its W4A8 GEMM."""
+"""The activations' quantisation: Q8 and Q16 codes per 32-group (with their sums where a Q4 kernel
+needs them) for the integer matvecs, and prefill's fake-quantised rows for its W4A8 GEMM."""
 
 from __future__ import annotations
 
@@ -55,12 +55,24 @@ def quantize_act_q8(x, xq, xd, xs):
 
 @njit(cache=True, nogil=True, fastmath=_Q8_MATH)
 def quantize_act_q16(x, xq, xd):
+    _quantize_q16(x, xq, xd, None)
+
+
+@njit(cache=True, nogil=True, fastmath=_Q8_MATH)
+def _quantize_q16(x, xq, xd, xs):
+    """quantize_act_q16, and where xs is not None each group's code sum into it (W4A16's integer
+    kernel corrects Q4_0's -8 and adds Q4_1's offsets through it, as W4A8 does with Q8's)."""
     for b in range(xd.shape[0]):
         g = x[32 * b: 32 * b + 32]
         d, inv = _group_scale(g, _Q16_TOP)
+        total = 0
         for j in range(32):
-            xq[32 * b + j] = np.int16(_group_code(g[j], inv, _Q16_TOP))
+            q = np.int32(_group_code(g[j], inv, _Q16_TOP))
+            xq[32 * b + j] = q
+            total += q
         xd[b] = d
+        if xs is not None:
+            xs[b] = total
 
 
 @njit(cache=True, nogil=True, fastmath=_Q8_MATH)
