@@ -487,14 +487,14 @@ def test_matvec_q4_w4a8_integer_dot_exact(rng, rows, cols, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("acts", (1, 3, 4, 8, 13, 21))  # the cpu's row kernel (tiles of 8, 4, 1); lanes from 12
+@pytest.mark.parametrize("acts", (1, 3, 4, 8, 13, 21))  # row kernel tiles of 8, 4, 1; lanes from 12 or 16
 @pytest.mark.parametrize("cols", (32, 352, 576))  # blocks: one; 8 + a pair + one; 16 + a pair
 def test_matmul_q4_w4a8_is_the_matvec_of_each_activation(rng, acts, cols, kind):
     # A prompt's W4A8 GEMM: activation t's outputs are the backend's own matvec of it, bit for bit
     # (the same arithmetic a row; the cpu unpacks a row's codes once for a tile of them: rows in
-    # lanes from 12 activations, 16 a tile with AVX-512BW and 8 with AVX2, 37 rows leaving a tile
-    # of 5), written into a column slice of a wider array and nowhere else. The matvecs are held
-    # to ref above.
+    # lanes from _LANES_FROM activations, 16 a tile with AVX-512BW and 8 with AVX2, 37 rows
+    # leaving a tile of 5), written into a column slice of a wider array and nowhere else. The
+    # matvecs are held to ref above.
     rows = 37
     qs, d, m = random_q4(rng, rows, cols, kind)
     x = randn(rng, acts, cols)

@@ -194,13 +194,14 @@ def short_prefill_rows(precision: str) -> int:
     threads set: the GEMM pays a fixed cost of dequantising whatever the chunk, then less a token
     than the batch kernels, and two threads hardly speed a short GEMM where they halve a batch
     kernel's time. The crossing points per thread, measured on SmolLM2 (docs/perf/code_figures.md):
-    W4A8 32 tokens (16 compiled for AVX2), W4A16 16, exact 12, up to SHORT_PREFILL_MOST; W4A16's
-    bf16 dots (AVX512-BF16) are no faster in a batch than its tables, so the same threshold.
+    W4A8 32 tokens (16 compiled for AVX2), W4A16 16 (8 on Q16 codes, without AVX-512F), exact 12,
+    up to SHORT_PREFILL_MOST; W4A16's bf16 dots (AVX512-BF16) are no faster in a batch than its
+    tables, so the same threshold.
     W4A8 on AVX2 or AVX-512BW has no bound: matmul_q4_w4a8's rows-in-lanes kernel is faster
     than the GEMM at every length (see q4_w4a8._LANE_ACTS), so every W4A8 chunk takes it."""
     if precision == "w4a8" and _lane_rows():
         return sys.maxsize
-    per_thread = {"w4a8": 16, "w4a16": 16 if _AVX512F else 0, "exact": 12}.get(precision, 0)
+    per_thread = {"w4a8": 16, "w4a16": 16 if _AVX512F else 8, "exact": 12}.get(precision, 0)
     return min(per_thread * _threads[0], SHORT_PREFILL_MOST)
 
 

@@ -74,8 +74,9 @@ def matmul_q4_w4a16(qs, d, m, x, out):
         acts, cols = x.shape
         xq16, xd, xs = _q16_scratch(acts * cols)
         groups = acts * cols // 32
-        _w4a16_q16_batch(qs, d.view(np.uint16), _bits(m), np.ascontiguousarray(x), xq16[:acts * cols].reshape(acts, cols),
-                         xd[:groups].reshape(acts, -1), xs[:groups].reshape(acts, -1), out)
+        _w4a16_q16_batch(qs, d.view(np.uint16), _bits(m), np.ascontiguousarray(x),
+                         xq16[:acts * cols].reshape(acts, cols), xd[:groups].reshape(acts, -1),
+                         xs[:groups].reshape(acts, -1), out)
         return
     if not _AVX512BF16:
         _w4a16_batch(qs, d.view(np.uint16), _bits(m), x, out)

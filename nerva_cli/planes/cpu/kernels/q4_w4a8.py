@@ -162,10 +162,10 @@ def _w4a8_batch(qs, d, m, xq, x_pairs, xd, xs, out):
 # matvec_q4_w4a8's bit for bit, for any prompt length. It is about three times as fast as
 # dequantise + OpenBLAS sgemm (gemm_q4) at 256 activations on AVX-512. Below _LANES_FROM
 # activations the row kernel (_w4a8_batch) is faster: a tile's packing and its eight activations
-# cost the same for fewer, and the row kernel takes one activation at a time
-# (docs/perf/code_figures.md).
+# cost the same for fewer, and the row kernel takes one activation at a time; the 8-row AVX2 tile
+# catches up with it later (docs/perf/code_figures.md).
 _LANE_ACTS = 8
-_LANES_FROM = 12
+_LANES_FROM = 12 if _AVX512BW else 16
 
 
 def _lane_rows():
