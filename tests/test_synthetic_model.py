@@ -86,3 +86,25 @@ def test_an_f16_gguf_holds_f16_matrices_and_pulls_exact(synthetic, tmp_path, mon
     got = model.read_file("layer_001.bin")["down"]
     assert got.dtype == np.float16 and float(np.abs(got.astype(np.float32)).max()) > 0
     np.testing.assert_array_equal(got.view(np.uint16), np.asarray(want).reshape(got.shape).view(np.uint16))
+
+
+def test_a_qwen2_shape_keeps_its_biases_and_own_output_and_checks_the_vocab(synthetic, tmp_path, monkeypatch):
+    # --vocab's path: the tokenizer of a given GGUF (here the bundled one, named explicitly), q/k/v
+    # biases as attn_*.bias and an untied output.weight, which `pull` reads back as Qwen2's; a
+    # vocabulary of another size than the shape's is refused before anything is written.
+    from nerva_cli.store.pull import pull
+
+    from conftest import smollm2_gguf
+
+    vocab = smollm2_gguf()
+    monkeypatch.setitem(synthetic.SHAPES, "qwen2-tiny", (64, 96, 2, 4, 2, 16, 49152, 1e6, False))
+    path = tmp_path / "qwen2-tiny.gguf"
+    synthetic.write_gguf("qwen2-tiny", path, "q4_0", vocab)
+    names = {t.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert {"blk.1.attn_q.bias", "blk.1.attn_v.bias", "output.weight"} <= names
+    cfg = pull(str(path), variant="auto", out=tmp_path / "store").config
+    assert (cfg.family, cfg.qkv_bias, cfg.tie_embeddings) == ("qwen2", True, False)
+    monkeypatch.setitem(synthetic.SHAPES, "qwen2-tiny", (64, 96, 2, 4, 2, 16, 1000, 1e6, False))
+    with pytest.raises(SystemExit, match="has 49152 tokens, the shape 1000"):
+        synthetic.write_gguf("qwen2-tiny", tmp_path / "other.gguf", "q4_0", vocab)
+    assert not (tmp_path / "other.gguf").exists()
