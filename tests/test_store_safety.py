@@ -171,13 +171,18 @@ def test_two_concurrent_force_pulls_of_one_name_both_succeed(tiny_models, cli, t
 
 
 # -- 3: rm while a run reads the model ----------------------------------------------------------
+# The smallest RAM budget the tiny llama runs in at --ctx 64, every layer streamed (the planner's
+# error names it: "the smallest budget that works is ..."); it moves with the arena's buffers.
+SMALLEST_BUDGET = "683980"
+
+
 def paged_engine(name: str):
     """A run's engine over `name`, every layer streamed from disk (the smallest budget that works);
     nothing compiled ahead (decodes=False): the test reads layers, it does not compute."""
     from nerva_cli.runtime.open_engine import open_engine
     from nerva_cli.runtime.options import EngineOptions
 
-    return open_engine(name, EngineOptions(backend="ref", use_profile=False, ctx=64, ram_budget="683776",
+    return open_engine(name, EngineOptions(backend="ref", use_profile=False, ctx=64, ram_budget=SMALLEST_BUDGET,
                                            decodes=False))
 
 
@@ -216,7 +221,7 @@ def test_a_layer_file_deleted_under_a_run_ends_it_in_one_line(tiny_models, cli, 
 
     monkeypatch.setattr(runtime, "open_engine", open_then_delete)
     code, out, err = cli("run", "tiny", "-p", "the quick", "-n", "4", "--no-profile", "--ctx", "64",
-                         "--ram-budget", "683776", "--backend", "ref")
+                         "--ram-budget", SMALLEST_BUDGET, "--backend", "ref")
     lines = [ln for ln in err.strip().splitlines() if ln.startswith("error:")]
     assert code == 1 and "Traceback" not in err and len(lines) == 1, err
     assert f"{layer}: deleted while this run read it" in lines[0], err
