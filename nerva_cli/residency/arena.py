@@ -79,10 +79,10 @@ class Arena:
         self.k_rows = self.k.reshape(1, cfg.num_kv_heads, cfg.head_dim)
         self.act_q8 = {n: (self.xq[:n], self.xd[: n // QK], self.xs[: n // QK])
                        for n in {h, f, cfg.q_dim}}
-        # Q16 codes and per-group scales: the W8A16 lm_head's activation (hidden wide) and, where
-        # the cpu's W4A16 takes Q16 codes, every layer matvec's (their sums in xs, as W4A8's)
-        self.xq16, self.xd16 = np.zeros(widest, dtype=np.int16), z(widest // QK)
-        self.act_q16 = {n: (self.xq16[:n], self.xd16[: n // QK]) for n in {h, f, cfg.q_dim}}
+        # Q16 codes: the W8A16 lm_head's activation (hidden wide, its scales xd16) and, where the
+        # cpu's W4A16 takes Q16 codes, every layer matvec's (their scales and sums in xd, xs)
+        self.xq16, self.xd16 = np.zeros(widest, dtype=np.int16), z(h // QK)
+        self.act_q16 = {h: (self.xq16[:h], self.xd16)}
         self.att_part = z(*attention_decode_partials(ctx, cfg.num_heads, cfg.head_dim))
         kv_type = kv_cache_type(kv_cache)
         rows = cache_rows(cfg, ctx, chunk)
@@ -119,7 +119,7 @@ class Arena:
         h, f = cfg.hidden_size, cfg.intermediate_size
         widest = max(h, f, cfg.q_dim)
         f32 = (2 * h + cfg.q_dim + 2 * cfg.kv_dim + cfg.num_heads * cfg.head_dim + h + 3 * f + h
-               + cfg.vocab_size + 2 * (widest // QK))  # ... xd, xd16
+               + cfg.vocab_size + widest // QK + h // QK)  # ... xd, xd16
         kv = seq_slots * sum(cache_rows(cfg, ctx, chunk)) * 2 * cfg.num_kv_heads * cfg.head_dim * \
             np.dtype(kv_cache_type(kv_cache)).itemsize
         f32 += prod(attention_decode_partials(ctx, cfg.num_heads, cfg.head_dim))
