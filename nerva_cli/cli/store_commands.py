@@ -127,8 +127,12 @@ def _summary(m) -> dict:
     from nerva_cli.runtime import mcap
 
     cfg, q4 = m.config, m.variant in ("q4_0", "q4_1")
-    # a Q4 variant keeps a matrix whose rows are not whole blocks in f16 (layout.stored_format)
-    kept = [n for n in MATRICES if m.matrix_format(layer_file(0), n) != m.variant]
+    # a Q4 variant keeps a matrix whose rows are not whole blocks in f16 (layout.stored_format);
+    # a mixture's first layer holds its experts' (the first expert's stand for all)
+    first = layer_file(cfg.moe_layers[0]) if cfg.moe_layers else layer_file(0)
+    names = [n for n in (*MATRICES, *(f"experts.0.{p}" for p in ("gate", "up", "down")))
+             if any(t == n or t.startswith(f"{n}.") for t in m.meta["files"][first]["tensors"])]
+    kept = [n for n in names if m.matrix_format(first, n) != m.variant]
     template = (m.path / "tokenizer_config.json").exists() and \
         bool(read_json(m.path / "tokenizer_config.json").get("chat_template"))
     found = mcap.find_profile(m) if q4 else None  # mixed precision needs one: the first run makes it
@@ -137,8 +141,23 @@ def _summary(m) -> dict:
             "embedding_length": cfg.hidden_size, "layers": cfg.num_layers,
             "quantization": {"layer_matrices": m.variant, **({"f16_matrices": kept} if kept else {}),
                              "token_table": m.matrix_format("embed.bin", "embed")},
+            **({"experts": _experts(m)} if cfg.num_experts else {}),
             "chat_template": template, "license": None,  # the store keeps no license: the source has it
             "mixed_precision": None if mixed is None else {"tau": mcap.DEFAULT_TAU, "layers": mixed}}
+
+
+def _experts(m) -> dict:
+    """A mixture of experts' shape, as show gives it: experts a layer and a token, the layers
+    that have them, the parameters a token runs, and the bytes one expert and a token's experts
+    take on disk (each expert one aligned span of its layer's file, layout.expert_span)."""
+    from nerva_cli.model.layout import active_parameter_count, expert_span, layer_file
+
+    cfg = m.config
+    span = expert_span(m.meta["files"][layer_file(cfg.moe_layers[0])]["tensors"], 0)[1]
+    return {"per_layer": cfg.num_experts, "per_token": cfg.experts_per_token, "layers": len(cfg.moe_layers),
+            "shared_expert": bool(cfg.shared_expert_intermediate_size), "renormalised": cfg.norm_topk_prob,
+            "active_parameters": active_parameter_count(cfg), "expert_bytes": span,
+            "expert_bytes_per_token": span * cfg.experts_per_token * len(cfg.moe_layers)}
 
 
 def _print_show(m, summary: dict, verbose: bool) -> None:
@@ -155,10 +174,19 @@ def _print_show(m, summary: dict, verbose: bool) -> None:
                     f"{m.variant.upper()} (as converted: runs exact)")
     source = m.meta["source"]
     output.out.print(f"[bold]{output.escape(f'{m.name}:{m.variant}')}[/bold]  {output.escape(str(m.path))}")
-    output.facts([("architecture", summary["architecture"]), ("parameters", parameter_size(summary["parameters"])),
+    experts = summary.get("experts")
+    parameters = parameter_size(summary["parameters"]) + \
+        (f" ({parameter_size(experts['active_parameters'])} active a token)" if experts else "")
+    output.facts([("architecture", summary["architecture"]), ("parameters", parameters),
                   ("context length", str(summary["context_length"])),
                   ("embedding length", str(summary["embedding_length"])), ("layers", str(summary["layers"])),
                   ("quantization", quantisation),
+                  *([("experts", f"{experts['per_layer']} in each of {experts['layers']} layers, "
+                                 f"{experts['per_token']} a token"
+                                 + (" plus a shared one" if experts["shared_expert"] else "")
+                                 + f"; {output.human_bytes(experts['expert_bytes'])} an expert, "
+                                   f"{output.human_bytes(experts['expert_bytes_per_token'])} of experts a token")]
+                    if experts else []),
                   ("chat template", "yes" if summary["chat_template"] else
                    "none (a base model: prompts go to it as they are)"),
                   ("license", "not kept in the store (the source has it)"),

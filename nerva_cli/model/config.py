@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from nerva_cli.errors import BadInput
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "olmoe", "qwen2moe", "qwen3moe")
 # GeGLU, the embedding times sqrt(hidden), norms stored as 1 + w; Gemma 2 and 3 add post norms
 # and windowed layers (gemma_fields), Gemma 1 neither (geglu_fields)
 GEMMA = ("gemma", "gemma2", "gemma3")
@@ -20,10 +20,15 @@ GEMMA = ("gemma", "gemma2", "gemma3")
 # matrices are split (sources.fused_part).
 FAMILY_OF = {"llama": "llama", "mistral": "llama", "smollm3": "llama", "granite": "llama", "qwen2": "qwen2",
              "qwen3": "qwen3", "phi3": "phi3", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3",
-             "gemma3_text": "gemma3"}
-SUPPORTED_TEXT = ("llama (Llama 2/3.x, Mistral, SmolLM, SmolLM3, Granite 3, TinyLlama), qwen2, qwen3, "
+             "gemma3_text": "gemma3", "mixtral": "llama", "olmoe": "olmoe", "qwen2_moe": "qwen2moe",
+             "qwen3_moe": "qwen3moe"}
+SUPPORTED_TEXT = ("llama (Llama 2/3.x, Mistral, Mixtral, SmolLM, SmolLM3, Granite 3, TinyLlama), qwen2, qwen3, "
                   "phi3 (Phi-3, Phi-3.5, Phi-4-mini), gemma (Gemma 1, CodeGemma), gemma2, "
-                  "gemma3 (Gemma 3's text model)")
+                  "gemma3 (Gemma 3's text model), and the mixtures of experts olmoe, qwen2_moe, qwen3_moe")
+# Mixture-of-experts architectures nerva does not run yet, refused by name rather than as unknown
+# (DeepSeek's latent attention, gpt-oss's attention sinks and biased experts, among others)
+UNBUILT_MOE = ("deepseek_v2", "deepseek_v3", "gpt_oss", "qwen3_next", "granitemoe", "granitemoehybrid", "jamba",
+               "dbrx", "phimoe", "llama4", "llama4_text", "ernie4_5_moe", "glm4_moe", "hunyuan_v1_moe", "minimax")
 ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate: SwiGLU's, or GeGLU's (GeLU, tanh approximation)
 ROPE_SCALINGS = ("linear", "llama3", "freq_factors", "longrope", "yarn")
 
@@ -81,6 +86,21 @@ class ModelConfig:
     # attn_softcap, the final logits the same with final_softcap; None: not capped.
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    # A mixture of experts (ARCHITECTURE 15): a layer's MLP is num_experts SwiGLU experts, each
+    # expert_intermediate_size wide, of which a router (softmax over all of them, in f32) picks
+    # experts_per_token for each token, their outputs weighted by those probabilities (divided by
+    # their sum where norm_topk_prob: Mixtral always, Qwen3-MoE's checkpoints, OLMoE's not).
+    # shared_expert_intermediate_size: Qwen2-MoE's expert every token runs, scaled by
+    # sigmoid(shared_gate . x); dense_layers: layers with an ordinary MLP of intermediate_size
+    # (Qwen's mlp_only_layers and decoder_sparse_step). num_experts 0: a dense model.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    dense_layers: list[int] | None = None
+    # OLMoE's q/k norms, over the whole q and k projections rather than each head
+    qk_norm_whole: bool = False
 
     def __post_init__(self):
         if self.family not in SUPPORTED_FAMILIES:
@@ -111,6 +131,15 @@ class ModelConfig:
             cap = getattr(self, name)
             if cap is not None and not (math.isfinite(cap) and cap > 0):
                 raise BadInput(f"config: {name} must be a positive number, got {cap}")
+        if self.num_experts:
+            if not 0 < self.experts_per_token <= self.num_experts:
+                raise BadInput(f"config: experts per token ({self.experts_per_token}) must be between 1 and the "
+                               f"number of experts ({self.num_experts})")
+            if self.expert_intermediate_size <= 0:
+                raise BadInput(f"config: the experts' intermediate size must be positive, got "
+                               f"{self.expert_intermediate_size}")
+            if self.dense_layers is not None and not all(0 <= i < int(self.num_layers) for i in self.dense_layers):
+                raise BadInput(f"config: dense layers {self.dense_layers} must be below num_layers {self.num_layers}")
         if self.rope_scaling and self.rope_scaling.get("type") not in ROPE_SCALINGS:
             raise BadInput(f"config: rope scaling '{self.rope_scaling.get('type')}' is not supported "
                            f"(supported: {', '.join(ROPE_SCALINGS)})")
@@ -143,6 +172,21 @@ class ModelConfig:
         return [self.sliding_window if i in (self.sliding_layers or ()) else 0 for i in range(self.num_layers)]
 
     @property
+    def moe_layers(self) -> list[int]:
+        """The layers whose MLP is a mixture of experts (none for a dense model)."""
+        if not self.num_experts:
+            return []
+        return [i for i in range(self.num_layers) if i not in (self.dense_layers or ())]
+
+    @property
+    def widest_mlp(self) -> int:
+        """The widest MLP any layer runs (a dense layer's, an expert's or the shared expert's):
+        what the decode and prefill buffers of the MLP are sized for."""
+        moe = (self.expert_intermediate_size, self.shared_expert_intermediate_size) if self.num_experts else ()
+        dense = (self.intermediate_size,) if not self.num_experts or self.dense_layers else ()
+        return max((*moe, *dense))
+
+    @property
     def q_dim(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -170,6 +214,10 @@ class ModelConfig:
                 arch[key] = getattr(self, key)
         if self.activation != "silu" or self.post_norms:
             arch.update(activation=self.activation, post_norms=self.post_norms)
+        if self.num_experts:
+            arch.update({k: getattr(self, k) for k in ("num_experts", "experts_per_token", "expert_intermediate_size",
+                                                       "norm_topk_prob", "shared_expert_intermediate_size",
+                                                       "dense_layers", "qk_norm_whole")})
         blob = json.dumps(arch, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -380,10 +428,35 @@ def gemma_attention(query_pre_attn_scalar, head_dim: int) -> dict | None:
     return None if abs(attention * head_dim ** 0.5 - 1) < 1e-9 else granite_scales(attention=attention)
 
 
+def _hf_moe_fields(cfg: dict, path: str) -> dict:
+    """ModelConfig's mixture-of-experts fields from a config.json ({} for a dense model): the
+    expert counts (Mixtral's num_local_experts, the others' num_experts), the experts' width
+    (moe_intermediate_size, else intermediate_size: OLMoE's and Mixtral's), Qwen's dense layers
+    (mlp_only_layers, and all but every decoder_sparse_step-th) and shared expert."""
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    if not experts:
+        return {}
+    model_type, layers = cfg["model_type"], int(cfg["num_hidden_layers"])
+    if model_type == "olmoe" and cfg.get("clip_qkv") is not None:
+        raise BadInput(f"{path}: OLMoE's clip_qkv is not supported (got {cfg['clip_qkv']})")
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = [i for i in range(layers) if i in (cfg.get("mlp_only_layers") or []) or (i + 1) % step]
+    return {"num_experts": experts, "experts_per_token": int(cfg["num_experts_per_tok"]),
+            "expert_intermediate_size": int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+            # Mixtral's router always renormalises (its config has no such key)
+            "norm_topk_prob": True if model_type == "mixtral" else bool(cfg.get("norm_topk_prob", False)),
+            "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0)
+            if model_type == "qwen2_moe" else 0,
+            "dense_layers": dense or None, "qk_norm_whole": model_type == "olmoe"}
+
+
 def from_hf_config(cfg: dict, path: str) -> ModelConfig:
     """HF config.json -> ModelConfig; `path` names the file in errors."""
     cfg = _text_config(cfg)
     model_type = cfg.get("model_type")
+    if model_type in UNBUILT_MOE:
+        raise BadInput(f"{path}: the mixture-of-experts architecture '{model_type}' is not supported yet "
+                       "(mixtures nerva runs: olmoe, qwen2_moe, qwen3_moe, mixtral)")
     if model_type not in FAMILY_OF:
         raise BadInput(f"{path}: architecture '{model_type}' is not supported (supported: {SUPPORTED_TEXT})")
     family = FAMILY_OF[model_type]
@@ -412,8 +485,8 @@ def from_hf_config(cfg: dict, path: str) -> ModelConfig:
             rope_scaling=_hf_rope_scaling(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_list(cfg.get("eos_token_id")),
-            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=family in ("qwen3", "gemma3"),
+            qkv_bias=family in ("qwen2", "qwen2moe") or bool(cfg.get("attention_bias", False)),
+            qk_norm=family in ("qwen3", "gemma3", "olmoe", "qwen3moe"),
             rotary_dim=_hf_rotary_dim(cfg, head_dim),
             nope_layers=_hf_nope_layers(cfg),
             folded_scales=granite_scales(cfg.get("embedding_multiplier"), cfg.get("residual_multiplier"),
@@ -421,6 +494,7 @@ def from_hf_config(cfg: dict, path: str) -> ModelConfig:
             if model_type == "granite" else
             gemma_attention(cfg.get("query_pre_attn_scalar"), head_dim) if gemma else None,
             **gemma,
+            **_hf_moe_fields(cfg, path),
         )
     except KeyError as e:
         raise BadInput(f"{path}: missing key {e.args[0]!r}") from None

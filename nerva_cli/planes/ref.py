@@ -30,9 +30,13 @@ def set_threads(n: int) -> None:
 
 
 def rmsnorm(x, w, eps, out):
-    """out = x / sqrt(mean(x^2) + eps) * w over the last axis (x [n], [T, n], [T, heads, n])."""
-    ms = np.mean(x * x, axis=-1, keepdims=True, dtype=F32)
-    out[...] = x * (F32(1.0) / np.sqrt(ms + F32(eps))) * w
+    """out = x / sqrt(mean(x^2) + eps) * w over each run of len(w) consecutive values: the last
+    axis (x [n], [T, n], [T, heads, n] with w [n]), or several (OLMoE's q/k norms, over a token's
+    whole projection: x [T, heads, head_dim] with w [heads * head_dim]). x and out contiguous."""
+    n = w.shape[0]
+    x2 = x.reshape(-1, n)
+    ms = np.mean(x2 * x2, axis=-1, keepdims=True, dtype=F32)
+    out.reshape(-1, n)[...] = x2 * (F32(1.0) / np.sqrt(ms + F32(eps))) * w
 
 
 def add_rmsnorm(x, residual, w, eps, out):

@@ -77,6 +77,7 @@ class Arena:
         self.attn_flat = self.attn.reshape(-1)
         self.q_rows = self.q.reshape(1, cfg.num_heads, cfg.head_dim)
         self.k_rows = self.k.reshape(1, cfg.num_kv_heads, cfg.head_dim)
+        self.xn_row, self.down_row = self.xn.reshape(1, h), self.down.reshape(1, h)  # a mixture's MLP takes rows
         self.act_q8 = {n: (self.xq[:n], self.xd[: n // QK], self.xs[: n // QK])
                        for n in {h, f, cfg.q_dim}}
         # Q16 codes: the W8A16 lm_head's activation (hidden wide, its scales xd16) and, where the
@@ -139,7 +140,7 @@ DEQUANT_SLICE_BYTES = 8 << 20
 def scratch_elements(cfg: ModelConfig) -> int:
     """Prefill's dequantisation scratch in f32 elements: DEQUANT_SLICE_BYTES, or the largest
     matrix (lm_head and the fused ones included) when that is smaller."""
-    h, f = cfg.hidden_size, cfg.intermediate_size
+    h, f = cfg.hidden_size, cfg.widest_mlp
     largest = max(cfg.vocab_size * h, (cfg.q_dim + 2 * cfg.kv_dim) * h, 2 * f * h, h * cfg.q_dim)
     return min(largest, max(DEQUANT_SLICE_BYTES // 4, f, cfg.q_dim))  # a row of any matrix fits
 
@@ -163,10 +164,12 @@ class PrefillWorkspace:
 
     @staticmethod
     def layout(cfg: ModelConfig, rows: int, ctx: int, batch: int = 1) -> dict[str, tuple[int, type]]:
-        h, f, q, kv, R = cfg.hidden_size, cfg.intermediate_size, cfg.q_dim, cfg.kv_dim, max(rows, batch)
+        h, f, q, kv, R = cfg.hidden_size, cfg.widest_mlp, cfg.q_dim, cfg.kv_dim, max(rows, batch)
+        # a mixture of experts' MLP, a token's rows gathered an expert at a time (planes/cpu/experts.py)
+        moe = {"router": R * cfg.num_experts, "moe_x": R * h, "moe_y": R * h} if cfg.num_experts else {}
         f32 = {"x": R * h, "xn": R * h, "qkv": R * (q + 2 * kv), "q": R * q, "k": R * kv, "attn": R * q,
                "proj": R * h,  # o's and down's outputs, before the residual add
-               "gate_up": 2 * R * f, "act": R * f,
+               "gate_up": 2 * R * f, "act": R * f, **moe,
                "xq": rows * max(h, q, f),
                "attention": attention_prefill_work(rows, ctx, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
                "dequant": scratch_elements(cfg)}

@@ -311,6 +311,9 @@ def plan_layers(model: StoredModel, precision: str | None, tau: float, use_profi
     exact = model.variant in ("f16", "bf16")
     mixed = precision in (None, "mixed") and not exact
     hot = mode == "hot-only"
+    if hot and model.config.num_experts:
+        raise UsageError(f"--mode hot-only skips whole layers of a dense model; {model.name} is a mixture of "
+                         "experts, whose experts are chosen a token at a time: use --mode full")
     if hot and not use_profile:
         raise UsageError("--mode hot-only picks layers by their MCAP score: drop --no-profile")
     if mixed and not use_profile:

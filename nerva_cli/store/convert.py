@@ -126,13 +126,14 @@ def _folded(source: Source, canon: str) -> SourceTensor:
 def _plan(cfg) -> list[tuple[str, dict[str, tuple[int, ...]]]]:
     """(file, {canonical tensor name: shape}) of every file a conversion writes, in order."""
     return list(global_files(cfg).items()) + [
-        (layer_file(i), {f"layers.{i}.{n}": s for n, s in layer_shapes(cfg).items()})
+        (layer_file(i), {f"layers.{i}.{n}": s for n, s in layer_shapes(cfg, i).items()})
         for i in range(cfg.num_layers)]
 
 
 def _short(canon: str) -> str:
-    """A tensor's name in its file: 'q' for 'layers.3.q'; a global one's as it is."""
-    return canon.rsplit(".", 1)[-1] if canon.startswith("layers.") else canon
+    """A tensor's name in its file: 'q' for 'layers.3.q', 'experts.5.up' for 'layers.3.experts.5.up';
+    a global one's as it is."""
+    return canon.split(".", 2)[2] if canon.startswith("layers.") else canon
 
 
 def conversion_notes(source: Source, variant: str) -> list[str]:
@@ -151,7 +152,7 @@ def conversion_notes(source: Source, variant: str) -> list[str]:
                 if kind not in EXACT_SOURCE_TYPES and kind != keeps:
                     lossy.add(kind)
                 if variant in Q4_KINDS and keeps == "f16":
-                    kept, widths[name] = kept + 1, shape[-1]
+                    kept, widths[name.rsplit(".", 1)[-1]] = kept + 1, shape[-1]
     notes = []
     kinds = "/".join(sorted(k.upper() for k in lossy))
     if lossy and variant in Q4_KINDS:

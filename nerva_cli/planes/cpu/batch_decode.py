@@ -66,7 +66,7 @@ class BatchDecode:
         """The layer's matrices for the compiled batch calls (kernels.layer.batch_layer_planes,
         made once a resident layer), or None where this step runs it kernel by kernel (the ref
         backend, a staging slot's layer, and see batch_layer_planes and batch_rows_fused)."""
-        if self.backend != "cpu":
+        if self.backend != "cpu" or layer.moe is not None:
             return None
         from nerva_cli.planes.cpu.kernels import layer as fused
         from nerva_cli.planes.cpu.kernels.decode_attention import _cache_operand
@@ -167,11 +167,14 @@ class BatchDecode:
             k.rmsnorm(o, layer.post_attn_norm, cfg.rms_eps, o)
         t1 = perf_counter_ns()
         k.add_rmsnorm(o, x, layer.mlp_norm, cfg.rms_eps, xn)
-        gate_up, act = pw.take("gate_up", B, 2 * f), pw.take("act", B, f)
-        self._rows_dense([m["gate_up"]] if "gate_up" in m else [m["gate"], m["up"]], xn, p, gate_up)
-        (k.gelu_mul if spec.gelu else k.silu_mul)(gate_up, act)
         down = o  # o is in x now
-        self._rows_dense([m["down"]], act, p, down)
+        if layer.moe is not None:
+            self._moe_rows(layer, xn, down, self._rows_dense)
+        else:
+            gate_up, act = pw.take("gate_up", B, 2 * f), pw.take("act", B, f)
+            self._rows_dense([m["gate_up"]] if "gate_up" in m else [m["gate"], m["up"]], xn, p, gate_up)
+            (k.gelu_mul if spec.gelu else k.silu_mul)(gate_up, act)
+            self._rows_dense([m["down"]], act, p, down)
         if layer.post_mlp_norm is not None:
             k.rmsnorm(down, layer.post_mlp_norm, cfg.rms_eps, down)
         x += down

@@ -17,11 +17,12 @@ import numpy as np
 
 from nerva_cli.residency.arena import Arena, PrefillWorkspace
 from nerva_cli.model.layer_spec import layer_specs
-from nerva_cli.model.layout import MATRICES, layer_file
+from nerva_cli.model.layout import MATRICES, ROUTER, layer_file
 from nerva_cli.model.quant import QK
 from nerva_cli.errors import NervaError
 from nerva_cli.planes.base import Counters, EngineBase, context_length
 from nerva_cli.planes.cpu.batch_decode import BatchDecode
+from nerva_cli.planes.cpu.experts import Experts, MixtureMLP
 from nerva_cli.store.catalog import StoredModel
 
 PHASES = ("embed", "attention", "mlp", "lm_head")
@@ -128,7 +129,7 @@ class Layer:
     index: int
     attn_norm: np.ndarray
     mlp_norm: np.ndarray
-    mats: dict[str, Linear]  # qkv (fused), o, gate_up (fused), down
+    mats: dict[str, Linear]  # qkv (fused), o, gate_up (fused), down (a mixture of experts' layer: qkv, o)
     qkv_bias: np.ndarray | None  # Qwen2
     q_norm: np.ndarray | None  # Qwen3, Gemma 3
     k_norm: np.ndarray | None
@@ -137,15 +138,18 @@ class Layer:
     post_mlp_norm: np.ndarray | None = None
     slot_halves: dict | None = None  # a staging slot's: layer index -> its compiled decode halves
     seq_halves: dict = field(default_factory=dict)  # a staging slot's: sequence slot -> its slot_halves
+    moe: Experts | None = None  # a mixture of experts' layer: its router and experts (planes/cpu/experts.py)
 
     @classmethod
     def from_stored(cls, index: int, t: dict, precision: str) -> "Layer":
-        mats = {"qkv": Linear.owned(t, ("q", "k", "v")), "o": Linear.owned(t, ("o",)),
-                "gate_up": Linear.owned(t, ("gate", "up")), "down": Linear.owned(t, ("down",))}
+        mats = {"qkv": Linear.owned(t, ("q", "k", "v")), "o": Linear.owned(t, ("o",))}
+        moe = Experts.from_stored(t) if ROUTER in t else None
+        if moe is None:
+            mats.update(gate_up=Linear.owned(t, ("gate", "up")), down=Linear.owned(t, ("down",)))
         bias = np.concatenate([as_f32(t[f"{m}_bias"]) for m in ("q", "k", "v")]) if "q_bias" in t else None
         return cls(index, as_f32(t["attn_norm"]), as_f32(t["mlp_norm"]), mats, bias,
                    *(as_f32(t[n]) if n in t else None for n in ("q_norm", "k_norm")), precision,
-                   *(as_f32(t[n]) if n in t else None for n in ("post_attn_norm", "post_mlp_norm")))
+                   *(as_f32(t[n]) if n in t else None for n in ("post_attn_norm", "post_mlp_norm")), moe=moe)
 
     @classmethod
     def viewing(cls, t: dict, precision: str):
@@ -166,7 +170,7 @@ class Layer:
 
     @property
     def nbytes(self) -> int:
-        return sum(m.nbytes for m in self.mats.values())
+        return sum(m.nbytes for m in self.mats.values()) + (0 if self.moe is None else self.moe.nbytes)
 
     def codes_in(self, *names: str) -> bool:
         """Whether the first of `names` the layer has (its group: fused qkv, else q, k and v)
@@ -210,7 +214,7 @@ def residency_plan(model: StoredModel, ctx: int | None, ram_budget: int | None,
     return plan_model(model, context_length(cfg, ctx), ram_budget, importance, active_layers, workspace_at)
 
 
-class Engine(BatchDecode, EngineBase):
+class Engine(BatchDecode, MixtureMLP, EngineBase):
     def __init__(self, model: StoredModel, backend: str = "cpu", precision: str | None = None,
                  ctx: int | None = None, layer_precisions: list[str] | None = None,
                  active_layers: list[int] | None = None, ram_budget: int | None = None,
@@ -248,6 +252,12 @@ class Engine(BatchDecode, EngineBase):
         self.embed = Linear.from_stored(g, "embed")
         self.final_norm = as_f32(g["final_norm"])
         self.lm_head = Linear.from_stored(g, "lm_head") if any(n.startswith("lm_head") for n in g) else self.embed
+        if cfg.num_experts and self.plan.paged_layers:
+            from nerva_cli.units import human_bytes
+
+            raise NervaError(f"{model.name}: paging a mixture of experts' layers from disk is not built yet; "
+                             f"the RAM budget ({human_bytes(self.plan.budget)}) must hold all of them "
+                             f"({human_bytes(model.size)} of weights, with the KV cache and workspace besides)")
         self.kv_cache = kv_cache
         # refuses an unknown kv_cache in one line
         self.a = Arena(cfg, self.ctx, kv_cache, min(prefill_rows, self.ctx), seq_slots)
@@ -324,6 +334,8 @@ class Engine(BatchDecode, EngineBase):
             self._bind_halves()
 
     def _compile_layer(self, layer: Layer, i: int, into: dict) -> None:
+        if layer.moe is not None:  # its MLP runs kernel by kernel (experts.MixtureMLP)
+            return
         halves = self.k.decode_layer_halves(layer, self.specs[i], self.a, self.cfg,
                                             self.a.kv_base if i in self.ring else None)
         if halves is not None:
@@ -736,6 +748,10 @@ class Engine(BatchDecode, EngineBase):
         layer."""
         a, k, m = self.a, self.k, layer.mats
         k.add_rmsnorm(a.o, a.x, layer.mlp_norm, self.cfg.rms_eps, a.xn)
+        if layer.moe is not None:
+            self._moe_rows(layer, a.xn_row, a.down_row, self._rows_dense)
+            a.x += a.down
+            return
         if layer.codes_in("gate_up", "gate"):
             self._quantize_input(a.xn)
         if "gate_up" in m:
@@ -869,10 +885,13 @@ class Engine(BatchDecode, EngineBase):
             k.rmsnorm(proj, layer.post_attn_norm, cfg.rms_eps, proj)
         x += proj
         k.rmsnorm(x, layer.mlp_norm, cfg.rms_eps, xn)
-        gate_up, act = ws.take("gate_up", T, 2 * f), ws.take("act", T, f)
-        self._dense([m["gate_up"]] if "gate_up" in m else [m["gate"], m["up"]], xn, p, gate_up, f)
-        (k.gelu_mul if spec.gelu else k.silu_mul)(gate_up, act)
-        self._dense([m["down"]], act, p, proj)
+        if layer.moe is not None:
+            self._moe_rows(layer, xn, proj, self._dense)
+        else:
+            gate_up, act = ws.take("gate_up", T, 2 * f), ws.take("act", T, f)
+            self._dense([m["gate_up"]] if "gate_up" in m else [m["gate"], m["up"]], xn, p, gate_up, f)
+            (k.gelu_mul if spec.gelu else k.silu_mul)(gate_up, act)
+            self._dense([m["down"]], act, p, proj)
         if taps is not None:
             taps["mlp"] = proj.copy()
         if layer.post_mlp_norm is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -52,6 +53,45 @@ def fused_part(cfg: ModelConfig, canon: str) -> tuple[str, int, int, int] | None
         return None
     fused, r0, r1 = parts[name]
     return f"{prefix}.{fused}", r0, r1, parts["v" if fused == "qkv" else "up"][2]
+
+
+_EXPERT = re.compile(r"^(layers\.\d+)\.experts\.(\d+)\.(gate|up|down)$")
+
+
+def expert_part(cfg: ModelConfig, canon: str, have) -> SourceTensor | None:
+    """Routed expert e's gate, up or down ("layers.3.experts.5.up") where the checkpoint stacks
+    every expert's in one 3-D tensor [experts, rows, cols]: a GGUF's ffn_{gate,up,down}_exps
+    ("layers.3.experts.up"), or a checkpoint's fused gate_up [experts, 2 f, hidden] and down, as
+    transformers 5 holds them in memory ("layers.3.experts.gate_up"). have(name) -> the source's
+    tensor of that name or None. None where canon is no expert's or no stacked tensor holds it."""
+    m = _EXPERT.match(canon)
+    if not m:
+        return None
+    prefix, e, name = m.group(1), int(m.group(2)), m.group(3)
+    f = cfg.expert_intermediate_size
+    stacked, r0, r1 = f"{prefix}.experts.{name}", 0, None
+    t = have(stacked)
+    if t is None and name != "down":
+        stacked, r0, r1 = f"{prefix}.experts.gate_up", (0 if name == "gate" else f), (f if name == "gate" else 2 * f)
+        t = have(stacked)
+    if t is None:
+        return None
+    if len(t.shape) != 3 or t.shape[0] != cfg.num_experts:
+        raise BadInput(f"{t.where}: the stacked expert tensor '{stacked}' has shape {list(t.shape)}, the config "
+                       f"says {cfg.num_experts} experts")
+    rows = t.shape[1]
+    r1 = rows if r1 is None else r1
+    return row_range(_flattened(t), e * rows + r0, e * rows + r1, cfg.num_experts * rows, canon)
+
+
+def _flattened(t: SourceTensor) -> SourceTensor:
+    """A 3-D tensor [n, rows, cols] as the matrix [n * rows, cols] (the same bytes)."""
+    n, rows, cols = t.shape
+    return SourceTensor(
+        shape=(n * rows, cols), stored_dtype=t.stored_dtype, where=t.where,
+        read_f32=lambda: t.read_f32().reshape(n * rows, cols), read_f32_rows=t.read_f32_rows,
+        read_planes=None if t.read_planes is None else
+        (lambda: tuple(None if p is None else p.reshape(n * rows, -1) for p in t.read_planes())))
 
 
 def row_range(t: SourceTensor, r0: int, r1: int, rows: int, name: str) -> SourceTensor:

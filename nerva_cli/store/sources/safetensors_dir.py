@@ -13,7 +13,7 @@ import numpy as np
 
 from nerva_cli.model.config import GEMMA, from_hf_config
 from nerva_cli.errors import BadInput, read_json
-from nerva_cli.store.sources import Source, SourceTensor, fused_part, offset, row_range
+from nerva_cli.store.sources import Source, SourceTensor, expert_part, fused_part, offset, row_range
 
 DTYPES = {"F32": (np.float32, 4), "F16": (np.float16, 2), "BF16": (np.uint16, 2)}
 MAX_HEADER = 100 * 1024 * 1024
@@ -34,6 +34,18 @@ _LAYER_NAMES = {
 _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_layernorm.weight": "post_attn_norm",
                       "pre_feedforward_layernorm.weight": "mlp_norm",
                       "post_feedforward_layernorm.weight": "post_mlp_norm"}
+# A mixture of experts' MLP (num_experts > 0): the router, each routed expert's matrices (Mixtral's
+# w1 gate, w3 up, w2 down), Qwen2-MoE's shared expert and its gate, or every expert's in fused 3-D
+# tensors (expert_part reads an expert out of them)
+_MOE_NAMES = [
+    (re.compile(r"^(?:mlp|block_sparse_moe)\.gate\.weight$"), lambda m: "router"),
+    (re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$"), lambda m: f"experts.{m[1]}.{m[2]}"),
+    (re.compile(r"^block_sparse_moe\.experts\.(\d+)\.w([123])\.weight$"),
+     lambda m: f"experts.{m[1]}.{ {'1': 'gate', '2': 'down', '3': 'up'}[m[2]] }"),
+    (re.compile(r"^mlp\.shared_expert\.(gate|up|down)_proj\.weight$"), lambda m: f"shared.{m[1]}"),
+    (re.compile(r"^mlp\.shared_expert_gate\.weight$"), lambda m: "shared_gate"),
+    (re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(gate_up|down)_proj$"), lambda m: f"experts.{m[1]}"),
+]
 _GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm",
                  "lm_head.weight": "lm_head"}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -45,7 +57,7 @@ _LANGUAGE_MODEL = re.compile(r"^(model\.language_model\.|language_model\.model\.
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$|^(model\.)?(vision_tower|multi_modal_projector)\.")
 
 
-def canonical_name(hf_name: str, family: str = "llama") -> str | None:
+def canonical_name(hf_name: str, family: str = "llama", moe: bool = False) -> str | None:
     hf_name = _LANGUAGE_MODEL.sub("model.", hf_name).removeprefix("language_model.")  # its lm_head, if saved
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
@@ -53,6 +65,10 @@ def canonical_name(hf_name: str, family: str = "llama") -> str | None:
     names = _GEMMA_LAYER_NAMES if family in ("gemma2", "gemma3") else _LAYER_NAMES
     if m and m.group(2) in names:
         return f"layers.{int(m.group(1))}.{names[m.group(2)]}"
+    for pattern, name in _MOE_NAMES if m and moe else ():
+        found = pattern.match(m.group(2))
+        if found:
+            return f"layers.{int(m.group(1))}.{name(found)}"
     return None
 
 
@@ -162,7 +178,7 @@ def open_safetensors_dir(root: Path, display_id: str | None = None, revision: st
         fp.update(f.name.encode() + str(f.stat().st_size).encode())
         fp.update(json.dumps(sorted((k, v[1], v[0]) for k, v in tensors.items())).encode())
         for hf_name, info in tensors.items():
-            canon = canonical_name(hf_name, cfg.family)
+            canon = canonical_name(hf_name, cfg.family, cfg.num_experts > 0)
             if canon is None:
                 if _IGNORED.search(hf_name):
                     continue
@@ -173,17 +189,22 @@ def open_safetensors_dir(root: Path, display_id: str | None = None, revision: st
         part = fused_part(cfg, name)
         if name not in where and part is not None and part[0] in where:
             return row_range(tensor(part[0]), *part[1:], name)
+        expert = None if name in where else expert_part(cfg, name, lambda n: tensor(n) if n in where else None)
+        if expert is not None:
+            return expert
         if name not in where:
             raise BadInput(f"{root}: tensor for '{name}' not found in the safetensors files")
         f, start, (dtype, shape, b, e) = where[name]
+        if name.endswith("shared_gate"):  # a Linear to one output: its single row is the vector
+            shape = shape[-1:]
 
-        def rows(r0: int, r1: int) -> np.ndarray:
-            row = (e - b) // shape[0]
-            return _read_tensor(f, start, dtype, (r1 - r0, *shape[1:]), b + r0 * row, b + r1 * row)
+        def rows(r0: int, r1: int) -> np.ndarray:  # rows of a matrix, or of a 3-D tensor's [n * rows, cols]
+            row = (e - b) // int(np.prod(shape[:-1]))
+            return _read_tensor(f, start, dtype, (r1 - r0, shape[-1]), b + r0 * row, b + r1 * row)
 
         t = SourceTensor(shape=shape, stored_dtype=dtype.lower(), where=str(f),
                          read_f32=lambda: _read_tensor(f, start, dtype, shape, b, e),
-                         read_f32_rows=rows if len(shape) == 2 else None)
+                         read_f32_rows=rows if len(shape) >= 2 else None)
         # Gemma's norms multiply by 1 + weight: stored as that, as a GGUF of it holds them
         return offset(t, 1.0) if cfg.family in GEMMA and name.endswith("norm") else t
 
