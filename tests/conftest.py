@@ -154,6 +154,22 @@ FAMILIES = {
     "gemma2-qpas": ("Gemma2Config", {
         "head_dim": 16, "pad_token_id": 0, "sliding_window": 8, "query_pre_attn_scalar": 64,
         "attn_logit_softcapping": 10.0, "final_logit_softcapping": 1.5}),
+    # Mixtures of experts, 8 experts a layer and 2 a token: OLMoE's softmax without renormalising
+    # and q/k norms over the whole projection; Qwen3-MoE's renormalised, with its second layer
+    # dense (mlp_only_layers) and experts narrower than that layer's MLP; Mixtral's (w1/w2/w3
+    # names); Qwen2-MoE's shared expert and its sigmoid gate, with q/k/v biases. Their weights are
+    # whole f16 values (f16_exact), so the router, which the store keeps f32, is what
+    # hf_model's f16-rounded transformers model routes by.
+    "olmoe": ("OlmoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "intermediate": 64, "f16_exact": True,
+                              "tie_word_embeddings": False}),
+    "qwen3moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                    "intermediate": 96, "norm_topk_prob": True, "head_dim": 32, "mlp_only_layers": [1],
+                                    "f16_exact": True, "tie_word_embeddings": False}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate": 64,
+                                  "f16_exact": True, "tie_word_embeddings": False}),
+    "qwen2moe": ("Qwen2MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                    "shared_expert_intermediate_size": 64, "intermediate": 96, "f16_exact": True,
+                                    "tie_word_embeddings": False}),
 }
 
 
@@ -168,6 +184,8 @@ def make_tiny_model(out_dir: Path, family: str, dtype: str = "float32", layers: 
     tie = extra.pop("tie_word_embeddings", True)
     layers = extra.pop("layers", layers)
     hidden = extra.pop("hidden", hidden)
+    intermediate = extra.pop("intermediate", intermediate)
+    f16_exact = extra.pop("f16_exact", False)
     cfg = getattr(transformers, cls_name)(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=extra.pop("heads", 4), num_key_value_heads=extra.pop("kv_heads", 2),
@@ -185,6 +203,9 @@ def make_tiny_model(out_dir: Path, family: str, dtype: str = "float32", layers: 
         if family.startswith("gemma"):  # its embedding is multiplied by sqrt(hidden): std 0.25 after
             # that, or the token's own row outweighs every layer's output and greedy repeats it
             model.get_input_embeddings().weight.div_(hidden ** 0.5)
+        if f16_exact:
+            for p in model.parameters():
+                p.copy_(p.half().float())
     model = model.to(getattr(torch, dtype))
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)

@@ -59,7 +59,11 @@ CASES = [  # family, variant, precision, backend
     ("gemma2", "q4_0", "w4a8", "cpu"), ("gemma3", "q4_1", "w4a16", "cpu"), ("gemma3", "bf16", None, "cpu"),
     ("smollm3", "q4_0", "w4a8", "cpu"),
     ("llama", "q4_0", "w4a8", "ref"), ("qwen2", "f16", None, "ref"), ("gemma3", "q4_1", "w4a16", "ref"),
-    ("gemma2", "f16", None, "ref")]
+    ("gemma2", "f16", None, "ref"),
+    # mixtures of experts: a step's rows choose different experts, each expert runs the rows that chose it
+    ("qwen2moe", "q4_0", "w4a8", "cpu"), ("qwen3moe", "q4_0", "w4a16", "cpu"), ("olmoe", "q4_1", "w4a16", "cpu"),
+    ("mixtral", "f16", None, "cpu"),
+    ("mixtral", "q4_0", "w4a16", "ref")]
 
 
 @pytest.mark.parametrize("family, variant, precision, backend", CASES)

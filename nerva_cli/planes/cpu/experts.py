@@ -81,6 +81,10 @@ class MixtureMLP:
     workspace `pw`, config and counters). `dense(mats, x, precision, out)` is the caller's
     product: prefill's _dense, or decode's and a batched step's _rows_dense."""
 
+    # where a list: each MoE layer's choices as it runs them, (layer, expert ids [rows, k]) (the
+    # tests compare them with transformers'; a profile's expert statistics read them)
+    expert_trace: list | None = None
+
     def _moe_rows(self, layer, xn: np.ndarray, out: np.ndarray, dense) -> np.ndarray:
         """out [rows, hidden] = layer's mixture of experts on xn [rows, hidden]; -> the experts
         each row chose [rows, k] (the trace bench and the ledger count)."""
@@ -90,6 +94,8 @@ class MixtureMLP:
         for r in range(rows):  # a matvec a row: a GEMM's rounding would depend on the batch
             np.dot(moe.router, xn[r], out=logits[r])
         ids, weights = route(logits, cfg.experts_per_token, cfg.norm_topk_prob)
+        if self.expert_trace is not None:
+            self.expert_trace.append((layer.index, ids))
         if moe.shared is not None:  # Qwen2-MoE: sigmoid(shared_gate . x) times the shared expert
             self._expert(moe.shared[0], moe.shared[1], xn, out, dense, layer.precision)
             for r in range(rows):

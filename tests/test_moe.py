@@ -1,0 +1,200 @@
+"""Mixtures of experts (OLMoE, Qwen3-MoE, Mixtral, Qwen2-MoE) against transformers on tiny random
+models: router choices, logits and greedy tokens; their layer files; what they refuse."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import hf_greedy
+from test_engine import LOGIT_RTOL, W4A16_RTOL, hf_model, rel_err
+from nerva_cli.errors import BadInput, NervaError
+from nerva_cli.model.layout import expert_span, layer_file
+from nerva_cli.planes.cpu.engine import Engine, residency_plan
+from nerva_cli.store.catalog import ALIGN
+from nerva_cli.store.pull import pull
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+MOE = ("olmoe", "qwen3moe", "mixtral", "qwen2moe")
+PROMPT = [5, 17, 99, 3, 250, 11, 42, 7, 300, 12]
+N_TOKENS = 64
+
+
+def hf_routes(hf, ids) -> list[np.ndarray]:
+    """transformers' experts for each token of ids, per MoE layer in order: [tokens, k] sorted."""
+    with torch.no_grad():
+        out = hf(torch.tensor([ids]), output_router_logits=True)
+    k = hf.config.num_experts_per_tok
+    return [np.sort(torch.topk(torch.softmax(r.float(), dim=-1), k, dim=-1).indices.numpy(), axis=1)
+            for r in out.router_logits]
+
+
+@pytest.mark.parametrize("family,backend", [(f, "cpu") for f in MOE] + [("qwen3moe", "ref"), ("qwen2moe", "ref")])
+def test_moe_routes_logits_and_greedy_tokens_equal_transformers(family, backend, tiny_models, tmp_path):
+    """The f16 variant against transformers on the same (f16-exact) weights: every token's
+    experts in every MoE layer the same (the issue asks >= 99.9% of (token, layer) pairs: at
+    these sizes that is all of them), the logits within LOGIT_RTOL at the prompt and each of 64
+    decode steps (f32 noise: 2e-6 to 7e-6 measured), and the greedy continuation equal."""
+    src = tiny_models(family)
+    model = pull(str(src), variant="f16", out=tmp_path / "m")
+    engine = Engine(model, backend=backend, ctx=256, kv_cache="f32")
+    hf = hf_model(src)
+    want = hf_greedy(hf, PROMPT, N_TOKENS)
+    with torch.no_grad():
+        hf_logits = hf(torch.tensor([want])).logits[0].numpy()
+    engine.expert_trace = []
+    engine.prefill(want)
+    moe_layers = model.config.moe_layers
+    assert [i for i, _ in engine.expert_trace] == moe_layers
+    for (i, ids), theirs in zip(engine.expert_trace, hf_routes(hf, want), strict=True):
+        same = (np.sort(ids, axis=1) == theirs).all(axis=1)
+        assert same.mean() >= 0.999, (i, np.nonzero(~same))
+    engine.reset()
+    engine.expert_trace = None
+    logits, got = engine.prefill(PROMPT), []
+    assert rel_err(logits, hf_logits[len(PROMPT) - 1]) < LOGIT_RTOL
+    for step in range(N_TOKENS):
+        got.append(int(np.argmax(logits)))
+        logits = engine.decode(want[len(PROMPT) + step])
+        assert rel_err(logits, hf_logits[len(PROMPT) + step]) < LOGIT_RTOL, step
+    assert got == want[len(PROMPT):]
+    assert len(set(got)) > 10
+
+
+def routes(trace: list) -> np.ndarray:
+    """An engine's expert_trace as [tokens, MoE layers, k], each token's experts sorted."""
+    layers: dict[int, list] = {}
+    for i, ids in trace:
+        layers.setdefault(i, []).append(ids)
+    return np.sort(np.stack([np.concatenate(v) for v in layers.values()], axis=1), axis=2)
+
+
+@pytest.mark.parametrize("family,variant", [("olmoe", "q4_0"), ("qwen2moe", "q4_1"), ("mixtral", "q4_0")])
+@pytest.mark.parametrize("precision", ["w4a16", "w4a8"])
+def test_moe_q4_decode_matches_prefill_and_ref(precision, family, variant, tiny_models, tmp_path, rng):
+    """A Q4 mixture decoded token by token on the cpu and ref planes against the cpu's prefill of
+    the same sequences (each chunk's tokens grouped by expert, through the GEMMs). Two paths'
+    f32 noise (and, at W4A8, an activation on a rounding boundary landing on another int8 code in
+    one path: test_engine's test_q4_decode_matches_prefill_and_ref) can swap two experts of
+    nearly equal probability, which moves the MLP's output by a part of its own size, and through
+    the KV cache every later position. So: where both paths chose the same experts for every
+    token so far, the logits agree as a dense model's do (W4A16_RTOL; W4A8 0.15); where they
+    did not, within 1 (two unrelated logit vectors are sqrt(2) apart, and a wiring fault moves
+    every position); and most positions are of the first kind. Measured over 12 seeds and both
+    planes a family (1104 positions): same experts, W4A16 at most 1.3e-3, W4A8 6.5e-2; swapped
+    experts only at W4A8 on Mixtral, 16 positions, at most 0.50."""
+    model = pull(str(tiny_models(family)), variant=variant, out=tmp_path / "m")
+    sequences = [[int(t) for t in rng.integers(0, 384, size=24)] for _ in range(3)]
+    batches = []
+    for ids in sequences:
+        e = Engine(model, precision=precision, ctx=64, kv_cache="f32")
+        e.expert_trace = []
+        batches.append((e.prefill(ids, all_logits=True), routes(e.expert_trace)))
+    bound = W4A16_RTOL if precision == "w4a16" else 0.15
+    for backend in ("cpu", "ref"):
+        same_routes, other_routes = [], []
+        for ids, (batch, prefill_routes) in zip(sequences, batches):
+            e = Engine(model, backend=backend, precision=precision, ctx=64, kv_cache="f32")
+            e.expert_trace = []
+            e.prefill(ids[:1])
+            errs = [rel_err(e.decode(t), batch[i]) for i, t in enumerate(ids[1:], start=1)]
+            agree = np.cumprod((routes(e.expert_trace) == prefill_routes).all(axis=(1, 2)))[1:]
+            same_routes += [err for err, a in zip(errs, agree) if a]
+            other_routes += [err for err, a in zip(errs, agree) if not a]
+        assert len(same_routes) > len(other_routes), (backend, same_routes, other_routes)
+        assert max(same_routes) < bound and max(other_routes, default=0) < 1, (backend, same_routes, other_routes)
+
+
+@pytest.mark.parametrize("variant", ["f16", "q4_0"])
+def test_each_expert_is_one_aligned_span_after_the_dense_part(variant, tiny_models, tmp_path):
+    """A MoE layer's file: norms, attention and router first, then expert by expert its gate, up
+    and down, each expert one 4 KB-aligned span that no other tensor enters (one read loads it)."""
+    model = pull(str(tiny_models("qwen2moe")), variant=variant, out=tmp_path / "m")
+    cfg = model.config
+    for i in cfg.moe_layers:
+        tensors = model.meta["files"][layer_file(i)]["tensors"]
+        spans = [expert_span(tensors, e) for e in range(cfg.num_experts)]
+        dense_end = max(t["offset"] + t["nbytes"] for n, t in tensors.items() if not n.startswith("experts."))
+        assert spans[0][0] >= dense_end
+        for (lo, n), (next_lo, _) in zip(spans, spans[1:] + [(model.meta["files"][layer_file(i)]["size"], 0)]):
+            assert lo % ALIGN == 0 and lo + n <= next_lo
+            inside = [name for name, t in tensors.items() if lo <= t["offset"] < lo + n]
+            assert all(name.startswith(inside[0].rsplit(".", 2)[0] + ".") for name in inside)
+            assert len(inside) == (3 if variant == "f16" else 6)  # gate, up, down (codes and scales)
+
+
+def test_stacked_expert_tensors_convert_to_the_same_blocks(tiny_models, tmp_path):
+    """A checkpoint holding every expert in fused 3-D tensors (mlp.experts.gate_up_proj
+    [experts, 2 f, hidden] and down_proj, transformers 5's layout in memory) converts to the
+    very files the per-expert names give."""
+    from safetensors.numpy import load_file, save_file
+
+    src = tiny_models("qwen3moe")
+    fused_dir = tmp_path / "fused"
+    fused_dir.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (fused_dir / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(src / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    fused = {}
+    for name, value in tensors.items():
+        if ".mlp.experts." not in name:
+            fused[name] = value
+    for i in range(cfg["num_hidden_layers"]):
+        e = [f"model.layers.{i}.mlp.experts.{x}" for x in range(cfg.get("num_experts") or cfg["num_local_experts"])]
+        if f"{e[0]}.gate_proj.weight" not in tensors:
+            continue  # a dense layer
+        fused[f"model.layers.{i}.mlp.experts.gate_up_proj"] = np.stack(
+            [np.concatenate([tensors[f"{p}.gate_proj.weight"], tensors[f"{p}.up_proj.weight"]]) for p in e])
+        fused[f"model.layers.{i}.mlp.experts.down_proj"] = np.stack([tensors[f"{p}.down_proj.weight"] for p in e])
+    save_file(fused, str(fused_dir / "model.safetensors"))
+    for variant in ("f16", "q4_0"):
+        apart = pull(str(src), variant=variant, out=tmp_path / f"apart-{variant}")
+        together = pull(str(fused_dir), variant=variant, out=tmp_path / f"together-{variant}")
+        for i in range(cfg["num_hidden_layers"]):
+            assert apart.meta["files"][layer_file(i)]["sha256"] == together.meta["files"][layer_file(i)]["sha256"], i
+
+
+def test_moe_refusals(tiny_models, tmp_path, cli):
+    """What a mixture cannot do yet says so in one line, naming it: a MoE architecture not built
+    (DeepSeek's), OLMoE's clip_qkv, paging its layers under a RAM budget, hot-only mode, and
+    the cuda plane."""
+    from nerva_cli.model.config import from_hf_config
+    from nerva_cli.planes.cuda.launch import unsupported_shapes
+
+    with pytest.raises(BadInput, match="mixture-of-experts architecture 'deepseek_v3' is not supported yet"):
+        from_hf_config({"model_type": "deepseek_v3"}, "config.json")
+    olmoe = json.loads((tiny_models("olmoe") / "config.json").read_text())
+    with pytest.raises(BadInput, match="clip_qkv"):
+        from_hf_config({**olmoe, "clip_qkv": 8.0}, "config.json")
+    model = pull(str(tiny_models("olmoe")), variant="q4_0", out=tmp_path / "m")
+    with pytest.raises(NervaError, match="paging a mixture of experts' layers from disk is not built yet"):
+        full = residency_plan(model, 64, None).used_bytes
+        pages = next(b for b in range(full, 0, -ALIGN) if residency_plan(model, 64, b).paged_layers)
+        Engine(model, ctx=64, ram_budget=pages)
+    assert "cpu plane only" in unsupported_shapes(model.config)
+    code, out, err = cli("run", str(model.path), "hello", "-n", "2", "--mode", "hot-only")
+    assert code == 2 and "mixture of" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_show_gives_the_expert_plan(tiny_models, tmp_path, cli):
+    """show: the experts a layer and a token, the shared one, and the bytes an expert and a
+    token's experts take; --json the same figures."""
+    model = pull(str(tiny_models("qwen2moe")), variant="q4_0", out=tmp_path / "m")
+    code, out, _ = cli("show", str(model.path), "--json")
+    assert code == 0
+    experts = json.loads(out)["experts"]
+    span = expert_span(model.meta["files"][layer_file(0)]["tensors"], 0)[1]
+    assert experts == {"per_layer": 8, "per_token": 2, "layers": 3, "shared_expert": True, "renormalised": False,
+                       "active_parameters": experts["active_parameters"], "expert_bytes": span,
+                       "expert_bytes_per_token": span * 2 * 3}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_models("qwen2moe"))
+    idle = 3 * 6 * 3 * 64 * 32  # layers, experts not chosen, matrices, hidden x expert width
+    assert experts["active_parameters"] == hf.num_parameters() - idle
+    code, out, _ = cli("show", str(model.path))
+    assert "8 in each of 3 layers, 2 a token plus a shared one" in out
