@@ -165,6 +165,14 @@ FAMILIES = {
     "qwen3moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                     "intermediate": 96, "norm_topk_prob": True, "head_dim": 32, "mlp_only_layers": [1],
                                     "f16_exact": True, "tie_word_embeddings": False}),
+    # as many kv heads as heads, as OLMoE has them and llama.cpp's olmoe expects (its k norm is
+    # hidden wide)
+    "olmoe-mha": ("OlmoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "intermediate": 64, "kv_heads": 4,
+                                  "f16_exact": True, "tie_word_embeddings": False}),
+    # every layer a mixture, as llama.cpp's qwen3moe expects
+    "qwen3moe-sparse": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                           "norm_topk_prob": True, "head_dim": 32, "f16_exact": True,
+                                           "tie_word_embeddings": False}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate": 64,
                                   "f16_exact": True, "tie_word_embeddings": False}),
     "qwen2moe": ("Qwen2MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,

@@ -534,14 +534,18 @@ def hf_to_gguf(src, path, extra=None, layer_quant=None):
     GGUF names; a Phi-3's fused matrices as they are (gate_up under ffn_up's name), its rotary
     dimensions, and LongRoPE's factors as tensors with the original context and attention factor
     as keys; a Gemma 3's norms plus 1, its sliding window and the full layers' linear scaling as
-    keys. extra: {tensor name: array} added as they are (rope_freqs). layer_quant: a GGUF
-    type (Q4_0) the layers' matrices are quantised to by gguf-py, where not F32."""
+    keys; a mixture of experts' router as ffn_gate_inp, its experts' matrices stacked [experts,
+    rows, cols] as ffn_{gate,up,down}_exps, a shared expert as *_shexp with its gate one row
+    (ffn_gate_inp_shexp), and the expert keys (Mixtral's architecture is llama). extra: {tensor
+    name: array} added as they are (rope_freqs). layer_quant: a GGUF type (Q4_0) the layers'
+    matrices are quantised to by gguf-py, where not F32."""
     import transformers
     from safetensors.numpy import load_file
 
     cfg = transformers.AutoConfig.from_pretrained(src)
     arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "smollm3": "smollm3",
-            "granite": "granite", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3"}[cfg.model_type]
+            "granite": "granite", "gemma": "gemma", "gemma2": "gemma2", "gemma3_text": "gemma3", "olmoe": "olmoe",
+            "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}[cfg.model_type]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     rope = getattr(cfg, "rope_parameters", None) or {}
     rope = rope.get("full_attention", rope)  # Gemma 3's: the full layers' (llama.cpp fixes the others')
@@ -553,6 +557,14 @@ def hf_to_gguf(src, path, extra=None, layer_quant=None):
 
     for name, a in (extra or {}).items():
         w.add_tensor(name, a)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if getattr(cfg, "moe_intermediate_size", None):
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", None):
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if arch in ("gemma2", "gemma3"):
         w.add_sliding_window(cfg.sliding_window)
     if arch == "gemma2":
@@ -595,7 +607,20 @@ def hf_to_gguf(src, path, extra=None, layer_quant=None):
     names = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
              "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-             "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+             "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+             "ffn_gate_inp": "block_sparse_moe.gate" if cfg.model_type == "mixtral" else "mlp.gate",
+             "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+             "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+    moe = {"gate": "w1", "up": "w3", "down": "w2"} if cfg.model_type == "mixtral" else \
+        {p: f"{p}_proj" for p in ("gate", "up", "down")}
+    for i in range(cfg.num_hidden_layers):  # the experts stacked, as llama.cpp's converter writes them
+        prefix = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"
+        for part, hf_part in moe.items() if experts else ():
+            first = f"model.layers.{i}.{prefix}.experts.0.{hf_part}.weight"
+            if first in t:
+                t[f"model.layers.{i}.{prefix}.experts.{part}"] = np.stack(
+                    [t.pop(f"model.layers.{i}.{prefix}.experts.{e}.{hf_part}.weight") for e in range(experts)])
+                names[f"ffn_{part}_exps"] = f"{prefix}.experts.{part}"
     if arch == "phi3":
         names.update(attn_qkv="self_attn.qkv_proj", ffn_up="mlp.gate_up_proj")
     if arch in ("gemma2", "gemma3"):
@@ -604,12 +629,15 @@ def hf_to_gguf(src, path, extra=None, layer_quant=None):
     for i in range(cfg.num_hidden_layers):
         for gname, hf_name in names.items():
             for kind in ("weight", "bias"):
-                m = t.get(f"model.layers.{i}.{hf_name}.{kind}")
-                if m is None:
+                m = t.get(f"model.layers.{i}.{hf_name}.{kind}" if not hf_name.endswith(("gate", "up", "down"))
+                          or ".experts." not in hf_name else f"model.layers.{i}.{hf_name}")
+                if m is None or (kind == "bias" and ".experts." in hf_name):
                     continue
+                if gname == "ffn_gate_inp_shexp":
+                    m = m.reshape(-1)
                 if arch in ("llama", "smollm3", "granite") and gname in ("attn_q", "attn_k"):
                     m = permute(m, cfg.num_attention_heads if gname == "attn_q" else cfg.num_key_value_heads)
-                if layer_quant is not None and m.ndim == 2:
+                if layer_quant is not None and m.ndim >= 2 and gname != "ffn_gate_inp":  # llama.cpp keeps routers F32
                     from gguf import quants
 
                     w.add_tensor(f"blk.{i}.{gname}.{kind}", quants.quantize(m, layer_quant), raw_dtype=layer_quant)
@@ -622,12 +650,14 @@ def hf_to_gguf(src, path, extra=None, layer_quant=None):
 
 
 @pytest.mark.parametrize("family", ["llama", "llama-untied", "qwen2", "qwen3", "qwen3-yarn", "phi3", "phi3-longrope",
-                                    "smollm3", "granite", "gemma", "gemma2", "gemma3"])
+                                    "smollm3", "granite", "gemma", "gemma2", "gemma3", "olmoe", "qwen3moe", "mixtral",
+                                    "qwen2moe"])
 def test_a_gguf_of_hf_weights_converts_as_the_hf_directory_does(family, tiny_models, tmp_path, cli):
     """Each family nerva runs, as llama.cpp's converter would write it (F32 tensors: Qwen2's q/k/v
     biases, Qwen3's q/k norms and head_dim, an untied lm_head, a Llama's permuted q/k, Phi-3's
     fused matrices, partial rotation and LongRoPE factors, YaRN's keys, SmolLM3's architecture,
-    Granite's multipliers, Gemma 3's post norms, window and two RoPE bases, Gemma 2's logit caps): its f16
+    Granite's multipliers, Gemma 3's post norms, window and two RoPE bases, Gemma 2's logit caps,
+    the mixtures' routers and stacked experts, Qwen3-MoE's dense layer and Qwen2-MoE's shared expert): its f16
     conversion equals the HF directory's, tensor for tensor, and so does the config nerva reads
     from the keys (but for the source it names)."""
     src = tiny_models(family)
@@ -951,7 +981,8 @@ def test_a_multimodal_gemma3_checkpoint_converts_its_language_model(tiny_models,
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3-yarn", "phi3", "phi3-longrope", "smollm3",
-                                    "granite", "gemma", "gemma2", "gemma3"])
+                                    "granite", "gemma", "gemma2", "gemma3", "olmoe-mha", "qwen3moe-sparse",
+                                    "mixtral", "qwen2moe"])
 def test_a_gguf_runs_as_llama_cpp_runs_it(family, tiny_models, tmp_path):
     """The same GGUF (hf_to_gguf's, weights made f16-exact so that nerva's f16 conversion holds the
     file's values) through llama.cpp and through nerva, both with an f32 KV cache: the logits of a

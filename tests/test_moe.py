@@ -198,3 +198,31 @@ def test_show_gives_the_expert_plan(tiny_models, tmp_path, cli):
     assert experts["active_parameters"] == hf.num_parameters() - idle
     code, out, _ = cli("show", str(model.path))
     assert "8 in each of 3 layers, 2 a token plus a shared one" in out
+
+
+def test_a_q4_0_gguf_imports_each_stacked_expert_bit_for_bit(tiny_models, tmp_path):
+    """A Q4_0 GGUF of a mixture (experts stacked in ffn_*_exps, quantised by gguf-py as llama.cpp's
+    quantiser lays them out; the router F32, as llama.cpp keeps it): each expert's blocks land in
+    its span of the layer file byte for byte, read a row range at a time from the stacked tensor."""
+    from gguf import GGMLQuantizationType, quants
+    from safetensors.numpy import load_file
+
+    from test_convert import hf_to_gguf
+    from nerva_cli.model.quant import join_blocks
+
+    src = tiny_models("qwen2moe")
+    path = tmp_path / "moe.Q4_0.gguf"
+    hf_to_gguf(src, path, layer_quant=GGMLQuantizationType.Q4_0)
+    model = pull(str(path), out=tmp_path / "m")
+    assert model.variant == "q4_0"
+    hf = load_file(str(src / "model.safetensors"))
+    for i in model.config.moe_layers:
+        t = model.read_file(layer_file(i))
+        assert t["router"].dtype == np.float32
+        np.testing.assert_array_equal(t["router"], hf[f"model.layers.{i}.mlp.gate.weight"])
+        for e in range(model.config.num_experts):
+            for part in ("gate", "up", "down"):
+                want = quants.quantize(hf[f"model.layers.{i}.mlp.experts.{e}.{part}_proj.weight"],
+                                       GGMLQuantizationType.Q4_0)
+                got = join_blocks(t[f"experts.{e}.{part}.qs"], t[f"experts.{e}.{part}.d"])
+                np.testing.assert_array_equal(got, want, err_msg=f"layer {i} expert {e} {part}")

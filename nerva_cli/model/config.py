@@ -21,14 +21,17 @@ GEMMA = ("gemma", "gemma2", "gemma3")
 FAMILY_OF = {"llama": "llama", "mistral": "llama", "smollm3": "llama", "granite": "llama", "qwen2": "qwen2",
              "qwen3": "qwen3", "phi3": "phi3", "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3",
              "gemma3_text": "gemma3", "mixtral": "llama", "olmoe": "olmoe", "qwen2_moe": "qwen2moe",
-             "qwen3_moe": "qwen3moe"}
+             "qwen3_moe": "qwen3moe", "qwen2moe": "qwen2moe", "qwen3moe": "qwen3moe"}  # the last two: GGUF's
 SUPPORTED_TEXT = ("llama (Llama 2/3.x, Mistral, Mixtral, SmolLM, SmolLM3, Granite 3, TinyLlama), qwen2, qwen3, "
                   "phi3 (Phi-3, Phi-3.5, Phi-4-mini), gemma (Gemma 1, CodeGemma), gemma2, "
                   "gemma3 (Gemma 3's text model), and the mixtures of experts olmoe, qwen2_moe, qwen3_moe")
 # Mixture-of-experts architectures nerva does not run yet, refused by name rather than as unknown
 # (DeepSeek's latent attention, gpt-oss's attention sinks and biased experts, among others)
 UNBUILT_MOE = ("deepseek_v2", "deepseek_v3", "gpt_oss", "qwen3_next", "granitemoe", "granitemoehybrid", "jamba",
-               "dbrx", "phimoe", "llama4", "llama4_text", "ernie4_5_moe", "glm4_moe", "hunyuan_v1_moe", "minimax")
+               "dbrx", "phimoe", "llama4", "llama4_text", "ernie4_5_moe", "glm4_moe", "hunyuan_v1_moe", "minimax",
+               # their GGUF architecture names
+               "deepseek2", "gpt-oss", "qwen3next", "glm4moe", "ernie4_5-moe", "hunyuan-moe", "bailingmoe",
+               "grovemoe", "granitehybrid")
 ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate: SwiGLU's, or GeGLU's (GeLU, tanh approximation)
 ROPE_SCALINGS = ("linear", "llama3", "freq_factors", "longrope", "yarn")
 

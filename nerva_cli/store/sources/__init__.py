@@ -27,6 +27,9 @@ class SourceTensor:
     # converts a slice at a time (an 8B model's is 2.1 GB in f32); None where a row's place in the
     # source is not its place in the model (a GGUF's permuted q/k rows).
     read_f32_rows: Callable[[int, int], np.ndarray] | None = None
+    # For a block-format tensor: the planes of rows r0..r1 alone (one expert of a GGUF's stacked
+    # experts, without reading the other experts' bytes); None: read_planes' whole, then sliced.
+    read_planes_rows: Callable[[int, int], tuple] | None = None
 
 
 @dataclass
@@ -91,7 +94,8 @@ def _flattened(t: SourceTensor) -> SourceTensor:
         shape=(n * rows, cols), stored_dtype=t.stored_dtype, where=t.where,
         read_f32=lambda: t.read_f32().reshape(n * rows, cols), read_f32_rows=t.read_f32_rows,
         read_planes=None if t.read_planes is None else
-        (lambda: tuple(None if p is None else p.reshape(n * rows, -1) for p in t.read_planes())))
+        (lambda: tuple(None if p is None else p.reshape(n * rows, -1) for p in t.read_planes())),
+        read_planes_rows=t.read_planes_rows)
 
 
 def row_range(t: SourceTensor, r0: int, r1: int, rows: int, name: str) -> SourceTensor:
@@ -99,13 +103,19 @@ def row_range(t: SourceTensor, r0: int, r1: int, rows: int, name: str) -> Source
     if len(t.shape) != 2 or t.shape[0] != rows:
         raise BadInput(f"{t.where}: the fused matrix holding '{name}' has shape {list(t.shape)}, "
                        f"the config says {rows} rows")
-    read_rows = t.read_f32_rows
+    read_rows, planes_rows = t.read_f32_rows, t.read_planes_rows
+    if t.read_planes is None:
+        planes = None
+    elif planes_rows is not None:
+        planes = lambda: planes_rows(r0, r1)  # noqa: E731
+    else:
+        planes = lambda: tuple(None if p is None else p[r0:r1] for p in t.read_planes())  # noqa: E731
     return SourceTensor(
         shape=(r1 - r0, t.shape[1]), stored_dtype=t.stored_dtype, where=t.where,
         read_f32=(lambda: read_rows(r0, r1)) if read_rows is not None else (lambda: t.read_f32()[r0:r1]),
-        read_planes=None if t.read_planes is None else
-        (lambda: tuple(None if p is None else p[r0:r1] for p in t.read_planes())),
-        read_f32_rows=None if read_rows is None else (lambda a, b: read_rows(r0 + a, r0 + b)))
+        read_planes=planes,
+        read_f32_rows=None if read_rows is None else (lambda a, b: read_rows(r0 + a, r0 + b)),
+        read_planes_rows=None if planes_rows is None else (lambda a, b: planes_rows(r0 + a, r0 + b)))
 
 
 def row_order(t: SourceTensor, order: np.ndarray) -> SourceTensor:

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import numpy as np
 
-from nerva_cli.model.config import (FAMILY_OF, SUPPORTED_TEXT, ModelConfig, attended_context, gemma_attention,
-                              gemma_fields, geglu_fields, granite_scales, in_file, longrope_scaling, yarn_scaling)
+from nerva_cli.model.config import (FAMILY_OF, SUPPORTED_TEXT, UNBUILT_MOE, ModelConfig, attended_context,
+                                    gemma_attention, gemma_fields, geglu_fields, granite_scales, in_file,
+                                    longrope_scaling, yarn_scaling)
 from nerva_cli.errors import BadInput
 from nerva_cli.model.quant import BLOCK_BYTES, split_blocks
-from nerva_cli.store.sources import Source, SourceTensor, fused_part, row_range
+from nerva_cli.store.sources import Source, SourceTensor, expert_part, fused_part, row_range
 from nerva_cli.store.sources.gguf_header import GGUFHeader, read_header
 
 # Every type gguf-py (0.10 on) dequantises in NumPy: the K-quant files llama.cpp writes hold Q5_0,
@@ -29,7 +30,14 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "gate", "ffn_up.weight": "up", "ffn_down.weight": "down",
     "attn_qkv.weight": "qkv",  # Phi-3's fused q/k/v (and its gate/up, fused under ffn_up: open_gguf)
     "post_attention_norm.weight": "post_attn_norm", "post_ffw_norm.weight": "post_mlp_norm",  # Gemma 3's
+    # a mixture of experts': the router, every expert's gate, up and down stacked [experts, rows,
+    # cols] (sources.expert_part reads one), a shared expert and its gate
+    "ffn_gate_inp.weight": "router", "ffn_gate_exps.weight": "experts.gate", "ffn_up_exps.weight": "experts.up",
+    "ffn_down_exps.weight": "experts.down", "ffn_gate_shexp.weight": "shared.gate", "ffn_up_shexp.weight": "shared.up",
+    "ffn_down_shexp.weight": "shared.down", "ffn_gate_inp_shexp.weight": "shared_gate",
 }
+# the first Mixtral GGUFs' experts, a tensor each: blk.N.ffn_gate.E.weight
+_EXPERT_RE = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")
 # Tensors that configure RoPE rather than hold weights: Llama 3.1's per-frequency divisors,
 # Phi-3's LongRoPE factors
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -46,6 +54,9 @@ def canonical_name(gguf_name: str) -> str | None:
     m = _LAYER_RE.match(gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
         return f"layers.{int(m.group(1))}.{_LAYER_NAMES[m.group(2)]}"
+    expert = _EXPERT_RE.match(m.group(2)) if m else None
+    if expert:
+        return f"layers.{int(m.group(1))}.experts.{int(expert.group(2))}.{expert.group(1)}"
     return None
 
 
@@ -61,6 +72,9 @@ def _config(header: GGUFHeader, path: Path, embed_shape, rope: dict[str, list[fl
     """The config from the keys; `rope`: the values of the _ROPE_TENSORS the file holds."""
     fields = header.fields
     arch = fields.get("general.architecture")
+    if arch in UNBUILT_MOE:
+        raise BadInput(f"{path}: the mixture-of-experts architecture '{arch}' is not supported yet "
+                       "(mixtures nerva runs: olmoe, qwen2moe, qwen3moe, and Mixtral as llama)")
     if arch not in FAMILY_OF:
         raise BadInput(f"{path}: architecture '{arch}' is not supported (supported: {SUPPORTED_TEXT})")
     family = FAMILY_OF[arch]
@@ -140,9 +154,28 @@ def _config(header: GGUFHeader, path: Path, embed_shape, rope: dict[str, list[fl
                                                                               "attention.scale", "logit_scale")))
             if arch == "granite" else gemma.pop("folded_scales", None),
             **gemma,
+            **_moe_fields(fields, arch, names, layers, key),
         )
     except BadInput as e:  # its checks, said of the file
         raise in_file(e, path) from None
+
+
+def _moe_fields(fields: dict, arch: str, names: set[str], layers: int, key) -> dict:
+    """ModelConfig's mixture-of-experts fields from a GGUF's keys ({} without expert_count): the
+    experts' width (expert_feed_forward_length, else feed_forward_length: OLMoE's and Mixtral's),
+    the shared expert's, the layers without a router (dense). A GGUF keeps no norm_topk_prob:
+    the experts' weights are renormalised as llama.cpp does for the architecture (qwen3moe and
+    llama, Mixtral's, always; olmoe and qwen2moe never)."""
+    experts = int(fields.get(f"{arch}.expert_count") or 0)
+    if not experts:
+        return {}
+    return {"num_experts": experts, "experts_per_token": int(key("expert_used_count")),
+            "expert_intermediate_size": int(fields.get(f"{arch}.expert_feed_forward_length")
+                                            or key("feed_forward_length")),
+            "norm_topk_prob": arch in ("qwen3moe", "llama"),
+            "shared_expert_intermediate_size": int(fields.get(f"{arch}.expert_shared_feed_forward_length") or 0),
+            "dense_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names] or None,
+            "qk_norm_whole": arch == "olmoe"}
 
 
 def split_part_names(name: str) -> list[str]:
@@ -244,11 +277,17 @@ def open_gguf(path: Path) -> Source:
         part = fused_part(cfg, canon)
         if canon not in tensors and part is not None and part[0] in tensors:
             return row_range(tensor(part[0]), *part[1:], canon)
+        expert = None if canon in tensors else expert_part(cfg, canon, lambda n: tensor(n) if n in tensors else None)
+        if expert is not None:
+            return expert
         if canon not in tensors:
             raise BadInput(f"{path}: tensor for '{canon}' not found")
         where, t = tensors[canon]
         shape = t.shape
         qtype = t.type
+        if canon.endswith("shared_gate"):  # one row: the vector (llama.cpp's converter writes it 1-D)
+            shape = shape[-1:]
+        rows_of = int(np.prod(shape[:-1], dtype=np.int64))  # a 3-D tensor's as the matrix [n * rows, cols]
 
         def decode(raw: np.ndarray, rows: int) -> np.ndarray:
             if qtype == GGMLQuantizationType.F32:
@@ -265,17 +304,24 @@ def open_gguf(path: Path) -> Source:
             return unpermute(canon, decode(read_raw(where, t), int(np.prod(shape[:-1], dtype=np.int64))).reshape(shape))
 
         def read_f32_rows(r0: int, r1: int) -> np.ndarray:
-            row_bytes = t.n_bytes // shape[0]
-            return decode(read_raw(where, t, r0 * row_bytes, (r1 - r0) * row_bytes), r1 - r0).reshape(r1 - r0, shape[1])
+            row_bytes = t.n_bytes // rows_of
+            return decode(read_raw(where, t, r0 * row_bytes, (r1 - r0) * row_bytes), r1 - r0).reshape(r1 - r0, shape[-1])
 
         def read_planes():
-            planes = split_blocks(read_raw(where, t).reshape(shape[0], -1), shape[1], qtype.name.lower())
-            return tuple(None if p is None else unpermute(canon, p) for p in planes)
+            planes = split_blocks(read_raw(where, t).reshape(rows_of, -1), shape[-1], qtype.name.lower())
+            return tuple(None if p is None else unpermute(canon, p.reshape(*shape[:-1], -1)) for p in planes)
 
-        apart = len(shape) == 2 and not permuted(canon)
+        def read_planes_rows(r0: int, r1: int):
+            row_bytes = t.n_bytes // rows_of
+            raw = read_raw(where, t, r0 * row_bytes, (r1 - r0) * row_bytes)
+            return split_blocks(raw.reshape(r1 - r0, -1), shape[-1], qtype.name.lower())
+
+        blocks = qtype.name.lower() in BLOCK_BYTES
+        apart = len(shape) >= 2 and not permuted(canon)
         return SourceTensor(shape=shape, read_f32=read_f32, stored_dtype=qtype.name.lower(), where=str(where),
-                            read_planes=read_planes if qtype.name.lower() in BLOCK_BYTES else None,
-                            read_f32_rows=read_f32_rows if apart else None)
+                            read_planes=read_planes if blocks else None,
+                            read_f32_rows=read_f32_rows if apart else None,
+                            read_planes_rows=read_planes_rows if blocks and apart else None)
 
     name = _QUANT_SUFFIX.sub("", SPLIT_PART.sub("", path.name).removesuffix(".gguf") if len(parts) > 1
                              else path.stem).lower()
