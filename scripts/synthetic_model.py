@@ -49,7 +49,13 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads, head dim, vocab, ro
     "gemma-2b-v49k": (2048, 16384, 18, 8, 1, 256, 49152, 1e4, True),
     "gemma2-2b": (2304, 9216, 26, 8, 4, 256, 256000, 1e4, True),
     "gemma2-2b-v49k": (2304, 9216, 26, 8, 4, 256, 49152, 1e4, True),
+    # mixtures of experts (MOE below): OLMoE-1B-7B's, under SmolLM2's 49152-token vocabulary (its
+    # own is 50304); Qwen3-30B-A3B's (its 151936 tokens: --vocab ggml-vocab-qwen2.gguf)
+    "olmoe-1b-7b-v49k": (2048, 1024, 16, 16, 16, 128, 49152, 10000.0, False),
+    "qwen3-30b-a3b": (2048, 6144, 48, 32, 4, 128, 151936, 1e6, False),
 }
+# a mixture's experts a layer, a token, and each expert's width
+MOE = {"olmoe-1b-7b-v49k": (64, 8, 1024), "qwen3-30b-a3b": (128, 8, 768)}
 GGUF_NAMES = {"attn_norm": "attn_norm", "mlp_norm": "ffn_norm", "q": "attn_q", "k": "attn_k", "v": "attn_v",
               "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down",
               "q_norm": "attn_q_norm", "k_norm": "attn_k_norm", "post_attn_norm": "post_attention_norm",
@@ -72,6 +78,13 @@ def family_fields(shape: str, hidden: int, layers: int) -> dict:
         return {"family": "gemma", **geglu_fields(hidden)}
     if shape.startswith("qwen2"):
         return {"family": "qwen2", "qkv_bias": True}
+    if shape in MOE:
+        experts, per_token, width = MOE[shape]
+        moe = {"num_experts": experts, "experts_per_token": per_token, "expert_intermediate_size": width,
+               "qk_norm": True}
+        if shape.startswith("olmoe"):  # q/k norms over the whole projection, weights not renormalised
+            return {"family": "olmoe", "qk_norm_whole": True, **moe}
+        return {"family": "qwen3moe", "norm_topk_prob": True, **moe}
     return {"family": "llama"}
 
 
@@ -101,14 +114,18 @@ def source(shape: str, seed: int = 0, kind: str = "q4_0"):
     rng = np.random.default_rng(seed)
 
     def tensor(name: str) -> SourceTensor:
-        from nerva_cli.model.layout import global_files, layer_shapes
+        from nerva_cli.model.layout import ROUTER, global_files, layer_shapes
 
-        base = name.rsplit(".", 1)[-1]
-        shapes = {**{k: v for g in global_files(cfg).values() for k, v in g.items()}, **layer_shapes(cfg)}
-        shape = shapes[base]
+        layer = int(name.split(".")[1]) if name.startswith("layers.") else 0
+        inner = name.split(".", 2)[2] if name.startswith("layers.") else name  # "q", "experts.5.up"
+        base = inner.rsplit(".", 1)[-1]
+        shapes = {**{k: v for g in global_files(cfg).values() for k, v in g.items()}, **layer_shapes(cfg, layer)}
+        shape = shapes[inner]
         if len(shape) == 1:  # norms near 1, biases near 0
             centre = 0.0 if base.endswith("_bias") else 1.0
             return SourceTensor(shape, lambda: (centre + 0.05 * rng.standard_normal(shape)).astype(np.float32))
+        if inner == ROUTER:  # f32, as llama.cpp keeps it; spread so that every expert gets chosen
+            return SourceTensor(shape, lambda: (0.05 * rng.standard_normal(shape)).astype(np.float32))
 
         rows, cols = shape
         if kind == "f16":
@@ -188,6 +205,11 @@ def write_gguf(shape: str, out: Path, kind: str, vocab_file: Path | None = None)
     w.add_file_type({"q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
                      "f16": gguf.LlamaFileType.MOSTLY_F16}[kind])
     w.add_vocab_size(vocab)
+    if shape in MOE:
+        w.add_expert_count(MOE[shape][0])
+        w.add_expert_used_count(MOE[shape][1])
+        if family != "olmoe":  # OLMoE's experts are feed_forward_length wide
+            w.add_expert_feed_forward_length(MOE[shape][2])
     for name, field in vocab_from.fields.items():
         if name.startswith("tokenizer."):
             kind_of = field.types[0]
@@ -210,6 +232,15 @@ def write_gguf(shape: str, out: Path, kind: str, vocab_file: Path | None = None)
         else:
             w.add_tensor(gguf_name, gguf_blocks(*t.read_planes()), raw_dtype=qtype[t.stored_dtype])
 
+    def add_experts(i: int, part: str) -> None:
+        """Every expert's `part` of layer i stacked [experts, rows, block bytes], as ffn_{part}_exps."""
+        planes = [src.tensors(f"layers.{i}.experts.{e}.{part}") for e in range(src.config.num_experts)]
+        if planes[0].read_planes is None:
+            w.add_tensor(f"blk.{i}.ffn_{part}_exps.weight", np.stack([t.read_f32().astype(np.float16) for t in planes]))
+        else:
+            w.add_tensor(f"blk.{i}.ffn_{part}_exps.weight", np.stack([gguf_blocks(*t.read_planes()) for t in planes]),
+                         raw_dtype=qtype[planes[0].stored_dtype])
+
     add("token_embd.weight", "embed")
     add("output_norm.weight", "final_norm")
     if not tied:
@@ -217,8 +248,13 @@ def write_gguf(shape: str, out: Path, kind: str, vocab_file: Path | None = None)
     from nerva_cli.model.layout import layer_shapes
 
     for i in range(n):
-        for base in layer_shapes(src.config):
-            if base.endswith("_bias"):
+        for base in layer_shapes(src.config, i):
+            if base.startswith("experts."):
+                if base.startswith("experts.0."):
+                    add_experts(i, base.rsplit(".", 1)[-1])
+            elif base == "router":
+                add(f"blk.{i}.ffn_gate_inp.weight", f"layers.{i}.router")
+            elif base.endswith("_bias"):
                 add(f"blk.{i}.{GGUF_NAMES[base[:-len('_bias')]]}.bias", f"layers.{i}.{base}")
             else:
                 add(f"blk.{i}.{GGUF_NAMES[base]}.weight", f"layers.{i}.{base}")

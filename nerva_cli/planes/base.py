@@ -100,10 +100,21 @@ class EngineBase:
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights a token reads: the active layers' files, the token table's and an
-        untied lm_head's (a token reads one row of the table, but it is held all the same)."""
-        files = self.model.meta["files"]
-        return sum(files[layer_file(i)]["size"] for i in self.active) + \
+        untied lm_head's (a token reads one row of the table, but it is held all the same); of a
+        mixture's layer, the dense part and the experts a token runs."""
+        files, cfg = self.model.meta["files"], self.cfg
+        idle = {i: (cfg.num_experts - cfg.experts_per_token) * self.expert_bytes for i in cfg.moe_layers}
+        return sum(files[layer_file(i)]["size"] - idle.get(i, 0) for i in self.active) + \
             sum(files[f]["size"] for f in ("embed.bin", "lm_head.bin") if f in files)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one routed expert (its aligned span: every expert's is the same size); 0 for
+        a dense model."""
+        from nerva_cli.model.layout import expert_span
+
+        moe = self.cfg.moe_layers
+        return expert_span(self.model.meta["files"][layer_file(moe[0])]["tensors"], 0)[1] if moe else 0
 
     # -- positions ---------------------------------------------------------------------------
     def reset(self) -> None:

@@ -19,7 +19,8 @@ F32 = np.float32
 # the kernels every backend implements and an engine dispatches (each call counts as one kernel
 # run: planes/base.py's Counters); the other functions here are sizes and helpers
 KERNELS = ("rmsnorm", "add_rmsnorm", "add_rows", "rope", "quantize_act_q8", "quantize_act_q16", "fake_quantize_q8",
-           "matvec_q4_w4a16", "matmul_q4_w4a16", "matvec_q4_w4a8", "matmul_q4_w4a8", "matvec_q8_w8a8",
+           "matvec_q4_w4a16", "matmul_q4_w4a16", "matvec_q4_w4a8", "matmul_q4_w4a8", "matvec_q4_experts_w4a8",
+           "matvec_q4_experts_w4a16", "matvec_q8_w8a8",
            "matmul_q8_w8a8", "matvec_q8_w8a16", "matmul_q8_w8a16", "matvec_exact", "matmul_exact", "widen_exact", "silu_mul", "gelu_mul",
            "attention_decode", "attention_prefill", "dequantize_q4", "dequantize_q8", "embed_q4", "embed_q8",
            "embed_exact", "gemm_q4", "gemm_q8", "gemm_exact")
@@ -154,6 +155,29 @@ def matmul_q4_w4a8(qs, d, m, xq, xd, xs, out):
     (a short prompt's W4A8 GEMM; out [T, rows] may be a column slice of a wider array)."""
     for t in range(xq.shape[0]):
         matvec_q4_w4a8(qs, d, m, xq[t], xd[t], xs[t], out[t])
+
+
+def matvec_q4_experts_w4a8(qs, d, m, experts, x, out):
+    """A mixture's decode step: out[j] = matvec_q4_w4a8 of expert experts[j]'s matrix, rows
+    experts[j] * R.. (experts[j] + 1) * R of the stacked Q4 planes (a layer's experts' gate/up,
+    or down, back to back; R = out.shape[1]), and x[j] quantised by quantize_act_q8 (x[0] for
+    every j where x has one row: gate/up's input)."""
+    rows = out.shape[1]
+    for j, e in enumerate(experts):
+        a = x[0 if x.shape[0] == 1 else j]
+        xq, xd, xs = np.empty(a.shape, np.int8), np.empty(a.shape[0] // QK, F32), np.empty(a.shape[0] // QK, np.int32)
+        quantize_act_q8(a, xq, xd, xs)
+        part = slice(e * rows, (e + 1) * rows)
+        matvec_q4_w4a8(qs[part], d[part], None if m is None else m[part], xq, xd, xs, out[j])
+
+
+def matvec_q4_experts_w4a16(qs, d, m, experts, x, out):
+    """matvec_q4_experts_w4a8 at W4A16: each expert's matvec_q4_w4a16 of x[j] (x[0] where x has
+    one row)."""
+    rows = out.shape[1]
+    for j, e in enumerate(experts):
+        part = slice(e * rows, (e + 1) * rows)
+        matvec_q4_w4a16(qs[part], d[part], None if m is None else m[part], x[0 if x.shape[0] == 1 else j], out[j])
 
 
 def matvec_q8_w8a8(q8, d, xq, xd, out):

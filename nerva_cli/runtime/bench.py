@@ -248,6 +248,11 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
         "peak_vram_bytes": engine.peak_vram_bytes,
         "nerva_version": __version__,
     }
+    cfg = engine.cfg
+    if cfg.num_experts:  # every expert in RAM: a token multiplies by its k experts' bytes in each layer
+        result.update(experts_per_layer=cfg.num_experts, experts_per_token=cfg.experts_per_token,
+                      expert_bytes=engine.expert_bytes,
+                      expert_bytes_per_token=engine.expert_bytes * cfg.experts_per_token * len(cfg.moe_layers))
     if ppl_ids is not None:
         log(f"perplexity over {opts.ppl_file}")
         window = min(opts.ppl_ctx, engine.ctx)

@@ -334,8 +334,6 @@ class Engine(BatchDecode, MixtureMLP, EngineBase):
             self._bind_halves()
 
     def _compile_layer(self, layer: Layer, i: int, into: dict) -> None:
-        if layer.moe is not None:  # its MLP runs kernel by kernel (experts.MixtureMLP)
-            return
         halves = self.k.decode_layer_halves(layer, self.specs[i], self.a, self.cfg,
                                             self.a.kv_base if i in self.ring else None)
         if halves is not None:
@@ -355,6 +353,8 @@ class Engine(BatchDecode, MixtureMLP, EngineBase):
         # norm, qkv, 2 ropes, attention, o
         attention = (6 + codes("qkv", "q") + codes("o") + 2 * apart + (layer.qkv_bias is not None)
                      + 2 * (layer.q_norm is not None) + (layer.post_attn_norm is not None))
+        if layer.moe is not None:  # its MLP runs as the engine's, its kernels counted as they run
+            return attention, 0
         # add+norm, gate_up, glu, down
         mlp = 4 + codes("gate_up", "gate") + codes("down") + apart + (layer.post_mlp_norm is not None)
         return attention, mlp
@@ -651,7 +651,7 @@ class Engine(BatchDecode, MixtureMLP, EngineBase):
         halves = self._halves(layer)
         if halves is not None:
             attention, mlp, _ = halves
-            return (lambda pos: attention(pos + 1)), mlp
+            return (lambda pos: attention(pos + 1)), mlp or (lambda: self._decode_mlp(layer))
         return (lambda pos: self._decode_attention(layer, pos)), (lambda: self._decode_mlp(layer))
 
     def decode(self, token: int) -> np.ndarray:
@@ -696,9 +696,12 @@ class Engine(BatchDecode, MixtureMLP, EngineBase):
             t0 = perf_counter_ns()
             attention(pos + 1)
             t1 = perf_counter_ns()
-            mlp()
+            if mlp is None:  # a mixture's: the engine's, counting its own kernels
+                self._decode_mlp(layer)
+            else:
+                mlp()
             self.counters.kernels += kernels
-            self.counters.dispatches += 2
+            self.counters.dispatches += 1 + (mlp is not None)
             self.phase_ns["attention"] += t1 - t0
             self.phase_ns["mlp"] += perf_counter_ns() - t1
             return

@@ -27,26 +27,37 @@ class Experts:
     down: list  # expert -> Linear
     shared: tuple | None = None  # ([gate/up Linear, ...], down Linear)
     shared_gate: np.ndarray | None = None  # f32 [hidden]
+    # a resident layer's: every expert's gate/up, and every down, stacked by rows in one matrix
+    # each (the experts' Linears are views of them), which a decode step's chosen experts are
+    # multiplied from in one call (matvec_q4_experts_*)
+    gate_up_stack: object | None = None
+    down_stack: object | None = None
 
     @classmethod
     def from_stored(cls, t: dict, fuse: bool = True) -> "Experts":
-        """From a layer file's tensors (layout.layer_shapes' names); fuse: each expert's gate and
-        up as one matrix of its own (a resident layer's), else views of the file (a staging
-        slot's)."""
+        """From a layer file's tensors (layout.layer_shapes' names); fuse: the experts stacked in
+        arrays of their own (a resident layer's), else views of the file (a staging slot's)."""
         from nerva_cli.planes.cpu.engine import Linear, as_f32
 
-        def mlp(prefix: str) -> tuple[list, object]:
-            names = (f"{prefix}.gate", f"{prefix}.up")
-            gate_up = [Linear.owned(t, names)] if fuse else [Linear.from_stored(t, n) for n in names]
-            down = Linear.owned(t, (f"{prefix}.down",)) if fuse else Linear.from_stored(t, f"{prefix}.down")
-            return gate_up, down
-
         count = t[ROUTER].shape[0]
-        experts = [mlp(f"experts.{e}") for e in range(count)]
         keep = as_f32 if fuse else (lambda a: a)
-        return cls(keep(t[ROUTER]), [g for g, _ in experts], [d for _, d in experts],
-                   mlp("shared") if "shared_gate" in t else None,
-                   keep(t["shared_gate"]) if "shared_gate" in t else None)
+        shared = None
+        if "shared_gate" in t:
+            names = ("shared.gate", "shared.up")
+            shared = ([Linear.owned(t, names)] if fuse else [Linear.from_stored(t, n) for n in names],
+                      Linear.owned(t, ("shared.down",)) if fuse else Linear.from_stored(t, "shared.down"))
+        common = (keep(t[ROUTER]),)
+        tail = (shared, keep(t["shared_gate"]) if shared else None)
+        if not fuse:
+            return cls(*common, [[Linear.from_stored(t, f"experts.{e}.{p}") for p in ("gate", "up")]
+                                 for e in range(count)],
+                       [Linear.from_stored(t, f"experts.{e}.down") for e in range(count)], *tail)
+        gate_up = Linear.owned(t, tuple(f"experts.{e}.{p}" for e in range(count) for p in ("gate", "up")))
+        down = Linear.owned(t, tuple(f"experts.{e}.down" for e in range(count)))
+        up_rows, down_rows = gate_up.rows // count, down.rows // count
+        return cls(*common, [[_rows_of(gate_up, e * up_rows, (e + 1) * up_rows)] for e in range(count)],
+                   [_rows_of(down, e * down_rows, (e + 1) * down_rows) for e in range(count)], *tail,
+                   gate_up, down)
 
     @property
     def count(self) -> int:
@@ -59,6 +70,20 @@ class Experts:
     def nbytes(self) -> int:
         shared = 0 if self.shared is None else sum(m.nbytes for m in self.shared[0]) + self.shared[1].nbytes
         return self.router.nbytes + shared + sum(self.expert_nbytes(e) for e in range(self.count))
+
+    def grouped(self, precision: str) -> bool:
+        """Whether a decode step multiplies its chosen experts in one call each for gate/up and
+        down (stacked Q4 experts at W4A8 or W4A16); else an expert at a time."""
+        return self.gate_up_stack is not None and self.gate_up_stack.qs is not None and \
+            self.down_stack.qs is not None and precision in ("w4a8", "w4a16")
+
+
+def _rows_of(lin, lo: int, hi: int):
+    """Rows lo..hi of a Linear, as a Linear viewing its arrays."""
+    from nerva_cli.planes.cpu.engine import Linear
+
+    part = lambda a: None if a is None else a[lo:hi]  # noqa: E731
+    return Linear(hi - lo, lin.cols, qs=part(lin.qs), d=part(lin.d), w=part(lin.w), m=part(lin.m), q8=part(lin.q8))
 
 
 def route(logits: np.ndarray, k: int, renormalise: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -102,6 +127,9 @@ class MixtureMLP:
                 out[r] *= F32(1) / (F32(1) + np.exp(-np.dot(xn[r], moe.shared_gate), dtype=F32))
         else:
             out[...] = 0
+        if rows == 1 and moe.grouped(layer.precision):
+            self._one_row(moe, xn, ids[0], weights[0], out[0], layer.precision)
+            return ids
         y_all = pw.take("moe_y", rows, h)
         for e in np.unique(ids):  # ascending: each row sums its experts in the same order
             r, c = np.nonzero(ids == e)
@@ -112,6 +140,25 @@ class MixtureMLP:
             y *= weights[r, c][:, None]
             out[r] += y
         return ids
+
+    def _one_row(self, moe: Experts, xn: np.ndarray, ids: np.ndarray, weights: np.ndarray, out: np.ndarray,
+                 precision: str) -> None:
+        """A decode step's experts (xn [1, hidden]): every chosen expert's gate/up in one call, its
+        GLU, every down in one call, then the weighted sum in ascending expert order. Each
+        product is the matvec the expert-at-a-time loop makes, so the step equals it bit for bit
+        (a batched step's rows take that loop)."""
+        order = np.argsort(ids)
+        experts = ids[order]
+        k, f, h = len(ids), moe.down[0].cols, xn.shape[1]
+        gu, act, y = self.pw.take("gate_up", k, 2 * f), self.pw.take("act", k, f), self.pw.take("moe_y", k, h)
+        matvec = self.k.matvec_q4_experts_w4a8 if precision == "w4a8" else self.k.matvec_q4_experts_w4a16
+        up, down = moe.gate_up_stack, moe.down_stack
+        matvec(up.qs, up.d, up.m, experts, xn, gu)
+        self.k.silu_mul(gu, act)
+        matvec(down.qs, down.d, down.m, experts, act, y)
+        for j in range(k):
+            y[j] *= weights[order[j]]
+            out += y[j]
 
     def _expert(self, gate_up: list, down, x: np.ndarray, out: np.ndarray, dense, precision: str) -> None:
         """out = one SwiGLU expert on the rows x: gate/up, SiLU(gate) * up, down."""

@@ -17,7 +17,8 @@ This package is the contract (what get_backend("cpu") returns); the kernels live
   q4_bf16            W4A16 in bf16 dot products (AVX512-BF16)
   q4_w4a8            W4A8 rows, short prompts' batches and the rows-in-lanes prompt GEMM; W4A16 on
                      Q16 codes (no AVX-512F)
-  q4                 the Q4 matvecs, matmuls, dequantisation and token lookup of the contract
+  q4                 the Q4 matvecs, matmuls, a mixture's experts' matvecs, dequantisation and token
+                     lookup of the contract
   quantize_act       activation quantisation (Q8, Q16, prefill's fake-quantised rows)
   q8                 Q8_0 matvecs and their batch forms, dequantisation and token lookup
   exact              f16 / bf16 matrices as stored
@@ -55,7 +56,8 @@ from nerva_cli.planes.cpu.kernels.layer import decode_layer_halves
 from nerva_cli.planes.cpu.kernels.norms import add_rmsnorm, add_rows, rmsnorm, rope
 from nerva_cli.planes.cpu.kernels.prefill_attention import attention_prefill
 from nerva_cli.planes.cpu.kernels.q4 import (
-    dequantize_q4, embed_q4, matmul_q4_w4a8, matmul_q4_w4a16, matvec_q4_w4a8, matvec_q4_w4a16)
+    dequantize_q4, embed_q4, matmul_q4_w4a8, matmul_q4_w4a16, matvec_q4_experts_w4a8, matvec_q4_experts_w4a16,
+    matvec_q4_w4a8, matvec_q4_w4a16)
 from nerva_cli.planes.cpu.kernels.q8 import (
     dequantize_q8, embed_q8, matmul_q8_w8a8, matmul_q8_w8a16, matvec_q8_w8a8, matvec_q8_w8a16)
 from nerva_cli.planes.cpu.kernels.quantize_act import fake_quantize_q8, quantize_act_q8, quantize_act_q16
@@ -66,6 +68,7 @@ __all__ = [
     "rmsnorm", "add_rmsnorm", "add_rows", "rope", "silu_mul", "gelu_mul",
     "quantize_act_q8", "quantize_act_q16", "fake_quantize_q8",
     "matvec_q4_w4a16", "matmul_q4_w4a16", "matvec_q4_w4a8", "matmul_q4_w4a8", "dequantize_q4", "embed_q4",
+    "matvec_q4_experts_w4a8", "matvec_q4_experts_w4a16",
     "matvec_q8_w8a16", "matvec_q8_w8a8", "matmul_q8_w8a16", "matmul_q8_w8a8", "dequantize_q8", "embed_q8",
     "matvec_exact", "matmul_exact", "widen_exact", "embed_exact",
     "short_prefill_rows", "batch_matches_matvec", "GEMM_SLICE_BYTES", "GEMM_MIN_ROWS", "gemm_q4", "gemm_q8", "gemm_exact",

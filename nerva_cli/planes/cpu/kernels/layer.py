@@ -136,7 +136,8 @@ def decode_layer_halves(layer, spec, a, cfg, base=None):
     gate/up) or a staging slot's (q, k, v and gate, up apart, as layer.index says now):
     (attention(n_ctx), mlp()), the two halves of its decode step, n_ctx counting this token's
     position, with the layer's RoPE tables, window, score cap and GLU (its LayerSpec), the cache's
-    first row holding position base[0] (None: 0); None for any other layer. The arguments are made
+    first row holding position base[0] (None: 0); mlp None for a mixture of experts' layer (its
+    MLP is the engine's, experts.MixtureMLP); None for any other layer. The arguments are made
     here, once: a slot's halves for each layer it may hold."""
     m = layer.mats  # resident: qkv, o, gate_up, down; a slot's: q, k, v, o, gate, up, down
     if layer.precision not in ("exact", "w4a8", "w4a16") or any(lin.w is None and lin.qs is None for lin in m.values()):
@@ -153,14 +154,16 @@ def decode_layer_halves(layer, spec, a, cfg, base=None):
     nothing = (None, None, None, None)
     qkv = (*planes(m["qkv"]), *nothing, *nothing) if "qkv" in m else \
         (*planes(m["q"]), *planes(m["k"]), *planes(m["v"]))
-    gate_up = (*planes(m["gate_up"]), *nothing) if "gate_up" in m else (*planes(m["gate"]), *planes(m["up"]))
+    moe = getattr(layer, "moe", None) is not None
+    gate_up = () if moe else \
+        (*planes(m["gate_up"]), *nothing) if "gate_up" in m else (*planes(m["gate"]), *planes(m["up"]))
     inputs = (a.x, layer.attn_norm, cfg.rms_eps, a.xn, a.xq, x_pairs, a.xd, a.xs, a.xq16, w4a8, *qkv,
               layer.qkv_bias, layer.q_norm, layer.k_norm, a.qkv, cfg.num_heads, cfg.num_kv_heads, a.pos,
               spec.cos, spec.sin, k_cache, v_cache, _NO_BASE if base is None else base)
     attend = attention_kernel(cfg.num_heads, cfg.num_kv_heads)
     o = (*planes(m["o"]), a.attn_flat, a.xq, x_pairs, a.xd, a.xs, a.xq16, w4a8, True, a.o)
-    mlp = (a.o, a.x, layer.mlp_norm, cfg.rms_eps, a.xn, a.xq, x_pairs, a.xd, a.xs, a.xq16, w4a8, *gate_up,
-           a.gate_up, a.act, *planes(m["down"]), a.down, spec.gelu, layer.post_mlp_norm)
+    mlp = None if moe else (a.o, a.x, layer.mlp_norm, cfg.rms_eps, a.xn, a.xq, x_pairs, a.xd, a.xs, a.xq16, w4a8,
+                            *gate_up, a.gate_up, a.act, *planes(m["down"]), a.down, spec.gelu, layer.post_mlp_norm)
     post_norm, softcap, window = layer.post_attn_norm, F32(spec.softcap), spec.window
 
     def attention(n_ctx):
@@ -175,7 +178,7 @@ def decode_layer_halves(layer, spec, a, cfg, base=None):
         if post_norm is not None:
             rmsnorm(a.o, post_norm, cfg.rms_eps, a.o)
 
-    return attention, lambda: _mlp(*mlp)
+    return attention, None if moe else (lambda: _mlp(*mlp))
 
 
 _NO_BASE = np.zeros(1, dtype=np.int64)  # a full-context cache's: row r holds position r

@@ -10,7 +10,8 @@ from nerva_cli.planes.cpu.kernels.numba_setup import _threads
 from nerva_cli.planes.cpu.kernels.q4_bf16 import _BF16_WORDS_A_PAIR, _w4a16_bf16, _w4a16_bf16_batch
 from nerva_cli.planes.cpu.kernels.q4_float import _dequantize_q4, _w4a16_batch, _w4a16_by_row
 from nerva_cli.planes.cpu.kernels.q4_w4a8 import (
-    _LANES_FROM, _lane_rows, _w4a16_q16, _w4a16_q16_batch, _w4a8, _w4a8_batch, _w4a8_lanes)
+    _LANES_FROM, _lane_rows, _w4a16_q16, _w4a16_q16_batch, _w4a16_q16_experts, _w4a8, _w4a8_batch, _w4a8_experts,
+    _w4a8_lanes)
 from nerva_cli.planes.cpu.kernels.target import _AVX512BF16, _AVX512F
 
 
@@ -137,6 +138,42 @@ def matmul_q4_w4a8(qs, d, m, xq, xd, xs, out):
     acts, cols = xq.shape
     x_pairs = _pair_scratch(acts * cols)[:acts * cols].reshape(acts, cols)
     _w4a8_batch(qs, d.view(np.uint16), _bits(m), xq, x_pairs, xd, xs, out)
+
+
+_expert_buffers: dict = {}  # code type -> (codes, pair-ordered codes, scales, sums), made again only when wider
+
+
+def _expert_scratch(acts: int, cols: int, codes: type):
+    """[acts, cols] codes of type `codes` (and their pair order), [acts, cols / 32] scales and sums."""
+    have = _expert_buffers.get(codes)
+    if have is None or have[0].size < acts * cols:
+        have = _expert_buffers[codes] = (np.empty(acts * cols, codes), np.empty(acts * cols, codes),
+                                         np.empty(acts * cols // 32, np.float32), np.empty(acts * cols // 32, np.int32))
+    n, g = acts * cols, acts * cols // 32
+    return (have[0][:n].reshape(acts, cols), have[1][:n].reshape(acts, cols), have[2][:g].reshape(acts, -1),
+            have[3][:g].reshape(acts, -1))
+
+
+def matvec_q4_experts_w4a8(qs, d, m, experts, x, out):
+    """out[j] = matvec_q4_w4a8 of expert experts[j]'s rows of the stacked matrix and x[j]'s Q8
+    codes (x[0]'s where x has one row), bit for bit, in one parallel region (ref's contract)."""
+    xq, x_pairs, xd, xs = _expert_scratch(x.shape[0], x.shape[1], np.int8)
+    _w4a8_experts(qs, d.view(np.uint16), _bits(m), experts, x, xq, x_pairs, xd, xs, out)
+
+
+def matvec_q4_experts_w4a16(qs, d, m, experts, x, out):
+    """out[j] = matvec_q4_w4a16 of expert experts[j]'s rows and x[j] (x[0] where x has one row),
+    bit for bit: on Q16 codes in one parallel region, or with AVX-512F (float activations) a
+    matvec an expert."""
+    if _AVX512F:
+        rows = out.shape[1]
+        for j in range(experts.shape[0]):
+            lo, hi = experts[j] * rows, (experts[j] + 1) * rows
+            matvec_q4_w4a16(qs[lo:hi], d[lo:hi], None if m is None else m[lo:hi], x[0 if x.shape[0] == 1 else j],
+                            out[j])
+        return
+    xq, _, xd, xs = _expert_scratch(x.shape[0], x.shape[1], np.int16)
+    _w4a16_q16_experts(qs, d.view(np.uint16), _bits(m), experts, x, xq, xd, xs, out)
 
 
 def dequantize_q4(qs, d, m, out):

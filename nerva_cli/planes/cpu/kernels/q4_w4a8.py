@@ -13,7 +13,7 @@ from nerva_cli.planes.cpu.kernels.integer_dots import _codes, _dot_s8_s16, _dot_
 from nerva_cli.planes.cpu.kernels.ir_helpers import (
     _F32, _I8, _I16, _I32, _I64, _Operands, _broadcast, _c_arrays, _fmuladd, _intp, _load, _planes_at, _splat, _vec)
 from nerva_cli.planes.cpu.kernels.q4_float import _dot_operands
-from nerva_cli.planes.cpu.kernels.quantize_act import _quantize_q16
+from nerva_cli.planes.cpu.kernels.quantize_act import _quantize_q16, quantize_act_q8
 from nerva_cli.planes.cpu.kernels.target import _AVX2, _AVX512BW, _AVX512VNNI
 
 
@@ -96,6 +96,40 @@ def _w4a8(qs, d, m, xq, x_pairs, xd, xs, out):
         _pair_order(xq, x_pairs)
     for r in prange(d.shape[0]):
         out[r] = _w4a8_row(qs, d, m, xq, x_pairs, xd, xs, r)
+
+
+# A mixture's decode step: the chosen experts' rows of a layer's stacked gate/up (or down) matrices
+# in one parallel region, each row _w4a8_row's as a matvec of that expert alone gives it; a region
+# an expert cost a thread wake-up each, which at OLMoE's size was as much as the rows' work.
+@njit(cache=True, nogil=True, parallel=True)
+def _experts_rows(qs, d, m, experts, xq, x_pairs, xd, xs, out):
+    """out[j, r] = row experts[j] * R + r of the stacked rows (R = out.shape[1]) times activation
+    a's codes, a = 0 where xq has one row (gate/up's input, every expert's), else j."""
+    k, rows = out.shape
+    shared = xq.shape[0] == 1
+    for i in prange(k * rows):
+        j = i // rows
+        r = i - j * rows
+        a = 0 if shared else j
+        out[j, r] = _w4a8_row(qs, d, m, xq[a], x_pairs[a], xd[a], xs[a], experts[j] * rows + r)
+
+
+@njit(cache=True, nogil=True)
+def _w4a8_experts(qs, d, m, experts, x, xq, x_pairs, xd, xs, out):
+    """_experts_rows on the Q8 codes of x's rows, quantised into xq, xd, xs first."""
+    for a in range(x.shape[0]):
+        quantize_act_q8(x[a], xq[a], xd[a], xs[a])
+        if _AVX512BW:
+            _pair_order(xq[a], x_pairs[a])
+    _experts_rows(qs, d, m, experts, xq, x_pairs, xd, xs, out)
+
+
+@njit(cache=True, nogil=True)
+def _w4a16_q16_experts(qs, d, m, experts, x, xq16, xd, xs, out):
+    """_experts_rows on the Q16 codes of x's rows (W4A16 without AVX-512F), as _w4a16_q16's."""
+    for a in range(x.shape[0]):
+        _quantize_q16(x[a], xq16[a], xd[a], xs[a])
+    _experts_rows(qs, d, m, experts, xq16, xq16, xd, xs, out)
 
 
 # W4A16 on hosts without AVX-512F: the activation as Q16 codes (int16 per 32-group, quantize_act_q16's
