@@ -225,21 +225,38 @@ def write_gguf(shape: str, out: Path, kind: str, vocab_file: Path | None = None)
     qtype = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
              "q8_0": gguf.GGMLQuantizationType.Q8_0}
 
+    from gguf import GGML_QUANT_SIZES
+
+    # streamed: each tensor's shape first (the header's table), its bytes made and written one at
+    # a time after it, so a 17 GB file is never held in memory (GGUFWriter.add_tensor would)
+    pending = []  # (make bytes, their dtype and shape) in the header's order
+
+    def stored(t) -> tuple[np.dtype, tuple, object]:
+        """(array dtype, array shape, GGUF type or None) of tensor t as the file holds it."""
+        if t.read_planes is None:  # norms in f32, an F16 file's matrices in f16
+            return np.dtype(np.float16 if t.stored_dtype == "f16" else np.float32), tuple(t.shape), None
+        kind = qtype[t.stored_dtype]
+        block, size = GGML_QUANT_SIZES[kind]
+        return np.dtype(np.uint8), (t.shape[0], t.shape[1] // block * size), kind
+
+    def as_stored(t, dtype) -> np.ndarray:
+        return t.read_f32().astype(dtype) if t.read_planes is None else gguf_blocks(*t.read_planes())
+
+    def announce(gguf_name: str, dtype, shape, kind, make) -> None:
+        w.add_tensor_info(gguf_name, shape, dtype, int(np.prod(shape)) * dtype.itemsize, raw_dtype=kind)
+        pending.append(make)
+
     def add(gguf_name: str, nerva_name: str) -> None:
         t = src.tensors(nerva_name)
-        if t.read_planes is None:  # norms in f32, an F16 file's matrices in f16
-            w.add_tensor(gguf_name, t.read_f32().astype(np.float16 if t.stored_dtype == "f16" else np.float32))
-        else:
-            w.add_tensor(gguf_name, gguf_blocks(*t.read_planes()), raw_dtype=qtype[t.stored_dtype])
+        dtype, shape, kind = stored(t)
+        announce(gguf_name, dtype, shape, kind, lambda: as_stored(t, dtype))
 
     def add_experts(i: int, part: str) -> None:
-        """Every expert's `part` of layer i stacked [experts, rows, block bytes], as ffn_{part}_exps."""
-        planes = [src.tensors(f"layers.{i}.experts.{e}.{part}") for e in range(src.config.num_experts)]
-        if planes[0].read_planes is None:
-            w.add_tensor(f"blk.{i}.ffn_{part}_exps.weight", np.stack([t.read_f32().astype(np.float16) for t in planes]))
-        else:
-            w.add_tensor(f"blk.{i}.ffn_{part}_exps.weight", np.stack([gguf_blocks(*t.read_planes()) for t in planes]),
-                         raw_dtype=qtype[planes[0].stored_dtype])
+        """Every expert's `part` of layer i stacked [experts, rows, ...], as ffn_{part}_exps."""
+        experts = [src.tensors(f"layers.{i}.experts.{e}.{part}") for e in range(src.config.num_experts)]
+        dtype, shape, kind = stored(experts[0])
+        announce(f"blk.{i}.ffn_{part}_exps.weight", dtype, (len(experts), *shape), kind,
+                 lambda: np.stack([as_stored(t, dtype) for t in experts]))
 
     add("token_embd.weight", "embed")
     add("output_norm.weight", "final_norm")
@@ -260,7 +277,9 @@ def write_gguf(shape: str, out: Path, kind: str, vocab_file: Path | None = None)
                 add(f"blk.{i}.{GGUF_NAMES[base]}.weight", f"layers.{i}.{base}")
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    for make in pending:
+        w.write_tensor_data(make())
     w.close()
     tmp.replace(out)
 
