@@ -186,7 +186,7 @@ def write_gguf(shape: str, out: Path, kind: str, vocab_file: Path | None = None)
     w = gguf.GGUFWriter(str(tmp), family)
     if family in ("gemma2", "gemma3"):
         w.add_sliding_window(src.config.sliding_window)
-    if family in ("gemma", "gemma2", "gemma3"):
+    if family in ("gemma", "gemma2", "gemma3") or hd != h // heads:  # as llama.cpp's converter: where not h / heads
         w.add_key_length(hd)
         w.add_value_length(hd)
     if family == "gemma2":
