@@ -259,3 +259,45 @@ def test_experts_matvec_equals_each_experts_matvec(kind, precision, rng):
                 cpu.matvec_q4_w4a16(qs[part], d[part], None if m is None else m[part], a, one)
             np.testing.assert_array_equal(got[j], one)
         assert rel_err(got, want) < (1e-5 if precision == "w4a8" else 1e-4), rel_err(got, want)
+
+
+def test_topology_plans_a_mixture_with_the_experts_a_token_reads(tiny_models, tmp_path, cli):
+    """topology --model: a mixture's experts in the plan, and the bytes a token reads from RAM
+    counting the k experts it runs in each MoE layer, not all of them."""
+    model = pull(str(tiny_models("qwen3moe")), variant="q4_0", out=tmp_path / "m")
+    code, out, _ = cli("topology", "--model", str(model.path), "--no-profile", "--json")
+    assert code == 0
+    plan = json.loads(out)["plan"]
+    span = expert_span(model.meta["files"][layer_file(0)]["tensors"], 0)[1]
+    assert plan["experts"]["per_token"] == 2 and plan["experts"]["expert_bytes"] == span
+    assert plan["experts"]["read_bytes_per_token"] == 2 * span * 2  # two MoE layers (layer 1 is dense)
+    files = model.meta["files"]
+    whole = sum(files[layer_file(i)]["size"] for i in range(3)) + files["lm_head.bin"]["size"] + \
+        files["final_norm.bin"]["size"]
+    assert plan["tiers"]["host"]["read_bytes_per_token"] == whole - 2 * 6 * span
+    code, out, _ = cli("topology", "--model", str(model.path), "--no-profile")
+    assert "experts: 8 in each of 2 layers, all in RAM; 2 a token read" in out
+
+
+def test_profile_gives_each_layers_expert_frequencies_and_reuse(tiny_models, tmp_path, cli):
+    """profile: a mixture's per-layer expert frequencies, token-to-token reuse and the share of
+    the most chosen eighth, over the calibration prompts, as transformers' routers choose on the
+    same tokens (the f16 variant profiles exact: the same experts for every token, as above)."""
+    from nerva_cli.runtime import mcap
+
+    src = tiny_models("qwen2moe")
+    model = pull(str(src), variant="f16", out=tmp_path / "m")
+    code, out, _ = cli("profile", str(model.path), "--json")
+    assert code == 0
+    got = json.loads(out)["experts"]
+    hf = hf_model(src)
+    per_prompt = [hf_routes(hf, ids) for ids in mcap.calibration_ids(model, mcap.PROMPTS)]
+    for n, i in enumerate(model.config.moe_layers):
+        ids = [routes[n] for routes in per_prompt]
+        counts = np.bincount(np.concatenate(ids).ravel(), minlength=8)
+        np.testing.assert_allclose(got["layers"][str(i)]["frequency"], counts / counts.sum(), atol=1e-5)
+        again = [len(set(a) & set(b)) for p in ids for a, b in zip(p[1:], p[:-1])]
+        assert got["layers"][str(i)]["reuse"] == pytest.approx(sum(again) / (2 * len(again)), abs=1e-4)
+        assert got["layers"][str(i)]["top_eighth_share"] == pytest.approx(counts.max() / counts.sum(), abs=1e-4)
+    code, out, _ = cli("profile", str(model.path))
+    assert "experts: a token re-chooses" in out

@@ -139,6 +139,12 @@ def _print_profile(result, info: dict) -> None:
                      f"({len(w4a16)} of {len(hot)}), W4A8 on the rest")
     output.out.print(f"{prof['prompts']} prompts, {prof['tokens']} tokens; split-half top-{k} overlap "
                      f"{prof['split_half_overlap']:.2f} (prompts of the first half vs the second)")
+    if "experts" in prof:  # a mixture's: what an expert cache would see (--json: per layer)
+        ex = prof["experts"]
+        reuse = "n/a" if ex["reuse"] is None else f"{ex['reuse']:.0%}"
+        output.out.print(f"experts: a token re-chooses {reuse} of the previous token's experts (mean over "
+                         f"layers); the most chosen eighth of a layer's experts takes {ex['top_eighth_share']:.0%} "
+                         "of its choices")
     if info["seconds"] is not None:
         output.out.print(f"profiled in {info['seconds']:.1f} s, one layer at a time; peak RSS of the process "
                          f"{output.human_bytes(info['peak_rss_bytes'])}")

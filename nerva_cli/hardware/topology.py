@@ -297,11 +297,13 @@ def cached_probe(home: Path) -> dict | None:
 # -- residency plan ----------------------------------------------------------------------------
 def plan_report(model, plan, probe: dict | None) -> dict:
     """The plan, the bytes each tier serves per decoded token, and the decode bound from disk reads."""
-    files = model.meta["files"]
+    files, experts = model.meta["files"], expert_plan(model)
     head = files["lm_head.bin" if "lm_head.bin" in files else "embed.bin"]["size"]
-    host = sum(plan.layer_bytes[i] for i in plan.resident_layers) + head + files["final_norm.bin"]["size"]
+    idle = experts["idle_bytes_per_layer"] if experts else 0  # the experts a token does not run
+    host = sum(plan.layer_bytes[i] - (idle if i in model.config.moe_layers else 0) for i in plan.resident_layers) \
+        + head + files["final_norm.bin"]["size"]
     paged = plan.paged_bytes_per_token
-    report = {"model": f"{model.name}:{model.variant}", **plan.to_dict(),
+    report = {"model": f"{model.name}:{model.variant}", **plan.to_dict(), **({"experts": experts} if experts else {}),
               "tiers": {"host": {"blocks": [b.name for b in plan.fixed]
                                  + [f"layer {i}" for i in plan.resident_layers],
                                  "read_bytes_per_token": host},
@@ -318,6 +320,21 @@ def plan_report(model, plan, probe: dict | None) -> dict:
                                   "tok_s": bw / paged, "reason": f"{paged} paged bytes a token at "
                                   f"{disk['gb_s']} GB/s (O_DIRECT, measured {probe['measured_at']})"}
     return report
+
+
+def expert_plan(model) -> dict | None:
+    """A mixture's experts as the plan holds them (every one in RAM, in its layer's file), or None
+    for a dense model: experts a layer and a token, the bytes of one, and of those a token runs
+    and does not run in each MoE layer."""
+    from nerva_cli.model.layout import expert_span, layer_file
+
+    cfg = model.config
+    if not cfg.num_experts:
+        return None
+    span = expert_span(model.meta["files"][layer_file(cfg.moe_layers[0])]["tensors"], 0)[1]
+    return {"per_layer": cfg.num_experts, "per_token": cfg.experts_per_token, "layers": len(cfg.moe_layers),
+            "expert_bytes": span, "read_bytes_per_token": span * cfg.experts_per_token * len(cfg.moe_layers),
+            "idle_bytes_per_layer": span * (cfg.num_experts - cfg.experts_per_token), "where": "host"}
 
 
 def gpu_plan_report(model, gp, device: str, probe: dict | None) -> dict:
@@ -410,6 +427,10 @@ def describe(info: dict) -> list[tuple[str, str]]:
                  *([("token table", "in pinned RAM, a row read in place a token" if pl.get("tier") == "gpu"
                      else "mapped from its file, a row read a token")] if pl.get("token_table_aside") else []),
                  ("resident layers", " ".join(map(str, pl["resident_layers"])) or "none"),
+                 *([("experts", f"{pl['experts']['per_layer']} in each of {pl['experts']['layers']} layers, all in RAM; "
+                                f"{pl['experts']['per_token']} a token read "
+                                f"{human_bytes(pl['experts']['read_bytes_per_token'])} "
+                                f"({human_bytes(pl['experts']['expert_bytes'])} each)")] if "experts" in pl else []),
                  ("paged layers", (" ".join(map(str, pl["paged_layers"])) or "none")
                   + (f" (through {pl['slots']} slots of {human_bytes(pl['slot_bytes'])})" if pl["slots"] else "")),
                  ("bytes per token", ", ".join(f"{t} {human_bytes(v['read_bytes_per_token'])}"

@@ -116,6 +116,9 @@ class Measurement:
     tokens: np.ndarray  # [prompts]
     seconds: float
     peak_rss_bytes: int  # the process's, numba's runtime included
+    # a mixture's: per MoE layer, the experts each calibration token chose, prompt by prompt
+    # ([tokens, k] each), the trace expert_statistics is made of; None for a dense model
+    routes: dict[int, list[np.ndarray]] | None = None
 
     def scores(self, prompts: slice = slice(None)) -> np.ndarray:
         return self.sums[:, prompts].sum(axis=1) / self.tokens[prompts].sum()
@@ -144,6 +147,7 @@ def measure(model: StoredModel, prompts: list[str], backend: str = "cpu", progre
     xs = [engine.embed_rows(t[: engine.ctx]) for t in ids]
     sums = np.zeros((cfg.num_layers, len(prompts)))
     qd, vd = cfg.q_dim, cfg.q_dim + cfg.kv_dim
+    routes: dict[int, list[np.ndarray]] | None = {i: [] for i in cfg.moe_layers} if cfg.num_experts else None
     for i in range(cfg.num_layers):
         if progress:
             progress(f"layer {i}", i, cfg.num_layers)
@@ -153,7 +157,10 @@ def measure(model: StoredModel, prompts: list[str], backend: str = "cpu", progre
         layer = Layer.from_stored(i, model.read_file(layer_file(i)), precision)
         for j, x in enumerate(xs):
             taps: dict = {}
+            engine.expert_trace = [] if layer.moe is not None else None
             engine.prefill_layer(layer, x, start=0, taps=taps, slot=0)
+            if engine.expert_trace:
+                routes[i].append(np.concatenate([ids for _, ids in engine.expert_trace]))
             qkv = taps["qkv"].astype(np.float64)
             attn = np.sqrt((qkv[:, :qd] ** 2).sum(1) + (qkv[:, vd:] ** 2).sum(1))
             ffn = np.linalg.norm(taps["mlp"].astype(np.float64), axis=1)
@@ -162,7 +169,27 @@ def measure(model: StoredModel, prompts: list[str], backend: str = "cpu", progre
     if progress:
         progress("done", cfg.num_layers, cfg.num_layers)
     return Measurement(sums, np.array([x.shape[0] for x in xs], dtype=np.float64),
-                       time.perf_counter() - t0, peak_rss_bytes())
+                       time.perf_counter() - t0, peak_rss_bytes(), routes)
+
+
+def expert_statistics(routes: dict[int, list[np.ndarray]], experts: int) -> dict:
+    """What a cache of a mixture's experts would see in the calibration tokens, per MoE layer:
+    each expert's share of the choices (frequency), the share of a token's experts the token
+    before it in the same prompt chose too (reuse: what keeping the last token's experts would
+    hit), and the share of the choices the most chosen eighth of the experts take."""
+    layers = {}
+    for i, per_prompt in routes.items():
+        chosen = np.concatenate(per_prompt)
+        counts = np.bincount(chosen.ravel(), minlength=experts)
+        k = chosen.shape[1]
+        again = [len(set(a) & set(b)) for ids in per_prompt for a, b in zip(ids[1:], ids[:-1])]
+        top = np.sort(counts)[::-1][:max(1, experts // 8)].sum()
+        layers[str(i)] = {"frequency": [round(float(c) / counts.sum(), 5) for c in counts],
+                          "reuse": round(sum(again) / (k * len(again)), 4) if again else None,
+                          "top_eighth_share": round(float(top) / counts.sum(), 4)}
+    reuse = [v["reuse"] for v in layers.values() if v["reuse"] is not None]
+    return {"layers": layers, "reuse": round(float(np.mean(reuse)), 4) if reuse else None,
+            "top_eighth_share": round(float(np.mean([v["top_eighth_share"] for v in layers.values()])), 4)}
 
 
 # -- the profile -------------------------------------------------------------------------------
@@ -202,6 +229,7 @@ def build_profile(model: StoredModel, prompts: list[str], m: Measurement) -> dic
         "prompts": len(prompts), "tokens": int(m.tokens.sum()),
         "split_half_overlap": round(split_half_overlap(m), 4),
         "scores": [_sig(s) for s in raw], "normalized": [round(float(s), 4) for s in normalise(raw)],
+        **({"experts": expert_statistics(m.routes, model.config.num_experts)} if m.routes else {}),
     }
 
 
