@@ -301,3 +301,35 @@ def test_profile_gives_each_layers_expert_frequencies_and_reuse(tiny_models, tmp
         assert got["layers"][str(i)]["top_eighth_share"] == pytest.approx(counts.max() / counts.sum(), abs=1e-4)
     code, out, _ = cli("profile", str(model.path))
     assert "experts: a token re-chooses" in out
+
+
+@pytest.mark.parametrize("renormalise", [False, True])
+def test_route_experts_picks_the_top_k_as_ref_defines_it(renormalise, rng):
+    """route_experts on the cpu against ref's NumPy definition: the same experts, ascending, for
+    every row of random logits (and for tied ones: the lower index), weights within 1e-6 (numba's
+    and NumPy's exp may differ in the last bit); the weights sum to 1 where renormalised. On the
+    cpu it allocates nothing (a decode step's router)."""
+    import tracemalloc
+
+    from nerva_cli.planes import get_backend
+
+    cpu, ref = get_backend("cpu"), get_backend("ref")
+    logits = rng.standard_normal((9, 64)).astype(np.float32)
+    logits[8] = 0.5  # every expert tied: the first k
+    got = np.empty((9, 8), np.int64), np.empty((9, 8), np.float32)
+    want = np.empty((9, 8), np.int64), np.empty((9, 8), np.float32)
+    cpu.route_experts(logits, renormalise, *got)
+    ref.route_experts(logits, renormalise, *want)
+    np.testing.assert_array_equal(got[0], want[0])
+    assert (np.diff(got[0], axis=1) > 0).all() and list(got[0][8]) == list(range(8))
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
+    if renormalise:
+        np.testing.assert_allclose(got[1].sum(axis=1), 1, rtol=1e-6)
+    one = logits[:1], np.empty((1, 8), np.int64), np.empty((1, 8), np.float32)
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    start, _ = tracemalloc.get_traced_memory()
+    cpu.route_experts(one[0], renormalise, one[1], one[2])
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak - start < 1024, peak - start

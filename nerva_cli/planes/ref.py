@@ -20,7 +20,7 @@ F32 = np.float32
 # run: planes/base.py's Counters); the other functions here are sizes and helpers
 KERNELS = ("rmsnorm", "add_rmsnorm", "add_rows", "rope", "quantize_act_q8", "quantize_act_q16", "fake_quantize_q8",
            "matvec_q4_w4a16", "matmul_q4_w4a16", "matvec_q4_w4a8", "matmul_q4_w4a8", "matvec_q4_experts_w4a8",
-           "matvec_q4_experts_w4a16", "matvec_q8_w8a8",
+           "matvec_q4_experts_w4a16", "route_experts", "matvec_q8_w8a8",
            "matmul_q8_w8a8", "matvec_q8_w8a16", "matmul_q8_w8a16", "matvec_exact", "matmul_exact", "widen_exact", "silu_mul", "gelu_mul",
            "attention_decode", "attention_prefill", "dequantize_q4", "dequantize_q8", "embed_q4", "embed_q8",
            "embed_exact", "gemm_q4", "gemm_q8", "gemm_exact")
@@ -155,6 +155,22 @@ def matmul_q4_w4a8(qs, d, m, xq, xd, xs, out):
     (a short prompt's W4A8 GEMM; out [T, rows] may be a column slice of a wider array)."""
     for t in range(xq.shape[0]):
         matvec_q4_w4a8(qs, d, m, xq[t], xd[t], xs[t], out[t])
+
+
+def route_experts(logits, renormalise, ids, weights):
+    """A mixture's router: each row of logits [rows, experts] -> its k = ids.shape[1] experts in
+    ascending order (ids, int64) and their weights (f32, in the same order): the softmax over
+    every expert in f32, the k largest probabilities (ties to the lower index), divided by their
+    sum where `renormalise` (transformers' routers and llama.cpp's)."""
+    k = ids.shape[1]
+    p = np.exp(logits - logits.max(axis=1, keepdims=True), dtype=F32)
+    p /= p.sum(axis=1, keepdims=True, dtype=F32)
+    top = np.sort(np.argsort(-p, axis=1, kind="stable")[:, :k], axis=1)
+    w = np.take_along_axis(p, top, axis=1)
+    if renormalise:
+        w = w / w.sum(axis=1, keepdims=True, dtype=F32)
+    ids[...] = top
+    weights[...] = w
 
 
 def matvec_q4_experts_w4a8(qs, d, m, experts, x, out):

@@ -166,7 +166,8 @@ class PrefillWorkspace:
     def layout(cfg: ModelConfig, rows: int, ctx: int, batch: int = 1) -> dict[str, tuple[int, type]]:
         h, f, q, kv, R = cfg.hidden_size, cfg.widest_mlp, cfg.q_dim, cfg.kv_dim, max(rows, batch)
         # a mixture of experts' MLP, a token's rows gathered an expert at a time (planes/cpu/experts.py)
-        moe = {"router": R * cfg.num_experts, "moe_x": R * h, "moe_y": R * h} if cfg.num_experts else {}
+        moe = {"router": R * cfg.num_experts, "moe_x": R * h, "moe_y": R * h,
+               "expert_weights": R * cfg.experts_per_token} if cfg.num_experts else {}
         f32 = {"x": R * h, "xn": R * h, "qkv": R * (q + 2 * kv), "q": R * q, "k": R * kv, "attn": R * q,
                "proj": R * h,  # o's and down's outputs, before the residual add
                "gate_up": 2 * R * f, "act": R * f, **moe,
@@ -177,7 +178,8 @@ class PrefillWorkspace:
         codes16 = {"codes16": (batch * h, np.int16), "code16_scales": (batch * h // QK, np.float32)} if batch > 1 else {}
         return {**{k: (n, np.float32) for k, n in f32.items()}, "pos": (R, np.int64), "iota": (rows, np.int64),
                 "codes": (R * widest, np.int8), "code_scales": (R * widest // QK, np.float32),
-                "code_sums": (R * widest // QK, np.int32), **codes16}
+                "code_sums": (R * widest // QK, np.int32), **codes16,
+                **({"expert_ids": (R * cfg.experts_per_token, np.int64)} if cfg.num_experts else {})}
 
     @classmethod
     def size(cls, cfg: ModelConfig, rows: int, ctx: int, batch: int = 1) -> int:

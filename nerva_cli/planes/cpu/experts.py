@@ -86,21 +86,6 @@ def _rows_of(lin, lo: int, hi: int):
     return Linear(hi - lo, lin.cols, qs=part(lin.qs), d=part(lin.d), w=part(lin.w), m=part(lin.m), q8=part(lin.q8))
 
 
-def route(logits: np.ndarray, k: int, renormalise: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Each row of router logits [rows, experts] -> (its k experts [rows, k], largest probability
-    first, ties to the lower index; their weights [rows, k] f32): the softmax over all experts in
-    f32, the k largest, divided by their sum where `renormalise` (transformers' routers and
-    llama.cpp's)."""
-    shifted = logits - logits.max(axis=1, keepdims=True)
-    p = np.exp(shifted, dtype=F32)
-    p /= p.sum(axis=1, keepdims=True, dtype=F32)
-    ids = np.argsort(-p, axis=1, kind="stable")[:, :k]
-    weights = np.take_along_axis(p, ids, axis=1)
-    if renormalise:
-        weights = weights / weights.sum(axis=1, keepdims=True, dtype=F32)
-    return ids, weights.astype(F32, copy=False)
-
-
 class MixtureMLP:
     """The Engine's mixture-of-experts MLP (a mixin: it reads the engine's kernels `k`, prefill
     workspace `pw`, config and counters). `dense(mats, x, precision, out)` is the caller's
@@ -112,15 +97,17 @@ class MixtureMLP:
 
     def _moe_rows(self, layer, xn: np.ndarray, out: np.ndarray, dense) -> np.ndarray:
         """out [rows, hidden] = layer's mixture of experts on xn [rows, hidden]; -> the experts
-        each row chose [rows, k] (the trace bench and the ledger count)."""
+        each row chose [rows, k], ascending (a view of the workspace, until the next call)."""
         moe, pw, cfg = layer.moe, self.pw, self.cfg
         rows, h = xn.shape
         logits = pw.take("router", rows, moe.count)
         for r in range(rows):  # a matvec a row: a GEMM's rounding would depend on the batch
             np.dot(moe.router, xn[r], out=logits[r])
-        ids, weights = route(logits, cfg.experts_per_token, cfg.norm_topk_prob)
+        k = cfg.experts_per_token
+        ids, weights = pw.take("expert_ids", rows, k), pw.take("expert_weights", rows, k)
+        self.k.route_experts(logits, cfg.norm_topk_prob, ids, weights)  # each row's experts ascending
         if self.expert_trace is not None:
-            self.expert_trace.append((layer.index, ids))
+            self.expert_trace.append((layer.index, ids.copy()))
         if moe.shared is not None:  # Qwen2-MoE: sigmoid(shared_gate . x) times the shared expert
             self._expert(moe.shared[0], moe.shared[1], xn, out, dense, layer.precision)
             for r in range(rows):
@@ -143,21 +130,19 @@ class MixtureMLP:
 
     def _one_row(self, moe: Experts, xn: np.ndarray, ids: np.ndarray, weights: np.ndarray, out: np.ndarray,
                  precision: str) -> None:
-        """A decode step's experts (xn [1, hidden]): every chosen expert's gate/up in one call, its
-        GLU, every down in one call, then the weighted sum in ascending expert order. Each
-        product is the matvec the expert-at-a-time loop makes, so the step equals it bit for bit
-        (a batched step's rows take that loop)."""
-        order = np.argsort(ids)
-        experts = ids[order]
+        """A decode step's experts (xn [1, hidden]; ids ascending, weights beside them): every
+        chosen expert's gate/up in one call, its GLU, every down in one call, then the weighted
+        sum in ascending expert order. Each product is the matvec the expert-at-a-time loop
+        makes, so the step equals it bit for bit (a batched step's rows take that loop)."""
         k, f, h = len(ids), moe.down[0].cols, xn.shape[1]
         gu, act, y = self.pw.take("gate_up", k, 2 * f), self.pw.take("act", k, f), self.pw.take("moe_y", k, h)
         matvec = self.k.matvec_q4_experts_w4a8 if precision == "w4a8" else self.k.matvec_q4_experts_w4a16
         up, down = moe.gate_up_stack, moe.down_stack
-        matvec(up.qs, up.d, up.m, experts, xn, gu)
+        matvec(up.qs, up.d, up.m, ids, xn, gu)
         self.k.silu_mul(gu, act)
-        matvec(down.qs, down.d, down.m, experts, act, y)
+        matvec(down.qs, down.d, down.m, ids, act, y)
         for j in range(k):
-            y[j] *= weights[order[j]]
+            y[j] *= weights[j]
             out += y[j]
 
     def _expert(self, gate_up: list, down, x: np.ndarray, out: np.ndarray, dense, precision: str) -> None:

@@ -24,6 +24,7 @@ This package is the contract (what get_backend("cpu") returns); the kernels live
   exact              f16 / bf16 matrices as stored
   gemm               prefill's GEMMs, short_prefill_rows and batch_matches_matvec
   glu                SiLU and GeLU gates and their exp
+  routing            a mixture of experts' router (top-k and weights)
   decode_attention   decode attention
   prefill_attention  prefill attention
   layer              a resident layer's decode step in a few calls (decode_layer_halves)
@@ -61,6 +62,7 @@ from nerva_cli.planes.cpu.kernels.q4 import (
 from nerva_cli.planes.cpu.kernels.q8 import (
     dequantize_q8, embed_q8, matmul_q8_w8a8, matmul_q8_w8a16, matvec_q8_w8a8, matvec_q8_w8a16)
 from nerva_cli.planes.cpu.kernels.quantize_act import fake_quantize_q8, quantize_act_q8, quantize_act_q16
+from nerva_cli.planes.cpu.kernels.routing import route_experts
 from nerva_cli.planes.cpu.kernels.sampling import penalise, sample_logits
 
 __all__ = [
@@ -68,7 +70,7 @@ __all__ = [
     "rmsnorm", "add_rmsnorm", "add_rows", "rope", "silu_mul", "gelu_mul",
     "quantize_act_q8", "quantize_act_q16", "fake_quantize_q8",
     "matvec_q4_w4a16", "matmul_q4_w4a16", "matvec_q4_w4a8", "matmul_q4_w4a8", "dequantize_q4", "embed_q4",
-    "matvec_q4_experts_w4a8", "matvec_q4_experts_w4a16",
+    "matvec_q4_experts_w4a8", "matvec_q4_experts_w4a16", "route_experts",
     "matvec_q8_w8a16", "matvec_q8_w8a8", "matmul_q8_w8a16", "matmul_q8_w8a8", "dequantize_q8", "embed_q8",
     "matvec_exact", "matmul_exact", "widen_exact", "embed_exact",
     "short_prefill_rows", "batch_matches_matvec", "GEMM_SLICE_BYTES", "GEMM_MIN_ROWS", "gemm_q4", "gemm_q8", "gemm_exact",
