@@ -9,7 +9,6 @@ from nerva_cli.model.quant import Q4_KINDS, QK, TABLE_KIND
 
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # Q4_0 or Q4_1 in the q4_0 and q4_1 variants
 TABLES = ("embed", "lm_head")  # Q8_0 in those variants (quant.TABLE_KIND)
-MLP = ("gate", "up", "down")
 # A mixture-of-experts layer's file: the dense part first (norms, attention, the router, a shared
 # expert's "shared.gate", "shared.up", "shared.down" and its "shared_gate" vector), then each
 # routed expert's "experts.E.gate", ".up" and ".down" back to back, each tensor 4 KB aligned: one
@@ -25,8 +24,8 @@ def layer_shapes(cfg: ModelConfig, i: int = 0) -> dict[str, tuple[int, ...]]:
     if cfg.qkv_bias:
         shapes.update(q_bias=(q,), k_bias=(kv,), v_bias=(kv,))
     if cfg.qk_norm:
-        shapes.update(q_norm=(q,), k_norm=(kv,)) if cfg.qk_norm_whole else \
-            shapes.update(q_norm=(cfg.head_dim,), k_norm=(cfg.head_dim,))
+        whole = cfg.qk_norm_whole  # OLMoE's: over each token's whole q and k
+        shapes.update(q_norm=(q if whole else cfg.head_dim,), k_norm=(kv if whole else cfg.head_dim,))
     shapes["o"] = (h, q)
     if cfg.post_norms:
         shapes["post_attn_norm"] = (h,)

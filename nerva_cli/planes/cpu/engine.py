@@ -243,6 +243,12 @@ class Engine(BatchDecode, MixtureMLP, EngineBase):
         self.embed_scale = None if cfg.embed_scale is None else np.float32(cfg.embed_scale)
         self.plan = residency_plan(model, self.ctx, ram_budget, importance, self.active, kv_cache, prefill_rows,
                                    seq_slots)
+        if cfg.num_experts and self.plan.paged_layers:
+            from nerva_cli.units import human_bytes
+
+            raise NervaError(f"{model.name}: paging a mixture of experts' layers from disk is not built yet; "
+                             f"the RAM budget ({human_bytes(self.plan.budget)}) must hold all of them "
+                             f"({human_bytes(model.size)} of weights, with the KV cache and workspace besides)")
         g = {}
         for fname in ("embed.bin", "final_norm.bin", "lm_head.bin"):
             if fname == "embed.bin" and self.plan.table_aside:
@@ -252,12 +258,6 @@ class Engine(BatchDecode, MixtureMLP, EngineBase):
         self.embed = Linear.from_stored(g, "embed")
         self.final_norm = as_f32(g["final_norm"])
         self.lm_head = Linear.from_stored(g, "lm_head") if any(n.startswith("lm_head") for n in g) else self.embed
-        if cfg.num_experts and self.plan.paged_layers:
-            from nerva_cli.units import human_bytes
-
-            raise NervaError(f"{model.name}: paging a mixture of experts' layers from disk is not built yet; "
-                             f"the RAM budget ({human_bytes(self.plan.budget)}) must hold all of them "
-                             f"({human_bytes(model.size)} of weights, with the KV cache and workspace besides)")
         self.kv_cache = kv_cache
         # refuses an unknown kv_cache in one line
         self.a = Arena(cfg, self.ctx, kv_cache, min(prefill_rows, self.ctx), seq_slots)
