@@ -163,9 +163,11 @@ def test_stacked_expert_tensors_convert_to_the_same_blocks(tiny_models, tmp_path
 def test_moe_refusals(tiny_models, tmp_path, cli):
     """What a mixture cannot do yet says so in one line, naming it: a MoE architecture not built
     (DeepSeek's), OLMoE's clip_qkv, paging its layers under a RAM budget, hot-only mode, and
-    the cuda plane."""
+    the cuda plane (on its CPU emulation)."""
+    from cuda_emu.device import EmuDevice
+
     from nerva_cli.model.config import from_hf_config
-    from nerva_cli.planes.cuda.launch import unsupported_shapes
+    from nerva_cli.planes.cuda.engine import CudaEngine
 
     with pytest.raises(BadInput, match="mixture-of-experts architecture 'deepseek_v3' is not supported yet"):
         from_hf_config({"model_type": "deepseek_v3"}, "config.json")
@@ -177,7 +179,8 @@ def test_moe_refusals(tiny_models, tmp_path, cli):
         full = residency_plan(model, 64, None).used_bytes
         pages = next(b for b in range(full, 0, -ALIGN) if residency_plan(model, 64, b).paged_layers)
         Engine(model, ctx=64, ram_budget=pages)
-    assert "cpu plane only" in unsupported_shapes(model.config)
+    with pytest.raises(NervaError, match="is a mixture of experts, which the cuda backend does not run yet"):
+        CudaEngine(model, ctx=64, device=EmuDevice())
     code, out, err = cli("run", str(model.path), "hello", "-n", "2", "--mode", "hot-only")
     assert code == 2 and "mixture of" in err and len(err.strip().splitlines()) == 1, err
 

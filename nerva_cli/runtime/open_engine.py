@@ -155,6 +155,12 @@ def _open(model, backend: str, options: EngineOptions, report: Reporter, buildin
     if options.ctx_given and ctx is not None and ctx > model.config.max_context:
         report.note(f"--ctx {ctx} is past the {model.config.max_context} tokens {model.name} attends over "
                     f"(its training context, or its attention window where smaller); using {model.config.max_context}")
+    if backend == "cuda" and model.config.num_experts:
+        if options.backend != "auto":
+            raise NervaError(f"{model.name} is a mixture of experts, which the cuda backend does not run yet: "
+                             "--backend cpu")
+        report.note(f"{model.name} is a mixture of experts, which runs on the cpu plane only for now: using it")
+        backend = "cpu"
     if options.vram_budget is not None and backend != "cuda":
         report.note(f"--vram-budget {options.vram_budget} is ignored: the {backend} backend holds everything in RAM")
     if options.seq_slots > 1 and backend == "cuda":

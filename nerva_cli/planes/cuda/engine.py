@@ -238,6 +238,9 @@ class CudaEngine(EngineBase):
         self.dev = dev = device
         self.model, self.cfg = model, model.config
         cfg = self.cfg
+        if cfg.num_experts:
+            raise NervaError(f"{model.name} is a mixture of experts, which the cuda backend does not run yet: "
+                             "--backend cpu")
         if problem := unsupported_shapes(cfg):
             raise NervaError(f"{model.path}: {problem}")
         self.set_precisions(model, precision, layer_precisions, active_layers)

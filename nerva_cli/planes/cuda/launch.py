@@ -76,8 +76,6 @@ def unsupported_shapes(cfg) -> str | None:
     that word is aligned to its size (a misaligned load faults on a GPU) only when the count
     divides head_dim, as it does for every head dim of the supported families."""
     hd, widths = cfg.head_dim, (cfg.hidden_size, cfg.intermediate_size, cfg.q_dim)
-    if cfg.num_experts:
-        return "a mixture of experts runs on the cpu plane only for now (--backend cpu)"
     if any(w % EXACT_PER_LOAD for w in widths):
         return (f"the cuda kernels need widths that are multiples of {EXACT_PER_LOAD} (hidden, intermediate, "
                 f"q: {widths})")
