@@ -19,45 +19,36 @@ F32 = np.float32
 
 @dataclass
 class Experts:
-    """A layer's router (f32 [experts, hidden]), each routed expert's gate and up (one fused
-    matrix, or two apart) and down, and Qwen2-MoE's shared expert with its gate vector."""
+    """A layer's router (f32 [experts, hidden]), each routed expert's gate and up (one matrix)
+    and down, and Qwen2-MoE's shared expert with its gate vector."""
 
     router: np.ndarray
-    gate_up: list  # expert -> [Linear, ...] stacked by rows: gate's then up's
+    gate_up: list  # expert -> [Linear]: its gate's rows then its up's
     down: list  # expert -> Linear
     shared: tuple | None = None  # ([gate/up Linear, ...], down Linear)
     shared_gate: np.ndarray | None = None  # f32 [hidden]
-    # a resident layer's: every expert's gate/up, and every down, stacked by rows in one matrix
-    # each (the experts' Linears are views of them), which a decode step's chosen experts are
-    # multiplied from in one call (matvec_q4_experts_*)
+    # every expert's gate/up, and every down, stacked by rows in one matrix each (the experts'
+    # Linears are views of them), which a decode step's chosen experts are multiplied from in one
+    # call (matvec_q4_experts_*)
     gate_up_stack: object | None = None
     down_stack: object | None = None
 
     @classmethod
-    def from_stored(cls, t: dict, fuse: bool = True) -> "Experts":
-        """From a layer file's tensors (layout.layer_shapes' names); fuse: the experts stacked in
-        arrays of their own (a resident layer's), else views of the file (a staging slot's)."""
+    def from_stored(cls, t: dict) -> "Experts":
+        """From a resident layer file's tensors (layout.layer_shapes' names), in arrays of their
+        own: the experts stacked, the router and shared gate f32."""
         from nerva_cli.planes.cpu.engine import Linear, as_f32
 
         count = t[ROUTER].shape[0]
-        keep = as_f32 if fuse else (lambda a: a)
         shared = None
         if "shared_gate" in t:
-            names = ("shared.gate", "shared.up")
-            shared = ([Linear.owned(t, names)] if fuse else [Linear.from_stored(t, n) for n in names],
-                      Linear.owned(t, ("shared.down",)) if fuse else Linear.from_stored(t, "shared.down"))
-        common = (keep(t[ROUTER]),)
-        tail = (shared, keep(t["shared_gate"]) if shared else None)
-        if not fuse:
-            return cls(*common, [[Linear.from_stored(t, f"experts.{e}.{p}") for p in ("gate", "up")]
-                                 for e in range(count)],
-                       [Linear.from_stored(t, f"experts.{e}.down") for e in range(count)], *tail)
+            shared = ([Linear.owned(t, ("shared.gate", "shared.up"))], Linear.owned(t, ("shared.down",)))
         gate_up = Linear.owned(t, tuple(f"experts.{e}.{p}" for e in range(count) for p in ("gate", "up")))
         down = Linear.owned(t, tuple(f"experts.{e}.down" for e in range(count)))
         up_rows, down_rows = gate_up.rows // count, down.rows // count
-        return cls(*common, [[_rows_of(gate_up, e * up_rows, (e + 1) * up_rows)] for e in range(count)],
-                   [_rows_of(down, e * down_rows, (e + 1) * down_rows) for e in range(count)], *tail,
-                   gate_up, down)
+        return cls(as_f32(t[ROUTER]), [[_rows_of(gate_up, e * up_rows, (e + 1) * up_rows)] for e in range(count)],
+                   [_rows_of(down, e * down_rows, (e + 1) * down_rows) for e in range(count)], shared,
+                   as_f32(t["shared_gate"]) if shared else None, gate_up, down)
 
     @property
     def count(self) -> int:
