@@ -618,7 +618,7 @@ def hf_to_gguf(src, path, extra=None, layer_quant=None):
         for part, hf_part in moe.items() if experts else ():
             first = f"model.layers.{i}.{prefix}.experts.0.{hf_part}.weight"
             if first in t:
-                t[f"model.layers.{i}.{prefix}.experts.{part}"] = np.stack(
+                t[f"model.layers.{i}.{prefix}.experts.{part}.weight"] = np.stack(
                     [t.pop(f"model.layers.{i}.{prefix}.experts.{e}.{hf_part}.weight") for e in range(experts)])
                 names[f"ffn_{part}_exps"] = f"{prefix}.experts.{part}"
     if arch == "phi3":
@@ -629,9 +629,8 @@ def hf_to_gguf(src, path, extra=None, layer_quant=None):
     for i in range(cfg.num_hidden_layers):
         for gname, hf_name in names.items():
             for kind in ("weight", "bias"):
-                m = t.get(f"model.layers.{i}.{hf_name}.{kind}" if not hf_name.endswith(("gate", "up", "down"))
-                          or ".experts." not in hf_name else f"model.layers.{i}.{hf_name}")
-                if m is None or (kind == "bias" and ".experts." in hf_name):
+                m = t.get(f"model.layers.{i}.{hf_name}.{kind}")
+                if m is None:
                     continue
                 if gname == "ffn_gate_inp_shexp":
                     m = m.reshape(-1)
