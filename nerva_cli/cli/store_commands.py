@@ -150,10 +150,10 @@ def _experts(m) -> dict:
     """A mixture of experts' shape, as show gives it: experts a layer and a token, the layers
     that have them, the parameters a token runs, and the bytes one expert and a token's experts
     take on disk (each expert one aligned span of its layer's file, layout.expert_span)."""
-    from nerva_cli.model.layout import active_parameter_count, expert_span, layer_file
+    from nerva_cli.model.layout import active_parameter_count, expert_bytes
 
     cfg = m.config
-    span = expert_span(m.meta["files"][layer_file(cfg.moe_layers[0])]["tensors"], 0)[1]
+    span = expert_bytes(cfg, m.meta["files"])
     return {"per_layer": cfg.num_experts, "per_token": cfg.experts_per_token, "layers": len(cfg.moe_layers),
             "shared_expert": bool(cfg.shared_expert_intermediate_size), "renormalised": cfg.norm_topk_prob,
             "active_parameters": active_parameter_count(cfg), "expert_bytes": span,

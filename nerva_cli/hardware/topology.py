@@ -326,12 +326,12 @@ def expert_plan(model) -> dict | None:
     """A mixture's experts as the plan holds them (every one in RAM, in its layer's file), or None
     for a dense model: experts a layer and a token, the bytes of one, and of those a token runs
     and does not run in each MoE layer."""
-    from nerva_cli.model.layout import expert_span, layer_file
+    from nerva_cli.model.layout import expert_bytes
 
     cfg = model.config
     if not cfg.num_experts:
         return None
-    span = expert_span(model.meta["files"][layer_file(cfg.moe_layers[0])]["tensors"], 0)[1]
+    span = expert_bytes(cfg, model.meta["files"])
     return {"per_layer": cfg.num_experts, "per_token": cfg.experts_per_token, "layers": len(cfg.moe_layers),
             "expert_bytes": span, "read_bytes_per_token": span * cfg.experts_per_token * len(cfg.moe_layers),
             "idle_bytes_per_layer": span * (cfg.num_experts - cfg.experts_per_token), "where": "host"}

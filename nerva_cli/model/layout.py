@@ -49,6 +49,13 @@ def _moe_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def expert_bytes(cfg: ModelConfig, files: dict) -> int:
+    """Bytes of one routed expert (its span: every expert's is the same size) of a model whose
+    metadata.json lists `files`; 0 for a dense model."""
+    moe = cfg.moe_layers
+    return expert_span(files[layer_file(moe[0])]["tensors"], 0)[1] if moe else 0
+
+
 def expert_span(tensors: dict, e: int) -> tuple[int, int]:
     """(offset, bytes) of routed expert e's tensors in its layer file (the file's metadata
     table `tensors`): one aligned span."""

@@ -109,12 +109,10 @@ class EngineBase:
 
     @property
     def expert_bytes(self) -> int:
-        """Bytes of one routed expert (its aligned span: every expert's is the same size); 0 for
-        a dense model."""
-        from nerva_cli.model.layout import expert_span
+        """Bytes of one routed expert (layout.expert_bytes); 0 for a dense model."""
+        from nerva_cli.model.layout import expert_bytes
 
-        moe = self.cfg.moe_layers
-        return expert_span(self.model.meta["files"][layer_file(moe[0])]["tensors"], 0)[1] if moe else 0
+        return expert_bytes(self.cfg, self.model.meta["files"])
 
     # -- positions ---------------------------------------------------------------------------
     def reset(self) -> None:

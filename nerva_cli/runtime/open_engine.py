@@ -159,7 +159,7 @@ def _open(model, backend: str, options: EngineOptions, report: Reporter, buildin
         if options.backend != "auto":
             raise NervaError(f"{model.name} is a mixture of experts, which the cuda backend does not run yet: "
                              "--backend cpu")
-        report.note(f"{model.name} is a mixture of experts, which runs on the cpu plane only for now: using it")
+        report.note(f"{model.name} is a mixture of experts, which runs on the cpu plane only for now: using the cpu plane")
         backend = "cpu"
     if options.vram_budget is not None and backend != "cuda":
         report.note(f"--vram-budget {options.vram_budget} is ignored: the {backend} backend holds everything in RAM")

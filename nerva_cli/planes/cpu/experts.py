@@ -25,13 +25,13 @@ class Experts:
     router: np.ndarray
     gate_up: list  # expert -> [Linear]: its gate's rows then its up's
     down: list  # expert -> Linear
-    shared: tuple | None = None  # ([gate/up Linear, ...], down Linear)
-    shared_gate: np.ndarray | None = None  # f32 [hidden]
+    shared: tuple | None  # ([gate/up Linear], down Linear)
+    shared_gate: np.ndarray | None  # f32 [hidden]
     # every expert's gate/up, and every down, stacked by rows in one matrix each (the experts'
     # Linears are views of them), which a decode step's chosen experts are multiplied from in one
     # call (matvec_q4_experts_*)
-    gate_up_stack: object | None = None
-    down_stack: object | None = None
+    gate_up_stack: object
+    down_stack: object
 
     @classmethod
     def from_stored(cls, t: dict) -> "Experts":
@@ -54,19 +54,16 @@ class Experts:
     def count(self) -> int:
         return self.router.shape[0]
 
-    def expert_nbytes(self, e: int) -> int:
-        return sum(m.nbytes for m in self.gate_up[e]) + self.down[e].nbytes
-
     @property
     def nbytes(self) -> int:
         shared = 0 if self.shared is None else sum(m.nbytes for m in self.shared[0]) + self.shared[1].nbytes
-        return self.router.nbytes + shared + sum(self.expert_nbytes(e) for e in range(self.count))
+        return self.router.nbytes + shared + self.gate_up_stack.nbytes + self.down_stack.nbytes
 
     def grouped(self, precision: str) -> bool:
         """Whether a decode step multiplies its chosen experts in one call each for gate/up and
-        down (stacked Q4 experts at W4A8 or W4A16); else an expert at a time."""
-        return self.gate_up_stack is not None and self.gate_up_stack.qs is not None and \
-            self.down_stack.qs is not None and precision in ("w4a8", "w4a16")
+        down (Q4 experts at W4A8 or W4A16); else an expert at a time."""
+        return self.gate_up_stack.qs is not None and self.down_stack.qs is not None and \
+            precision in ("w4a8", "w4a16")
 
 
 def _rows_of(lin, lo: int, hi: int):
