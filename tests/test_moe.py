@@ -12,7 +12,7 @@ from conftest import hf_greedy
 from test_engine import LOGIT_RTOL, W4A16_RTOL, hf_model, rel_err
 from nerva_cli.errors import BadInput, NervaError
 from nerva_cli.model.layout import expert_span, layer_file
-from nerva_cli.planes.cpu.engine import Engine, residency_plan
+from nerva_cli.planes.cpu.engine import Engine
 from nerva_cli.store.catalog import ALIGN
 from nerva_cli.store.pull import pull
 
@@ -162,8 +162,8 @@ def test_stacked_expert_tensors_convert_to_the_same_blocks(tiny_models, tmp_path
 
 def test_moe_refusals(tiny_models, tmp_path, cli):
     """What a mixture cannot do yet says so in one line, naming it: a MoE architecture not built
-    (DeepSeek's), OLMoE's clip_qkv, paging its layers under a RAM budget, hot-only mode, and
-    the cuda plane (on its CPU emulation)."""
+    (DeepSeek's), OLMoE's clip_qkv, hot-only mode, and the cuda plane (on its CPU emulation);
+    a RAM budget caches experts instead (test_expert_cache.py)."""
     from cuda_emu.device import EmuDevice
 
     from nerva_cli.model.config import from_hf_config
@@ -175,10 +175,6 @@ def test_moe_refusals(tiny_models, tmp_path, cli):
     with pytest.raises(BadInput, match="clip_qkv"):
         from_hf_config({**olmoe, "clip_qkv": 8.0}, "config.json")
     model = pull(str(tiny_models("olmoe")), variant="q4_0", out=tmp_path / "m")
-    with pytest.raises(NervaError, match="paging a mixture of experts' layers from disk is not built yet"):
-        full = residency_plan(model, 64, None).used_bytes
-        pages = next(b for b in range(full, 0, -ALIGN) if residency_plan(model, 64, b).paged_layers)
-        Engine(model, ctx=64, ram_budget=pages)
     with pytest.raises(NervaError, match="is a mixture of experts, which the cuda backend does not run yet"):
         CudaEngine(model, ctx=64, device=EmuDevice())
     code, out, err = cli("run", str(model.path), "hello", "-n", "2", "--mode", "hot-only")

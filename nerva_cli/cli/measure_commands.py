@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from nerva_cli.cli.app import app, long_lived_objects
-from nerva_cli.cli.options import (ActiveFraction, Backend, Ctx, Json, KvCache, Mode, NoProfile, Policy, Precision,
-                                   RamBudget, Tau, Threads, VramBudget)
+from nerva_cli.cli.options import (ActiveFraction, Backend, Ctx, ExpertPolicy, Json, KvCache, Mode, NoProfile, Policy,
+                                   Precision, RamBudget, Tau, Threads, VramBudget)
 from nerva_cli.errors import UsageError
 from nerva_cli.hardware.machine import configure_threads
 
@@ -42,6 +42,7 @@ def bench(
     ram_budget: RamBudget = None,
     vram_budget: VramBudget = None,
     policy: Policy = "ring",
+    expert_policy: ExpertPolicy = "lfu",
     kv_cache: KvCache = "f16",
     backend: Backend = "auto",
 ):
@@ -69,7 +70,8 @@ def bench(
         ctx = max(prompt_tokens + gen_tokens + 1, 32, ppl_ctx if ppl else 0)
     options = EngineOptions(backend=backend, precision=precision, tau=tau, use_profile=not no_profile, mode=mode,
                             active_fraction=active_fraction, ctx=ctx, ctx_given=not chosen, threads=threads,
-                            ram_budget=ram_budget, vram_budget=vram_budget, policy=policy, kv_cache=kv_cache,
+                            ram_budget=ram_budget, vram_budget=vram_budget, policy=policy,
+                            expert_policy=expert_policy, kv_cache=kv_cache,
                             seq_slots=concurrency or 1)
     engine, tokenizer = open_engine(model, options, output.CliReporter(), building=long_lived_objects)
     try:  # closed: the model's lock is released (a `nerva rm` meanwhile waits for it)

@@ -10,8 +10,8 @@ from typing import Annotated, Optional
 import typer
 
 from nerva_cli.cli.app import app, long_lived_objects
-from nerva_cli.cli.options import (ActiveFraction, Backend, Ctx, KvCache, Mode, NoProfile, Policy, Precision, RamBudget,
-                                   Tau, Threads, VramBudget)
+from nerva_cli.cli.options import (ActiveFraction, Backend, Ctx, ExpertPolicy, KvCache, Mode, NoProfile, Policy,
+                                   Precision, RamBudget, Tau, Threads, VramBudget)
 from nerva_cli.errors import NervaError, UsageError, writable_file
 from nerva_cli.hardware.machine import configure_threads
 
@@ -45,6 +45,7 @@ def run(
     ram_budget: RamBudget = None,
     vram_budget: VramBudget = None,
     policy: Policy = "ring",
+    expert_policy: ExpertPolicy = "lfu",
     kv_cache: KvCache = "f16",
     backend: Backend = "auto",
     no_server: Annotated[bool, typer.Option("--no-server", help="Run in this process even where a `nerva serve` answers at NERVA_HOST (by default a running server answers, its model already loaded, unless a flag here asks for this process's engine: --ledger, --ctx, --backend, --threads, --precision and the residency flags).")] = False,
@@ -78,7 +79,8 @@ def run(
     fmt = from_flags(answer_format, grammar)  # refused here, before a model loads, where it is wrong
     options = EngineOptions(backend=backend, precision=precision, tau=tau, use_profile=not no_profile, mode=mode,
                             active_fraction=active_fraction, ctx=ctx, threads=threads, ram_budget=ram_budget,
-                            vram_budget=vram_budget, policy=policy, kv_cache=kv_cache, decodes=max_tokens > 1)
+                            vram_budget=vram_budget, policy=policy, expert_policy=expert_policy, kv_cache=kv_cache,
+                            decodes=max_tokens > 1)
     if words:
         if prompt is not None:
             raise UsageError(f"give the prompt once: -p or the words after the model, not both ({' '.join(words)!r})")
@@ -94,7 +96,8 @@ def run(
                     "--threads": threads_given, "--precision": precision is not None, "--tau": tau != 0.7,
                     "--no-profile": no_profile, "--mode": mode != "full", "--active-fraction": active_fraction != 0.75,
                     "--ram-budget": ram_budget is not None, "--vram-budget": vram_budget is not None,
-                    "--policy": policy != "ring", "--kv-cache": kv_cache != "f16", "--backend": backend != "auto",
+                    "--policy": policy != "ring", "--expert-policy": expert_policy != "lfu",
+                    "--kv-cache": kv_cache != "f16", "--backend": backend != "auto",
                     "--grammar": grammar is not None}  # ollama's API, the server's, takes no grammar
     remote = None if no_server or any(engine_flags.values()) else _through_server(model, raw, system)
     if remote is not None:

@@ -91,16 +91,20 @@ class LayerFileReader:
         return info["size"]
 
     def _open(self, path) -> int:
-        if self.direct is not False:
-            try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-                self.direct = hasattr(os, "O_DIRECT")
-                return fd
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                self.direct = False  # e.g. tmpfs: no O_DIRECT there
-        return os.open(path, os.O_RDONLY)
+        fd, self.direct = open_for_reading(path, self.direct)
+        return fd
+
+
+def open_for_reading(path: str, direct: bool | None) -> tuple[int, bool]:
+    """(fd, whether it reads O_DIRECT): O_DIRECT unless `direct` is False (an earlier open found
+    the filesystem refuses it, as tmpfs does), buffered where refused."""
+    if direct is not False:
+        try:
+            return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)), hasattr(os, "O_DIRECT")
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+    return os.open(path, os.O_RDONLY), False
 
 
 class Slot:

@@ -98,11 +98,16 @@ class Plan:
     slot_bytes: int
     layer_bytes: dict[int, int] = field(default_factory=dict)
     table_aside: bool = False  # the token table is not among `fixed`: plan_table_aside put it elsewhere
+    # a mixture whose experts do not all fit: each MoE layer's dense part is resident (its
+    # layer_bytes), and `expert_slots` of its routed experts (`expert_bytes` each) are cached in RAM
+    expert_slots: int = 0
+    expert_bytes: int = 0
+    expert_layers: list[int] = field(default_factory=list)
 
     @property
     def used_bytes(self) -> int:
         return (sum(b.nbytes for b in self.fixed) + sum(self.layer_bytes[i] for i in self.resident_layers)
-                + self.slots * self.slot_bytes)
+                + self.slots * self.slot_bytes + len(self.expert_layers) * self.expert_slots * self.expert_bytes)
 
     @property
     def paged_bytes_per_token(self) -> int:
@@ -113,7 +118,9 @@ class Plan:
                 "fixed": {b.name: b.nbytes for b in self.fixed},
                 "resident_layers": self.resident_layers, "paged_layers": self.paged_layers,
                 "slots": self.slots, "slot_bytes": self.slot_bytes,
-                "paged_bytes_per_token": self.paged_bytes_per_token, "token_table_aside": self.table_aside}
+                "paged_bytes_per_token": self.paged_bytes_per_token, "token_table_aside": self.table_aside,
+                **({"expert_cache": {"layers": len(self.expert_layers), "slots_per_layer": self.expert_slots,
+                                     "expert_bytes": self.expert_bytes}} if self.expert_layers else {})}
 
 
 MIN_SLOTS = 2
@@ -169,6 +176,12 @@ def plan_model(model, ctx: int, budget: int | None, importance: dict[int, float]
 
     active = range(cfg.num_layers) if active_layers is None else sorted(set(active_layers))
     layer_bytes = {i: files[layer_file(i)]["size"] for i in active}
+    if cfg.num_experts and budget is not None and sum(b for _, b in fixed_at(ctx).values()) \
+            + sum(layer_bytes.values()) > budget:
+        try:
+            return plan_experts(model, fixed_at(ctx), layer_bytes, budget)
+        except BudgetTooSmall as e:
+            raise error(e, True) from None
     return plan_table_aside(lambda with_table: fixed_at(ctx, with_table), layer_bytes, budget, importance, untied,
                             error)
 
@@ -245,3 +258,34 @@ def plan(fixed: dict[str, tuple[str, int]], layer_bytes: dict[int, int], budget:
     if not paged:  # everything fitted once the slots' room was counted: no slots needed
         return Plan(budget, blocks, sorted(layer_bytes), [], 0, 0, dict(layer_bytes))
     return Plan(budget, blocks, sorted(resident), paged, slots, slot, dict(layer_bytes))
+
+
+def plan_experts(model, fixed: dict[str, tuple[str, int]], layer_bytes: dict[int, int], budget: int) -> Plan:
+    """A mixture that does not fit the budget whole: the fixed blocks, every layer's dense part
+    (attention, router, shared expert: what every token reads) and a staging buffer resident,
+    and in what is left, as many slots for routed experts as fit in each MoE layer alike (at least
+    the experts a token chooses, at most all of them); the rest are read from their files on a
+    miss (residency/expert_cache.py)."""
+    from nerva_cli.model.layout import expert_bytes, expert_span, layer_file
+    from nerva_cli.store.catalog import ALIGN
+    from nerva_cli.units import human_bytes
+
+    cfg, files = model.config, model.meta["files"]
+    span = expert_bytes(cfg, files)
+    moe = [i for i in sorted(layer_bytes) if i in cfg.moe_layers]
+    dense = {i: expert_span(files[layer_file(i)]["tensors"], 0)[0] if i in moe else n for i, n in layer_bytes.items()}
+    blocks = [ResidentBlock(kind, name, n, "host", State.ALLOCATED) for name, (kind, n) in fixed.items()]
+    blocks.append(ResidentBlock("workspace", "expert staging", -(-span // ALIGN) * ALIGN, "host", State.ALLOCATED))
+    fixed_bytes = sum(b.nbytes for b in blocks)
+    least = cfg.experts_per_token * span * len(moe)
+    minimum = fixed_bytes + sum(dense.values()) + least
+    if budget < minimum:
+        raise BudgetTooSmall(
+            f"RAM budget {human_bytes(budget)} cannot hold the fixed part ({human_bytes(fixed_bytes)}), every "
+            f"layer's dense part ({human_bytes(sum(dense.values()))}: attention, router and shared expert, which "
+            f"every token reads) and {cfg.experts_per_token} experts a MoE layer ({human_bytes(least)}); the "
+            f"smallest budget that works is {human_bytes(minimum)} ({minimum} bytes)",
+            minimum - fixed_bytes + blocks[-1].nbytes)
+    slots = min(cfg.num_experts, (budget - fixed_bytes - sum(dense.values())) // (span * len(moe)))
+    return Plan(budget, blocks, sorted(dense), [], 0, 0, dense, expert_slots=slots, expert_bytes=span,
+                expert_layers=moe)

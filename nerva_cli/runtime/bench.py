@@ -228,7 +228,8 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
         "mode": "hot-only" if len(engine.active) < engine.cfg.num_layers else "full",
         "precision": engine.precision,
         **engine.budgets,
-        "policy": engine.policy if engine.plan.paged_layers else "resident",
+        "policy": engine.policy if engine.plan.paged_layers else
+        f"expert cache ({engine.expert_policy})" if engine.plan.expert_layers else "resident",
         "resident_layers": len(engine.plan.resident_layers), "paged_layers": len(engine.plan.paged_layers),
         "disk_bytes_per_token": round(pager[0] / passes), "hit_rate": round(pager[1] / (pager[1] + pager[2]), 4)
         if pager[1] + pager[2] else 1.0, "stall_ms_per_token": round(pager[3] / 1e6 / passes, 3),
@@ -249,10 +250,17 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
         "nerva_version": __version__,
     }
     cfg = engine.cfg
-    if cfg.num_experts:  # every expert in RAM: a token multiplies by its k experts' bytes in each layer
+    if cfg.num_experts:  # a token multiplies by its k experts' bytes in each layer
         result.update(experts_per_layer=cfg.num_experts, experts_per_token=cfg.experts_per_token,
                       expert_bytes=engine.expert_bytes,
-                      expert_bytes_per_token=engine.expert_bytes * cfg.experts_per_token * len(cfg.moe_layers))
+                      expert_bytes_per_token=engine.expert_bytes * cfg.experts_per_token * len(cfg.moe_layers),
+                      expert_hit_rate=1.0)  # every expert in RAM, unless a cache's run says otherwise
+        if engine.plan.expert_layers:  # over --ppl's text where it is long enough, else greedy
+            text = ppl_ids if ppl_ids is not None and len(ppl_ids) >= opts.prompt_tokens + opts.gen_tokens else None
+            cache = expert_cache_figures(engine, prompt if text is None else text[:opts.prompt_tokens],
+                                         opts.gen_tokens, log, None if text is None else
+                                         text[opts.prompt_tokens:opts.prompt_tokens + opts.gen_tokens])
+            result.update(expert_hit_rate=cache["expert_hit_rate"], expert_cache=cache)
     if ppl_ids is not None:
         log(f"perplexity over {opts.ppl_file}")
         window = min(opts.ppl_ctx, engine.ctx)
@@ -262,6 +270,58 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
         result["ppl_window"] = window
         result["ppl_seconds"] = round(time.perf_counter() - t, 2)
     return result
+
+
+def expert_cache_figures(engine, prompt: list[int], gen_tokens: int, log, forced: list[int] | None = None) -> dict:
+    """A mixture whose experts do not all fit: one run from empty expert caches, its experts
+    traced, greedy or fed the tokens `forced` (a text's: a model of random weights decodes one
+    token over and over, which no cache misses): decode's expert hit rate, disk bytes a token,
+    rate and the rate the disk allows at those bytes (the reads are made as compute asks for
+    them, not ahead); and the same trace replayed through each policy, Belady's optimal cache
+    (the bound) and a look-ahead's prefetches (the next MoE layer's router on the current
+    residual), from empty caches of the same size: the disk bytes a decoded token each would read."""
+    from nerva_cli.residency.expert_cache import replay_policies
+
+    cfg, plan, stats = engine.cfg, engine.plan, engine.weights.stats
+    log(f"expert cache: a run of {gen_tokens} tokens from empty caches, its experts traced")
+    engine.weights.clear()
+    engine.reset()
+    engine.expert_trace, engine.expert_predicted = [], []
+    try:
+        token = int(np.argmax(engine.prefill(prompt)))
+        start = len(engine.expert_trace)
+        before = (stats.disk_bytes, stats.hits, stats.faults, stats.read_ns, stats.reads)
+        t = time.perf_counter()
+        for n in range(gen_tokens - 1):
+            token = int(np.argmax(engine.decode(token if forced is None else forced[n])))
+        seconds = time.perf_counter() - t
+        trace, predicted = engine.expert_trace, engine.expert_predicted
+    finally:
+        engine.expert_trace = engine.expert_predicted = None
+    n = gen_tokens - 1
+    disk, hits, faults, read_ns, reads = (b - a for a, b in zip(before, (stats.disk_bytes, stats.hits, stats.faults,
+                                                                           stats.read_ns, stats.reads)))
+    figures = {"policy": engine.expert_policy, "slots_per_layer": plan.expert_slots, "decode_tokens": n,
+               "tokens": "greedy" if forced is None else "the --ppl text's",
+               "expert_hit_rate": round(hits / (hits + faults), 4) if hits + faults else 1.0}
+    if n < 1:
+        return figures
+    per_read = disk / reads if reads else engine.weights.reader.nbytes
+    rate = disk / read_ns * 1e9 if read_ns else None
+    replays = replay_policies(trace, cfg.num_experts, plan.expert_slots, predicted, start)
+    guessed = [(p, ids) for p, (_, ids) in zip(predicted[start:], trace[start:]) if p is not None]
+    figures.update(
+        decode_tok_s=round(n / seconds, 3), expert_disk_bytes_per_token=round(disk / n),
+        disk_read_bytes_per_s=None if rate is None else round(rate),
+        disk_bound_tok_s=None if not disk or rate is None else round(rate / (disk / n), 3),
+        replay_disk_bytes_per_token={k: round(r["loads"] * per_read / n) for k, r in replays.items()},
+        lookahead_accuracy=round(float(np.mean([np.isin(p, ids[0]).mean() for p, ids in guessed])), 4)
+        if guessed else None)
+    belady = figures["replay_disk_bytes_per_token"]["belady"]
+    figures["vs_belady"] = round(disk / n / belady, 3) if belady else None
+    if figures["disk_bound_tok_s"]:
+        figures["vs_disk_bound"] = round(figures["decode_tok_s"] / figures["disk_bound_tok_s"], 3)
+    return figures
 
 
 def _pager_counters(engine) -> list[int]:

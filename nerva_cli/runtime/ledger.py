@@ -132,9 +132,10 @@ class Ledger:
         return None if None in values else float(np.mean(values))
 
     COLUMNS = ("#", "token", "piece", "wall", "embed", "attn", "mlp", "lm_head", "sample", "mask", "stall",
-               "launches", "syncs", "disk", "h2d", "hits/faults", "w4a8/w4a16/exact", "allocs")
+               "launches", "syncs", "disk", "h2d", "hits/faults", "prefetched", "w4a8/w4a16/exact", "allocs")
     ALWAYS = {"#", "token", "piece", "wall", "attn", "mlp", "lm_head"}  # shown even when constant
-    MINOR = {"embed", "sample", "launches", "syncs", "allocs", "h2d"}  # the first to go where space is short
+    # the first to go where space is short
+    MINOR = {"embed", "sample", "launches", "syncs", "allocs", "h2d", "prefetched"}
 
     def _cells(self, r: TokenRecord) -> list[str]:
         from nerva_cli.units import human_bytes
@@ -143,7 +144,7 @@ class Ledger:
         return [str(r.index), str(r.token_id), repr(r.piece)[1:-1][:12], f"{r.wall_us:.0f}",
                 us(r.embed_us), us(r.attention_us), us(r.mlp_us), us(r.lm_head_us),
                 f"{r.sample_us:.0f}", us(r.mask_us), f"{r.stall_us:.0f}", str(r.kernel_launches), str(sum(r.syncs.values())),
-                human_bytes(r.disk_bytes), human_bytes(r.h2d_bytes), f"{r.hits}/{r.faults}",
+                human_bytes(r.disk_bytes), human_bytes(r.h2d_bytes), f"{r.hits}/{r.faults}", str(r.prefetched),
                 f"{r.w4a8_layers}/{r.w4a16_layers}/{r.exact_layers}", str(r.hot_path_allocations)]
 
     @staticmethod

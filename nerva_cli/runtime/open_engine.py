@@ -187,7 +187,8 @@ def _open(model, backend: str, options: EngineOptions, report: Reporter, buildin
             engine = Engine(model, backend=backend, precision=plan.precision, ctx=ctx,
                             layer_precisions=plan.layer_precisions, active_layers=plan.active_layers,
                             ram_budget=budget, policy=options.policy, importance=importance,
-                            kv_cache=options.kv_cache, seq_slots=options.seq_slots)
+                            kv_cache=options.kv_cache, seq_slots=options.seq_slots,
+                            expert_policy=options.expert_policy)
     for line in engine.residency_lines():
         report.info(line)
     engine.prepare(options.threads, options.decodes, say=report.info, working=report.working)

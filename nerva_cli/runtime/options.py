@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nerva_cli.errors import UsageError
+from nerva_cli.residency.expert_cache import DEFAULT_EXPERT_POLICY, EXPERT_POLICIES
 
 BACKENDS = ("auto", "cpu", "cuda", "ref")
 PRECISIONS = ("mixed", "w4a16", "w4a8", "exact")
@@ -33,6 +34,7 @@ class EngineOptions:
     ram_budget: str | None = None  # 512M, 4G, auto; None: everything in RAM where it fits
     vram_budget: str | None = None  # the same for the GPU; None: auto
     policy: str = "ring"
+    expert_policy: str = DEFAULT_EXPERT_POLICY  # a mixture whose experts do not all fit: which cached expert a miss replaces
     kv_cache: str = "f16"
     decodes: bool = True  # whether the caller will decode (not a one-token run): what compiles ahead
     seq_slots: int = 1  # sequences the engine holds at once, each its own KV cache (bench --concurrency)
@@ -58,6 +60,7 @@ class EngineOptions:
         self.vram_bytes = None if self.vram_budget in (None, "auto") else parse_budget(self.vram_budget,
                                                                                         "vram-budget")
         _one_of("--policy", self.policy, POLICIES)
+        _one_of("--expert-policy", self.expert_policy, EXPERT_POLICIES)
         _one_of("--kv-cache", self.kv_cache, KV_CACHES)
         if self.seq_slots < 1:
             raise UsageError(f"--concurrency must be >= 1 (sequences), got {self.seq_slots}")

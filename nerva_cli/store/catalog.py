@@ -172,14 +172,32 @@ class StoredModel:
         and sha256 are checked as read_file does (the hash streamed from the file)."""
         import mmap
 
+        path, info = self.verify_file(fname)
+        with open(path, "rb") as f:  # copy-on-write: writable arrays, the types compiled kernels take
+            pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        return tensors_in(np.frombuffer(pages, dtype=np.uint8), info["tensors"])
+
+    def verify_file(self, fname: str) -> tuple[Path, dict]:
+        """Checks one file's size, and its sha256 (streamed from the file) unless this identity of
+        it was checked before: what a reader of parts of it (a mapped token table, expert spans)
+        checks first. -> (path, its metadata entry)."""
         path, info, st = self._stat(fname)
         if self._verified_identities().get(fname) != _identity(st):
             if _sha256(path) != info["sha256"]:
                 raise self.damaged(path, "sha256 disagrees with metadata.json (file changed or corrupt)")
             self._remember_verified(fname, st)
-        with open(path, "rb") as f:  # copy-on-write: writable arrays, the types compiled kernels take
-            pages = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        return tensors_in(np.frombuffer(pages, dtype=np.uint8), info["tensors"])
+        return path, info
+
+    def read_head(self, fname: str, nbytes: int) -> dict[str, np.ndarray]:
+        """The tensors in the first `nbytes` of one file (a MoE layer's dense part, before its
+        experts), over a buffer of their own, after verify_file."""
+        path, info = self.verify_file(fname)
+        buf = np.empty(nbytes, dtype=np.uint8)
+        with open(path, "rb") as f:
+            got = f.readinto(memoryview(buf))
+        if got != nbytes:
+            raise self.damaged(path, f"short read ({got} of {nbytes} bytes)")
+        return tensors_in(buf, {n: t for n, t in info["tensors"].items() if t["offset"] + t["nbytes"] <= nbytes})
 
     def _stat(self, fname: str) -> tuple[Path, dict, os.stat_result]:
         """(path, metadata entry, stat) of one file, its size checked against metadata.json."""

@@ -16,10 +16,11 @@ from time import perf_counter_ns
 import numpy as np
 
 from nerva_cli.residency.arena import Arena, PrefillWorkspace
+from nerva_cli.residency.expert_cache import DEFAULT_EXPERT_POLICY
 from nerva_cli.model.layer_spec import layer_specs
 from nerva_cli.model.layout import MATRICES, ROUTER, layer_file
 from nerva_cli.model.quant import QK
-from nerva_cli.errors import NervaError
+from nerva_cli.errors import NervaError, UsageError
 from nerva_cli.planes.base import Counters, EngineBase, context_length
 from nerva_cli.planes.cpu.batch_decode import BatchDecode
 from nerva_cli.planes.cpu.experts import Experts, MixtureMLP
@@ -141,9 +142,11 @@ class Layer:
     moe: Experts | None = None  # a mixture of experts' layer: its router and experts (planes/cpu/experts.py)
 
     @classmethod
-    def from_stored(cls, index: int, t: dict, precision: str) -> "Layer":
+    def from_stored(cls, index: int, t: dict, precision: str, cached: tuple | None = None) -> "Layer":
+        """cached: (expert 0's tensors' metadata, slots) for a MoE layer whose experts are cached,
+        t holding its dense part alone (Experts.cached)."""
         mats = {"qkv": Linear.owned(t, ("q", "k", "v")), "o": Linear.owned(t, ("o",))}
-        moe = Experts.from_stored(t) if ROUTER in t else None
+        moe = None if ROUTER not in t else Experts.from_stored(t) if cached is None else Experts.cached(t, *cached)
         if moe is None:
             mats.update(gate_up=Linear.owned(t, ("gate", "up")), down=Linear.owned(t, ("down",)))
         bias = np.concatenate([as_f32(t[f"{m}_bias"]) for m in ("q", "k", "v")]) if "q_bias" in t else None
@@ -219,13 +222,14 @@ class Engine(BatchDecode, MixtureMLP, EngineBase):
                  ctx: int | None = None, layer_precisions: list[str] | None = None,
                  active_layers: list[int] | None = None, ram_budget: int | None = None,
                  policy: str = "ring", importance: dict[int, float] | None = None, kv_cache: str = "f16",
-                 prefill_rows: int = PREFILL_CHUNK, seq_slots: int = 1):
+                 prefill_rows: int = PREFILL_CHUNK, seq_slots: int = 1, expert_policy: str = DEFAULT_EXPERT_POLICY):
         """layer_precisions: per-layer w4a16/w4a8 (MCAP's mixed dispatch) for a q4_0 or q4_1 model;
         active_layers: the layers that run (hot-only mode), the others pass the residual on;
         kv_cache: f16 or f32 (exact: what the tests against transformers hold to float32's noise);
         prefill_rows: the prompt tokens a prefill pass takes (its workspace's size); seq_slots:
         the sequences it holds at once, each with its own KV cache and position (select,
-        decode_batch)."""
+        decode_batch); expert_policy: which cached expert a mixture's miss evicts, where its
+        experts do not all fit the RAM budget (residency/expert_cache.py)."""
         from nerva_cli.planes import get_backend
 
         if seq_slots < 1:
@@ -243,12 +247,6 @@ class Engine(BatchDecode, MixtureMLP, EngineBase):
         self.embed_scale = None if cfg.embed_scale is None else np.float32(cfg.embed_scale)
         self.plan = residency_plan(model, self.ctx, ram_budget, importance, self.active, kv_cache, prefill_rows,
                                    seq_slots)
-        if cfg.num_experts and self.plan.paged_layers:
-            from nerva_cli.units import human_bytes
-
-            raise NervaError(f"{model.name}: paging a mixture of experts' layers from disk is not built yet; "
-                             f"the RAM budget ({human_bytes(self.plan.budget)}) must hold all of them "
-                             f"({human_bytes(model.size)} of weights, with the KV cache and workspace besides)")
         g = {}
         for fname in ("embed.bin", "final_norm.bin", "lm_head.bin"):
             if fname == "embed.bin" and self.plan.table_aside:
@@ -267,10 +265,12 @@ class Engine(BatchDecode, MixtureMLP, EngineBase):
         self.ring = [i for i, c in enumerate(self.a.k_cache) if c.shape[0] < self.ctx]
         self.n_past = 0
         self.phase_ns = dict.fromkeys(PHASES, 0)
-        self.policy = policy
+        self.policy, self.expert_policy = policy, expert_policy
         resident = {i: Layer.from_stored(i, model.read_file(layer_file(i)), self.layer_precision[i])
-                    for i in self.plan.resident_layers}
-        if self.plan.paged_layers:
+                    for i in self.plan.resident_layers if i not in self.plan.expert_layers}
+        if self.plan.expert_layers:
+            self.weights = self._cached_experts(resident, expert_policy)
+        elif self.plan.paged_layers:
             from nerva_cli.residency.pager import PagedWeights
 
             self.weights = PagedWeights(model, resident, self.plan.paged_layers, self.layer_precision,
@@ -285,6 +285,28 @@ class Engine(BatchDecode, MixtureMLP, EngineBase):
         self.compiled_layers = {}
         self.slot_compiled = {0: self.compiled_layers}  # sequence slot -> its compiled_layers
         self._bind_halves()
+
+    def _cached_experts(self, resident: dict, policy: str):
+        """The weights where a mixture's experts do not all fit the RAM budget: every layer
+        resident but its routed experts, of which each MoE layer caches plan.expert_slots."""
+        from nerva_cli.residency.expert_cache import (EXPERT_POLICIES, CachedExperts, ExpertCache, ExpertReader,
+                                                      Prefetcher)
+        from nerva_cli.residency.pager import PagerStats
+
+        if policy not in EXPERT_POLICIES:
+            raise UsageError(f"--expert-policy {policy}: choose one of {', '.join(EXPERT_POLICIES)}")
+        p, files = self.plan, self.model.meta["files"]
+        reader = ExpertReader(self.model, p.expert_bytes, PagerStats())
+        self.lookahead = policy.endswith("+lookahead")
+        prefetcher = Prefetcher(reader) if self.lookahead else None
+        for i in p.expert_layers:
+            fname = layer_file(i)
+            table = {n: t for n, t in files[fname]["tensors"].items() if n.startswith("experts.0.")}
+            layer = Layer.from_stored(i, self.model.read_head(fname, p.layer_bytes[i]), self.layer_precision[i],
+                                      (table, p.expert_slots))
+            layer.moe.cache = ExpertCache(self.model, i, layer.moe, p.expert_slots, policy, reader, prefetcher)
+            resident[i] = layer
+        return CachedExperts([resident[i] for i in self.active], reader, policy, prefetcher)
 
     def _bind_halves(self) -> None:
         """Binds the compiled decode halves to the selected sequence slot's KV cache: a resident
@@ -452,9 +474,15 @@ class Engine(BatchDecode, MixtureMLP, EngineBase):
     # -- what callers show, and what runs before an answer --------------------------------------
     def residency_lines(self) -> list[str]:
         p = self.plan
+        from nerva_cli.units import human_bytes
+
+        if p.expert_layers:
+            return [f"residency: the experts do not all fit {human_bytes(p.budget)}: each of the {len(p.expert_layers)} "
+                    f"MoE layers keeps {p.expert_slots} of its {self.cfg.num_experts} experts in RAM "
+                    f"({human_bytes(p.expert_bytes)} each) and reads a chosen one that is not there from disk "
+                    f"(policy {self.expert_policy}); the rest of every layer is in RAM"]
         if not p.paged_layers:
             return []
-        from nerva_cli.units import human_bytes
 
         return [f"residency: {len(p.resident_layers)} layers resident, {len(p.paged_layers)} stream from "
                 f"disk through {p.slots} slots ({human_bytes(p.paged_bytes_per_token)} a token, "
@@ -752,6 +780,8 @@ class Engine(BatchDecode, MixtureMLP, EngineBase):
         a, k, m = self.a, self.k, layer.mats
         k.add_rmsnorm(a.o, a.x, layer.mlp_norm, self.cfg.rms_eps, a.xn)
         if layer.moe is not None:
+            if self.lookahead or self.expert_predicted is not None:
+                self.look_ahead(layer, a.x)
             self._moe_rows(layer, a.xn_row, a.down_row, self._rows_dense)
             a.x += a.down
             return

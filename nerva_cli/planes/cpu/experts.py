@@ -32,6 +32,9 @@ class Experts:
     # call (matvec_q4_experts_*)
     gate_up_stack: object
     down_stack: object
+    # where the layer's experts do not all fit the RAM budget: the stacks hold `capacity` experts,
+    # slot by slot, and the cache says which expert each slot holds (residency/expert_cache.py)
+    cache: object = None
 
     @classmethod
     def from_stored(cls, t: dict) -> "Experts":
@@ -50,6 +53,22 @@ class Experts:
                    [_rows_of(down, e * down_rows, (e + 1) * down_rows) for e in range(count)], shared,
                    as_f32(t["shared_gate"]) if shared else None, gate_up, down)
 
+    @classmethod
+    def cached(cls, t: dict, table: dict, capacity: int) -> "Experts":
+        """From a layer's dense part (t: its router and shared expert) and its expert 0's tensors'
+        metadata (table: "experts.0.gate.qs" -> entry), with empty stacks of `capacity` experts
+        for an ExpertCache to fill."""
+        from nerva_cli.planes.cpu.engine import Linear, as_f32
+
+        shared = None
+        if "shared_gate" in t:
+            shared = ([Linear.owned(t, ("shared.gate", "shared.up"))], Linear.owned(t, ("shared.down",)))
+        gate_up, down = _empty_stack(table, ("gate", "up"), capacity), _empty_stack(table, ("down",), capacity)
+        up_rows, down_rows = gate_up.rows // capacity, down.rows // capacity
+        return cls(as_f32(t[ROUTER]), [[_rows_of(gate_up, s * up_rows, (s + 1) * up_rows)] for s in range(capacity)],
+                   [_rows_of(down, s * down_rows, (s + 1) * down_rows) for s in range(capacity)], shared,
+                   as_f32(t["shared_gate"]) if shared else None, gate_up, down)
+
     @property
     def count(self) -> int:
         return self.router.shape[0]
@@ -64,6 +83,22 @@ class Experts:
         down (Q4 experts at W4A8 or W4A16); else an expert at a time."""
         return self.gate_up_stack.qs is not None and self.down_stack.qs is not None and \
             precision in ("w4a8", "w4a16")
+
+
+def _empty_stack(table: dict, parts: tuple[str, ...], capacity: int):
+    """A Linear of zeros holding `capacity` experts' matrices `parts` stacked by rows, in the
+    format expert 0's are stored in (table: its tensors' metadata)."""
+    from nerva_cli.planes.cpu.engine import Linear
+    from nerva_cli.store.catalog import DTYPES
+
+    planes, rows, cols = {}, 0, 0
+    for field, suffix in (("qs", ".qs"), ("d", ".d"), ("m", ".m"), ("q8", ".q8"), ("w", "")):
+        t = table.get(f"experts.0.{parts[0]}{suffix}")
+        if t is not None:
+            rows = capacity * len(parts) * t["shape"][0]
+            planes[field] = np.zeros((rows, *t["shape"][1:]), dtype=DTYPES[t["dtype"]])
+            cols = cols or t["shape"][1] * (2 if field == "qs" else 1)
+    return Linear(rows, cols, **planes)
 
 
 def _rows_of(lin, lo: int, hi: int):
@@ -82,6 +117,12 @@ class MixtureMLP:
     # where a list: each MoE layer's choices as it runs them, (layer, expert ids [rows, k]) (the
     # tests compare them with transformers'; a profile's expert statistics read them)
     expert_trace: list | None = None
+    # where a list too (bench's expert cache figures): beside each trace entry, the experts a
+    # look-ahead predicted for it (decode steps after the first MoE layer), else None
+    expert_predicted: list | None = None
+    lookahead = False  # whether decode prefetches the next MoE layer's predicted experts (its cache's policy)
+    _predicted: dict | None = None  # MoE layer -> the experts the look-ahead predicted for its next step
+    _next_moe: dict | None = None  # layer -> the next MoE layer after it
 
     def _moe_rows(self, layer, xn: np.ndarray, out: np.ndarray, dense) -> np.ndarray:
         """out [rows, hidden] = layer's mixture of experts on xn [rows, hidden]; -> the experts
@@ -96,29 +137,66 @@ class MixtureMLP:
         self.k.route_experts(logits, cfg.norm_topk_prob, ids, weights)  # each row's experts ascending
         if self.expert_trace is not None:
             self.expert_trace.append((layer.index, ids.copy()))
+            if self.expert_predicted is not None:
+                self.expert_predicted.append((self._predicted or {}).pop(layer.index, None))
         if moe.shared is not None:  # Qwen2-MoE: sigmoid(shared_gate . x) times the shared expert
             self._expert(moe.shared[0], moe.shared[1], xn, out, dense, layer.precision)
             for r in range(rows):
                 out[r] *= F32(1) / (F32(1) + np.exp(-np.dot(xn[r], moe.shared_gate), dtype=F32))
         else:
             out[...] = 0
+        cache = moe.cache  # where experts are cached, products take the slot each is in
         if rows == 1 and moe.grouped(layer.precision):
-            self._one_row(moe, xn, ids[0], weights[0], out[0], layer.precision)
+            self._one_row(moe, xn, ids[0] if cache is None else cache.slots_for(ids[0]), weights[0], out[0],
+                          layer.precision)
             return ids
         y_all = pw.take("moe_y", rows, h)
-        for e in np.unique(ids):  # ascending: each row sums its experts in the same order
+        chosen = np.unique(ids)  # ascending: each row sums its experts in the same order
+        # a cache that holds all of them loads them at once; else each as its turn comes
+        at = chosen if cache is None else cache.slots_for(chosen) if len(chosen) <= cache.capacity else None
+        for j, e in enumerate(chosen):
+            s = at[j] if at is not None else cache.slots_for(chosen[j:j + 1])[0]
             r, c = np.nonzero(ids == e)
             x = pw.take("moe_x", len(r), h)
             np.take(xn, r, axis=0, out=x)
             y = y_all[:len(r)]
-            self._expert(moe.gate_up[e], moe.down[e], x, y, dense, layer.precision)
+            self._expert(moe.gate_up[s], moe.down[s], x, y, dense, layer.precision)
             y *= weights[r, c][:, None]
             out[r] += y
         return ids
 
+    def look_ahead(self, layer, h: np.ndarray) -> None:
+        """Decode's look-ahead, before a MoE layer's experts run: the next MoE layer's router on
+        this layer's residual after attention h [hidden], normalised by the next layer's MLP
+        norm, its top k the experts that layer is predicted to choose. Where the look-ahead
+        prefetches (a cache's policy), their reads start now, on the cache's reader thread,
+        behind this layer's experts and the next one's attention; where the trace is on, the
+        prediction goes beside the next layer's entry (bench's replay measures it)."""
+        if self._next_moe is None:
+            moe = [lay for lay in self.weights.layers() if lay.moe is not None]
+            self._next_moe = {a.index: b for a, b in zip(moe, moe[1:])}
+        nxt = self._next_moe.get(layer.index)
+        if nxt is None:
+            return
+        # in the workspace's MoE buffers, which this layer's experts overwrite after: no allocation
+        cfg, pw = self.cfg, self.pw
+        xn, logits = pw.take("moe_x", 1, cfg.hidden_size), pw.take("router", 1, nxt.moe.count)
+        self.k.rmsnorm(h, nxt.mlp_norm, cfg.rms_eps, xn[0])
+        np.dot(nxt.moe.router, xn[0], out=logits[0])
+        ids = pw.take("expert_ids", 1, cfg.experts_per_token)
+        self.k.route_experts(logits, cfg.norm_topk_prob, ids, pw.take("expert_weights", 1, cfg.experts_per_token))
+        guess = ids[0]
+        if self.lookahead:
+            nxt.moe.cache.prefetch(guess)
+        if self.expert_predicted is not None:
+            if self._predicted is None:
+                self._predicted = {}
+            self._predicted[nxt.index] = guess.copy()
+
     def _one_row(self, moe: Experts, xn: np.ndarray, ids: np.ndarray, weights: np.ndarray, out: np.ndarray,
                  precision: str) -> None:
-        """A decode step's experts (xn [1, hidden]; ids ascending, weights beside them): every
+        """A decode step's experts (xn [1, hidden]; ids: where each is in the stacks, its index or
+        its cache slot, in ascending expert order; weights beside them): every
         chosen expert's gate/up in one call, its GLU, every down in one call, then the weighted
         sum in ascending expert order. Each product is the matvec the expert-at-a-time loop
         makes, so the step equals it bit for bit (a batched step's rows take that loop)."""
