@@ -141,7 +141,8 @@ def source(shape: str, seed: int = 0, kind: str = "q4_0"):
             return SourceTensor(shape, lambda: None, read_planes=table, stored_dtype="q8_0")
 
         def planes():
-            qs = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+            qs = centred_codes(rng, (rows, cols // 2)) if kind == "q4_0" else \
+                rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
             d = (rng.uniform(0.5, 1.5, (rows, cols // 32)) * 0.02 / np.sqrt(cols / 1024)).astype(np.float16)
             # Q4_1's offset, the block's minimum: about -7.5 d for weights centred on 0
             m = (-d.astype(np.float32) * rng.uniform(7, 8, d.shape)).astype(np.float16) if kind == "q4_1" else None
@@ -151,6 +152,15 @@ def source(shape: str, seed: int = 0, kind: str = "q4_0"):
 
     return Source(config=cfg, origin={"kind": "synthetic", "id": shape}, fingerprint=f"synthetic-{shape}-{seed}",
                   tensors=tensor, tokenizer_files=tokenizer_files(), default_name=f"synthetic-{shape}")
+
+
+def centred_codes(rng, shape) -> np.ndarray:
+    """Packed Q4_0 codes whose weights centre on 0, as trained ones do: each nibble 1..15 (-7..7
+    times the scale). Nibbles of 0..15 gave every weight a mean of -d/2, a part shared by all of
+    a matrix's rows that grew through the layers until every token chose the same experts, which
+    left an expert cache nothing to do (docs/residency.md)."""
+    lo, hi = rng.integers(1, 16, shape, dtype=np.uint8), rng.integers(1, 16, shape, dtype=np.uint8)
+    return lo | (hi << 4)
 
 
 def gguf_blocks(qs, d, m) -> np.ndarray:
