@@ -282,7 +282,7 @@ def plan_experts(model, fixed: dict[str, tuple[str, int]], layer_bytes: dict[int
     if budget < minimum:
         raise BudgetTooSmall(
             f"RAM budget {human_bytes(budget)} cannot hold the fixed part ({human_bytes(fixed_bytes)}), every "
-            f"layer's dense part ({human_bytes(sum(dense.values()))}: attention, router and shared expert, which "
+            f"layer's dense part ({human_bytes(sum(dense.values()))}: attention, the router and any shared expert, which "
             f"every token reads) and {cfg.experts_per_token} experts a MoE layer ({human_bytes(least)}); the "
             f"smallest budget that works is {human_bytes(minimum)} ({minimum} bytes)",
             minimum - fixed_bytes + blocks[-1].nbytes)
