@@ -144,7 +144,8 @@ def test_cached_experts_give_the_resident_logits(family, variant, precision, pol
             stats = cached.weights.stats
             assert stats.faults > 0 and stats.reads == stats.faults + stats.prefetched
             assert stats.disk_bytes == stats.reads * cached.weights.reader.nbytes
-            assert cached.residency_lines() and f"keeps {slots} of its" in cached.residency_lines()[0]
+            line = cached.residency_lines()[0]
+            assert f"keeps {slots} of its" in line or f"a slot for each of its {slots}" in line
         finally:
             cached.close()
 

@@ -477,10 +477,14 @@ class Engine(BatchDecode, MixtureMLP, EngineBase):
         from nerva_cli.units import human_bytes
 
         if p.expert_layers:
-            return [f"residency: the experts do not all fit {human_bytes(p.budget)}: each of the {len(p.expert_layers)} "
-                    f"MoE layers keeps {p.expert_slots} of its {self.cfg.num_experts} experts in RAM "
-                    f"({human_bytes(p.expert_bytes)} each) and reads a chosen one that is not there from disk "
-                    f"(policy {self.expert_policy}); the rest of every layer is in RAM"]
+            n, every = len(p.expert_layers), p.expert_slots == self.cfg.num_experts
+            kept = (f"has a slot for each of its {p.expert_slots} experts, filled from disk as each is first chosen "
+                    "(their layer files whole do not fit)" if every else
+                    f"keeps {p.expert_slots} of its {self.cfg.num_experts} experts in RAM and reads a chosen one that "
+                    "is not there from disk")
+            return [f"residency: within {human_bytes(p.budget)}, each of the {n} MoE layers {kept} "
+                    f"({human_bytes(p.expert_bytes)} an expert; policy {self.expert_policy}); the rest of every "
+                    "layer is in RAM"]
         if not p.paged_layers:
             return []
 
