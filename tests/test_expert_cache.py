@@ -117,22 +117,24 @@ def budget_for(model, slots: int, seq_slots: int = 1) -> int:
     raise AssertionError(f"no budget caches {slots} of {cfg.num_experts} experts")
 
 
-@pytest.mark.parametrize("family,variant,precision", [("olmoe", "q4_0", "w4a8"), ("olmoe", "q4_0", "w4a16"),
-                                                      ("qwen2moe", "q4_1", "w4a8"), ("mixtral", "f16", None)])
-@pytest.mark.parametrize("policy", ["lru", "lfu", "lru+lookahead"])
-def test_cached_experts_give_the_resident_logits(family, variant, precision, policy, tiny_models, tmp_path):
+@pytest.mark.parametrize("family,variant,precision,backend", [
+    ("olmoe", "q4_0", "w4a8", "cpu"), ("olmoe", "q4_0", "w4a16", "cpu"), ("qwen2moe", "q4_1", "w4a8", "cpu"),
+    ("mixtral", "f16", None, "cpu"), ("qwen3moe", "q4_0", "w4a8", "ref")])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lru+lookahead", "lfu+lookahead"])
+def test_cached_experts_give_the_resident_logits(family, variant, precision, backend, policy, tiny_models, tmp_path):
     """Experts read from disk into a cache of k slots (every step a search for room) and of k + 2:
     the prompt's logits (a chunk's experts one at a time where the cache cannot hold them all)
-    and 16 decode steps' equal the resident engine's bit for bit, and the cache did read (with
-    the look-ahead, on its own thread too)."""
+    and 16 decode steps' equal the resident engine's bit for bit, on the cpu plane and the ref,
+    and the cache did read (with the look-ahead, on its own thread too)."""
     model = pull(str(tiny_models(family)), variant=variant, out=tmp_path / "m")
     k = model.config.experts_per_token
-    resident = Engine(model, ctx=64, precision=precision)
+    resident = Engine(model, ctx=64, precision=precision, backend=backend)
     want = [resident.prefill(PROMPT)]
     for step in range(16):
         want.append(resident.decode(int(np.argmax(want[-1]))))
     for slots in (k, k + 2):
-        cached = Engine(model, ctx=64, precision=precision, ram_budget=budget_for(model, slots), expert_policy=policy)
+        cached = Engine(model, ctx=64, precision=precision, ram_budget=budget_for(model, slots), expert_policy=policy,
+                        backend=backend)
         try:
             assert cached.plan.expert_slots == slots and not cached.plan.paged_layers
             got = [cached.prefill(PROMPT)]
