@@ -274,11 +274,10 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
 
 def expert_cache_figures(engine, prompt: list[int], gen_tokens: int, log, forced: list[int] | None = None) -> dict:
     """A mixture whose experts do not all fit: one run from empty expert caches, its experts
-    traced, greedy or fed the tokens `forced` (a text's: a model of random weights decodes one
-    token over and over, which no cache misses): decode's expert hit rate, disk bytes a token,
-    rate and the rate the disk allows at those bytes (the reads are made as compute asks for
-    them, not ahead); and the same trace replayed through each policy, Belady's optimal cache
-    (the bound) and a look-ahead's prefetches (the next MoE layer's router on the current
+    traced, greedy or fed the tokens `forced` (a text's, for the routes a text takes): decode's
+    expert hit rate, disk bytes a token, rate, and the rate the disk would allow at those bytes
+    were it read all the time; and the same trace replayed through each policy, Belady's optimal
+    cache (the bound) and a look-ahead's prefetches (the next MoE layer's router on the current
     residual), from empty caches of the same size: the disk bytes a decoded token each would read."""
     from nerva_cli.residency.expert_cache import replay_policies
 
