@@ -89,8 +89,8 @@ class ExpertSlots:
 
     def _victim(self) -> int:
         """The first empty slot, else the policy's choice among the slots not used in this step
-        (the lowest slot among equals). A loop over the slots, not array expressions: those made
-        temporaries of 10 KB a miss, which the hot path's allocation count caught."""
+        (the lowest slot among equals). A loop over the slots, not array expressions, whose
+        temporaries counted as hot-path allocations."""
         held, last, uses, step = self.held, self.last, self.uses, self.step
         best, best_key = -1, None
         for s in range(self.capacity):
@@ -184,7 +184,8 @@ def replay_policies(trace: list, experts: int, capacity: int, predicted: list | 
 
 
 class ExpertReader:
-    """Expert spans from the MoE layer files into one page-aligned staging buffer: O_DIRECT where
+    """Expert spans from the MoE layer files into page-aligned staging buffers (one a reading
+    thread): O_DIRECT where
     the filesystem allows it (else buffered, and reported so), each file opened once and its
     identity (size, mtime, inode) checked every few reads against the one its sha256 was checked
     at, so a file changed under a run stops it."""
@@ -284,7 +285,6 @@ class ExpertCache:
         self.wait()
         self.slots = ExpertSlots(self.slots.slot_of.shape[0], self.capacity, self.slots.policy)
 
-
     def prefetch(self, ids: np.ndarray) -> None:
         """Places the experts predicted for this layer's next step (ExpertSlots.prefetch) and has
         the prefetcher's thread read those not held, while the compute goes on."""
@@ -340,7 +340,6 @@ class ExpertCache:
                         dst[lo + j * rows: lo + (j + 1) * rows] = t[name + suffix]
 
 
-
 class Prefetcher:
     """The thread that reads the look-ahead's experts into the slots ExpertCache.prefetch chose,
     into a staging buffer of its own, while the compute thread runs (its kernels and the reads
@@ -367,6 +366,7 @@ class Prefetcher:
     def close(self) -> None:
         self.jobs.put(None)
         self.thread.join()
+
 
 class CachedExperts:
     """The weights of an engine whose MoE layers cache their experts (every layer otherwise
