@@ -185,10 +185,9 @@ def replay_policies(trace: list, experts: int, capacity: int, predicted: list | 
 
 class ExpertReader:
     """Expert spans from the MoE layer files into page-aligned staging buffers (one a reading
-    thread): O_DIRECT where
-    the filesystem allows it (else buffered, and reported so), each file opened once and its
-    identity (size, mtime, inode) checked every few reads against the one its sha256 was checked
-    at, so a file changed under a run stops it."""
+    thread): O_DIRECT where the filesystem allows it (else buffered, and reported so), each file
+    opened once and its identity (size, mtime, inode) checked every few reads against the one its
+    sha256 was checked at, so a file changed under a run stops it."""
 
     IDENTITY_EVERY = 16
 
