@@ -173,6 +173,10 @@ FAMILIES = {
     "qwen3moe-sparse": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                            "norm_topk_prob": True, "head_dim": 32, "f16_exact": True,
                                            "tie_word_embeddings": False}),
+    # OLMoE with experts whose every plane is whole 4 KB pages (128 x 512: Q4 codes 32 KB, scales
+    # 4 KB), which O_DIRECT may read straight into an expert cache's slots
+    "olmoe-pages": ("OlmoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "intermediate": 128, "hidden": 512,
+                                    "layers": 2, "f16_exact": True, "tie_word_embeddings": False}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate": 64,
                                   "f16_exact": True, "tie_word_embeddings": False}),
     "qwen2moe": ("Qwen2MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,

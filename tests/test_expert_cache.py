@@ -6,6 +6,7 @@ replay of their own trace, and what a budget too small or a changed file gets.""
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import OrderedDict
 
@@ -150,6 +151,57 @@ def test_cached_experts_give_the_resident_logits(family, variant, precision, bac
             assert f"keeps {slots} of its" in line or f"a slot for each of its {slots}" in line
         finally:
             cached.close()
+
+
+def decode_run(engine, steps: int = 8) -> list:
+    got = [engine.prefill(PROMPT)]
+    for _ in range(steps):
+        got.append(engine.decode(int(np.argmax(got[-1]))))
+    return got
+
+
+@pytest.mark.parametrize("family,direct,scatter", [("olmoe-pages", None, True), ("olmoe", False, True),
+                                                   ("olmoe", None, False)])
+def test_reads_land_in_the_slots_where_the_layout_allows(family, direct, scatter, tiny_models, tmp_path):
+    """An expert's span is read straight into its slot's rows where every plane is whole pages
+    (O_DIRECT) or the file is read buffered (direct False: as on tmpfs), else through a staging
+    buffer and copied: the same logits as resident either way, the look-ahead's reads too. A
+    read that fails leaves its slot empty, and the next step reads the expert again."""
+    model = pull(str(tiny_models(family)), variant="q4_0", out=tmp_path / "m")
+    k = model.config.experts_per_token
+    want = decode_run(Engine(model, ctx=64, precision="w4a8"))
+    cached = Engine(model, ctx=64, precision="w4a8", ram_budget=budget_for(model, k + 1),
+                    expert_policy="lfu+lookahead")
+    try:
+        if direct is not None:
+            cached.weights.reader.direct = direct
+        got = decode_run(cached)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
+        caches = [layer.moe.cache for layer in cached.weights.layers() if layer.moe is not None]
+        assert {c.scatter for c in caches} == {scatter}
+        assert {c.aligned for c in caches} == {family == "olmoe-pages"}
+        assert cached.weights.stats.prefetched > 0
+
+        for cache in caches:  # no look-ahead read left running into the failing preadv
+            cache.wait()
+        cache = caches[0]
+        held = int(np.flatnonzero(cache.slots.held >= 0)[0])
+        expert = int(cache.slots.held[held])
+        cache.slots.forget(held)
+        def failing(*args):
+            raise OSError(5, "Input/output error")
+
+        real, os.preadv = os.preadv, failing
+        try:
+            with pytest.raises(OSError):
+                cache.slots_for(np.array([expert]))
+        finally:
+            os.preadv = real
+        assert cache.slots.slot_of[expert] == -1 and np.count_nonzero(cache.slots.held == expert) == 0
+        slot = int(cache.slots_for(np.array([expert]))[0])
+        assert cache.slots.held[slot] == expert
+    finally:
+        cached.close()
 
 
 def test_batched_decode_with_cached_experts(tiny_models, tmp_path):

@@ -79,6 +79,13 @@ class ExpertSlots:
             loads.append((s, int(e)))
         return loads
 
+    def forget(self, s: int) -> None:
+        """Slot s empty again (its read failed: what it holds is not its expert)."""
+        e = self.held[s]
+        if e >= 0:
+            self.slot_of[e] = -1
+        self.held[s], self.unused[s] = -1, False
+
     def _take(self, e: int) -> int:
         s = self._victim()
         old = self.held[s]
@@ -184,7 +191,8 @@ def replay_policies(trace: list, experts: int, capacity: int, predicted: list | 
 
 
 class ExpertReader:
-    """Expert spans from the MoE layer files into page-aligned staging buffers (one a reading
+    """Expert spans from the MoE layer files, read straight into a slot's rows where the layout
+    allows it (ExpertCache.targets), else into page-aligned staging buffers (one a reading
     thread): O_DIRECT where the filesystem allows it (else buffered, and reported so), each file
     opened once and its identity (size, mtime, inode) checked every few reads against the one its
     sha256 was checked at, so a file changed under a run stops it."""
@@ -211,10 +219,16 @@ class ExpertReader:
         mem = mmap.mmap(-1, self.nbytes)
         return np.frombuffer(mem, dtype=np.uint8), [memoryview(mem)]
 
-    def read(self, fname: str, offset: int, staging=None) -> np.ndarray:
-        """The span at `offset` of file `fname` into `staging` (buffer, iovec; by default the
-        compute thread's) -> the buffer, until its next read."""
-        buf, iov = staging or (self.buf, self.iov)
+    def scatters(self, fname: str, aligned: bool) -> bool:
+        """Whether reads of `fname` may land in buffers that are not whole aligned pages (`aligned`
+        says whether they are): a buffered file takes any, an O_DIRECT one pages."""
+        with self.lock:
+            if fname not in self.fds:
+                self._open(fname)
+        return aligned or not self.direct
+
+    def read(self, fname: str, offset: int, iov: list) -> None:
+        """The span at `offset` of file `fname` into the buffers `iov`, one after another."""
         with self.lock:
             fd, identity = self.fds.get(fname) or self._open(fname)
             self.reads += 1
@@ -232,7 +246,6 @@ class ExpertReader:
             self.stats.read_ns += t
             self.stats.disk_bytes += got
             self.stats.reads += 1
-        return buf
 
     def _open(self, fname: str):
         from nerva_cli.residency.pager import open_for_reading
@@ -271,6 +284,8 @@ class ExpertCache:
         self.moe, self.reader, self.stats = moe, reader, reader.stats
         self.out = np.zeros(capacity, dtype=np.int64)
         self.views: dict[int, dict] = {}  # id(staging buffer) -> the expert's tensors over it
+        self.targets, self.aligned = self._scatter_targets()
+        self.scatter: bool | None = None  # whether reads land in the slots (decided at the first)
         self.prefetcher = prefetcher  # where the policy looks ahead: its thread reads what prefetch() places
         self.pending = 0  # prefetched reads not yet seen done (wait)
         self.done: queue.SimpleQueue = queue.SimpleQueue()  # the prefetcher's word on each: None or its error
@@ -319,24 +334,69 @@ class ExpertCache:
         np.take(self.slots.slot_of, ids, out=out)
         return out
 
+    def _rows(self, slot: int, name: str) -> np.ndarray:
+        """Slot `slot`'s rows of the stack plane that expert tensor `name` ("gate.qs", "down.d",
+        "up" for a float matrix) goes into."""
+        part, _, field = name.partition(".")
+        if part == "down":
+            stack, at, parts = self.moe.down_stack, 0, 1
+        else:
+            stack, at, parts = self.moe.gate_up_stack, ("gate", "up").index(part), 2
+        rows = stack.rows // (parts * self.capacity)
+        lo = (slot * parts + at) * rows
+        return getattr(stack, field or "w")[lo:lo + rows]
+
+    def _scatter_targets(self) -> tuple[list | None, bool]:
+        """(per slot, the buffers a read of an expert's span fills in file order: each tensor's
+        rows in the slot's part of the stacks, a scratch buffer for the padding between them;
+        whether all of them are whole pages at page-aligned addresses, as O_DIRECT needs).
+        Reading there spares a copy of every byte read (docs/residency.md)."""
+        import mmap
+
+        from nerva_cli.store.catalog import ALIGN
+
+        order = sorted(self.table.items(), key=lambda item: item[1]["offset"])
+        gaps, end = [], 0
+        for _, t in order:
+            gaps.append(t["offset"] - end)
+            end = t["offset"] + t["nbytes"]
+        gaps.append(self.reader.nbytes - end)  # the span's last page
+        scratch = np.frombuffer(mmap.mmap(-1, max(*gaps, ALIGN)), dtype=np.uint8)
+        targets, aligned = [], True
+        for slot in range(self.capacity):
+            parts = []
+            for (name, t), gap in zip(order, gaps):
+                rows = self._rows(slot, name)
+                if rows.nbytes != t["nbytes"] or not rows.flags.c_contiguous:
+                    return None, False
+                parts += [scratch[:gap]] * bool(gap) + [rows.reshape(-1).view(np.uint8)]
+            parts += [scratch[:gaps[-1]]] * bool(gaps[-1])
+            aligned &= all(a.ctypes.data % ALIGN == 0 and a.nbytes % ALIGN == 0 for a in parts)
+            targets.append([memoryview(a) for a in parts])
+        return targets, aligned
+
     def _load(self, slot: int, e: int, staging=None) -> None:
-        """Expert e's span read (into `staging`, by default the compute thread's buffer) and
-        copied into slot `slot`'s rows of the stacks."""
+        """Expert e's span read into slot `slot`'s rows of the stacks: straight there where the
+        reader allows it, else into `staging` (by default the compute thread's buffer) and
+        copied. A read that fails leaves the slot empty."""
         from nerva_cli.store.catalog import tensors_in
 
-        buf = self.reader.read(self.fname, self.spans[e], staging)
-        t = self.views.get(id(buf))
-        if t is None:  # a staging buffer's tensor views, made once: fewer objects a read
-            t = self.views[id(buf)] = tensors_in(buf, self.table)
-        up, down = self.moe.gate_up_stack, self.moe.down_stack
-        f, h = up.rows // (2 * self.capacity), down.rows // self.capacity
-        for stack, parts, rows in ((up, ("gate", "up"), f), (down, ("down",), h)):
-            lo = slot * rows * len(parts)
-            for j, name in enumerate(parts):
-                for field, suffix in (("qs", ".qs"), ("d", ".d"), ("m", ".m"), ("q8", ".q8"), ("w", "")):
-                    dst = getattr(stack, field)
-                    if dst is not None:
-                        dst[lo + j * rows: lo + (j + 1) * rows] = t[name + suffix]
+        try:
+            if self.scatter is None:
+                self.scatter = self.targets is not None and self.reader.scatters(self.fname, self.aligned)
+            if self.scatter:
+                self.reader.read(self.fname, self.spans[e], self.targets[slot])
+                return
+            buf, iov = staging or (self.reader.buf, self.reader.iov)
+            self.reader.read(self.fname, self.spans[e], iov)
+            t = self.views.get(id(buf))
+            if t is None:  # a staging buffer's tensor views, made once: fewer objects a read
+                t = self.views[id(buf)] = tensors_in(buf, self.table)
+            for name in self.table:
+                self._rows(slot, name)[...] = t[name]
+        except BaseException:
+            self.slots.forget(slot)
+            raise
 
 
 class Prefetcher:

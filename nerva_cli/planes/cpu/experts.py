@@ -96,9 +96,18 @@ def _empty_stack(table: dict, parts: tuple[str, ...], capacity: int):
         t = table.get(f"experts.0.{parts[0]}{suffix}")
         if t is not None:
             rows = capacity * len(parts) * t["shape"][0]
-            planes[field] = np.zeros((rows, *t["shape"][1:]), dtype=DTYPES[t["dtype"]])
+            planes[field] = _page_aligned_zeros((rows, *t["shape"][1:]), DTYPES[t["dtype"]])
             cols = cols or t["shape"][1] * (2 if field == "qs" else 1)
     return Linear(rows, cols, **planes)
+
+
+def _page_aligned_zeros(shape: tuple, dtype) -> np.ndarray:
+    """Zeros in an anonymous mapping: page-aligned, so that an O_DIRECT read may land in a
+    slot's rows (ExpertCache's scatter reads) where their sizes are whole pages."""
+    import mmap
+
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=np.uint8)[:nbytes].view(dtype).reshape(shape)
 
 
 def _rows_of(lin, lo: int, hi: int):
