@@ -305,6 +305,7 @@ def test_topology_and_bench_give_the_expert_cache(tiny_models, tmp_path, cli):
     assert replayed["lfu"] == cache["expert_disk_bytes_per_token"]  # the run is its policy's replay
     assert replayed["belady"] <= min(replayed.values())
     assert cache["vs_belady"] >= 1 and 0 <= cache["lookahead_accuracy"] <= 1
+    assert cache["reads_into_slots"] == (not result["direct_io"])  # 64-wide experts: whole pages they are not
 
 
 @pytest.mark.parametrize("policy", ["lfu", "lfu+lookahead"])

@@ -300,9 +300,12 @@ def expert_cache_figures(engine, prompt: list[int], gen_tokens: int, log, forced
     n = gen_tokens - 1
     disk, hits, faults, read_ns, reads = (b - a for a, b in zip(before, (stats.disk_bytes, stats.hits, stats.faults,
                                                                            stats.read_ns, stats.reads)))
+    caches = [layer.moe.cache for layer in engine.weights.layers() if layer.moe is not None]
     figures = {"policy": engine.expert_policy, "slots_per_layer": plan.expert_slots, "decode_tokens": n,
                "tokens": "greedy" if forced is None else "the --ppl text's",
-               "expert_hit_rate": round(hits / (hits + faults), 4) if hits + faults else 1.0}
+               "expert_hit_rate": round(hits / (hits + faults), 4) if hits + faults else 1.0,
+               # whether a read landed in its slot's rows, or was staged and copied (docs/residency.md)
+               "reads_into_slots": all(c.scatter for c in caches)}
     if n < 1:
         return figures
     per_read = disk / reads if reads else engine.weights.reader.nbytes
