@@ -17,8 +17,8 @@ llama_decode call, greedy; and the JSON adds its aggregate rate and nerva's rati
 from __future__ import annotations
 
 import argparse
-import os
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -48,6 +48,8 @@ raw = text.encode()
 ids = (lc.llama_token * (len(raw) + 8))()
 got = lc.llama_tokenize(vocab, raw, len(raw), ids, len(ids), False, False)
 tokens = list(ids[:got])
+if len(tokens) < 7 * (n - 1) + n_prompt:  # else a prompt would be short and ask no logits
+    sys.exit(f'the prompt text is {len(tokens)} tokens; {n} prompts of {n_prompt} need {7 * (n - 1) + n_prompt}')
 batch = lc.llama_batch_init(max(n_prompt, n), 0, n)
 def put(token, pos, seq, logits):
     i = batch.n_tokens
