@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The GPU check, on a machine with a CUDA device (pip install -e '.[test,cuda13]'), in stages:
 #   tests     the GPU tests (pytest -m gpu); failed ones run again with NERVA_CUDA_PDL=0
-#   bench     scripts/gpu_bench.py: resident and paged decode against the HBM and PCIe limits (and
-#             resident again with NERVA_CUDA_PDL=0: programmatic dependent launch's A/B). With
+#   bench     scripts/gpu_bench.py: issue 53's ratios. Resident decode (W4A8 and W4A16, after 512
+#             and 4096 cached tokens) against the HBM limit, prefill of 512 and 2048 tokens, and
+#             decode with VRAM for half the layers against the PCIe limit. With
 #             ../shared/gpu-peers packed into .gpu-peer/ (its pack.sh) and no MODEL_DIR, llama.cpp
 #             CUDA is built (while the tests run) and benched on its random Llama-3-8B-shaped Q4_0
-#             GGUF, and nerva runs the same file, so the figures are ratios from the same lease
+#             GGUF and a SmolLM2-shaped one, in the same settings, and nerva runs the same files,
+#             so the `ratios` are from the same lease
 #   profile   scripts/gpu_profile.py: where a resident decode step's time goes, kernel by kernel,
 #             then a 512-token prefill pass's (cuBLAS's GEMMs among its ops)
 #   sweep     scripts/gpu_matvec_sweep.py: the matvec tuning table
@@ -20,12 +22,13 @@
 # Stages that need a model and have neither MODEL_DIR nor the peer's use one of the same shapes
 # from scripts/synthetic_model.py. Results, each naming the device, go to docs/perf/ (or $RESULTS).
 #
-#   [STAGES="tests bench"] [RESULTS=DIR] [DEADLINE_S=540] [PACK=FILE.tgz] bash scripts/gpu_check.sh [MODEL_DIR]
+#   [STAGES="tests bench"] [RESULTS=DIR] [DEADLINE_S=540] [PACK=FILE.tgz] [NAME=SUFFIX] bash scripts/gpu_check.sh [MODEL_DIR]
 #
 # STAGES defaults to "tests bench profile sweep". DEADLINE_S bounds the whole run, so that a
 # command run under a time limit keeps what finished: each command gets the time left, and one
 # that would start with less than a minute left is skipped, saying so. PACK tars RESULTS into one
-# file at the end (a lease gives back few files). The last lines printed sum the results up.
+# file at the end (a lease gives back few files). NAME ends the bench JSON's file name (a commit,
+# say). The last lines printed sum the results up.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 started=$(date +%s)
@@ -86,17 +89,34 @@ if has tests; then
   fi
 fi
 
-peer=()
+peer=() small=()
 if [ -n "${building:-}" ]; then
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}  # the gguf wheel the peer scripts installed
+  # while llama.cpp builds: nerva converts the peer's GGUFs (the 8B one once ceilings_and_build.sh
+  # has written and read it: its dd line says "copied"), and the SmolLM2-shaped one is made
+  while kill -0 "$building" 2>/dev/null && ! grep -q copied "$out/peer_ceilings.log"; do sleep 2; done
+  model=${TMPDIR:-/tmp}/nerva-r8b
+  bounded python3 -m nerva_cli convert /tmp/r8b.gguf --out "$model" --force > "$out/convert.log" 2>&1 || model=
+  if bounded python3 .gpu-peer/make_gguf.py /tmp/lc/models/ggml-vocab-llama-bpe.gguf /tmp/rsmall.gguf small \
+       >> "$out/convert.log" 2>&1 && bounded python3 -m nerva_cli convert /tmp/rsmall.gguf \
+       --out "${TMPDIR:-/tmp}/nerva-rsmall" --force >> "$out/convert.log" 2>&1; then
+    small=(--small-model "${TMPDIR:-/tmp}/nerva-rsmall")
+  fi
   wait "$building"
   if RESULTS=$out bounded bash .gpu-peer/llamacpp_bench.sh > "$out/peer_llamacpp.log" 2>&1; then
     peer=(--peer-json "$out/llama_bench_full.json")
+    # issue 53's other pairings: decode after 512 and 4096 cached tokens, a 2048-token prefill,
+    # the small model, and 16 of 32 layers on the GPU (the rest on the host's cores)
+    lb() { local name=$1; shift
+      bounded /tmp/lc/build/bin/llama-bench "$@" -o json > "$out/llama_bench_$name.json" 2>> "$out/peer_llamacpp.log" \
+        && peer+=("$out/llama_bench_$name.json"); }
+    lb depth -m /tmp/r8b.gguf -ngl 99 -fa 0,1 -p 0 -n 128 -d 512,4096 -r 3
+    lb p2048 -m /tmp/r8b.gguf -ngl 99 -fa 1 -p 2048 -n 0 -r 3
+    [ -f /tmp/rsmall.gguf ] && lb small -m /tmp/rsmall.gguf -ngl 99 -fa 0,1 -p 0 -n 128 -d 512 -r 3
+    lb ngl16 -m /tmp/r8b.gguf -ngl 16 -fa 1 -p 0 -n 128 -d 512 -r 2
   else
     echo "gpu_check: the llama.cpp bench failed (see $out/peer_llamacpp.log); nerva's figures come alone"
   fi
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}  # the gguf wheel the peer scripts installed
-  model=${TMPDIR:-/tmp}/nerva-r8b
-  bounded python3 -m nerva_cli convert /tmp/r8b.gguf --out "$model" --force || model=
 fi
 
 # the model the stages after the tests run, made once if none was given
@@ -108,7 +128,8 @@ ensure_model() {
 }
 
 if has bench; then
-  ensure_model && bounded python3 scripts/gpu_bench.py "$model" --out "$out" "${peer[@]}"
+  ensure_model && bounded python3 scripts/gpu_bench.py "$model" --out "$out" --half ${NAME:+--name "$NAME"} \
+    "${small[@]}" "${peer[@]}"
   mark $? bench
 fi
 if has profile; then
@@ -212,19 +233,14 @@ for path in sorted(Path(sys.argv[1]).glob("gpu_*.json")):
         r = json.loads(path.read_text())
     except ValueError:
         continue
-    if "resident" in r:
-        res, pag = r["resident"], r["paged"]
-        w8 = r.get("resident_w4a8", {})
-        print(f"{path.name}: resident {res.get('decode_tok_s')} tok/s = {res.get('fraction_of_limit')} of HBM "
-              f"(W4A8: {w8.get('decode_tok_s')} = {w8.get('fraction_of_limit')}; target 0.5); paged "
-              f"{pag.get('decode_tok_s')} tok/s = {pag.get('fraction_of_limit')} of PCIe (target 0.8); "
-              f"prefill {res.get('prefill_tok_s')} tok/s")
-        serial = r.get("resident_serial_launches", {})
-        print(f"  W4A16 without dependent launches (NERVA_CUDA_PDL=0): {serial.get('decode_tok_s')} tok/s = "
-              f"{serial.get('fraction_of_limit')} of HBM; with them: {res.get('dependent_launch')}")
-        for which, label in (("llama_cpp", "W4A16"), ("llama_cpp_w4a8", "W4A8")):
-            for k, v in r.get(which, {}).items():
-                print(f"  vs llama.cpp {k} ({label}): {v['nerva_tok_s']} / {v['llama_cpp_tok_s']} = {v['nerva_over_llama_cpp']}")
+    if "ratios" in r:
+        for key, run in r.items():
+            if isinstance(run, dict) and ("decode_tok_s" in run or "error" in run):
+                print(f"{path.name}: {key}: " + (run["error"] if "error" in run else
+                      f"decode {run.get('decode_tok_s')} tok/s ({run.get('fraction_of_limit')} of HBM), prefill "
+                      f"{run.get('prefill_tok_s')} tok/s, {run.get('kernel_launches_per_token')} kernels in "
+                      f"{run.get('dispatches_per_token')} calls a step"))
+        print(f"{path.name}: ratios " + json.dumps(r["ratios"]))
     elif path.name == "gpu_profile_prefill.json":
         top = sorted(r["ops"].items(), key=lambda kv: -kv[1]["ms"])[:4]
         print(f"{path.name}: a {r['prefill_tokens']}-token pass {r['pass_ms']:.2f} ms on the GPU (ops {r['ops_ms']:.2f}, "

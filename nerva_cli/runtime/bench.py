@@ -202,6 +202,20 @@ def perplexity(engine, ids: list[int], window: int) -> tuple[float, int]:
     return math.exp(nll / count), count
 
 
+def decode_step_counts(engine, prompt: list[int], steps: int) -> tuple[int, float, float]:
+    """(hot-path allocations over `steps` decode steps, kernels a step runs, host calls a step
+    makes to run them: one where the step is a replayed graph). The allocation check runs twice,
+    with 0 and with `steps` steps after the same prefill and warm-up, and the kernels counted in
+    the first are taken from the second's, leaving the steps' own (sampling included)."""
+    c = engine.counters
+    k0, d0, _ = c.snapshot()
+    engine.count_hot_path_allocations(prompt, steps=0)
+    k1, d1, _ = c.snapshot()
+    allocs = engine.count_hot_path_allocations(prompt, steps=steps)
+    k2, d2, _ = c.snapshot()
+    return allocs, ((k2 - k1) - (k1 - k0)) / steps, ((d2 - d1) - (d1 - d0)) / steps
+
+
 def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s: None) -> dict:
     if opts.prompt_tokens + opts.gen_tokens + 1 > engine.ctx:
         most = engine.cfg.max_context
@@ -218,7 +232,7 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
         figures, passes, pager = single_figures(engine, tokenizer, prompt, opts, log)
     else:
         figures, passes, pager = concurrent_figures(engine, tokenizer, opts, log)
-    allocs = engine.count_hot_path_allocations(prompt[:8], steps=16)
+    allocs, launches, dispatches = decode_step_counts(engine, prompt[:8], steps=16)
     # the disk's rate while the pager read (open to close), and the decode rate it allows if every
     # paged byte came at it: a shared, bursty disk is judged against itself, in the same run
     read_rate = pager[0] / pager[5] * 1e9 if pager[5] else None
@@ -245,6 +259,7 @@ def run_bench(engine, tokenizer, opts: BenchOptions, threads: int, log=lambda s:
         "exact_layers": engine.precision_counts["exact"], "active_layers": len(engine.active),
         "weight_bytes": engine.weight_bytes, "kv_cache_bytes": engine.a.kv_bytes, "kv_cache": engine.kv_cache,
         "hot_path_allocations": allocs,
+        "kernel_launches_per_token": launches, "dispatches_per_token": dispatches,
         "peak_rss_bytes": peak_rss_bytes(),
         "peak_vram_bytes": engine.peak_vram_bytes,
         "nerva_version": __version__,
