@@ -54,15 +54,16 @@ def bytes_per_token(model) -> int:
     return sum(v["size"] for k, v in files.items() if k.startswith("layer_")) + head
 
 
-def budget_for_resident(model, layers: int, sms: int) -> int:
+def budget_for_resident(model, layers: int, sms: int, ctx: int) -> int:
     """The smallest --vram-budget (bytes, to 1 MiB) at which the planner keeps `layers` layers in
-    VRAM at the bench's default context, from sizes alone (planes/cuda/engine.gpu_residency_plan)."""
+    VRAM at a context of ctx positions, from sizes alone (planes/cuda/engine.gpu_residency_plan).
+    ctx must be the run's: bench sizes its own to the prompt and the tokens it generates."""
     from nerva_cli.errors import NervaError
     from nerva_cli.planes.cuda.engine import gpu_residency_plan
 
     def holds(budget: int) -> bool:
         try:
-            return len(gpu_residency_plan(model, None, budget, None, sms=sms).vram.resident_layers) >= layers
+            return len(gpu_residency_plan(model, ctx, budget, None, sms=sms).vram.resident_layers) >= layers
         except NervaError:
             return False
 
@@ -177,15 +178,18 @@ def main() -> None:
     save()
     if args.half:
         layers = model.config.num_layers // 2
-        budget = budget_for_resident(model, layers, dev.sms)
-        half = bench(args.model, "--precision", "w4a8", "--vram-budget", str(budget), repeat=2)
+        ctx = 512 + 128 + 1  # the bench's prompt and tokens, as llama-bench's -d 512 -n 128 sizes its own
+        budget = budget_for_resident(model, layers, dev.sms, ctx)
+        half = bench(args.model, "--precision", "w4a8", "--vram-budget", str(budget), "--ctx", str(ctx), repeat=2)
         h2d = half.get("h2d_bytes_per_token") or 0
         pcie = ceilings["h2d_pinned"] * 1e9 / h2d if h2d else None
         result["half_vram"] = {**half, "vram_budget_bytes": budget,
                                "pcie_limit_tok_s": round(pcie, 2) if pcie else None,
                                "fraction_of_pcie_limit": round((half.get("decode_tok_s") or 0) / pcie, 3) if pcie else None}
-        pair("hybrid_half_vs_llamacpp_ngl16", half.get("decode_tok_s"),
-             find_row(rows, g, ngl=layers, fa=1, gen=128, depth=512),
+        # the pairing holds only where the planner kept as many layers as llama.cpp's -ngl
+        same = half.get("resident_layers") == layers
+        pair("hybrid_half_vs_llamacpp_ngl16" if same else f"half_vram_{half.get('resident_layers')}_layers_vs_llamacpp_ngl16",
+             half.get("decode_tok_s"), find_row(rows, g, ngl=layers, fa=1, gen=128, depth=512),
              nerva=f"w4a8, {half.get('resident_layers')} layers in VRAM and {half.get('paged_layers')} streamed over "
                    "PCIe from pinned RAM (no layer computed on the host's cores: the hybrid's CPU half is not built)")
         save()
