@@ -84,3 +84,19 @@ def test_a_paged_engine_counts_its_kernels_too(tiny_models, tmp_path):
         engine.close()
         counts.append({r.kernel_launches for r in book.records})
     assert len(counts[0]) == 1 and counts[1] == {counts[0].pop() + 3 * len(paged.plan.paged_layers)}
+
+
+def test_bench_reports_the_kernels_and_calls_of_a_decode_step_as_the_ledger_counts_them(tiny_models, tmp_path):
+    """bench's kernel_launches_per_token and dispatches_per_token (two hot-path checks' counts,
+    the shorter one's taken away) match the ledger's per token on a generated run."""
+    from nerva_cli.runtime.bench import decode_step_counts
+
+    model = pull(str(tiny_models("llama")), variant="q4_0", out=tmp_path / "m")
+    engine = Engine(model, precision="w4a8", ctx=64)
+    book = Ledger(engine)
+    generate(engine, PROMPT, Sampler(SamplingOptions(temperature=0.0), model.config.vocab_size), 5, ledger=book)
+    book.close()
+    kernels = {r.kernel_launches for r in book.records}
+    calls = {r.dispatches for r in book.records}
+    assert len(kernels) == len(calls) == 1
+    assert decode_step_counts(engine, PROMPT, steps=4) == (0, kernels.pop(), calls.pop())
