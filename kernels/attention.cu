@@ -8,6 +8,12 @@
 #define ATT_WARPS 4
 #define ATT_UNROLL 4
 #define ATT_LONG_CHUNK 16  // planes/cuda/launch.py's: positions a decode block takes before more blocks do
+// Query heads of one kv group that a decode block attends for, reading each K and V row once for
+// all of them (one where a head is over 128 wide: with two, their accumulators spilled, 392
+// bytes a thread in sass_mix.py's count).
+// planes/cuda/launch.py's decode_heads_per_block passes the count; a block per query head read
+// every row once a head, 4 times over for Llama-3's groups (docs/perf/gpu_h200.md).
+#define ATT_GROUP 4
 
 // A lane holds NI consecutive elements of a head, lane * NI .. lane * NI + NI - 1 (NI = ceil(hd /
 // 32), a template argument: the kernels switch on it, so a 128-wide head does 4 elements a lane,
@@ -79,13 +85,15 @@ __device__ __forceinline__ void absorb(Partial<NI>& r, const float (&s)[U], cons
     r.m = m;
 }
 
-// Rows p0, p0 + step, ... < p1 of one head's cache into a warp's partial, ATT_UNROLL rows a
-// round: their K and V rows are loaded before any is used, so a warp has that many rows in
-// flight (one position at a time, decode attention was a chain of dependent loads, far below the
-// memory's bandwidth: docs/perf/code_figures.md). CAP: scores capped by softcap.
-template <int NI, bool CAP>
-__device__ __forceinline__ void attend_rows(const float (&qr)[NI], const u16* kc, const u16* vc, int row, int hd,
-                                            float softcap, int p0, int p1, int step, Partial<NI>& r) {
+// Rows p0, p0 + step, ... < p1 of one kv head's cache into a warp's partials for the `count` query
+// heads of its group that qr holds (G at most), ATT_UNROLL rows a round: their K and V rows are
+// loaded before any is used, so a warp has that many rows in flight (one position at a time,
+// decode attention was a chain of dependent loads, far below the memory's bandwidth:
+// docs/perf/code_figures.md), and each row loaded serves every head. CAP: scores capped by softcap.
+template <int NI, int G, bool CAP>
+__device__ __forceinline__ void attend_rows(const float (&qr)[G][NI], const u16* kc, const u16* vc, int row, int hd,
+                                            float softcap, int p0, int p1, int step, int count,
+                                            Partial<NI> (&r)[G]) {
     int e0 = (threadIdx.x & 31) * NI;
     for (int p = p0; p < p1; p += step * ATT_UNROLL) {
         u16 kh[ATT_UNROLL][NI], vh[ATT_UNROLL][NI];
@@ -95,54 +103,67 @@ __device__ __forceinline__ void attend_rows(const float (&qr)[NI], const u16* kc
             load_halves<NI>(kc + (size_t)pu * row, e0, hd, kh[u]);
             load_halves<NI>(vc + (size_t)pu * row, e0, hd, vh[u]);
         }
-        float sc[ATT_UNROLL];
 #pragma unroll
-        for (int u = 0; u < ATT_UNROLL; u++) {
-            float t = score<NI>(qr, kh[u]);
-            if constexpr (CAP) t = capped(t, softcap);
-            sc[u] = p + u * step < p1 ? t : NEG_INF;
+        for (int g = 0; g < G; g++) {
+            if (g < count) {  // the same for the whole block
+                float sc[ATT_UNROLL];
+#pragma unroll
+                for (int u = 0; u < ATT_UNROLL; u++) {
+                    float t = score<NI>(qr[g], kh[u]);
+                    if constexpr (CAP) t = capped(t, softcap);
+                    sc[u] = p + u * step < p1 ? t : NEG_INF;
+                }
+                absorb<NI, ATT_UNROLL>(r[g], sc, vh);
+            }
         }
-        absorb<NI, ATT_UNROLL>(r, sc, vh);
     }
 }
 
-// Positions p0, p0 + step, ... < p1 of one head into a warp's partial (attend_rows); then, if
-// fold_new (attend_block sets it for warp 0 alone), one more position: decode's new token, whose
-// K and V rows the block wrote to new_rows() behind a barrier. GEMMA: Gemma's layers, whose
-// scores may be capped (softcap > 0, Gemma 2) and whose sliding-window caches hold `ring` rows,
-// position p in row p % ring (cache_rows in arena.py): the positions run through the rows in at
-// most two runs, the second from row 0. The other layers' instantiation has neither: inlined into
-// its loop, a cap and the ring's arithmetic took decode's spill loads from 4 to 84-268 bytes
-// (sass_mix.py, sm_90).
-template <int NI, bool GEMMA>
+// Positions p0, p0 + step, ... < p1 of one kv head for `count` query heads (q: their rotated rows,
+// MAX_HEAD_DIM floats apart) into a warp's partials (attend_rows); then, if fold_new (attend_block
+// sets it for warp 0 alone), one more position: decode's new token, whose K and V rows the block
+// wrote to new_rows() behind a barrier. GEMMA: Gemma's layers, whose scores may be capped
+// (softcap > 0, Gemma 2) and whose sliding-window caches hold `ring` rows, position p in row p %
+// ring (cache_rows in arena.py): the positions run through the rows in at most two runs, the
+// second from row 0. The other layers' instantiation has neither: inlined into its loop, a cap and
+// the ring's arithmetic took decode's spill loads from 4 to 84-268 bytes (sass_mix.py, sm_90).
+template <int NI, int G, bool GEMMA>
 __device__ __forceinline__ void attend(const float* q, const u16* kc, const u16* vc, int row, int ring, int hd,
-                                       float scale, float softcap, int p0, int p1, int step, bool fold_new,
-                                       Partial<NI>& r) {
+                                       float scale, float softcap, int p0, int p1, int step, int count,
+                                       bool fold_new, Partial<NI> (&r)[G]) {
     int e0 = (threadIdx.x & 31) * NI;
-    float qr[NI];
+    float qr[G][NI];
 #pragma unroll
-    for (int i = 0; i < NI; i++) {
-        qr[i] = e0 + i < hd ? q[e0 + i] * scale : 0.f;
-        r.acc[i] = 0.f;
+    for (int g = 0; g < G; g++) {
+#pragma unroll
+        for (int i = 0; i < NI; i++) {
+            qr[g][i] = g < count && e0 + i < hd ? q[g * MAX_HEAD_DIM + e0 + i] * scale : 0.f;
+            r[g].acc[i] = 0.f;
+        }
+        r[g].m = NEG_INF;
+        r[g].l = 0.f;
     }
-    r.m = NEG_INF;
-    r.l = 0.f;
     if constexpr (GEMMA) {
         for (int base = p0 - p0 % ring, lo = p0; lo < p1; base += ring) {
             int end = p1 < base + ring ? p1 - base : ring;  // this run's rows: lo - base .. end - 1
-            attend_rows<NI, true>(qr, kc, vc, row, hd, softcap, lo - base, end, step, r);
+            attend_rows<NI, G, true>(qr, kc, vc, row, hd, softcap, lo - base, end, step, count, r);
             lo += (base + end - lo + step - 1) / step * step;  // the warp's first position past the run
         }
     } else {
-        attend_rows<NI, false>(qr, kc, vc, row, hd, softcap, p0, p1, step, r);
+        attend_rows<NI, G, false>(qr, kc, vc, row, hd, softcap, p0, p1, step, count, r);
     }
     if (fold_new) {
         u16 kh[1][NI], vh[1][NI];
         load_halves<NI>(new_rows(), e0, hd, kh[0]);
         load_halves<NI>(new_rows() + MAX_HEAD_DIM, e0, hd, vh[0]);
-        float sc[1] = {score<NI>(qr, kh[0])};
-        if constexpr (GEMMA) sc[0] = capped(sc[0], softcap);
-        absorb<NI, 1>(r, sc, vh);
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            if (g < count) {
+                float sc[1] = {score<NI>(qr[g], kh[0])};
+                if constexpr (GEMMA) sc[0] = capped(sc[0], softcap);
+                absorb<NI, 1>(r[g], sc, vh);
+            }
+        }
     }
 }
 
@@ -163,6 +184,7 @@ __device__ __forceinline__ void merge_warps(const Partial<NI>& r, int hd, WarpPa
     float* sm = wp.m;
     float* sl = wp.l;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();  // the merge before (another head's) is done with wp and out
     if (lane == 0) {
         sm[warp] = r.m;
         sl[warp] = r.l;
@@ -189,19 +211,39 @@ __device__ __forceinline__ void merge_warps(const Partial<NI>& r, int hd, WarpPa
     __syncthreads();
 }
 
-// One head's positions p0 + warp, p0 + warp + ATT_WARPS, ... < p1, merged over the block's warps
-// into mg, for the NI that hd needs (hd <= MAX_HEAD_DIM).
-// fold_new: decode's new position, folded in by warp 0 (attend).
+// A merged partial [m, l, acc[hd]] to `to` (a head's split's place in decode's partials).
+__device__ __forceinline__ void store_partial(const Merged& mg, float* to, int hd) {
+    if (threadIdx.x == 0) {
+        to[0] = mg.m;
+        to[1] = mg.l;
+    }
+    for (int e = threadIdx.x; e < hd; e += blockDim.x) to[2 + e] = mg.acc[e];
+}
+
+// One kv head's positions p0 + warp, p0 + warp + ATT_WARPS, ... < p1 for `count` query heads (q:
+// their rotated rows, MAX_HEAD_DIM floats apart), each merged over the block's warps and stored
+// at part + g * head_stride (hd + 2 floats), for the NI that hd needs (hd <= MAX_HEAD_DIM) and
+// the heads a block takes with it (ATT_GROUP, or one over 128-wide heads: count must not be
+// more). fold_new: decode's new position, folded in by warp 0 (attend).
 template <bool GEMMA>
 __device__ __forceinline__ void attend_block(const float* q, const u16* kc, const u16* vc, int row, int ring, int hd,
-                                             float scale, float softcap, int p0, int p1, bool fold_new, Merged& mg) {
+                                             float scale, float softcap, int p0, int p1, int count, bool fold_new,
+                                             float* part, size_t head_stride) {
     __shared__ WarpPartials wp;
+    __shared__ Merged mg;
     int warp = threadIdx.x >> 5;
 #define ATTEND_CASE(ni)                                                                           \
     case ni: {                                                                                    \
-        Partial<ni> r;                                                                            \
-        attend<ni, GEMMA>(q, kc, vc, row, ring, hd, scale, softcap, p0 + warp, p1, ATT_WARPS, fold_new && !warp, r); \
-        merge_warps<ni>(r, hd, wp, mg);                                                           \
+        constexpr int G = ni <= 4 ? ATT_GROUP : 1;                                                \
+        Partial<ni> r[G];                                                                         \
+        attend<ni, G, GEMMA>(q, kc, vc, row, ring, hd, scale, softcap, p0 + warp, p1, ATT_WARPS, count, \
+                             fold_new && !warp, r);                                               \
+        _Pragma("unroll") for (int g = 0; g < G; g++) {                                           \
+            if (g < count) {                                                                      \
+                merge_warps<ni>(r[g], hd, wp, mg);                                                \
+                store_partial(mg, part + g * head_stride, hd);                                    \
+            }                                                                                     \
+        }                                                                                         \
         break;                                                                                    \
     }
     switch ((hd + 31) / 32) {
@@ -234,92 +276,96 @@ __device__ __forceinline__ void combine_splits(const float* p, float* out, int s
     }
 }
 
-// Decode, split over the context: grid (heads, most), ATT_WARPS warps a block. The caches hold
-// `ring` rows, position p in row p % ring (at least the window's, where window > 0). n = pos[0] + 1
+// Decode, split over the context: grid (blocks, most), ATT_WARPS warps a block, where a block
+// takes `per_block` query heads of one kv group (decode_heads_per_block in planes/cuda/launch.py:
+// at most ATT_GROUP, one over 128-wide heads), so blocks = kv_heads * ceil(group /
+// per_block), and reads each of its K and V rows once for all of them. The caches hold `ring`
+// rows, position p in row p % ring (at least the window's, where window > 0). n = pos[0] + 1
 // positions (the last `window` of them where window > 0: a sliding-window layer's; scores capped
-// where softcap > 0, Gemma 2's; pos is read
-// on the device, so a replayed graph needs no new arguments) go to `least`
-// blocks a head, or more when each would take more than ATT_LONG_CHUNK, up to the grid's
-// `most` (attention_splits in planes/cuda/launch.py); the blocks beyond return at once. The last
-// position is the new token's: q, k_new and v_new are its q/k/v products before RoPE. Each
-// block rotates its q head itself, and the block whose split holds the new position makes that
-// position's K row (rotated) and V row in f16 for itself; the first q head of each kv group's
-// block also stores them in the cache for later launches. (A separate rope_kv_store launch did
-// this before, at a cost beyond its launch gap: docs/perf/code_figures.md.) Each
-// block writes its (head, split) partial [m, l, acc[head_dim]] to part and counts itself in
-// done[head]; the head's last block merges them into out and resets the count for the next
-// launch (a separate combine kernel's time was mostly its launch).
+// where softcap > 0, Gemma 2's; pos is read on the device, so a replayed graph needs no new
+// arguments) go to `least` blocks of each head set, or more when each would take more than
+// ATT_LONG_CHUNK, up to the grid's `most` (attention_splits in planes/cuda/launch.py); the blocks
+// beyond return at once. The last position is the new token's: q, k_new and v_new are its q/k/v
+// products before RoPE. Each block rotates its q heads itself, and the block whose split holds
+// the new position makes that position's K row (rotated) and V row in f16 for itself; the
+// group's first block also stores them in the cache for later launches. (A separate
+// rope_kv_store launch did this before, at a cost beyond its launch gap:
+// docs/perf/code_figures.md.) Each block writes its (head, split) partials [m, l, acc[head_dim]]
+// to part, [heads][most], and counts itself in done[block]; the last block of a head set merges
+// each head's into out and resets the count for the next launch (a separate combine kernel's
+// time was mostly its launch).
 // The launch bounds hold both attention kernels to 96 registers, 5 blocks an SM, as before the
 // head-dim template. GEMMA: attend's (attention_decode_gemma for Gemma's layers).
 // (The kernels spell their parameters out: tests/cuda_emu reads them from the source.)
 #define DECODE_ARGS \
-    q, k_new, v_new, cos_t, sin_t, k_cache, v_cache, ring, pos, part, done, out, heads, kv_heads, hd, scale, least, \
-        window, softcap
+    q, k_new, v_new, cos_t, sin_t, k_cache, v_cache, ring, pos, part, done, out, heads, kv_heads, per_block, hd, \
+        scale, least, window, softcap
 template <bool GEMMA>
 __device__ __forceinline__ void decode(const float* q, const float* k_new, const float* v_new, const float* cos_t,
                                        const float* sin_t, u16* k_cache, u16* v_cache, int ring, const int* pos,
-                                       float* part, int* done, float* out, int heads, int kv_heads, int hd,
-                                       float scale, int least, int window, float softcap) {
+                                       float* part, int* done, float* out, int heads, int kv_heads, int per_block,
+                                       int hd, float scale, int least, int window, float softcap) {
     wait_prior_kernels();
-    int h = blockIdx.x, split = blockIdx.y, most = gridDim.y, n = pos[0] + 1;
+    int set = blockIdx.x, split = blockIdx.y, most = gridDim.y, n = pos[0] + 1;
     int start = window > 0 && n > window ? n - window : 0;  // a sliding window's first position
     int splits = (n - start + ATT_LONG_CHUNK - 1) / ATT_LONG_CHUNK;
     splits = splits < least ? least : splits > most ? most : splits;
     if (split >= splits) return;  // the whole block, before any barrier
+    int group = heads / kv_heads, sets = (group + per_block - 1) / per_block;
+    int kvh = set / sets, g0 = set % sets * per_block, h0 = kvh * group + g0;
+    int count = group - g0 < per_block ? group - g0 : per_block;
     int cur = n - 1, chunk = (n - start + splits - 1) / splits, half = hd / 2;
     int p0 = start + split * chunk, p1 = p0 + chunk < n ? p0 + chunk : n;
-    int row = kv_heads * hd, group = heads / kv_heads, kvh = h / group;
+    int row = kv_heads * hd;
     const float *c = cos_t + (size_t)cur * half, *s = sin_t + (size_t)cur * half;
     bool has_new = p0 <= cur && cur < p1;  // this block's split holds the new position, its last
     // q rotated through shared memory: rotated in registers inside attend, it cost the hd-128 loop
     // 38 instructions a round (389, not 351) and spilled in the hd-224 one (sass_mix.py, sm_90)
-    __shared__ float q_rot[MAX_HEAD_DIM];
-    for (int e = threadIdx.x; e < hd; e += blockDim.x) q_rot[e] = rope_at(q + h * hd, e, half, c, s);
+    __shared__ float q_rot[ATT_GROUP][MAX_HEAD_DIM];
+    for (int g = 0; g < count; g++)
+        for (int e = threadIdx.x; e < hd; e += blockDim.x) q_rot[g][e] = rope_at(q + (h0 + g) * hd, e, half, c, s);
     if (has_new) {
         size_t at = ((size_t)(GEMMA ? cur % ring : cur) * kv_heads + kvh) * hd;
         u16 *k_row = new_rows(), *v_row = new_rows() + MAX_HEAD_DIM;
         for (int e = threadIdx.x; e < hd; e += blockDim.x) {
             k_row[e] = f2h(rope_at(k_new + kvh * hd, e, half, c, s));
             v_row[e] = f2h(v_new[kvh * hd + e]);
-            if (h % group == 0) {
+            if (g0 == 0) {
                 k_cache[at + e] = k_row[e];
                 v_cache[at + e] = v_row[e];
             }
         }
     }
     __syncthreads();
-    __shared__ Merged mg;
-    attend_block<GEMMA>(q_rot, k_cache + kvh * hd, v_cache + kvh * hd, row, ring, hd, scale, softcap, p0,
-                        has_new ? cur : p1, has_new, mg);
-    float* mine = part + ((size_t)h * most + split) * (hd + 2);
-    if (threadIdx.x == 0) {
-        mine[0] = mg.m;
-        mine[1] = mg.l;
-    }
-    for (int e = threadIdx.x; e < hd; e += blockDim.x) mine[2 + e] = mg.acc[e];
-    __threadfence();  // this block's partial is visible device-wide before it is counted
+    size_t stride = (size_t)most * (hd + 2);  // a head's partials
+    attend_block<GEMMA>(&q_rot[0][0], k_cache + kvh * hd, v_cache + kvh * hd, row, ring, hd, scale, softcap, p0,
+                        has_new ? cur : p1, count, has_new, part + h0 * stride + (size_t)split * (hd + 2), stride);
+    __threadfence();  // this block's partials are visible device-wide before it is counted
     __syncthreads();
     __shared__ int last;
-    if (threadIdx.x == 0) last = atomicAdd(done + h, 1) == splits - 1;
+    if (threadIdx.x == 0) last = atomicAdd(done + set, 1) == splits - 1;
     __syncthreads();
-    if (last) {
-        combine_splits(part + (size_t)h * most * (hd + 2), out + (size_t)h * hd, splits, hd);
-        if (threadIdx.x == 0) done[h] = 0;
+    if (!last) return;
+    for (int g = 0; g < count; g++) {
+        __syncthreads();  // the head before's merge is done with combine_splits' shared weights
+        combine_splits(part + (h0 + g) * stride, out + (size_t)(h0 + g) * hd, splits, hd);
     }
+    if (threadIdx.x == 0) done[set] = 0;
 }
 
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
     attention_decode(const float* q, const float* k_new, const float* v_new, const float* cos_t, const float* sin_t,
                      u16* k_cache, u16* v_cache, int ring, const int* pos, float* part, int* done, float* out,
-                     int heads, int kv_heads, int hd, float scale, int least, int window, float softcap) {
+                     int heads, int kv_heads, int per_block, int hd, float scale, int least, int window,
+                     float softcap) {
     decode<false>(DECODE_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * 32, 5)
     attention_decode_gemma(const float* q, const float* k_new, const float* v_new, const float* cos_t,
                            const float* sin_t, u16* k_cache, u16* v_cache, int ring, const int* pos, float* part,
-                           int* done, float* out, int heads, int kv_heads, int hd, float scale, int least, int window,
-                           float softcap) {
+                           int* done, float* out, int heads, int kv_heads, int per_block, int hd, float scale,
+                           int least, int window, float softcap) {
     decode<true>(DECODE_ARGS);
 }
 #undef DECODE_ARGS

@@ -20,7 +20,7 @@ as Qwen2's q/k/v biases, and the GPU waiting on the host) and against the host's
     python3 scripts/gpu_profile.py MODEL_DIR [--fill 512] [--repeat 20] [--temperature 0.8] [--json OUT]
                                    [--ctx 8192] [--splits LEAST,MOST] [--prefill T [--slice-mb MB]]
 
---splits times decode attention with another number of blocks a head than attention_splits
+--splits times decode attention with another number of blocks a head set than attention_splits
 picks (MOST at most what the engine's --ctx allocates): an A/B in one lease, e.g. at --fill
 7680 --ctx 8192, `--splits 9,9` (the count before long contexts spread) against the default.
 """
@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="the sample launch's temperature (0: greedy; above 0: with run's top-k and top-p)")
     ap.add_argument("--ctx", type=int, help="the engine's context length (default: fill + 64, or fill + T)")
-    ap.add_argument("--splits", help="LEAST,MOST decode attention blocks a head, in place of attention_splits'")
+    ap.add_argument("--splits", help="LEAST,MOST decode attention blocks a head set (the query heads of a kv group one block takes), in place of attention_splits'")
     ap.add_argument("--prefill", type=int, metavar="T",
                     help="profile a prefill pass of T prompt tokens (at most the engine's chunk) instead")
     ap.add_argument("--slice-mb", type=int, metavar="MB",
@@ -149,7 +149,7 @@ def profile_decode(engine, model, args, rng) -> dict:
     total = sum(r["ms"] for r in per.values())
     rows = sorted(per.items(), key=lambda kv: -kv[1]["ms"])
     print(f"{dev.name}: {model.name}:{model.variant} ({engine.cfg.num_layers} layers), {args.fill} tokens cached, "
-          f"precision {engine.precision}, attention blocks a head {engine.splits}")
+          f"precision {engine.precision}, attention blocks a head set {engine.splits}")
     print_rows(rows, total, "us/step")
     print(f"sum of launches {total * 1e3:.1f} us; step graph {step_ms * 1e3:.1f} us + sample {sample_ms * 1e3:.1f} us")
     by_shape = sorted(shapes.items(), key=lambda kv: -kv[1]["ms"])

@@ -11,6 +11,8 @@ quantiser, the KV cache's f16 rounding, W4A8's integer sums), are held to exact 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -463,13 +465,17 @@ def f16_cache(rng, ctx, kvh, hd):
 
 # head dims: a lane holds hd / 32 elements, loaded as one word for 64, 128 and 256 (80 and 48:
 # lanes with fewer elements, or none). splits (least, most): least until a block would take more
-# than ATT_LONG_CHUNK (16) positions, then more, up to most; the last two cases grow to 3 of 5
-# and to all 5 (blocks past them return at once, and the merge takes only those that ran)
+# than ATT_LONG_CHUNK (16) positions, then more, up to most; (4, 2, 64, 40) and (2, 1, 32, 1400)
+# grow to 3 of 5 and to all 5 (blocks past them return at once, and the merge takes only those
+# that ran). A block takes up to ATT_GROUP (4) query heads of a kv group, one over 128-wide heads:
+# groups of 12 (three sets), 6 and 5 (a set of 4, then one of 2 or 1), and 4 at hd 256 (four sets)
 @pytest.mark.parametrize("heads,kvh,hd,n,splits", [(4, 2, 32, 1, (1, 1)), (4, 2, 64, 37, (3, 3)),
                                                    (6, 3, 32, 5, (8, 8)), (2, 1, 256, 70, (2, 2)),
                                                    (8, 8, 128, 130, (4, 4)), (4, 2, 80, 21, (3, 3)),
                                                    (2, 2, 48, 9, (2, 2)), (4, 2, 64, 40, (2, 5)),
-                                                   (2, 1, 32, 1400, (1, 5))])
+                                                   (2, 1, 32, 1400, (1, 5)), (12, 1, 64, 50, (3, 5)),
+                                                   (6, 1, 128, 33, (2, 2)), (10, 2, 96, 19, (1, 2)),
+                                                   (8, 2, 256, 45, (2, 3))])
 def test_attention_decode_split_over_context(k, rng, heads, kvh, hd, n, splits):
     """The new token's q, k and v before RoPE: rotated in the launch, k and v stored in f16 at its
     cache row (no other row written), attention over it and the rows before (GQA, online softmax,
@@ -508,6 +514,21 @@ def test_attention_decode_split_over_context(k, rng, heads, kvh, hd, n, splits):
         ran = min(max(-(-n_ctx // ATT_LONG_CHUNK), splits[0]), splits[1])
         m = down(k, part).reshape(heads, splits[1], hd + 2)[:, :, 0]
         assert np.all((m != 0).sum(axis=1) == ran)
+
+
+def test_decode_head_sets_follow_the_kernel():
+    """decode_heads_per_block (the grid's head sets) uses attention.cu's ATT_GROUP: a larger
+    figure here would hand a block more heads than its accumulators hold."""
+    import re
+
+    from nerva_cli.planes.cuda.launch import ATT_GROUP, decode_blocks, decode_heads_per_block
+
+    source = (Path(__file__).resolve().parent.parent / "kernels" / "attention.cu").read_text()
+    assert int(re.search(r"#define ATT_GROUP (\d+)", source)[1]) == ATT_GROUP
+    assert [decode_heads_per_block(32, 8, 128), decode_blocks(32, 8, 128)] == [4, 8]  # Llama-3-8B
+    assert [decode_heads_per_block(9, 3, 64), decode_blocks(9, 3, 64)] == [3, 3]  # SmolLM2-135M
+    assert [decode_heads_per_block(8, 4, 256), decode_blocks(8, 4, 256)] == [1, 8]  # Gemma 2 2B
+    assert [decode_heads_per_block(12, 1, 64), decode_blocks(12, 1, 64)] == [4, 3]
 
 
 def test_head_dims_the_engine_refuses_are_those_attention_misaligns(rng):

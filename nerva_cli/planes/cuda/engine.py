@@ -26,8 +26,8 @@ import numpy as np
 
 from nerva_cli.model.layer_spec import layer_specs
 from nerva_cli.residency.arena import cache_rows
-from nerva_cli.planes.cuda.launch import (RECENT, Kernels, attention_splits, most_prefill_partials, prefill_splits,
-                                     unsupported_shapes)
+from nerva_cli.planes.cuda.launch import (RECENT, Kernels, attention_splits, decode_blocks, most_prefill_partials,
+                                          prefill_splits, unsupported_shapes)
 from nerva_cli.planes.base import Counters, EngineBase, context_length
 from nerva_cli.errors import NervaError
 from nerva_cli.model.layout import layer_file
@@ -44,6 +44,11 @@ HOST_SLOTS = 2  # staging buffers between the disk reader and the copy stream
 # Prompt tokens a prefill pass takes (the cpu plane's is 256): every pass dequantises every
 # weight matrix once, so on the GPU, where that costs as much as the GEMMs, fewer passes pay.
 PREFILL_CHUNK = 512
+
+def decode_splits(cfg, ctx: int, sms: int) -> tuple[int, int]:
+    """attention_splits for cfg's decode attention blocks (decode_blocks: its head sets)."""
+    return attention_splits(decode_blocks(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), ctx, sms)
+
 
 def arena_sizes(cfg, ctx: int, most_splits: int, sms: int) -> tuple[int, int]:
     """(kv_bytes, total bytes) of DeviceArena: decode buffers, f16 KV cache, prefill workspace."""
@@ -87,7 +92,7 @@ def gpu_residency_plan(model: StoredModel, ctx: int | None, vram_budget: int | N
     embed = ("embed", files["embed.bin"]["size"])
 
     def workspace_at(n: int) -> dict:
-        kv, arena = arena_sizes(cfg, n, attention_splits(cfg.num_heads, n, sms)[1], sms)
+        kv, arena = arena_sizes(cfg, n, decode_splits(cfg, n, sms)[1], sms)
         return {"kv_cache": ("kv_cache", kv), "workspace": ("workspace", arena - kv),
                 "prefill_temporaries": ("workspace", temporaries)}
 
@@ -129,7 +134,7 @@ class DeviceArena:
         self.act = f32(f)  # silu(gate) * up, straight from the glu launch
         self.logits = f32(cfg.vocab_size)
         self.part = f32(cfg.num_heads * most_splits * (cfg.head_dim + 2))  # attention_decode's partials
-        self.done = dev.zeros(cfg.num_heads, np.int32)  # attention_decode's per-head split count
+        self.done = dev.zeros(cfg.num_heads, np.int32)  # attention_decode's split counts (a head set's: <= heads)
         self.norm_done = dev.zeros(1, np.int32)  # blocks of a matvec that adds, then normalises
         self.state = dev.zeros(4, np.int32)  # position, token, draws, sampled (sample.cu)
         self.recent = dev.zeros(RECENT, np.int32)
@@ -247,7 +252,7 @@ class CudaEngine(EngineBase):
         self.ctx = context_length(cfg, ctx)
         self.policy = policy
         self.phase_ns = None  # phases run inside graphs: the ledger shows wall time per token
-        self.splits = attention_splits(cfg.num_heads, self.ctx, dev.sms)
+        self.splits = decode_splits(cfg, self.ctx, dev.sms)
         if vram_budget is None:
             vram_budget = auto_vram_budget(dev)
         if gds is None:

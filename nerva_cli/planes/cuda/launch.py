@@ -27,6 +27,7 @@ GROUPS_PER_BLOCK = THREADS // 32  # prefill's activation quantiser: one warp per
 ATT_THREADS = 128  # attention: 4 warps (ATT_WARPS in attention.cu)
 ATT_BLOCKS_PER_SM = 5  # attention.cu's launch bounds
 ATT_LONG_CHUNK = 16  # ATT_LONG_CHUNK in attention.cu
+ATT_GROUP = 4  # ATT_GROUP in attention.cu: query heads a decode block takes at most
 PF_MAX_SPLITS = 32  # prefill attention: blocks dividing a row block's positions (combine_splits merges a warp's worth)
 PF_MIN_SPLIT_TILES = 4  # prefill attention: fewest 32-position tiles a split takes
 SAMPLE_THREADS = 1024
@@ -306,16 +307,19 @@ class Kernels:
         positions (the last `window` of them, where not 0), its scores capped where softcap > 0
         (ref.capped). caches [rows, kv_heads, hd] f16 (as rope_kv_store's);
         splits: (least, most) blocks over the context
-        a head (attention_splits); part: the split partials [heads, most, hd + 2]; done: int32
-        [heads], zero, and zero again after; out [heads, hd]."""
+        for each set of query heads a block takes (attention_splits over decode_blocks); part: the
+        split partials [heads, most, hd + 2]; done: int32 [decode_blocks], zero, and zero again
+        after; out [heads, hd]."""
         kv_heads, hd = k_cache.shape[-2], k_cache.shape[-1]
         least, most = splits
         if not 1 <= least <= most <= 32:
             raise ValueError(f"attention_decode: splits must be 1 <= least <= most <= 32 (a warp merges them), "
                              f"got {splits}")
-        self._go(_attention_kernel("attention_decode", window, softcap), (heads, most), (ATT_THREADS,),
+        self._go(_attention_kernel("attention_decode", window, softcap), (decode_blocks(heads, kv_heads, hd), most),
+                 (ATT_THREADS,),
                  (q, k, v, cos, sin, k_cache, v_cache, I32(k_cache.shape[0]), pos, part, done, out, I32(heads),
-                  I32(kv_heads), I32(hd), F32(1.0 / np.sqrt(hd)), I32(least), I32(window), F32(softcap)))
+                  I32(kv_heads), I32(decode_heads_per_block(heads, kv_heads, hd)), I32(hd), F32(1.0 / np.sqrt(hd)),
+                  I32(least), I32(window), F32(softcap)))
 
     def attention_prefill(self, q, q_stride: int, k_cache, v_cache, pos0, out, T: int, heads: int, splits: int = 1,
                           part=None, done=None, window: int = 0, softcap: float = 0.0) -> None:
@@ -364,8 +368,22 @@ class Kernels:
                   np.uint32(seed & 0xFFFFFFFF), I32(advance)))
 
 
+def decode_heads_per_block(heads: int, kv_heads: int, hd: int) -> int:
+    """Query heads of one kv group that a decode attention block takes, reading each K and V row
+    once for all of them: the group, up to ATT_GROUP (one over 128-wide heads, whose
+    accumulators would not fit the launch bounds' registers)."""
+    return min(heads // kv_heads, ATT_GROUP if _cdiv(hd, 32) <= 4 else 1)
+
+
+def decode_blocks(heads: int, kv_heads: int, hd: int) -> int:
+    """Decode attention's blocks for one split of the context: each kv group's heads in sets of
+    decode_heads_per_block."""
+    return kv_heads * _cdiv(heads // kv_heads, decode_heads_per_block(heads, kv_heads, hd))
+
+
 def attention_splits(heads: int, ctx: int, sms: int) -> tuple[int, int]:
-    """Blocks over the context per head for decode, (least, most). least: enough blocks to fill
+    """Blocks over the context for each of `heads` head sets (decode_blocks) for decode, (least,
+    most). least: enough blocks to fill
     the GPU twice over, none shorter than 64 positions at full context (a block reads 16 of them
     a round). A launch holds `most` (its grid is fixed, as a CUDA graph's is), and the kernel
     uses least until its blocks would take more than ATT_LONG_CHUNK positions each (one round
