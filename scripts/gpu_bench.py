@@ -9,6 +9,8 @@ the same run (issue 53's targets):
 - prefill of 512 tokens (those runs) and of 2048;
 - with --small-model, a SmolLM2-shaped model's decode (launch-bound: the bench's kernel launches
   and host calls a step are kept, and the bytes-only bound beside them);
+- with --bf16-model, the same for a bf16 model (scripts/synthetic_model.py --quant bf16), against
+  the pinned PCIe bound alone;
 - with --half, decode with VRAM for half the layers (the budget the planner needs for that many
   resident, found from sizes alone), the rest streamed over PCIe from pinned RAM, against the
   PCIe limit (pinned H2D bandwidth / bytes copied a token) and llama.cpp's `-ngl` of as many.
@@ -19,7 +21,7 @@ lease) the top-level `ratios` object gives nerva over llama.cpp for each pairing
 `llama_cpp` the pairs themselves. One JSON file naming the device is written to OUT_DIR, again
 after each run, so that a run cut short keeps what finished.
 
-    python3 scripts/gpu_bench.py MODEL_DIR [--out docs/perf] [--small-model DIR] [--half]
+    python3 scripts/gpu_bench.py MODEL_DIR [--out docs/perf] [--small-model DIR] [--half] [--bf16-model DIR]
         [--peer-json FILE ...] [--name SUFFIX]     (NERVA_COMMIT: the commit to name, where there is no .git)
 """
 
@@ -99,6 +101,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "perf")
     ap.add_argument("--small-model", type=Path, help="a SmolLM2-shaped q4_0 model directory")
     ap.add_argument("--half", action="store_true", help="also decode with VRAM for half the layers")
+    ap.add_argument("--bf16-model", type=Path, help="a bf16 8B-shaped model directory: decode with VRAM for half "
+                                                     "its layers, against the pinned PCIe bound")
     ap.add_argument("--peer-json", type=Path, nargs="*", default=[], help="llama-bench -o json outputs")
     ap.add_argument("--gguf", default="r8b.gguf", help="the 8B model's GGUF file name in the peer's rows")
     ap.add_argument("--small-gguf", default="rsmall.gguf", help="the small model's GGUF file name")
@@ -192,6 +196,18 @@ def main() -> None:
              half.get("decode_tok_s"), find_row(rows, g, ngl=layers, fa=1, gen=128, depth=512),
              nerva=f"w4a8, {half.get('resident_layers')} layers in VRAM and {half.get('paged_layers')} streamed over "
                    "PCIe from pinned RAM (no layer computed on the host's cores: the hybrid's CPU half is not built)")
+        save()
+    if args.bf16_model is not None:
+        exact = load_metadata(args.bf16_model)
+        layers, ctx = exact.config.num_layers // 2, 512 + 128 + 1
+        budget = budget_for_resident(exact, layers, dev.sms, ctx)
+        run = bench(args.bf16_model, "--vram-budget", str(budget), "--ctx", str(ctx), gen=32, repeat=2)
+        h2d = run.get("h2d_bytes_per_token") or 0
+        bound = ceilings["h2d_pinned"] * 1e9 / h2d if h2d else None
+        result["bf16_half_vram"] = {**run, "vram_budget_bytes": budget, "pinned_bound_tok_s": round(bound, 2)
+                                    if bound else None}
+        if bound and run.get("decode_tok_s") and run.get("resident_layers") == layers:
+            result["ratios"]["bf16_half_vs_pinned_bound"] = round(run["decode_tok_s"] / bound, 3)
         save()
     result["resident_w4a16"] = against_hbm(bench(args.model))
     save()

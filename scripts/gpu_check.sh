@@ -9,7 +9,8 @@
 #             GGUF and a SmolLM2-shaped one, in the same settings, and nerva runs the same files,
 #             so the `ratios` are from the same lease
 #   profile   scripts/gpu_profile.py: where a resident decode step's time goes, kernel by kernel,
-#             then a 512-token prefill pass's (cuBLAS's GEMMs among its ops)
+#             after 512 and 4096 cached tokens, then a 512- and a 2048-token prefill pass's
+#             (cuBLAS's GEMMs among its ops)
 #   sweep     scripts/gpu_matvec_sweep.py: the matvec tuning table
 #   extra     what the bench does not time: the W4A16 matvec at 5 and 4 blocks an SM, a full wave
 #             of attention blocks at 512 cached tokens, prefill with weight slices L2 holds,
@@ -22,13 +23,14 @@
 # Stages that need a model and have neither MODEL_DIR nor the peer's use one of the same shapes
 # from scripts/synthetic_model.py. Results, each naming the device, go to docs/perf/ (or $RESULTS).
 #
-#   [STAGES="tests bench"] [RESULTS=DIR] [DEADLINE_S=540] [PACK=FILE.tgz] [NAME=SUFFIX] bash scripts/gpu_check.sh [MODEL_DIR]
+#   [STAGES="tests bench"] [RESULTS=DIR] [DEADLINE_S=540] [PACK=FILE.tgz] [NAME=SUFFIX] [BF16=1] bash scripts/gpu_check.sh [MODEL_DIR]
 #
 # STAGES defaults to "tests bench profile sweep". DEADLINE_S bounds the whole run, so that a
 # command run under a time limit keeps what finished: each command gets the time left, and one
 # that would start with less than a minute left is skipped, saying so. PACK tars RESULTS into one
 # file at the end (a lease gives back few files). NAME ends the bench JSON's file name (a commit,
-# say). The last lines printed sum the results up.
+# say). BF16=1 adds the bf16 8B half in VRAM to the bench (writing that model takes a minute or
+# two). The last lines printed sum the results up.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 started=$(date +%s)
@@ -128,8 +130,14 @@ ensure_model() {
 }
 
 if has bench; then
+  exact=()
+  if [ "${BF16:-0}" = 1 ]; then  # a bf16 8B written here (16 GB, a minute or two), half of it in VRAM
+    bf16=${TMPDIR:-/tmp}/nerva-synthetic-llama3-8b-bf16
+    [ -f "$bf16/metadata.json" ] || bounded python3 scripts/synthetic_model.py llama3-8b "$bf16" --quant bf16
+    [ -f "$bf16/metadata.json" ] && exact=(--bf16-model "$bf16")
+  fi
   ensure_model && bounded python3 scripts/gpu_bench.py "$model" --out "$out" --half ${NAME:+--name "$NAME"} \
-    "${small[@]}" "${peer[@]}"
+    "${exact[@]}" "${small[@]}" "${peer[@]}"
   mark $? bench
 fi
 if has profile; then
@@ -139,6 +147,14 @@ if has profile; then
   ensure_model && bounded python3 scripts/gpu_profile.py "$model" --fill 0 --prefill 512 --json "$out/gpu_profile_prefill.json" \
     | tee "$out/gpu_profile_prefill.txt"
   mark $? profile:prefill
+  # where issue 53's ratios fell short on the H200 (docs/perf/gpu_h200.md): decode after 4096
+  # cached tokens, and a 2048-token prefill
+  ensure_model && bounded python3 scripts/gpu_profile.py "$model" --fill 4096 --ctx 4352 --precision w4a8 \
+    --json "$out/gpu_profile_fill4096.json" | tee "$out/gpu_profile_fill4096.txt"
+  mark $? profile:fill4096
+  ensure_model && bounded python3 scripts/gpu_profile.py "$model" --fill 0 --prefill 2048 \
+    --json "$out/gpu_profile_prefill2048.json" | tee "$out/gpu_profile_prefill2048.txt"
+  mark $? profile:prefill2048
 fi
 if has sweep; then
   bounded python3 scripts/gpu_matvec_sweep.py | tee "$out/gpu_matvec_sweep.txt"

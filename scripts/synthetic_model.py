@@ -25,6 +25,7 @@ the embedding's scale in Llama's layer; the 2B's one kv head); gemma-2b-v49k lik
 
 --quant f16 writes every matrix, the token table too, in f16 (normal, of the Q4 weights' spread),
 as llama.cpp's F16 files hold them: an exact variant to compare with llama.cpp's f16 path.
+--quant bf16 likewise in bf16, in the store format only (issue 53's half-in-VRAM bf16 8B).
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ def tokenizer_files() -> dict[str, str]:
 
 def source(shape: str, seed: int = 0, kind: str = "q4_0"):
     from nerva_cli.model.config import ModelConfig
+    from nerva_cli.store.convert import to_bf16
     from nerva_cli.store.sources import Source, SourceTensor
 
     h, f, n, heads, kvh, hd, vocab, theta, tied = SHAPES[shape]
@@ -128,10 +130,15 @@ def source(shape: str, seed: int = 0, kind: str = "q4_0"):
             return SourceTensor(shape, lambda: (0.05 * rng.standard_normal(shape)).astype(np.float32))
 
         rows, cols = shape
-        if kind == "f16":
+        if kind in ("f16", "bf16"):  # values the variant holds exactly
             std = 0.02 / np.sqrt(cols / 1024)
-            return SourceTensor(shape, lambda: (std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float16)
-                                .astype(np.float32), stored_dtype="f16")
+
+            def exact() -> np.ndarray:
+                w = std * rng.standard_normal(shape, dtype=np.float32)
+                return w.astype(np.float16).astype(np.float32) if kind == "f16" else \
+                    (to_bf16(w).astype(np.uint32) << 16).view(np.float32)
+
+            return SourceTensor(shape, exact, stored_dtype=kind)
         if base in ("embed", "lm_head"):  # the Q4 variants' token table is Q8_0 (quant.TABLE_KIND)
             def table():
                 q8 = rng.integers(-127, 128, (rows, cols), dtype=np.int8)
@@ -299,7 +306,8 @@ def main() -> None:
     ap.add_argument("shape", choices=sorted(SHAPES))
     ap.add_argument("out", type=Path, help="model directory to write (the store's <name>/<variant> layout), "
                                             "or with --gguf the .gguf file")
-    ap.add_argument("--quant", choices=("q4_0", "q4_1", "f16"), default="q4_0")
+    ap.add_argument("--quant", choices=("q4_0", "q4_1", "f16", "bf16"), default="q4_0",
+                    help="bf16: the store format only (the exact variant's other half, for the GPU's paged runs)")
     ap.add_argument("--gguf", action="store_true", help="write a GGUF file instead")
     ap.add_argument("--vocab", type=Path, help="with --gguf: the GGUF whose tokenizer the file carries (default: "
                                                "the bundled SmolLM2's, 49152 tokens)")
@@ -307,6 +315,8 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     if args.vocab is not None and not args.gguf:
         ap.error("--vocab goes with --gguf (the store format carries a small BPE trained here)")
+    if args.gguf and args.quant == "bf16":
+        ap.error("--quant bf16 writes the store format only (drop --gguf)")
     if args.vocab is not None and not args.vocab.is_file():
         ap.error(f"--vocab {args.vocab}: no such file")
     if args.gguf:
