@@ -381,8 +381,8 @@ def decode_blocks(heads: int, kv_heads: int, hd: int) -> int:
     return kv_heads * _cdiv(heads // kv_heads, decode_heads_per_block(heads, kv_heads, hd))
 
 
-def attention_splits(heads: int, ctx: int, sms: int) -> tuple[int, int]:
-    """Blocks over the context for each of `heads` head sets (decode_blocks) for decode, (least,
+def attention_splits(head_sets: int, ctx: int, sms: int) -> tuple[int, int]:
+    """Blocks over the context for each of decode's `head_sets` (decode_blocks), (least,
     most). least: enough blocks to fill
     the GPU twice over, none shorter than 64 positions at full context (a block reads 16 of them
     a round). A launch holds `most` (its grid is fixed, as a CUDA graph's is), and the kernel
@@ -390,8 +390,8 @@ def attention_splits(heads: int, ctx: int, sms: int) -> tuple[int, int]:
     of the block's loads), then more of them, up to one wave of ATT_BLOCKS_PER_SM blocks an SM:
     the rounds spread over more warps instead of lengthening, which shortened decode steps most
     at long contexts (docs/perf/code_figures.md)."""
-    least = max(1, min(32, _cdiv(2 * sms, heads), ctx // 64))
-    return least, max(least, min(32, ATT_BLOCKS_PER_SM * sms // heads, ctx // ATT_LONG_CHUNK))
+    least = max(1, min(32, _cdiv(2 * sms, head_sets), ctx // 64))
+    return least, max(least, min(32, ATT_BLOCKS_PER_SM * sms // head_sets, ctx // ATT_LONG_CHUNK))
 
 
 def kernel_names() -> dict[str, str]:
