@@ -9,8 +9,9 @@
 #define ATT_UNROLL 4
 #define ATT_LONG_CHUNK 16  // planes/cuda/launch.py's: positions a decode block takes before more blocks do
 // Query heads of one kv group that a decode block attends for, reading each K and V row once for
-// all of them (one where a head is over 128 wide: with two, their accumulators spilled, 392
-// bytes a thread in sass_mix.py's count).
+// all of them, where a head is 33 to 64 or 97 to 128 wide (2 or 4 elements a lane: the widths
+// models have; over 128, two heads' accumulators spilled, 392 bytes a thread in sass_mix.py's
+// count, and every other width grouped would add its instantiation's compile time for none).
 // planes/cuda/launch.py's decode_heads_per_block passes the count; a block per query head read
 // every row once a head, 4 times over for Llama-3's groups (docs/perf/gpu_h200.md).
 #define ATT_GROUP 4
@@ -223,8 +224,8 @@ __device__ __forceinline__ void store_partial(const Merged& mg, float* to, int h
 // One kv head's positions p0 + warp, p0 + warp + ATT_WARPS, ... < p1 for `count` query heads (q:
 // their rotated rows, MAX_HEAD_DIM floats apart), each merged over the block's warps and stored
 // at part + g * head_stride (hd + 2 floats), for the NI that hd needs (hd <= MAX_HEAD_DIM) and
-// the heads a block takes with it (ATT_GROUP, or one over 128-wide heads: count must not be
-// more). fold_new: decode's new position, folded in by warp 0 (attend).
+// the heads a block takes with it (ATT_GROUP where a lane holds 2 or 4 elements, else one:
+// count must not be more). fold_new: decode's new position, folded in by warp 0 (attend).
 template <bool GEMMA>
 __device__ __forceinline__ void attend_block(const float* q, const u16* kc, const u16* vc, int row, int ring, int hd,
                                              float scale, float softcap, int p0, int p1, int count, bool fold_new,
@@ -234,7 +235,7 @@ __device__ __forceinline__ void attend_block(const float* q, const u16* kc, cons
     int warp = threadIdx.x >> 5;
 #define ATTEND_CASE(ni)                                                                           \
     case ni: {                                                                                    \
-        constexpr int G = ni <= 4 ? ATT_GROUP : 1;                                                \
+        constexpr int G = ni == 2 || ni == 4 ? ATT_GROUP : 1;                                     \
         Partial<ni> r[G];                                                                         \
         attend<ni, G, GEMMA>(q, kc, vc, row, ring, hd, scale, softcap, p0 + warp, p1, ATT_WARPS, count, \
                              fold_new && !warp, r);                                               \
@@ -278,8 +279,9 @@ __device__ __forceinline__ void combine_splits(const float* p, float* out, int s
 
 // Decode, split over the context: grid (blocks, most), ATT_WARPS warps a block, where a block
 // takes `per_block` query heads of one kv group (decode_heads_per_block in planes/cuda/launch.py:
-// at most ATT_GROUP, one over 128-wide heads), so blocks = kv_heads * ceil(group /
-// per_block), and reads each of its K and V rows once for all of them. The caches hold `ring`
+// at most ATT_GROUP where a lane holds 2 or 4 elements of a head, else one), so blocks =
+// kv_heads * ceil(group / per_block), and reads each of its K and V rows once for all of them.
+// The caches hold `ring`
 // rows, position p in row p % ring (at least the window's, where window > 0). n = pos[0] + 1
 // positions (the last `window` of them where window > 0: a sliding-window layer's; scores capped
 // where softcap > 0, Gemma 2's; pos is read on the device, so a replayed graph needs no new

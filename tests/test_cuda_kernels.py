@@ -467,8 +467,9 @@ def f16_cache(rng, ctx, kvh, hd):
 # lanes with fewer elements, or none). splits (least, most): least until a block would take more
 # than ATT_LONG_CHUNK (16) positions, then more, up to most; (4, 2, 64, 40) and (2, 1, 32, 1400)
 # grow to 3 of 5 and to all 5 (blocks past them return at once, and the merge takes only those
-# that ran). A block takes up to ATT_GROUP (4) query heads of a kv group, one over 128-wide heads:
-# groups of 12 (three sets), 6 and 5 (a set of 4, then one of 2 or 1), and 4 at hd 256 (four sets)
+# that ran). A block takes up to ATT_GROUP (4) query heads of a kv group where a lane holds 2 or 4
+# elements of a head, else one: groups of 12 (three sets) and 6 (a set of 4, then one of 2), and
+# 5 at hd 96 and 4 at hd 256 (a block a head)
 @pytest.mark.parametrize("heads,kvh,hd,n,splits", [(4, 2, 32, 1, (1, 1)), (4, 2, 64, 37, (3, 3)),
                                                    (6, 3, 32, 5, (8, 8)), (2, 1, 256, 70, (2, 2)),
                                                    (8, 8, 128, 130, (4, 4)), (4, 2, 80, 21, (3, 3)),
@@ -529,6 +530,7 @@ def test_decode_head_sets_follow_the_kernel():
     assert [decode_heads_per_block(9, 3, 64), decode_blocks(9, 3, 64)] == [3, 3]  # SmolLM2-135M
     assert [decode_heads_per_block(8, 4, 256), decode_blocks(8, 4, 256)] == [1, 8]  # Gemma 2 2B
     assert [decode_heads_per_block(12, 1, 64), decode_blocks(12, 1, 64)] == [4, 3]
+    assert [decode_heads_per_block(10, 2, 96), decode_blocks(10, 2, 96)] == [1, 10]
 
 
 def test_head_dims_the_engine_refuses_are_those_attention_misaligns(rng):

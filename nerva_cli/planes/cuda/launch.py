@@ -370,9 +370,10 @@ class Kernels:
 
 def decode_heads_per_block(heads: int, kv_heads: int, hd: int) -> int:
     """Query heads of one kv group that a decode attention block takes, reading each K and V row
-    once for all of them: the group, up to ATT_GROUP (one over 128-wide heads, whose
-    accumulators would not fit the launch bounds' registers)."""
-    return min(heads // kv_heads, ATT_GROUP if _cdiv(hd, 32) <= 4 else 1)
+    once for all of them: the group, up to ATT_GROUP where a lane holds 2 or 4 elements of a head
+    (heads 33-64 or 97-128 wide), else one (over 128, the accumulators would not fit the launch
+    bounds' registers; the other widths are left ungrouped for the kernel's compile time)."""
+    return min(heads // kv_heads, ATT_GROUP if _cdiv(hd, 32) in (2, 4) else 1)
 
 
 def decode_blocks(heads: int, kv_heads: int, hd: int) -> int:
