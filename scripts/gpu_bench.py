@@ -38,12 +38,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-def bench(model: Path, *extra: str, prompt: int = 512, gen: int = 128, repeat: int = 3,
-          env: dict | None = None) -> dict:
+def bench(model: Path, *extra: str, prompt: int = 512, gen: int = 128, repeat: int = 3) -> dict:
     cmd = [sys.executable, "-m", "nerva_cli", "bench", str(model), "--backend", "cuda", "--no-profile",
            "--prompt-tokens", str(prompt), "--gen-tokens", str(gen), "--repeat", str(repeat), *extra]
     print("$", " ".join(cmd), file=sys.stderr, flush=True)
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
     return json.loads(done.stdout.strip().splitlines()[-1])
