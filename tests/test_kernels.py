@@ -1097,6 +1097,13 @@ def test_attention_decode(rng, heads, kv_heads, head_dim, n_ctx, cache):
     assert rel(want, ind) < ATT_TOL
 
 
+def one_row(q, k_cache, v_cache, n_ctx, out, part):
+    """The decode attention kernel's arguments (attention_decode_rows's, before the threads and
+    cap) for one sequence: q [heads, dim] over the first n_ctx rows of a cache [ctx, kv, dim]."""
+    one = np.zeros(1, np.int64)
+    return q[None], k_cache[None], v_cache[None], one, one, np.full(1, n_ctx, np.int64), out[None], part[None]
+
+
 @pytest.mark.parametrize("n,splits", [(7, 1), (130, 1), (301, 3)])
 @pytest.mark.parametrize("cache", ["f32", "f16"])
 def test_attention_decode_caps_scores(rng, n, splits, cache):
@@ -1112,8 +1119,9 @@ def test_attention_decode_caps_scores(rng, n, splits, cache):
     want, got, plain = np.empty_like(q), np.empty_like(q), np.empty_like(q)
     ref.attention_decode(q, k, v, n, want, softcap=cap)
     part = np.full((splits, heads, dim + 2), np.nan, np.float32)
-    cpu.attention_kernel(heads, kv_heads)(q, cpu_decode_attention._cache_operand(k),
-                                          cpu_decode_attention._cache_operand(v), n, got, part, 16, np.float32(cap))
+    cpu.attention_kernel(heads, kv_heads)(*one_row(q, cpu_decode_attention._cache_operand(k),
+                                                   cpu_decode_attention._cache_operand(v), n, got, part),
+                                          16, np.float32(cap))
     assert rel(got, want) < ATT_TOL
     s = np.einsum("hd,nhd->hn", q.astype(np.float64), np.repeat(k.astype(np.float64), heads // kv_heads, 1)) / 8
     p = np.exp(cap * np.tanh(s / cap))
@@ -1160,8 +1168,9 @@ def test_attention_decode_in_splits_of_the_positions(rng, splits, n, cache):
     want, got = np.empty_like(q), np.empty_like(q)
     ref.attention_decode(q, k, v, n, want)
     part = np.full((splits, heads, dim + 2), np.nan, np.float32)  # the kernel writes all it reads
-    cpu.attention_kernel(heads, kv_heads)(q, cpu_decode_attention._cache_operand(k),
-                                          cpu_decode_attention._cache_operand(v), n, got, part, 16, np.float32(0))
+    cpu.attention_kernel(heads, kv_heads)(*one_row(q, cpu_decode_attention._cache_operand(k),
+                                                   cpu_decode_attention._cache_operand(v), n, got, part),
+                                          16, np.float32(0))
     assert rel(got, want) < ATT_TOL
 
 
@@ -1190,8 +1199,8 @@ def test_attention_decode_avx2_geometry(rng, monkeypatch, heads, kv_heads, head_
         monkeypatch.setattr(cpu_decode_attention, name, value)
     kernel = _serial_attention(heads, kv_heads)
     part = np.full((3, heads, head_dim + 2), np.nan, np.float32)
-    kernel(q, cpu_decode_attention._cache_operand(k), cpu_decode_attention._cache_operand(v), n, got, part, 2,
-           np.float32(0))
+    kernel(*one_row(q, cpu_decode_attention._cache_operand(k), cpu_decode_attention._cache_operand(v), n, got, part),
+           2, np.float32(0))
     llvm = next(iter(kernel.inspect_llvm().values()))
     assert "<8 x half>" in llvm and "<16 x half>" not in llvm  # the K and V rows widened 8 at a time
     assert rel(got, want) < ATT_TOL
@@ -1341,10 +1350,10 @@ def test_decode_kernels_do_not_allocate(rng):
           if cpu_target._AVX512BF16 else []),
         (cpu.silu_mul, (np.concatenate([x, w]), out)),
         (cpu.gelu_mul, (np.concatenate([x, w]), out)),
-        (cpu.attention_kernel(heads, kv), (q[0], kc, vc, 9, att, part, 2, np.float32(0))),
-        (cpu.attention_kernel(heads, kv), (q[0], kc.astype(np.float16).view(np.uint16),
-                                           vc.astype(np.float16).view(np.uint16), 9, att, part, 2,
-                                           np.float32(5))),  # Gemma 2's capped scores too
+        (cpu.attention_kernel(heads, kv), (*one_row(q[0], kc, vc, 9, att, part), 2, np.float32(0))),
+        (cpu.attention_kernel(heads, kv), (*one_row(q[0], kc.astype(np.float16).view(np.uint16),
+                                                    vc.astype(np.float16).view(np.uint16), 9, att, part),
+                                           2, np.float32(5))),  # Gemma 2's capped scores too
         (cpu_q4._embed_q4, (qs, d16, None, 5, out)),
         (cpu_q4._embed_q4, (qs, d16, m16, 5, out)),
         (cpu_q8._w8a16, (q8, d8, *act_q16(cpu, x), mv)),

@@ -173,7 +173,7 @@ def test_two_concurrent_force_pulls_of_one_name_both_succeed(tiny_models, cli, t
 # -- 3: rm while a run reads the model ----------------------------------------------------------
 # The smallest RAM budget the tiny llama runs in at --ctx 64, every layer streamed (the planner's
 # error names it: "the smallest budget that works is ..."); it moves with the arena's buffers.
-SMALLEST_BUDGET = "683968"
+SMALLEST_BUDGET = "683992"
 
 
 def paged_engine(name: str):

@@ -22,7 +22,7 @@ KERNELS = ("rmsnorm", "add_rmsnorm", "add_rows", "rope", "quantize_act_q8", "qua
            "matvec_q4_w4a16", "matmul_q4_w4a16", "matvec_q4_w4a8", "matmul_q4_w4a8", "matvec_q4_experts_w4a8",
            "matvec_q4_experts_w4a16", "route_experts", "matvec_q8_w8a8",
            "matmul_q8_w8a8", "matvec_q8_w8a16", "matmul_q8_w8a16", "matvec_exact", "matmul_exact", "widen_exact", "silu_mul", "gelu_mul",
-           "attention_decode", "attention_prefill", "dequantize_q4", "dequantize_q8", "embed_q4", "embed_q8",
+           "attention_decode", "attention_decode_rows", "attention_prefill", "dequantize_q4", "dequantize_q8", "embed_q4", "embed_q8",
            "embed_exact", "gemm_q4", "gemm_q8", "gemm_exact")
 
 
@@ -299,6 +299,15 @@ def attention_decode(q, k_cache, v_cache, n_ctx, out, part=None, softcap=0.0):
         s = capped((k @ q[h]) * scale, softcap)
         p = np.exp(s - s.max())
         out[h] = (p / p.sum()) @ v
+
+
+def attention_decode_rows(q, k_all, v_all, slots, firsts, n_ctx, out, part=None, softcap=0.0):
+    """attention_decode for each row b of q [B, heads, head_dim]: over n_ctx[b] rows of sequence
+    slot slots[b]'s cache (k_all, v_all [slots, ctx, kv_heads, head_dim]) from row firsts[b],
+    into out[b]. part: unused here."""
+    for b in range(q.shape[0]):
+        s, first = slots[b], firsts[b]
+        attention_decode(q[b], k_all[s, first:], v_all[s, first:], n_ctx[b], out[b], softcap=softcap)
 
 
 def attention_prefill_work(T, n, heads, kv_heads, head_dim):

@@ -84,7 +84,12 @@ class Arena:
         # cpu's W4A16 takes Q16 codes, every layer matvec's (their scales and sums in xd, xs)
         self.xq16, self.xd16 = np.zeros(widest, dtype=np.int16), z(h // QK)
         self.act_q16 = {h: (self.xq16[:h], self.xd16)}
-        self.att_part = z(*attention_decode_partials(ctx, cfg.num_heads, cfg.head_dim))
+        # decode attention's split partials, a sequence's each (a batched step's rows in one call),
+        # and its rows' slots, first cache rows and row counts (row 0's for decode alone)
+        self.att_part = z(seq_slots, *attention_decode_partials(ctx, cfg.num_heads, cfg.head_dim))
+        self.att_slots, self.att_firsts, self.att_rows = (np.zeros(seq_slots, dtype=np.int64) for _ in range(3))
+        self.att_one = (self.att_slots[:1], self.att_firsts[:1], self.att_rows[:1])
+        self.attn_rows = self.attn.reshape(1, cfg.num_heads, cfg.head_dim)
         kv_type = kv_cache_type(kv_cache)
         rows = cache_rows(cfg, ctx, chunk)
         self.k_all = [np.zeros((seq_slots, n, cfg.num_kv_heads, cfg.head_dim), kv_type) for n in rows]
@@ -98,6 +103,7 @@ class Arena:
 
     def select(self, slot: int) -> None:
         """Makes slot `slot`'s KV cache and base the ones k_cache, v_cache and kv_base name."""
+        self.slot = slot
         self.k_cache, self.v_cache = self.k_slots[slot], self.v_slots[slot]
         self.kv_base = self.kv_base_slots[slot]
 
@@ -123,10 +129,10 @@ class Arena:
                + cfg.vocab_size + widest // QK + h // QK)  # ... xd, xd16
         kv = seq_slots * sum(cache_rows(cfg, ctx, chunk)) * 2 * cfg.num_kv_heads * cfg.head_dim * \
             np.dtype(kv_cache_type(kv_cache)).itemsize
-        f32 += prod(attention_decode_partials(ctx, cfg.num_heads, cfg.head_dim))
+        f32 += seq_slots * prod(attention_decode_partials(ctx, cfg.num_heads, cfg.head_dim))
         batch = seq_slots * (4 * cfg.vocab_size + 8) if seq_slots > 1 else 0  # batch_logits, batch_pos
-        # + xq (int8), xs (int32), xq16 (int16), pos and kv_bases (int64)
-        return kv, 4 * f32 + widest + 4 * (widest // QK) + 2 * widest + 8 + 8 * seq_slots + batch + kv
+        # + xq (int8), xs (int32), xq16 (int16), pos, kv_bases and the attention's rows (int64)
+        return kv, 4 * f32 + widest + 4 * (widest // QK) + 2 * widest + 8 + 4 * 8 * seq_slots + batch + kv
 
 
 # Prefill's GEMMs dequantise weight rows into f32 in this scratch, a slice a thread (at most the

@@ -6,7 +6,8 @@ sequence's logits do not depend on what it is batched with: the norms, RoPE, bia
 the activations' quantisation loop over rows with the one-row arithmetic; the dense products
 take the matvecs' batch kernels (each weight block read once for the B rows) only where the
 backend says each of their rows is the matvec's (batch_matches_matvec), else a matvec a row; and
-attention runs decode's kernel a row at a time over that row's own slot's cache. The buffers are
+attention takes every row in one call of decode's kernel (attention_decode_rows), each row over
+its own slot's cache with the splits and arithmetic it has alone. The buffers are
 the prefill workspace's (the two never run at once) and the arena's batch logits.
 """
 
@@ -42,13 +43,16 @@ class BatchDecode:
             self.check_decode(tokens[b])
         a, pw, cfg = self.a, self.pw, self.cfg
         pos, x = a.batch_pos[:B], pw.take("x", B, cfg.hidden_size)
+        slot_rows = pw.take("pos", B)  # the prefill workspace's positions, free during a batched step
         t0 = perf_counter_ns()
         for b in range(B):
             self.select(slots[b])
             pos[b] = self.n_past
+            slot_rows[b] = slots[b]
             self._make_room(self.n_past + 1)
             self._embed_row(tokens[b], x[b])
         self.phase_ns["embed"] += perf_counter_ns() - t0
+        self._att_layout = None  # a step's rows: the attention's index arrays are written afresh
         for layer in self.weights.layers():
             self._batch_layer(layer, x, pos, slots)
         t1 = perf_counter_ns()
@@ -62,65 +66,68 @@ class BatchDecode:
             self.slot_n_past[s] += 1
         return logits
 
-    def _fused_planes(self, layer, rows: int):
-        """The layer's matrices for the compiled batch calls (kernels.layer.batch_layer_planes,
-        made once a resident layer), or None where this step runs it kernel by kernel (the ref
-        backend, a staging slot's layer, and see batch_layer_planes and batch_rows_fused)."""
+    def _fused_calls(self, layer, rows: int):
+        """The compiled batch calls of the layer's step for `rows` rows, their arguments bound once
+        (kernels.layer.batch_layer_planes's matrices, the workspace's views for that many rows):
+        (attention inputs, attention, o, mlp: argument tuples; kernels they count), or None where
+        this step runs the layer kernel by kernel (the ref backend, a staging slot's layer, and
+        see batch_layer_planes and batch_rows_fused). Per-call views and argument lists cost
+        more than the rows' attention at B = 4 (docs/performance.md)."""
         if self.backend != "cpu" or layer.moe is not None:
             return None
         from nerva_cli.planes.cpu.kernels import layer as fused
-        from nerva_cli.planes.cpu.kernels.decode_attention import _cache_operand
 
-        made = self.__dict__.setdefault("_batch_planes", {})
-        if layer.index not in made or made[layer.index][0] is not layer:
+        made = self.__dict__.setdefault("_batch_calls", {})
+        key = (layer.index, rows)
+        if key not in made or made[key][0] is not layer:
             planes = fused.batch_layer_planes(layer)
-            caches = (_cache_operand(self.a.k_all[layer.index]), _cache_operand(self.a.v_all[layer.index]))
-            made[layer.index] = (layer, planes, caches)
-        _, planes, caches = made[layer.index]
-        return None if planes is None or not fused.batch_rows_fused(rows) else (planes, caches)
+            made[key] = (layer, None if planes is None else self._bind_fused(layer, planes, rows))
+        calls = made[key][1]
+        return calls if calls is not None and fused.batch_rows_fused(rows) else None
 
-    def _batch_layer_fused(self, layer, planes, caches, x: np.ndarray, pos: np.ndarray, slots: list[int]) -> None:
-        """_batch_layer in three compiled calls and the attention a row (kernels.layer's batch
-        calls: the same kernels on the same buffers, so the same rows to the bit)."""
-        from nerva_cli.planes.cpu.kernels import layer as fused
+    def _bind_fused(self, layer, planes, B: int):
+        from nerva_cli.planes.cpu.kernels.decode_attention import _cache_operand, attention_kernel
         from nerva_cli.planes.cpu.kernels.q4 import _pair_scratch
 
-        cfg, a, k, pw = self.cfg, self.a, self.k, self.pw
-        B, i, spec = x.shape[0], layer.index, self.specs[layer.index]
+        cfg, a, pw = self.cfg, self.a, self.pw
+        i, spec = layer.index, self.specs[layer.index]
         qd, h = cfg.q_dim, cfg.hidden_size
         qkv_planes, o_planes, gate_up_planes, down_planes = planes
         w4a8 = layer.precision == "w4a8"
         codes, scales, sums = pw.bufs["codes"], pw.bufs["code_scales"], pw.bufs["code_sums"]
         pairs = _pair_scratch(codes.shape[0])
-        window, ring = spec.window, i in self.ring
-        t0 = perf_counter_ns()
-        xn, qkv = pw.take("xn", B, h), pw.take("qkv", B, qd + 2 * cfg.kv_dim)
+        k_cache, v_cache = _cache_operand(a.k_all[i]), _cache_operand(a.v_all[i])
+        x, xn, o = pw.take("x", B, h), pw.take("xn", B, h), pw.take("proj", B, h)
         q, kk = pw.take("q", B, cfg.num_heads, cfg.head_dim), pw.take("k", B, cfg.num_kv_heads, cfg.head_dim)
-        slot_rows = pw.take("pos", B)  # the prefill workspace's positions, free during a batched step
-        for b in range(B):
-            slot_rows[b] = slots[b]
-        fused._batch_attention_inputs(x, layer.attn_norm, cfg.rms_eps, xn, codes, scales, sums, pairs, w4a8,
-                                      *qkv_planes, layer.qkv_bias, layer.q_norm, layer.k_norm, qkv, q, kk, pos,
-                                      spec.cos, spec.sin, caches[0], caches[1], slot_rows, a.kv_bases, ring)
         attn = pw.take("attn", B, cfg.num_heads, cfg.head_dim)
-        for b in range(B):
-            s = slots[b]
-            kc, vc = a.k_slots[s][i], a.v_slots[s][i]
-            row = int(pos[b] - a.kv_bases[s]) if ring else int(pos[b])
-            first = max(0, row + 1 - window) if window else 0
-            if first:
-                kc, vc = kc[first:], vc[first:]
-            k.attention_decode(q[b], kc, vc, row + 1 - first, attn[b], a.att_part, spec.softcap)
-        o = pw.take("proj", B, h)
-        fused._batch_o(pw.take("attn", B, qd), *o_planes, codes, scales, sums, pairs, w4a8, o,
-                       layer.post_attn_norm, cfg.rms_eps)
+        inputs = (x, layer.attn_norm, cfg.rms_eps, xn, codes, scales, sums, pairs, w4a8, *qkv_planes, layer.qkv_bias,
+                  layer.q_norm, layer.k_norm, pw.take("qkv", B, qd + 2 * cfg.kv_dim), q, kk, a.batch_pos[:B],
+                  spec.cos, spec.sin, k_cache, v_cache, pw.take("pos", B), a.kv_bases, i in self.ring)
+        attention = (attention_kernel(cfg.num_heads, cfg.num_kv_heads),
+                     (q, k_cache, v_cache, a.att_slots, a.att_firsts, a.att_rows, attn, a.att_part))
+        o_call = (attn.reshape(B, qd), *o_planes, codes, scales, sums, pairs, w4a8, o, layer.post_attn_norm,
+                  cfg.rms_eps)
+        mlp = (o, x, layer.mlp_norm, cfg.rms_eps, xn, codes, scales, sums, pairs, w4a8, *gate_up_planes,
+               pw.take("gate_up", B, 2 * cfg.intermediate_size), pw.take("act", B, cfg.intermediate_size),
+               *down_planes, spec.gelu, layer.post_mlp_norm)
+        return inputs, attention, o_call, mlp, sum(self._fused_kernels(layer))
+
+    def _batch_layer_fused(self, layer, calls, pos: np.ndarray, slots: list[int]) -> None:
+        """_batch_layer in four compiled calls (kernels.layer's batch calls and the rows'
+        attention: the same kernels on the same buffers, so the same rows to the bit)."""
+        from nerva_cli.planes.cpu.kernels import layer as fused
+        from nerva_cli.planes.cpu.kernels.numba_setup import _threads
+
+        inputs, (attend, attention), o, mlp, kernels = calls
+        t0 = perf_counter_ns()
+        fused._batch_attention_inputs(*inputs)
+        self._attention_index(layer.index, pos, slots)
+        attend(*attention, _threads[0], np.float32(self.specs[layer.index].softcap))
+        fused._batch_o(*o)
         t1 = perf_counter_ns()
-        fused._batch_mlp(o, x, layer.mlp_norm, cfg.rms_eps, xn, codes, scales, sums, pairs, w4a8, *gate_up_planes,
-                         pw.take("gate_up", B, 2 * cfg.intermediate_size), pw.take("act", B, cfg.intermediate_size),
-                         *down_planes, spec.gelu, layer.post_mlp_norm)
-        attention, mlp = self._fused_kernels(layer)
-        self.counters.kernels += attention + mlp + B - 1  # the attention a row
-        self.counters.dispatches += 3 + B
+        fused._batch_mlp(*mlp)
+        self.counters.kernels += kernels
+        self.counters.dispatches += 4
         self.phase_ns["attention"] += t1 - t0
         self.phase_ns["mlp"] += perf_counter_ns() - t1
 
@@ -128,9 +135,9 @@ class BatchDecode:
         """One layer of a batched step over x [B, hidden] at positions pos [B], in place: decode's
         _decode_attention and _decode_mlp, a row each, the dense products over all rows (in a
         few compiled calls where _fused_planes gives the layer's matrices)."""
-        fused = self._fused_planes(layer, x.shape[0])
-        if fused is not None:
-            self._batch_layer_fused(layer, *fused, x, pos, slots)
+        calls = self._fused_calls(layer, x.shape[0])
+        if calls is not None:
+            self._batch_layer_fused(layer, calls, pos, slots)
             return
         cfg, a, k, pw, m, p = self.cfg, self.a, self.k, self.pw, layer.mats, layer.precision
         B, i, spec = x.shape[0], layer.index, self.specs[layer.index]
@@ -150,17 +157,13 @@ class BatchDecode:
             k.rmsnorm(kk, layer.k_norm, cfg.rms_eps, kk)
         k.rope(q, pos, spec.cos, spec.sin)
         k.rope(kk, pos, spec.cos, spec.sin)
-        attn, window, ring = pw.take("attn", B, cfg.num_heads, cfg.head_dim), spec.window, i in self.ring
+        attn, ring = pw.take("attn", B, cfg.num_heads, cfg.head_dim), i in self.ring
         for b in range(B):
             s = slots[b]
-            kc, vc = a.k_slots[s][i], a.v_slots[s][i]
             row = int(pos[b] - a.kv_bases[s]) if ring else int(pos[b])  # the cache row of this position
-            kc[row] = kk[b]
-            vc[row] = qkv[b, qd + kvd:].reshape(kk.shape[1:])
-            first = max(0, row + 1 - window) if window else 0
-            if first:
-                kc, vc = kc[first:], vc[first:]
-            k.attention_decode(q[b], kc, vc, row + 1 - first, attn[b], a.att_part, spec.softcap)
+            a.k_slots[s][i][row] = kk[b]
+            a.v_slots[s][i][row] = qkv[b, qd + kvd:].reshape(kk.shape[1:])
+        self._attention_rows(i, q, attn, pos, slots)
         o = pw.take("proj", B, h)
         self._rows_dense([m["o"]], attn.reshape(B, -1), p, o)
         if layer.post_attn_norm is not None:
@@ -180,6 +183,28 @@ class BatchDecode:
         x += down
         self.phase_ns["attention"] += t1 - t0
         self.phase_ns["mlp"] += perf_counter_ns() - t1
+
+    def _attention_rows(self, i: int, q: np.ndarray, attn: np.ndarray, pos: np.ndarray, slots: list[int]) -> None:
+        """Layer i's decode attention for every row in one call (attention_decode_rows): row b's
+        query q[b] over its slot's cache up to position pos[b], within the layer's window."""
+        a = self.a
+        self._attention_index(i, pos, slots)
+        self.k.attention_decode_rows(q, a.k_all[i], a.v_all[i], a.att_slots, a.att_firsts, a.att_rows, attn,
+                                     a.att_part, self.specs[i].softcap)
+
+    def _attention_index(self, i: int, pos: np.ndarray, slots: list[int]) -> None:
+        """The arena's att_slots, att_firsts and att_rows for layer i's attention rows: row b's
+        slot, first cache row and row count (up to position pos[b], within the layer's window),
+        written again only where layer i's window or ring differs from the layer's before it
+        (the step begins with _att_layout None)."""
+        a, window, ring = self.a, self.specs[i].window, i in self.ring
+        if self._att_layout == (window, ring):
+            return
+        self._att_layout = (window, ring)
+        for b, s in enumerate(slots):
+            row = int(pos[b] - a.kv_bases[s]) if ring else int(pos[b])  # the cache row of this position
+            first = max(0, row + 1 - window) if window else 0
+            a.att_slots[b], a.att_firsts[b], a.att_rows[b] = s, first, row + 1 - first
 
     def _rows_dense(self, mats: list, x: np.ndarray, precision: str, out: np.ndarray) -> None:
         """out [B, rows] = x [B, cols] times the matrices `mats` stacked by rows, each row what

@@ -767,11 +767,12 @@ class Engine(BatchDecode, MixtureMLP, EngineBase):
         row = pos - (self.kv_base if layer.index in self.ring else 0)  # the cache row of position pos
         a.k_cache[layer.index][row] = a.k
         a.v_cache[layer.index][row] = a.v
-        kc, vc, window = a.k_cache[layer.index], a.v_cache[layer.index], spec.window
+        window = spec.window
         first = max(0, row + 1 - window) if window else 0
-        if first:  # a view per call only where a window has moved on
-            kc, vc = kc[first:], vc[first:]
-        k.attention_decode(a.q, kc, vc, row + 1 - first, a.attn, a.att_part, spec.softcap)
+        slots, firsts, counts = a.att_one
+        slots[0], firsts[0], counts[0] = self.slot, first, row + 1 - first
+        k.attention_decode_rows(a.q_rows, a.k_all[layer.index], a.v_all[layer.index], slots, firsts, counts,
+                                a.attn_rows, a.att_part, spec.softcap)
         if layer.codes_in("o"):
             self._quantize_input(a.attn_flat)
         self._matvec(m["o"], a.attn_flat, a.o, layer.precision)

@@ -47,7 +47,7 @@ from nerva_cli.planes.cpu.kernels.numba_setup import set_threads
 
 from nerva_cli.planes.cpu.compile_aside import compile_aside, compile_only  # Engine.warm_up's
 from nerva_cli.planes.cpu.kernels.decode_attention import (
-    attention_decode, attention_geometry, attention_kernel, decode_splits, pack_sizes)
+    attention_decode, attention_decode_rows, attention_geometry, attention_kernel, decode_splits, pack_sizes)
 from nerva_cli.planes.cpu.kernels.disk_cache import compiled_before, counting_compiles, warm_marker
 from nerva_cli.planes.cpu.kernels.exact import embed_exact, matmul_exact, matvec_exact, widen_exact
 from nerva_cli.planes.cpu.kernels.gemm import (
@@ -74,6 +74,6 @@ __all__ = [
     "matvec_q8_w8a16", "matvec_q8_w8a8", "matmul_q8_w8a16", "matmul_q8_w8a8", "dequantize_q8", "embed_q8",
     "matvec_exact", "matmul_exact", "widen_exact", "embed_exact",
     "short_prefill_rows", "batch_matches_matvec", "GEMM_SLICE_BYTES", "GEMM_MIN_ROWS", "gemm_q4", "gemm_q8", "gemm_exact",
-    "attention_decode", "attention_geometry", "attention_kernel", "decode_splits", "pack_sizes", "attention_prefill",
+    "attention_decode", "attention_decode_rows", "attention_geometry", "attention_kernel", "decode_splits", "pack_sizes", "attention_prefill",
     "decode_layer_halves", "penalise", "sample_logits",
 ]

@@ -295,11 +295,23 @@ def _att_values(typingctx, s, pack, v_cache, kv, c0, n, acc, h0):
 
 
 def attention_decode(q, k_cache, v_cache, n_ctx, out, part, softcap=0.0):
-    """k_cache, v_cache: the layer's whole cache [ctx, kv_heads, head_dim], of which n_ctx rows
-    count; part: attention_decode_partials(ctx, heads, head_dim) floats, the splits' partials;
-    softcap > 0 caps the scaled scores (ref.capped)."""
-    attention_kernel(q.shape[0], k_cache.shape[1])(q, _cache_operand(k_cache), _cache_operand(v_cache), n_ctx, out,
-                                                   part, _threads[0], F32(softcap))
+    """One sequence: k_cache, v_cache the layer's whole cache [ctx, kv_heads, head_dim], of which
+    n_ctx rows count; part: attention_decode_partials(ctx, heads, head_dim) floats, the splits'
+    partials; softcap > 0 caps the scaled scores (ref.capped). attention_decode_rows for one row
+    (its views and index arrays made here: the engine's hot path calls that directly)."""
+    one = np.zeros(1, dtype=np.int64)
+    attention_decode_rows(q[None], k_cache[None], v_cache[None], one, one, np.full(1, n_ctx, np.int64), out[None],
+                          part[None], softcap)
+
+
+def attention_decode_rows(q, k_all, v_all, slots, firsts, n_ctx, out, part, softcap=0.0):
+    """B sequences' decode attention in one call: row b's query q[b] [heads, head_dim] over
+    n_ctx[b] rows of sequence slot slots[b]'s cache from row firsts[b] (k_all, v_all [slots, ctx,
+    kv_heads, head_dim]) into out[b]; part [>= B, ...] a row's attention_decode_partials each.
+    Each row's result is what it gets alone, bit for bit: its splits are the same (they depend
+    on its own length and the threads) and each is computed and merged by the same code."""
+    attention_kernel(q.shape[1], k_all.shape[2])(q, _cache_operand(k_all), _cache_operand(v_all), slots, firsts,
+                                                 n_ctx, out, part, _threads[0], F32(softcap))
 
 
 @njit(cache=True)
@@ -322,8 +334,9 @@ def _attention_decode_for(big: int, small: int):
     pair's kernel apart (the closure's values are part of its cache key)."""
 
     @njit(cache=True, nogil=True, fastmath=_FAST, parallel=True)
-    def _attention_decode(q, k_cache, v_cache, n_ctx, out, part, threads, softcap):
-        # A unit of work is a split of the positions. It runs an online softmax over them in chunks
+    def _attention_decode(q, k_all, v_all, slots, firsts, n_ctx, out, part, threads, softcap):
+        # A unit of work is a split of a row's positions (rows in turn, each cut into as many splits
+        # as it would be alone: decode_splits of its own length). It runs an online softmax over them in chunks
         # of 64, taking every kv head's query heads in turn on a chunk (in packs of at most
         # _ATT_PACK heads, as even as they divide), so a chunk's K and V rows are read whole while
         # they are in cache: _att_scores writes a pack's scores and their max, each head's max m
@@ -334,17 +347,26 @@ def _attention_decode_for(big: int, small: int):
         #
         # Against the kernel before (a query head at a time, its K and V rows widened for each head,
         # sums reduced a position at a time) this about halved a layer's attention, and interleaving
-        # a split's kv heads beat taking them one after another (docs/perf/code_figures.md).
-        heads, dim = q.shape
-        kv_heads = k_cache.shape[1]
+        # a split's kv heads beat taking them one after another (docs/perf/code_figures.md). A
+        # batched step's rows in one call, not a call a row: one parallel region instead of B.
+        rows, heads, dim = q.shape
+        kv_heads = k_all.shape[2]
         group = heads // kv_heads
         packs = (group + _ATT_PACK - 1) // _ATT_PACK
         scale = F32(1) / np.sqrt(F32(dim))
-        splits = min(decode_splits(n_ctx, 2 * kv_heads * dim * k_cache.itemsize, threads), part.shape[0])
-        per_split = ((n_ctx + splits - 1) // splits + 3) // 4 * 4  # even shares, whole 4-position steps
-        for sp in prange(splits):
-            lo, hi = sp * per_split, min(n_ctx, (sp + 1) * per_split)
-            acc = part[sp]
+        row_bytes = 2 * kv_heads * dim * k_all.itemsize
+        most = 1
+        for b in range(rows):
+            most = max(most, min(decode_splits(n_ctx[b], row_bytes, threads), part.shape[1]))
+        for unit in prange(rows * most):
+            b, sp = unit // most, unit % most
+            splits = min(decode_splits(n_ctx[b], row_bytes, threads), part.shape[1])
+            if sp >= splits:
+                continue
+            per_split = ((n_ctx[b] + splits - 1) // splits + 3) // 4 * 4  # even shares, whole 4-position steps
+            lo, hi = sp * per_split, min(n_ctx[b], (sp + 1) * per_split)
+            qb, k_cache, v_cache, first = q[b], k_all[slots[b]], v_all[slots[b]], firsts[b]
+            acc = part[b, sp]
             s = numba.carray(_stack_f32(_ATT_SCORES), _ATT_SCORES)
             peaks = numba.carray(_stack_f32(_ATT_PACK), _ATT_PACK)
             for h in range(heads):
@@ -353,16 +375,16 @@ def _attention_decode_for(big: int, small: int):
                 acc[h, dim], acc[h, dim + 1] = -np.inf, 0
             for c0 in range(lo, hi, _ATT_CHUNK):
                 n = min(_ATT_CHUNK, hi - c0)
-                for unit in range(kv_heads * packs):
-                    kv, pk = unit // packs, unit % packs
+                for unit_kv in range(kv_heads * packs):
+                    kv, pk = unit_kv // packs, unit_kv % packs
                     size = group // packs + (1 if pk < group % packs else 0)
                     h0 = kv * group + pk * (group // packs) + min(pk, group % packs)
                     # the sizes as literals, each compiled with its own registers; big == small is
                     # a constant, so one size compiles one step
                     if big == small or size == big:
-                        _att_scores(q, h0, big, k_cache, v_cache, kv, c0, n, scale, s, peaks)
+                        _att_scores(qb, h0, big, k_cache, v_cache, kv, first + c0, n, scale, s, peaks)
                     else:
-                        _att_scores(q, h0, small, k_cache, v_cache, kv, c0, n, scale, s, peaks)
+                        _att_scores(qb, h0, small, k_cache, v_cache, kv, first + c0, n, scale, s, peaks)
                     if softcap > 0:  # Gemma 2's: tanh keeps the order, so a peak caps to its capped scores' peak
                         for j in range(size):
                             for u in range(n):
@@ -385,25 +407,28 @@ def _attention_decode_for(big: int, small: int):
                             weights += e
                         acc[h, dim + 1] += weights
                     if big == small or size == big:
-                        _att_values(s, big, v_cache, kv, c0, n, acc, h0)
+                        _att_values(s, big, v_cache, kv, first + c0, n, acc, h0)
                     else:
-                        _att_values(s, small, v_cache, kv, c0, n, acc, h0)
-        for h in range(heads):  # plain loops: an array expression here would be a parfor (a launch) a head
-            m = part[0, h, dim]
-            for sp in range(1, splits):
-                m = max(m, part[sp, h, dim])
-            total = F32(0)
-            acc = out[h]
-            for i in range(dim):
-                acc[i] = 0
-            for sp in range(splits):
-                weight = _exp_nonpositive(part[sp, h, dim] - m)  # a split that saw no position holds zeros
-                total += weight * part[sp, h, dim + 1]
+                        _att_values(s, small, v_cache, kv, first + c0, n, acc, h0)
+        for b in range(rows):  # plain loops: an array expression here would be a parfor (a launch) a head
+            splits = min(decode_splits(n_ctx[b], row_bytes, threads), part.shape[1])
+            parts = part[b]
+            for h in range(heads):
+                m = parts[0, h, dim]
+                for sp in range(1, splits):
+                    m = max(m, parts[sp, h, dim])
+                total = F32(0)
+                acc = out[b, h]
                 for i in range(dim):
-                    acc[i] += weight * part[sp, h, i]
-            inv = F32(1) / total
-            for i in range(dim):
-                acc[i] *= inv
+                    acc[i] = 0
+                for sp in range(splits):
+                    weight = _exp_nonpositive(parts[sp, h, dim] - m)  # a split that saw no position holds zeros
+                    total += weight * parts[sp, h, dim + 1]
+                    for i in range(dim):
+                        acc[i] += weight * parts[sp, h, i]
+                inv = F32(1) / total
+                for i in range(dim):
+                    acc[i] *= inv
 
     return _attention_decode
 
@@ -412,8 +437,9 @@ _attention_kernels: dict = {}  # (big, small) -> its kernel, made once
 
 
 def attention_kernel(heads: int, kv_heads: int):
-    """The decode attention kernel for heads query heads over kv_heads kv heads:
-    kernel(q, k_cache, v_cache, n_ctx, out, part, threads), caches as _cache_operand gives them."""
+    """The decode attention kernel for heads query heads over kv_heads kv heads: kernel(q, k_all,
+    v_all, slots, firsts, n_ctx, out, part, threads, softcap), attention_decode_rows's arguments,
+    caches as _cache_operand gives them."""
     sizes = pack_sizes(heads, kv_heads)
     kernel = _attention_kernels.get(sizes)
     if kernel is None:

@@ -150,6 +150,7 @@ def decode_layer_halves(layer, spec, a, cfg, base=None):
 
     w4a8 = layer.precision == "w4a8"
     k_cache, v_cache = _cache_operand(a.k_cache[layer.index]), _cache_operand(a.v_cache[layer.index])
+    k_all, v_all = _cache_operand(a.k_all[layer.index]), _cache_operand(a.v_all[layer.index])  # attention's
     x_pairs = _pair_scratch(a.xq.shape[0])
     nothing = (None, None, None, None)
     qkv = (*planes(m["qkv"]), *nothing, *nothing) if "qkv" in m else \
@@ -164,16 +165,15 @@ def decode_layer_halves(layer, spec, a, cfg, base=None):
     o = (*planes(m["o"]), a.attn_flat, a.xq, x_pairs, a.xd, a.xs, a.xq16, w4a8, True, a.o)
     mlp = None if moe else (a.o, a.x, layer.mlp_norm, cfg.rms_eps, a.xn, a.xq, x_pairs, a.xd, a.xs, a.xq16, w4a8,
                             *gate_up, a.gate_up, a.act, *planes(m["down"]), a.down, spec.gelu, layer.post_mlp_norm)
-    post_norm, softcap, window = layer.post_attn_norm, F32(spec.softcap), spec.window
+    post_norm, softcap, window, slot = layer.post_attn_norm, F32(spec.softcap), spec.window, a.slot
+    slots, firsts, counts = a.att_one
 
     def attention(n_ctx):
         _attention_inputs(*inputs)
         rows = n_ctx if base is None else n_ctx - base[0]
-        if 0 < window < rows:  # a view per call only where a window has moved on
-            attend(a.q, k_cache[rows - window:], v_cache[rows - window:], window, a.attn, a.att_part, _threads[0],
-                   softcap)
-        else:
-            attend(a.q, k_cache, v_cache, rows, a.attn, a.att_part, _threads[0], softcap)
+        first = rows - window if 0 < window < rows else 0  # where a window has moved on
+        slots[0], firsts[0], counts[0] = slot, first, rows - first
+        attend(a.q_rows, k_all, v_all, slots, firsts, counts, a.attn_rows, a.att_part, _threads[0], softcap)
         _layer_matvec(*o)
         if post_norm is not None:
             rmsnorm(a.o, post_norm, cfg.rms_eps, a.o)
@@ -190,7 +190,7 @@ _NO_BASE = np.zeros(1, dtype=np.int64)  # a full-context cache's: row r holds po
 # in three calls: the attention's inputs (norm, QKV, RoPE, each row's K and V into its slot's
 # cache), the o projection, and the MLP half. The same kernels on the same buffers in the same
 # order, so every row stays its decode()'s bit for bit (tests/test_batch_decode.py); what goes
-# is some 600 Python calls a step at B = 4. The attention itself stays a call a row.
+# is some 600 Python calls a step at B = 4. The attention is one more call, all rows in it.
 
 @njit(cache=True, nogil=True)
 def _rows_matmul(w, qs, d, m, x, codes, scales, sums, pairs, w4a8, out):

@@ -159,8 +159,9 @@ def _w4a16_q16_batch(qs, d, m, x, xq16, xd, xs, out):
     _w4a8_batch(qs, d, m, xq16, xq16, xd, xs, out)
 
 
-# A short prompt's W4A8 GEMM: each thread's rows against every activation, eight of them a row at
-# once (then four, then one), so a row's codes are read from memory and unpacked once a tile.
+# A short prompt's W4A8 GEMM (and a batched decode step's): each thread's rows against every
+# activation, eight of them a row at once (then four, two, one), so a row's codes are read from
+# memory and unpacked once a tile.
 @njit(cache=True, nogil=True, parallel=True)
 def _w4a8_batch(qs, d, m, xq, x_pairs, xd, xs, out):
     acts = xq.shape[0]
@@ -169,6 +170,7 @@ def _w4a8_batch(qs, d, m, xq, x_pairs, xd, xs, out):
             _pair_order(xq[t], x_pairs[t])
     eights = acts - acts % 8
     fours = acts - acts % 4
+    twos = acts - acts % 2
     for r in prange(d.shape[0]):
         for t in range(0, eights, 8):
             v = _w4a8_row_batch(qs, d, m, xq, x_pairs, xd, xs, r, t, 8)
@@ -178,7 +180,10 @@ def _w4a8_batch(qs, d, m, xq, x_pairs, xd, xs, out):
             w = _w4a8_row_batch(qs, d, m, xq, x_pairs, xd, xs, r, t, 4)
             for j in range(4):
                 out[t + j, r] = w[j]
-        for t in range(fours, acts):
+        for t in range(fours, twos, 2):
+            u = _w4a8_row_batch(qs, d, m, xq, x_pairs, xd, xs, r, t, 2)
+            out[t, r], out[t + 1, r] = u[0], u[1]
+        for t in range(twos, acts):
             out[t, r] = _w4a8_row_batch(qs, d, m, xq, x_pairs, xd, xs, r, t, 1)[0]
 
 
