@@ -1097,6 +1097,41 @@ def test_attention_decode(rng, heads, kv_heads, head_dim, n_ctx, cache):
     assert rel(want, ind) < ATT_TOL
 
 
+@pytest.mark.parametrize("cache", ["f32", "f16"])
+@pytest.mark.parametrize("threads", [1, 2, 16])
+def test_attention_decode_rows_match_each_row_alone(rng, cache, threads):
+    """A batched step's attention (attention_decode_rows): rows of different lengths, windows
+    (first rows past 0) and slots, in a different order from the slots, one of them a slot whose
+    cache is NaN (read by no row). Each row equals the one-row call on its own slot's cache, bit
+    for bit (its splits and merge are its own: batch invariance), and ref within ATT_TOL; the
+    kernel writes every part row it reads (part starts NaN)."""
+    heads, kv_heads, dim, ctx, slots_n = 8, 2, 64, 400, 5
+    dtype = np.float16 if cache == "f16" else np.float32
+    k_all = (2 * randn(rng, slots_n, ctx, kv_heads, dim)).astype(dtype)
+    v_all = randn(rng, slots_n, ctx, kv_heads, dim).astype(dtype)
+    k_all[1], v_all[1] = np.nan, np.nan
+    slots = np.array([3, 0, 4, 2], np.int64)
+    firsts = np.array([0, 37, 0, 250], np.int64)
+    n_ctx = np.array([1, 300, 129, 150], np.int64)
+    q = randn(rng, len(slots), heads, dim)
+    part = np.full((slots_n, *ref.attention_decode_partials(ctx, heads, dim)), np.nan, np.float32)
+    got = np.empty_like(q)
+    kernel = cpu.attention_kernel(heads, kv_heads)
+    kernel(q, *(cpu_decode_attention._cache_operand(c) for c in (k_all, v_all)), slots, firsts, n_ctx, got, part,
+           threads, np.float32(0))
+    for b, (s, first, n) in enumerate(zip(slots, firsts, n_ctx)):
+        alone, want = np.empty_like(q[b]), np.empty_like(q[b])
+        one = np.full(ref.attention_decode_partials(ctx, heads, dim), np.nan, np.float32)
+        kernel(*one_row(q[b], cpu_decode_attention._cache_operand(k_all[s, first:]),
+                        cpu_decode_attention._cache_operand(v_all[s, first:]), n, alone, one), threads, np.float32(0))
+        assert np.array_equal(got[b], alone), (b, threads)
+        ref.attention_decode(q[b], k_all[s, first:], v_all[s, first:], n, want)
+        assert rel(got[b], want) < ATT_TOL, b
+    want = np.empty_like(q)
+    ref.attention_decode_rows(q, k_all, v_all, slots, firsts, n_ctx, want)
+    assert rel(got, want) < ATT_TOL
+
+
 def one_row(q, k_cache, v_cache, n_ctx, out, part):
     """The decode attention kernel's arguments (attention_decode_rows's, before the threads and
     cap) for one sequence: q [heads, dim] over the first n_ctx rows of a cache [ctx, kv, dim]."""

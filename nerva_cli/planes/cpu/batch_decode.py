@@ -71,8 +71,8 @@ class BatchDecode:
         (kernels.layer.batch_layer_planes's matrices, the workspace's views for that many rows):
         (attention inputs, attention, o, mlp: argument tuples; kernels they count), or None where
         this step runs the layer kernel by kernel (the ref backend, a staging slot's layer, and
-        see batch_layer_planes and batch_rows_fused). Per-call views and argument lists cost
-        more than the rows' attention at B = 4 (docs/performance.md)."""
+        see batch_layer_planes and batch_rows_fused). Made per call, those views and argument
+        lists were a fifth of a B = 4 step's attention half (docs/performance.md)."""
         if self.backend != "cpu" or layer.moe is not None:
             return None
         from nerva_cli.planes.cpu.kernels import layer as fused
