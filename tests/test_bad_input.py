@@ -206,7 +206,8 @@ def test_a_flag_typer_cannot_parse_exits_2_too(cli):
     (["--port", "70000"], "--port must be from 0 to 65535"), (["--max-queue", "-1"], "--max-queue must be >= 0"),
     (["--cors", "example.com"], "--cors 'example.com'"), (["--api-key", " "], "--api-key is empty"),
     (["--ctx", "0"], "--ctx must be >= 1"), (["--threads", "0"], "--threads must be >= 1"),
-    (["--ram-budget", "lots"], "--ram-budget 'lots'")])
+    (["--ram-budget", "lots"], "--ram-budget 'lots'"), (["--prompt-cache", "auto"], "--prompt-cache 'auto'"),
+    (["--prompt-cache", "-1G"], "--prompt-cache '-1G'")])
 def test_serve_refuses_a_bad_flag_value_before_it_listens(cli, args, needle):
     assert_refused(cli, ["serve", *args], needle, code=2)
 

@@ -249,6 +249,27 @@ def test_a_prompt_start_another_slot_holds_is_copied_not_prefilled(a):
     assert again.choices[0].text == cold.choices[0].text
 
 
+def test_a_prompt_whose_slot_moved_on_comes_from_the_prompt_cache(b):
+    """One slot: a long prompt, another, then the first again. The slot's cache holds the second
+    by then, so the first's whole chunk comes back from the prompt cache (cached_tokens, not
+    prefilled), and the answer is the cold request's (the rows its own prefill made)."""
+    client = oa(b)
+    story = "The ferryman rowed the travellers across the wide river at first light. " * 22  # some 300 tokens
+    other = "Rain fell on the market square while the stall keepers packed their goods. " * 22
+    ask = dict(model=MODEL, max_tokens=8, temperature=1.0, seed=7)
+    held = metric(b, "nerva_prompt_cache_bytes", {})
+    cold = client.completions.create(prompt=story + "One evening", **ask)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0 and cold.usage.prompt_tokens > 256
+    chunk = metric(b, "nerva_prompt_cache_bytes", {}) - held  # its first 256 tokens' K and V, every layer
+    assert chunk == 256 * 30 * 2 * 3 * 64 * 2  # SmolLM2: 30 layers, 3 kv heads of 64, f16
+    between = client.completions.create(prompt=other + "One evening", **ask)
+    assert between.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(prompt=story + "One evening", **ask)
+    assert again.usage.prompt_tokens_details.cached_tokens == 256
+    assert again.choices[0].text == cold.choices[0].text
+    assert metric(b, "nerva_prompt_cache_bytes", {}) == held + 2 * chunk
+
+
 def test_logprobs_are_the_models_own(a, hf_smollm2):
     """OpenAI's logprobs: the model's log-probabilities (transformers' on the same f16 weights),
     the chosen token's and the likeliest's, in both endpoints' shapes, streamed or not."""

@@ -25,6 +25,7 @@ def serve(
     max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait for a slot, over all models; past them a request gets 503 with Retry-After.")] = 512,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Key every request but /health must carry (Authorization: Bearer KEY or X-Api-Key: KEY); default NERVA_API_KEY's.")] = None,
     keep_alive: Annotated[str, typer.Option("--keep-alive", help="How long an idle model stays loaded, as ollama writes it (5m, 1h, 30s; 0: unload at once; -1: never). A request's keep_alive overrides it.")] = "5m",
+    prompt_cache: Annotated[str, typer.Option("--prompt-cache", help="RAM for the KV of prompts whose slot has moved on (a chat's earlier turns, a system prompt many requests share), kept per model in whole 256-token chunks and reused instead of read again; taken only from what the RAM budget leaves free. 0: none.")] = "1G",
     cors: Annotated[Optional[list[str]], typer.Option("--cors", help="A web origin (https://chat.example.com) allowed besides localhost's (repeatable).")] = None,
     ctx: Ctx = None,
     threads: Threads = None,
@@ -47,7 +48,7 @@ def serve(
                            port=next(p for p in (port, env_port, DEFAULT_PORT) if p is not None),
                            parallel=parallel, max_queue=max_queue, api_key=api_key or os.environ.get("NERVA_API_KEY"),
                            keep_alive=parse_duration(keep_alive, "--keep-alive"), cors=cors or [],
-                           preload=models or [], engine=engine)
+                           preload=models or [], engine=engine, prompt_cache=_size(prompt_cache, "prompt-cache"))
     from nerva_cli.serve.app import serve as run_server
 
     def say(where: str) -> None:
@@ -63,6 +64,20 @@ def serve(
     code = run_server(options, say=say)
     if code:
         raise typer.Exit(code)
+
+
+def _size(text: str, flag: str) -> int:
+    """A byte size as the budgets are written (512M, 2G, 0), without their `auto`."""
+    from nerva_cli.errors import UsageError
+    from nerva_cli.residency.planner import parse_budget
+
+    wrong = UsageError(f"--{flag} {text!r}: expected a size like 512M or 2G, or 0 for none")
+    if text.strip().lower() == "auto":
+        raise wrong
+    try:
+        return parse_budget(text, flag)
+    except UsageError:
+        raise wrong from None
 
 
 @app.command(epilog="Example: nerva ps | NERVA_HOST=127.0.0.1:8080 nerva ps --json")

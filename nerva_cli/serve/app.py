@@ -73,8 +73,8 @@ async def _watch_preloads(state: State) -> None:
 
 
 def build_app(options: ServeOptions, preload=()) -> Starlette:
-    registry = Registry(options.engine, options.parallel, options.max_queue, options.keep_alive)
-    registry.metrics = Metrics(registry.running, registry.waiting)
+    registry = Registry(options.engine, options.parallel, options.max_queue, options.keep_alive, options.prompt_cache)
+    registry.metrics = Metrics(registry.running, registry.waiting, registry.prompt_cache_bytes)
     state = State(options, registry, registry.metrics, list(preload))
 
     @asynccontextmanager

@@ -14,21 +14,25 @@ TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 
 
 
 class Metrics:
-    """Updated from the workers' threads (prometheus_client's metrics are thread-safe); the two
+    """Updated from the workers' threads (prometheus_client's metrics are thread-safe); the
     gauges are read from the scheduler when scraped, so they are never stale."""
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, running: Callable[[], int], waiting: Callable[[], int]):
+    def __init__(self, running: Callable[[], int], waiting: Callable[[], int],
+                 prompt_cache_bytes: Callable[[], int] = lambda: 0):
         r = self.registry = CollectorRegistry()
         Gauge("nerva_requests_running", "Requests on an engine slot now", registry=r).set_function(running)
         Gauge("nerva_requests_waiting", "Requests waiting for a slot (or for their model to load) now",
               registry=r).set_function(waiting)
+        Gauge("nerva_prompt_cache_bytes", "Bytes of prompt chunks' KV rows the loaded models' prompt caches hold now",
+              registry=r).set_function(prompt_cache_bytes)
         self.rejected = Counter("nerva_requests_rejected", "Requests refused with 503 because the queue was full",
                                 registry=r)
         self.prompt_tokens = Counter("nerva_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.prefix_cache_hit_tokens = Counter(
-            "nerva_prefix_cache_hit_tokens", "Prompt tokens an engine's cache already held, so not prefilled again",
+            "nerva_prefix_cache_hit_tokens",
+            "Prompt tokens an engine's cache or its prompt cache already held, so not prefilled again",
             registry=r)
         self.generated_tokens = Counter("nerva_generated_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("nerva_time_to_first_token_seconds",

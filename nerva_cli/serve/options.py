@@ -13,6 +13,7 @@ from nerva_cli.runtime.options import EngineOptions
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 11435  # ollama's is 11434: the two can listen side by side
 MAX_BODY = 4 << 20  # bytes of a request body; a 4096-token prompt is some 20 KB of text
+DEFAULT_PROMPT_CACHE = 1 << 30  # a model's prompt cache: SmolLM2's 256-token chunk is 5.9 MB, an 8B's 34 MB
 
 _GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _GO_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
@@ -86,6 +87,7 @@ class ServeOptions:
     preload: list[str] = field(default_factory=list)  # models loaded at start (/health says 503 until then)
     engine: EngineOptions = field(default_factory=EngineOptions)
     max_body: int = MAX_BODY
+    prompt_cache: int = DEFAULT_PROMPT_CACHE  # bytes of whole prompt chunks' KV rows a model keeps (0: none)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -94,6 +96,8 @@ class ServeOptions:
             raise UsageError(f"--parallel must be >= 1, got {self.parallel}")
         if self.max_queue < 0:
             raise UsageError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.prompt_cache < 0:
+            raise UsageError(f"--prompt-cache must be a size >= 0 (512M, 2G; 0: none), got {self.prompt_cache}")
         if self.api_key is not None and not self.api_key.strip():
             raise UsageError("--api-key is empty: give a key, or leave it out for none")
         for origin in self.cors:

@@ -26,9 +26,10 @@ from time import perf_counter_ns
 from nerva_cli.errors import NervaError
 from nerva_cli.planes import resolve
 from nerva_cli.runtime.generate import common_prefix, reusable_prefix
+from nerva_cli.residency.prompt_cache import PromptCache, chunk_keys
 from nerva_cli.runtime.report import Reporter
 from nerva_cli.serve.errors import RETRY_AFTER_S, ApiError, overloaded
-from nerva_cli.serve.steps import Decode, answer_steps, run_step
+from nerva_cli.serve.steps import Decode, Prefill, answer_steps, run_step
 from nerva_cli.units import human_bytes
 
 log = logging.getLogger("nerva.serve")
@@ -91,12 +92,16 @@ def engines_of(slots: list[Slot]) -> list:
 
 
 class ModelWorker(threading.Thread):
-    def __init__(self, registry: "Registry", key: str, model, need: int | None = None, room: int | None = None):
+    def __init__(self, registry: "Registry", key: str, model, need: int | None = None, room: int | None = None,
+                 prompt_cache: int = 0):
         """need: the bytes its engines plan to hold (the server's RAM accounting; None: not
-        counted); room: the RAM its engines may take together (past it they page), None: as run."""
+        counted); room: the RAM its engines may take together (past it they page), None: as run;
+        prompt_cache: the bytes of its prompt cache (PromptCache), 0: none."""
         super().__init__(name=f"nerva-model-{key}", daemon=True)
         self.registry, self.key, self.model = registry, key, model
-        self.bytes, self.room = need or 0, room
+        self.bytes, self.room = (need or 0) + (prompt_cache if need is not None else 0), room
+        self.prompt_cache_bytes = prompt_cache
+        self.prompts: PromptCache | None = None  # made at load where its engines can move KV rows
         self.last_used = time.monotonic()
         self.cond = threading.Condition(registry.lock)  # every worker's state is guarded by the registry's lock
         self.pending: deque = deque()
@@ -180,19 +185,27 @@ class ModelWorker(threading.Thread):
         for i in range(engines):
             engine, _ = open_engine(str(self.model.path), opts, LogReporter(self.key) if i == 0 else SILENT)
             self.slots += [Slot(engine, seq) for seq in range(n)] if self.registry.batching else [Slot(engine)]
+        if self.prompt_cache_bytes and all(getattr(e, "kv_rows_movable", False) for e in engines_of(self.slots)):
+            self.prompts = PromptCache(self.prompt_cache_bytes)
         ready = self.slots[0].engine.load_kernels_aside(opts.threads)
         if ready is not None:  # numba's cached kernels and the sampler's, before the first request
             ready()
         with self.cond:
             self.ready = True
-            if self.registry.ram_budget is not None:  # what they planned, paged or not
-                self.bytes = sum(e.plan.used_bytes for e in engines_of(self.slots))
+            if self.registry.ram_budget is not None:  # what they planned, paged or not, and the prompt cache's
+                self.bytes = sum(e.plan.used_bytes for e in engines_of(self.slots)) + \
+                    (self.prompt_cache_bytes if self.prompts is not None else 0)
             self.load_ns = perf_counter_ns() - self.load_started_ns
             self._set_expiry()
         self.loaded.set()
-        log.info("%s: loaded in %.2f s (%d sequence slot%s on %d engine%s, context %d)", self.key,
+        log.info("%s: loaded in %.2f s (%d sequence slot%s on %d engine%s, context %d; %s)", self.key,
                  time.perf_counter() - started, len(self.slots), "s" * (len(self.slots) > 1), engines,
-                 "s" * (engines > 1), self.slots[0].engine.ctx)
+                 "s" * (engines > 1), self.slots[0].engine.ctx,
+                 f"a prompt cache of up to {human_bytes(self.prompt_cache_bytes)}" if self.prompts is not None
+                 else "no prompt cache" + ("" if not self.prompt_cache_bytes else
+                                           " (its sliding-window layers' caches are rings)"
+                                           if resolve(self.registry.engine_options.backend) != "cuda"
+                                           else " (not on cuda yet)"))
 
     def _take_waiting(self) -> None:
         """The waiting requests, first come first served, each onto the free engine whose cache
@@ -206,6 +219,8 @@ class ModelWorker(threading.Thread):
             slot = max(free, key=lambda s: common_prefix(s.prompt, job.prompt_ids) // s.engine.prefill_chunk)
             if slot.seq is not None:
                 self._share_prefix(slot, job.prompt_ids)
+            if self.prompts is not None:
+                self._restore_prompt(slot, job.prompt_ids)
             job.started(max(0, self.load_started_ns + self.load_ns - job.arrived_ns))  # 0 where it was loaded
             e = slot.engine
             slot.job, slot.steps = job, answer_steps(job, slot.prompt, e.prefill_chunk, e.ctx, e.cfg.vocab_size)
@@ -229,6 +244,37 @@ class ModelWorker(threading.Thread):
         if copied:
             slot.prompt[:] = donor.prompt[:copied]
 
+    def _restore_prompt(self, slot: Slot, ids: list[int]) -> None:
+        """Where the prompt cache holds whole chunks of `ids` past those the slot's cache holds,
+        one after another, they are copied into the slot (Engine.set_kv_rows) rather than
+        prefilled again: the rows those chunks' prefill made, so the answer does not change."""
+        engine, chunk = slot.engine, slot.engine.prefill_chunk
+        held = reusable_prefix(slot.prompt, ids, unit=chunk) // chunk
+        keys = chunk_keys(ids, chunk, (len(ids) - 1) // chunk)  # whole chunks, a token left to run
+        more = self.prompts.held_run(keys, held)
+        if not more:
+            return
+        with COMPUTE:
+            if slot.seq is not None:
+                engine.select(slot.seq)
+            engine.truncate(held * chunk)
+            for j in range(held, held + more):
+                engine.set_kv_rows(j * chunk, *self.prompts.get(keys[j]))
+        slot.prompt[:] = ids[:(held + more) * chunk]
+
+    def _keep_prompt(self, slot: Slot, start: int, tokens: list[int]) -> None:
+        """A whole chunk the slot just prefilled at a chunk's start: its rows into the prompt cache."""
+        engine, chunk = slot.engine, slot.engine.prefill_chunk
+        if len(tokens) != chunk or start % chunk:
+            return
+        key = chunk_keys(slot.prompt[:start] + tokens, chunk, start // chunk + 1)[-1]
+        if key not in self.prompts:
+            with COMPUTE:
+                if slot.seq is not None:
+                    engine.select(slot.seq)
+                rows = engine.kv_rows(start, chunk)
+            self.prompts.put(key, *rows)
+
     def _step(self, slot: Slot) -> None:
         """One step of the slot's request (a cancelled one is dropped instead)."""
         if slot.job.cancelled:
@@ -236,9 +282,12 @@ class ModelWorker(threading.Thread):
             log.info("%s: a request was cancelled (its client went away) after %d tokens", self.key, slot.job.made)
             self._release(slot)
             return
+        step, start = slot.step, len(slot.prompt)
         try:
             with COMPUTE:
-                done = run_step(slot.engine, slot.seq, slot.step)
+                done = run_step(slot.engine, slot.seq, step)
+            if self.prompts is not None and isinstance(step, Prefill):
+                self._keep_prompt(slot, start, step.tokens)
         except Exception as e:  # noqa: BLE001  (that request fails alone; _failed says how)
             self._failed(slot, e)
             return
@@ -339,9 +388,11 @@ class ModelWorker(threading.Thread):
 class Registry:
     """The models loaded (or loading) and the admission of requests to them."""
 
-    def __init__(self, engine_options, parallel: int, max_queue: int, keep_alive: float | None):
+    def __init__(self, engine_options, parallel: int, max_queue: int, keep_alive: float | None,
+                 prompt_cache: int = 0):
         self.engine_options, self.parallel, self.max_queue = engine_options, parallel, max_queue
         self.keep_alive = keep_alive
+        self.prompt_cache = prompt_cache  # bytes of a model's prompt cache, at most
         self.lock = threading.Lock()
         self.workers: dict[str, ModelWorker] = {}
         self.metrics = None  # set by the app (metrics read this registry's counts)
@@ -357,6 +408,13 @@ class Registry:
         with self.lock:
             return sum(len(w.pending) for w in self.workers.values())
 
+    def prompt_cache_bytes(self) -> int:
+        """What the loaded models' prompt caches hold now (read without the workers' steps: a
+        scrape may see a chunk just added or not)."""
+        with self.lock:
+            caches = [w.prompts for w in self.workers.values() if w.prompts is not None]
+        return sum(c.bytes for c in caches)
+
     def _over_slots(self) -> int:
         """Requests admitted beyond their model's free slots: those the --max-queue bounds."""
         return sum(max(0, w.running + len(w.pending) - self.parallel) for w in self.workers.values())
@@ -366,10 +424,13 @@ class Registry:
         w = self.workers.get(key)
         if w is None:
             need = room = None
+            cache = self.prompt_cache
             if self.ram_budget is not None:
                 need = planned_bytes(model, self.engine_options, self.parallel)
                 room = self._make_room(key, need)
-            w = self.workers[key] = ModelWorker(self, key, model, need, room)
+                cache = max(0, min(cache, room - need))  # what the engines leave: it unloads no model
+                room -= cache
+            w = self.workers[key] = ModelWorker(self, key, model, need, room, cache)
             log.info("%s: loading", key)
             w.start()
         return w

@@ -450,6 +450,34 @@ class Engine(BatchDecode, MixtureMLP, EngineBase):
         self.n_past = n
         return n
 
+    @property
+    def kv_rows_movable(self) -> bool:
+        """Whether kv_rows and set_kv_rows work here: not where a sliding layer's cache is a ring
+        (its rows for a position move as the window does)."""
+        return not self.ring
+
+    def kv_rows(self, start: int, n: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Copies of the selected slot's K and V rows of positions start .. start + n - 1, an
+        array [n, kv_heads, head_dim] a layer each (a prompt cache's entry)."""
+        if not self.kv_rows_movable or not 0 <= start <= start + n <= self.n_past:
+            raise NervaError(f"kv_rows({start}, {n}): the slot holds {self.n_past} positions"
+                             + ("" if self.kv_rows_movable else " in sliding-window rings"))
+        a = self.a
+        return ([k[self.slot, start:start + n].copy() for k in a.k_all],
+                [v[self.slot, start:start + n].copy() for v in a.v_all])
+
+    def set_kv_rows(self, start: int, k_rows: list[np.ndarray], v_rows: list[np.ndarray]) -> None:
+        """The selected slot's positions from `start` (its length now) written from kv_rows'
+        copies, the slot then past them."""
+        n = k_rows[0].shape[0]
+        if not self.kv_rows_movable or start != self.n_past or start + n > self.ctx:
+            raise NervaError(f"set_kv_rows({start}, {n} rows): the slot holds {self.n_past} of {self.ctx} positions")
+        a = self.a
+        for k, v, kr, vr in zip(a.k_all, a.v_all, k_rows, v_rows):
+            k[self.slot, start:start + n] = kr
+            v[self.slot, start:start + n] = vr
+        self.n_past = start + n
+
     def _make_room(self, end: int) -> None:
         """Positions up to `end` (exclusive) about to be written: where they pass a sliding
         layer's last row, the positions still attended over (the window before n_past) and
