@@ -46,6 +46,10 @@ def test_least_recently_used_chunks_go_first_and_bytes_stay_under_capacity():
     assert cache.put(b"d", *rows(300)) and cache.bytes == 900  # held already: not counted twice
     assert cache.get(b"zz") is None
     assert cache.held_run([b"d", b"e", b"x", b"d"], 0) == 2 and cache.held_run([b"d", b"e", b"x"], 2) == 0
+    assert cache.put(b"g", *rows(300), limit=600)  # the server's budget leaves 600: e (least recent) goes
+    assert [k for k in (b"d", b"e", b"g") if k in cache] == [b"d", b"g"] and cache.bytes == 600
+    assert not cache.put(b"h", *rows(300), limit=200) and cache.bytes == 600
+    assert cache.shrink(0) == 600 and cache.bytes == 0 and not cache.entries
 
 
 @pytest.mark.parametrize("variant, precision", [("q4_0", "w4a8"), ("f16", None)])
@@ -78,3 +82,34 @@ def test_rows_moved_out_and_back_give_prefills_logits(variant, precision, tiny_m
         engine.set_kv_rows(0, k_rows, v_rows)  # not at the slot's end
     with pytest.raises(NervaError, match="kv_rows"):
         engine.kv_rows(0, 1000)
+
+
+def test_a_model_that_needs_room_takes_it_from_prompt_caches_before_models():
+    """The server's RAM accounting (Registry._make_room): prompt caches count as held, and give
+    way first, the least recently used model's first; only then do idle models unload."""
+    from types import SimpleNamespace
+
+    from nerva_cli.runtime.options import EngineOptions
+    from nerva_cli.serve.scheduler import Registry
+
+    registry = Registry(EngineOptions(backend="cpu"), parallel=1, max_queue=1, keep_alive=None, prompt_cache=10_000)
+    registry.ram_budget = 10_000
+    evicted = []
+
+    def worker(key, engines, cached, last_used):
+        cache = PromptCache(10_000)
+        for j in range(cached // 500):
+            cache.put(f"{key}{j}".encode(), *rows(500))
+        w = SimpleNamespace(key=key, bytes=engines, prompts=cache, last_used=last_used, idle=lambda: True)
+        w.evict = lambda: evicted.append(key)
+        registry.workers[key] = w
+        return w
+
+    old, new = worker("old", 3000, 2000, 1.0), worker("new", 3000, 1500, 2.0)
+    assert registry.held_bytes() == 9500
+    assert registry._make_room("third", 2000) == 2000  # 1500 of old's cache went, no model
+    assert (old.prompts.bytes, new.prompts.bytes, evicted) == (500, 1500, [])
+    assert registry._make_room("fourth", 3500) == 3500  # the rest of old's, then 1000 of new's
+    assert (old.prompts.bytes, new.prompts.bytes, evicted) == (0, 500, [])
+    assert registry._make_room("fifth", 5000) == 7000  # the caches emptied, a model goes: old, used least lately
+    assert (new.prompts.bytes, evicted) == (0, ["old"])

@@ -49,21 +49,29 @@ class PromptCache:
         self.entries.move_to_end(key)
         return entry[0], entry[1]
 
-    def put(self, key: bytes, k_rows: list[np.ndarray], v_rows: list[np.ndarray]) -> bool:
-        """Keeps the chunk, dropping the least recently used ones until it fits; -> whether it
-        was kept (not where it alone is larger than the capacity)."""
+    def put(self, key: bytes, k_rows: list[np.ndarray], v_rows: list[np.ndarray], limit: int | None = None) -> bool:
+        """Keeps the chunk, dropping the least recently used ones until it fits the capacity and
+        `limit` (bytes it may hold now, where less); -> whether it was kept (not where it alone
+        is larger than those)."""
         size = sum(a.nbytes for a in k_rows) + sum(a.nbytes for a in v_rows)
-        if size > self.capacity:
-            return False
+        most = self.capacity if limit is None else min(self.capacity, limit)
         if key in self.entries:
             self.entries.move_to_end(key)
             return True
-        while self.bytes + size > self.capacity:
-            _, (_, _, dropped) = self.entries.popitem(last=False)
-            self.bytes -= dropped
+        if size > most:
+            return False
+        self.shrink(most - size)
         self.entries[key] = (k_rows, v_rows, size)
         self.bytes += size
         return True
+
+    def shrink(self, most: int) -> int:
+        """Drops the least recently used chunks until at most `most` bytes are held; -> the bytes dropped."""
+        before = self.bytes
+        while self.bytes > most:
+            _, (_, _, dropped) = self.entries.popitem(last=False)
+            self.bytes -= dropped
+        return before - self.bytes
 
     def held_run(self, keys: list[bytes], start: int) -> int:
         """How many of keys[start:] are held one after another from keys[start]."""

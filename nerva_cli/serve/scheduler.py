@@ -99,7 +99,7 @@ class ModelWorker(threading.Thread):
         prompt_cache: the bytes of its prompt cache (PromptCache), 0: none."""
         super().__init__(name=f"nerva-model-{key}", daemon=True)
         self.registry, self.key, self.model = registry, key, model
-        self.bytes, self.room = (need or 0) + (prompt_cache if need is not None else 0), room
+        self.bytes, self.room = need or 0, room
         self.prompt_cache_bytes = prompt_cache
         self.prompts: PromptCache | None = None  # made at load where its engines can move KV rows
         self.last_used = time.monotonic()
@@ -192,9 +192,8 @@ class ModelWorker(threading.Thread):
             ready()
         with self.cond:
             self.ready = True
-            if self.registry.ram_budget is not None:  # what they planned, paged or not, and the prompt cache's
-                self.bytes = sum(e.plan.used_bytes for e in engines_of(self.slots)) + \
-                    (self.prompt_cache_bytes if self.prompts is not None else 0)
+            if self.registry.ram_budget is not None:  # what they planned, paged or not
+                self.bytes = sum(e.plan.used_bytes for e in engines_of(self.slots))
             self.load_ns = perf_counter_ns() - self.load_started_ns
             self._set_expiry()
         self.loaded.set()
@@ -268,12 +267,17 @@ class ModelWorker(threading.Thread):
         if len(tokens) != chunk or start % chunk:
             return
         key = chunk_keys(slot.prompt[:start] + tokens, chunk, start // chunk + 1)[-1]
-        if key not in self.prompts:
-            with COMPUTE:
-                if slot.seq is not None:
-                    engine.select(slot.seq)
-                rows = engine.kv_rows(start, chunk)
-            self.prompts.put(key, *rows)
+        with self.cond:
+            if key in self.prompts:
+                return
+        with COMPUTE:
+            if slot.seq is not None:
+                engine.select(slot.seq)
+            rows = engine.kv_rows(start, chunk)
+        with self.cond:  # within what the server's RAM budget leaves, its own older chunks going first
+            budget = self.registry.ram_budget
+            limit = None if budget is None else self.prompts.bytes + budget - self.registry.held_bytes()
+            self.prompts.put(key, *rows, limit=limit)
 
     def _step(self, slot: Slot) -> None:
         """One step of the slot's request (a cancelled one is dropped instead)."""
@@ -409,11 +413,13 @@ class Registry:
             return sum(len(w.pending) for w in self.workers.values())
 
     def prompt_cache_bytes(self) -> int:
-        """What the loaded models' prompt caches hold now (read without the workers' steps: a
-        scrape may see a chunk just added or not)."""
+        """What the loaded models' prompt caches hold now."""
         with self.lock:
-            caches = [w.prompts for w in self.workers.values() if w.prompts is not None]
-        return sum(c.bytes for c in caches)
+            return sum(w.prompts.bytes for w in self.workers.values() if w.prompts is not None)
+
+    def held_bytes(self) -> int:
+        """The RAM the loaded models' engines planned and their prompt caches hold. Under the lock."""
+        return sum(w.bytes + (w.prompts.bytes if w.prompts is not None else 0) for w in self.workers.values())
 
     def _over_slots(self) -> int:
         """Requests admitted beyond their model's free slots: those the --max-queue bounds."""
@@ -424,13 +430,10 @@ class Registry:
         w = self.workers.get(key)
         if w is None:
             need = room = None
-            cache = self.prompt_cache
             if self.ram_budget is not None:
                 need = planned_bytes(model, self.engine_options, self.parallel)
                 room = self._make_room(key, need)
-                cache = max(0, min(cache, room - need))  # what the engines leave: it unloads no model
-                room -= cache
-            w = self.workers[key] = ModelWorker(self, key, model, need, room, cache)
+            w = self.workers[key] = ModelWorker(self, key, model, need, room, self.prompt_cache)
             log.info("%s: loading", key)
             w.start()
         return w
@@ -439,7 +442,12 @@ class Registry:
         """Unloads idle models, the least recently used first, until `need` bytes fit the
         server's RAM budget beside the models left; -> the room the new one gets (where the
         models still loaded are busy, less than `need`: its engines page past it). Under the lock."""
-        held = sum(w.bytes for w in self.workers.values())
+        held = self.held_bytes()
+        for w in sorted(self.workers.values(), key=lambda w: w.last_used):  # prompt caches give way first
+            if held + need <= self.ram_budget:
+                break
+            if w.prompts is not None:
+                held -= w.prompts.shrink(max(0, w.prompts.bytes - (held + need - self.ram_budget)))
         idle = sorted((w for w in self.workers.values() if w.idle()), key=lambda w: w.last_used)
         while held + need > self.ram_budget and idle:
             victim = idle.pop(0)
