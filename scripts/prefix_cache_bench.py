@@ -8,6 +8,11 @@ first. Three times per trial, each trial its own system prompt (so its first req
   other   a third, sent while a long answer holds that slot: it runs in the other slot, which
           copies the whole prefill chunks from the busy one (Engine.copy_prefix)
 
+and, after all trials, once more for each trial's system prompt but the last one's:
+
+  returning  by then other trials' prompts hold both slots, so its whole chunks come from the
+             server's prompt cache in RAM (`--prompt-cache`, residency/prompt_cache.py)
+
 Time to first token is the client's wall time to a 1-token answer (`max_tokens` 1, not
 streamed). One JSON line: each kind's TTFTs, medians, cached_tokens and the ratios to cold
 (the issue's target: <= 0.25).
@@ -56,11 +61,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     proc, url = start_server(args.model, 2, args.threads, 2048, 8)
-    rows = {"cold": [], "same": [], "other": []}
+    rows = {"cold": [], "same": [], "other": [], "returning": []}
+    systems = [f"Session {trial}. " + SYSTEM * 33 for trial in range(args.trials)]  # some 1,400 tokens each
     try:
         ask(url, args.model, "Warm-up.", "Hi")  # the load and first compile are no request's
         for trial in range(args.trials):
-            system = f"Session {trial}. " + SYSTEM * 33  # some 1,400 tokens with the template
+            system = systems[trial]
             for kind, question in (("cold", "When do you open?"), ("same", "Do you sell cakes?")):
                 rows[kind].append(ask(url, args.model, system, question))
             # a long answer holds the slot with the cache; the next request runs in the other one
@@ -71,7 +77,9 @@ def main() -> None:
             busy.join()
             print(f"trial {trial + 1}/{args.trials}: " + ", ".join(
                 f"{k} {v[-1][0] * 1000:.0f} ms ({v[-1][1]['prompt_tokens_details']['cached_tokens']} cached)"
-                for k, v in rows.items()), file=sys.stderr)
+                for k, v in rows.items() if v), file=sys.stderr)
+        for system in systems[:-1]:  # the last trial's prompt is in both slots: the rest only in the prompt cache
+            rows["returning"].append(ask(url, args.model, system, "Are you open on Sundays?"))
     finally:
         proc.terminate()
         proc.wait()
@@ -85,6 +93,7 @@ def main() -> None:
             **{f"{k}_ttft_ms_median": round(m * 1000, 1) for k, m in median.items()},
             "same_to_cold": round(median["same"] / median["cold"], 3),
             "other_to_cold": round(median["other"] / median["cold"], 3),
+            "returning_to_cold": round(median["returning"] / median["cold"], 3),
             "date": time.strftime("%Y-%m-%d")}
     write_line(line, args.out)
 

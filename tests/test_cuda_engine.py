@@ -160,6 +160,41 @@ def test_64_steps_of_exact_variants_agree_on_the_same_tokens(stored, cuda_device
     assert near_ties_following_the_cpu(gpu, cpu, 64, LOGIT_REL["exact"]) <= 2
 
 
+@pytest.mark.parametrize("family,variant", [("llama", "f16"), ("qwen3", "q4_0")])
+def test_kv_rows_moved_to_ram_and_back_give_the_same_logits(stored, cuda_device, monkeypatch, family, variant):
+    """The prompt cache's round trip on the GPU (its rows in RAM behind VRAM): the rows of a
+    20-token prompt copied to the host (kv_rows), the engine reset, the rows written back
+    (set_kv_rows): the next prompt chunk and 3 greedy steps give the logits the engine gave
+    without the trip, bit for bit. A sliding-window model's rings refuse it."""
+    gpu = CudaEngine(stored(family, variant), device=cuda_device, ctx=96)
+    ids = PROMPT * 3
+
+    def rest():
+        logits = [gpu.prefill(ids[20:]).copy()]
+        for _ in range(3):
+            logits.append(gpu.decode(int(np.argmax(logits[-1]))).copy())
+        return logits
+
+    assert gpu.kv_rows_movable
+    gpu.reset()
+    gpu.prefill(ids[:20])
+    k_rows, v_rows = gpu.kv_rows(0, 20)
+    assert k_rows[0].shape == (20, *gpu.a.kv[0][0].shape[1:]) and isinstance(v_rows[-1], np.ndarray)
+    want = rest()
+    gpu.reset()
+    gpu.set_kv_rows(0, k_rows, v_rows)
+    assert gpu.n_past == 20
+    for w, g in zip(want, rest()):
+        assert np.array_equal(w, g)
+    with pytest.raises(NervaError, match="set_kv_rows"):
+        gpu.set_kv_rows(3, k_rows, v_rows)
+    from nerva_cli.residency import arena
+
+    monkeypatch.setattr(arena, "ROLLBACK", 4)
+    monkeypatch.setattr(cuda_engine, "PREFILL_CHUNK", 4)  # gemma3's 8-position windows then take 16-row rings
+    assert not CudaEngine(stored("gemma3", "f16"), device=cuda_device, ctx=96).kv_rows_movable
+
+
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
 def test_sliding_window_caches_wrap_around_their_rows(stored, cuda_device, monkeypatch, family):
     """A sliding-window layer's cache on the GPU is a ring of window + prefill chunk + ROLLBACK

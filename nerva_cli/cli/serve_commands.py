@@ -25,7 +25,7 @@ def serve(
     max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait for a slot, over all models; past them a request gets 503 with Retry-After.")] = 512,
     api_key: Annotated[Optional[str], typer.Option("--api-key", help="Key every request but /health must carry (Authorization: Bearer KEY or X-Api-Key: KEY); default NERVA_API_KEY's.")] = None,
     keep_alive: Annotated[str, typer.Option("--keep-alive", help="How long an idle model stays loaded, as ollama writes it (5m, 1h, 30s; 0: unload at once; -1: never). A request's keep_alive overrides it.")] = "5m",
-    prompt_cache: Annotated[str, typer.Option("--prompt-cache", help="RAM for the KV of prompts whose slot has moved on (a chat's earlier turns, a system prompt many requests share), kept per model in whole 256-token chunks and reused instead of read again; taken only from what the RAM budget leaves free. 0: none.")] = "1G",
+    prompt_cache: Annotated[str, typer.Option("--prompt-cache", help="RAM for the KV of prompts whose slot has moved on (a chat's earlier turns, a system prompt many requests share), kept per model in whole prefill chunks (256 tokens on the CPU, 512 on a GPU) and copied back instead of read again; within what the RAM budget leaves beside the loaded models. 0: none.")] = "1G",
     cors: Annotated[Optional[list[str]], typer.Option("--cors", help="A web origin (https://chat.example.com) allowed besides localhost's (repeatable).")] = None,
     ctx: Ctx = None,
     threads: Threads = None,

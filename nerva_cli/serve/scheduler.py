@@ -200,11 +200,9 @@ class ModelWorker(threading.Thread):
         log.info("%s: loaded in %.2f s (%d sequence slot%s on %d engine%s, context %d; %s)", self.key,
                  time.perf_counter() - started, len(self.slots), "s" * (len(self.slots) > 1), engines,
                  "s" * (engines > 1), self.slots[0].engine.ctx,
-                 f"a prompt cache of up to {human_bytes(self.prompt_cache_bytes)}" if self.prompts is not None
-                 else "no prompt cache" + ("" if not self.prompt_cache_bytes else
-                                           " (its sliding-window layers' caches are rings)"
-                                           if resolve(self.registry.engine_options.backend) != "cuda"
-                                           else " (not on cuda yet)"))
+                 f"a prompt cache of up to {human_bytes(self.prompt_cache_bytes)} in RAM" if self.prompts is not None
+                 else "no prompt cache" + (" (its sliding-window layers' caches are rings)"
+                                           if self.prompt_cache_bytes else ""))
 
     def _take_waiting(self) -> None:
         """The waiting requests, first come first served, each onto the free engine whose cache

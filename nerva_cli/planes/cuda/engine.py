@@ -324,6 +324,36 @@ class CudaEngine(EngineBase):
         self.n_past = n
         return n
 
+    @property
+    def kv_rows_movable(self) -> bool:
+        """Whether kv_rows and set_kv_rows work here: not where a sliding layer's cache is a ring."""
+        return all(kc.shape[0] >= self.ctx for kc, _ in self.a.kv)
+
+    def kv_rows(self, start: int, n: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Host copies of positions start .. start + n - 1's K and V rows, an array [n, kv_heads,
+        head_dim] a layer each (a prompt cache's entry: RAM behind VRAM), once the queued work
+        that writes them is done."""
+        if not self.kv_rows_movable or not 0 <= start <= start + n <= self.n_past:
+            raise NervaError(f"kv_rows({start}, {n}): the engine holds {self.n_past} positions"
+                             + ("" if self.kv_rows_movable else " in sliding-window rings"))
+        self.dev.synchronize()
+        return ([self.dev.download(k[start:start + n]) for k, _ in self.a.kv],
+                [self.dev.download(v[start:start + n]) for _, v in self.a.kv])
+
+    def set_kv_rows(self, start: int, k_rows: list[np.ndarray], v_rows: list[np.ndarray]) -> None:
+        """Positions from `start` (the engine's length now) written from kv_rows' copies, the
+        engine then past them; done before it returns (the compute stream does not wait on the
+        copies' stream)."""
+        n = k_rows[0].shape[0]
+        if not self.kv_rows_movable or start != self.n_past or start + n > self.ctx:
+            raise NervaError(f"set_kv_rows({start}, {n} rows): the engine holds {self.n_past} of {self.ctx} positions")
+        self.dev.synchronize()
+        for (k, v), kr, vr in zip(self.a.kv, k_rows, v_rows):
+            k[start:start + n] = self.dev.upload(kr)
+            v[start:start + n] = self.dev.upload(vr)
+        self.dev.synchronize()
+        self.n_past = start + n
+
     # -- loading -------------------------------------------------------------------------------
     def _upload_file(self, fname: str) -> dict:
         """A file's bytes (size and sha256 checked) in one device buffer; -> its tensors."""
