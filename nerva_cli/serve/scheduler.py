@@ -12,6 +12,10 @@ chunks one by one between them. On cuda, whose engines hold one sequence, N engi
 of the weights), their steps one at a time. Either way N requests make progress together,
 none waiting for another's whole answer. Steps of different models never overlap: one compute
 lock (numba's thread pool and the cores are shared anyway).
+
+A model's prompt cache (residency/prompt_cache.py) keeps the whole prefill chunks its slots made
+after they move on; a request's slot takes from it the chunks of its prompt it does not hold.
+Its bytes count in the server's RAM budget as it fills, and give way before any model unloads.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from time import perf_counter_ns
 
 from nerva_cli.errors import NervaError
 from nerva_cli.planes import resolve
-from nerva_cli.runtime.generate import common_prefix, reusable_prefix
 from nerva_cli.residency.prompt_cache import PromptCache, chunk_keys
+from nerva_cli.runtime.generate import common_prefix, reusable_prefix
 from nerva_cli.runtime.report import Reporter
 from nerva_cli.serve.errors import RETRY_AFTER_S, ApiError, overloaded
 from nerva_cli.serve.steps import Decode, Prefill, answer_steps, run_step
