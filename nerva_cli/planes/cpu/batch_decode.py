@@ -86,6 +86,7 @@ class BatchDecode:
         return calls if calls is not None and fused.batch_rows_fused(rows) else None
 
     def _bind_fused(self, layer, planes, B: int):
+        """_fused_calls' tuple for a resident layer's matrices `planes` and B rows."""
         from nerva_cli.planes.cpu.kernels.decode_attention import _cache_operand, attention_kernel
         from nerva_cli.planes.cpu.kernels.q4 import _pair_scratch
 
@@ -104,7 +105,8 @@ class BatchDecode:
                   layer.q_norm, layer.k_norm, pw.take("qkv", B, qd + 2 * cfg.kv_dim), q, kk, a.batch_pos[:B],
                   spec.cos, spec.sin, k_cache, v_cache, pw.take("pos", B), a.kv_bases, i in self.ring)
         attention = (attention_kernel(cfg.num_heads, cfg.num_kv_heads),
-                     (q, k_cache, v_cache, a.att_slots, a.att_firsts, a.att_rows, attn, a.att_part))
+                     (q, k_cache, v_cache, a.att_slots, a.att_firsts, a.att_rows, attn, a.att_part),
+                     np.float32(spec.softcap))
         o_call = (attn.reshape(B, qd), *o_planes, codes, scales, sums, pairs, w4a8, o, layer.post_attn_norm,
                   cfg.rms_eps)
         mlp = (o, x, layer.mlp_norm, cfg.rms_eps, xn, codes, scales, sums, pairs, w4a8, *gate_up_planes,
@@ -118,11 +120,11 @@ class BatchDecode:
         from nerva_cli.planes.cpu.kernels import layer as fused
         from nerva_cli.planes.cpu.kernels.numba_setup import _threads
 
-        inputs, (attend, attention), o, mlp, kernels = calls
+        inputs, (attend, attention, softcap), o, mlp, kernels = calls
         t0 = perf_counter_ns()
         fused._batch_attention_inputs(*inputs)
         self._attention_index(layer.index, pos, slots)
-        attend(*attention, _threads[0], np.float32(self.specs[layer.index].softcap))
+        attend(*attention, _threads[0], softcap)
         fused._batch_o(*o)
         t1 = perf_counter_ns()
         fused._batch_mlp(*mlp)
@@ -134,7 +136,7 @@ class BatchDecode:
     def _batch_layer(self, layer, x: np.ndarray, pos: np.ndarray, slots: list[int]) -> None:
         """One layer of a batched step over x [B, hidden] at positions pos [B], in place: decode's
         _decode_attention and _decode_mlp, a row each, the dense products over all rows (in a
-        few compiled calls where _fused_planes gives the layer's matrices)."""
+        few compiled calls where _fused_calls gives them)."""
         calls = self._fused_calls(layer, x.shape[0])
         if calls is not None:
             self._batch_layer_fused(layer, calls, pos, slots)
